@@ -1,0 +1,129 @@
+"""Response shapes, so the served OpenAPI document says what the API really returns."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    details: Any = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class IngestResponse(BaseModel):
+    accepted: int
+    duplicates: int
+    gaps: list[list[int]]
+
+
+class ConfigOut(BaseModel):
+    node: str
+    role: str
+    ts: datetime
+    engine: str
+    engine_version: str
+    model_id: str
+    advertised_context: int
+    pool_capacity_tokens: int
+    page_size: int
+    dtype: str
+    quantization: str | None
+    tp_size: int
+    cuda_graphs: bool
+    disaggregated: bool
+    prefix_caching: bool
+    prefix_cache_salting: bool
+    config_hash: str
+
+
+class DeploymentOut(BaseModel):
+    deployment_id: str
+    first_seen: datetime
+    last_seen: datetime
+    config: list[ConfigOut]
+
+
+class RequestOut(BaseModel):
+    deployment_id: str
+    request_id: str
+    tenant: str
+    route: str | None
+    model_id: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    max_tokens: int | None
+    status: str
+    reject_reason: str | None
+    limit_tokens: int | None
+    data_categories: list[str]
+    first_ts: datetime
+    last_ts: datetime
+
+
+class RequestPage(BaseModel):
+    items: list[RequestOut]
+    next_cursor: str | None
+
+
+class PoolBucket(BaseModel):
+    deployment_id: str
+    node: str
+    role: str
+    bucket_start_us: int
+    samples: int
+    used_avg: float
+    used_max: int
+    free_min: int
+    capacity: int
+
+
+class PoolSeries(BaseModel):
+    since: datetime
+    until: datetime
+    bucket_seconds: float
+    items: list[PoolBucket]
+
+
+class PageEventOut(BaseModel):
+    deployment_id: str
+    kind: str
+    ts: datetime
+    node: str | None
+    request_id: str | None
+    tenant: str | None
+    other_request_id: str | None
+    other_tenant: str | None
+    page_count: int
+    cross_tenant: bool
+    detail: dict[str, Any]
+
+
+class PageEventPage(BaseModel):
+    items: list[PageEventOut]
+    next_cursor: str | None
+
+
+class ProbeOut(BaseModel):
+    probe_id: str
+    deployment_id: str
+    max_seq: int
+    accepted: int
+    duplicates: int
+    missing: int
+    gaps: list[list[int]]
+    reported_drops: dict[str, int]
+    first_seen: datetime
+    last_seen: datetime
+
+
+class Health(BaseModel):
+    status: str
+    detail: str | None = None

@@ -1,0 +1,285 @@
+"""``create_app(settings)``: the collector's FastAPI application. Nothing is built at import."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+import anyio
+import msgspec
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from collector import migrate
+from collector.api import schemas as s
+from collector.db import Database
+from collector.errors import CollectorError, PayloadTooLarge
+from collector.ingest import IngestService
+from collector.metrics import CollectorMetrics
+from collector.reads import ReadService
+from collector.settings import Settings
+from collector.tokens import Principal, authenticate
+from engine_probe import events as ev
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": s.ErrorResponse, "description": desc}
+    for code, desc in (
+        (401, "Missing or unknown token"),
+        (403, "The token may not do this"),
+        (422, "Invalid parameters"),
+        (503, "Database unavailable; retry"),
+    )
+}
+# The wire contract's JSON Schema, generated from the msgspec types the decoder uses.
+(_EVENTS_SCHEMA,), _EVENT_COMPONENTS = msgspec.json.schema_components(
+    [list[ev.AnyEvent]], ref_template="#/components/schemas/{name}"
+)
+Auth = Annotated[str | None, Header(include_in_schema=False)]
+MAX_PAGE = 1000
+PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="Rows per page")]
+MinTokens = Annotated[int | None, Query(ge=0)]
+MaxPoints = Annotated[int, Query(ge=1, le=10_000, description="Buckets per series")]
+
+
+def _error(status: int, code: str, message: str, details: Any = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message, "details": details}}, status_code=status
+    )
+
+
+def _aware(dt: datetime | None) -> datetime | None:
+    # Naive query times are read as UTC: what a person typing ?since=2026-08-27 means.
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    db = Database(settings.database_url, pool_size=settings.db_pool_size)
+    metrics = CollectorMetrics(db)
+    ingest = IngestService(db, settings, metrics)
+    reads = ReadService(db)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.auto_migrate:
+            await anyio.to_thread.run_sync(migrate.upgrade, settings.database_url)
+        yield
+        db.dispose()
+
+    app = FastAPI(
+        title="kvwatch collector",
+        version="1",
+        description="Ingests probe events; serves deployments, requests, pool samples and "
+        "page events. Every endpoint but /healthz, /readyz and /metrics needs a bearer token.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.metrics = metrics
+
+    @app.exception_handler(CollectorError)
+    async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message, exc.details)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        details = [
+            {"field": ".".join(str(p) for p in e.get("loc", ())[1:]) or None, "message": e["msg"]}
+            for e in exc.errors()
+        ]
+        first = details[0] if details else {"field": None, "message": "invalid request"}
+        return _error(422, "invalid_input", f"{first['field']}: {first['message']}", details)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    async def principal(authorization: str | None) -> Principal:
+        def _auth() -> Principal:
+            with db.read() as conn:
+                return authenticate(conn, authorization)
+
+        return await anyio.to_thread.run_sync(_auth)
+
+    @app.post(
+        "/v1/events",
+        response_model=s.IngestResponse,
+        responses={
+            **_ERRORS,
+            413: {"model": s.ErrorResponse, "description": "Batch or body over the limits"},
+            415: {"model": s.ErrorResponse, "description": "Not JSON or NDJSON"},
+            422: {"model": s.ErrorResponse, "description": "Bad events: index and field each"},
+        },
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": _EVENTS_SCHEMA},
+                    "application/x-ndjson": {"schema": {"type": "string"}},
+                },
+            }
+        },
+        summary="Ingest one probe's batch: all events stored, or none",
+    )
+    async def post_events(request: Request, authorization: Auth = None) -> dict[str, Any]:
+        who = await anyio.to_thread.run_sync(ingest.authenticate, authorization)
+        body = await _read_body(request, settings.max_body_bytes)
+        ctype = request.headers.get("content-type", "")
+        now = datetime.now(UTC)
+        result = await anyio.to_thread.run_sync(ingest.ingest, who, body, ctype, now)
+        return result.as_dict()
+
+    @app.get("/v1/deployments", response_model=list[s.DeploymentOut], responses=_ERRORS)
+    async def get_deployments(authorization: Auth = None) -> Any:
+        who = await principal(authorization)
+        return await anyio.to_thread.run_sync(reads.deployments, who)
+
+    @app.get(
+        "/v1/deployments/{deployment_id}/config-history",
+        response_model=list[s.ConfigOut],
+        responses=_ERRORS,
+    )
+    async def get_config_history(deployment_id: str, authorization: Auth = None) -> Any:
+        who = await principal(authorization)
+        return await anyio.to_thread.run_sync(reads.deployment_history, who, deployment_id)
+
+    @app.get("/v1/requests", response_model=s.RequestPage, responses=_ERRORS)
+    async def get_requests(
+        authorization: Auth = None,
+        deployment_id: str | None = None,
+        model_id: str | None = None,
+        tenant: str | None = None,
+        route: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        min_prompt_tokens: MinTokens = None,
+        limit: PageLimit = 100,
+        cursor: str | None = None,
+    ) -> Any:
+        who = await principal(authorization)
+        return await anyio.to_thread.run_sync(
+            lambda: reads.requests(
+                who,
+                deployment_id=deployment_id,
+                model_id=model_id,
+                tenant=tenant,
+                route=route,
+                since=_aware(since),
+                until=_aware(until),
+                min_prompt_tokens=min_prompt_tokens,
+                limit=limit,
+                cursor=cursor,
+            )
+        )
+
+    @app.get("/v1/pool-samples", response_model=s.PoolSeries, responses=_ERRORS)
+    async def get_pool_samples(
+        authorization: Auth = None,
+        deployment_id: str | None = None,
+        node: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        max_points: MaxPoints = 500,
+    ) -> Any:
+        who = await principal(authorization)
+        return await anyio.to_thread.run_sync(
+            lambda: reads.pool_samples(
+                who,
+                deployment_id=deployment_id,
+                node=node,
+                since=_aware(since),
+                until=_aware(until),
+                max_points=max_points,
+                now=datetime.now(UTC),
+            )
+        )
+
+    @app.get("/v1/page-events", response_model=s.PageEventPage, responses=_ERRORS)
+    async def get_page_events(
+        authorization: Auth = None,
+        deployment_id: str | None = None,
+        kind: str | None = None,
+        tenant: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: PageLimit = 100,
+        cursor: str | None = None,
+    ) -> Any:
+        who = await principal(authorization)
+        return await anyio.to_thread.run_sync(
+            lambda: reads.page_events(
+                who,
+                deployment_id=deployment_id,
+                kind=kind,
+                tenant=tenant,
+                since=_aware(since),
+                until=_aware(until),
+                limit=limit,
+                cursor=cursor,
+            )
+        )
+
+    @app.get("/v1/probes", response_model=list[s.ProbeOut], responses=_ERRORS)
+    async def get_probes(authorization: Auth = None) -> Any:
+        who = await principal(authorization)
+        return await anyio.to_thread.run_sync(reads.probes, who)
+
+    @app.get("/metrics", include_in_schema=True, response_class=Response)
+    async def get_metrics() -> Response:
+        data = await anyio.to_thread.run_sync(generate_latest, metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz", response_model=s.Health)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", response_model=s.Health, responses={503: {"model": s.Health}})
+    async def readyz() -> Any:
+        try:
+            await anyio.to_thread.run_sync(db.ping)
+        except CollectorError as exc:
+            return JSONResponse({"status": "unavailable", "detail": exc.message}, 503)
+        return {"status": "ok"}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(_EVENT_COMPONENTS)
+            doc["components"]["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}
+            }
+            doc["security"] = [{"bearer": []}]
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(
+            f"body of {declared} bytes exceeds the limit of {limit}", {"limit_bytes": limit}
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(
+                f"body exceeds the limit of {limit} bytes", {"limit_bytes": limit}
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)

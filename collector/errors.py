@@ -1,0 +1,63 @@
+"""The collector's exception tree. Services raise these; the HTTP layer translates them into
+``{"error": {"code", "message", "details"}}`` with the status each class names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CollectorError(Exception):
+    status = 500
+    code = "internal"
+
+    def __init__(self, message: str, details: Any = None):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidInput(CollectorError):
+    status = 422
+    code = "invalid_input"
+
+
+class BadRequest(CollectorError):
+    status = 400
+    code = "bad_request"
+
+
+class Unauthorized(CollectorError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(CollectorError):
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(CollectorError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(CollectorError):
+    status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(CollectorError):
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(CollectorError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class Unavailable(CollectorError):
+    """The database is unreachable: retry later. Never a 500 for an outage."""
+
+    status = 503
+    code = "unavailable"

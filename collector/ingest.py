@@ -1,0 +1,125 @@
+"""The ingest service: authenticate, decode, validate, store one batch atomically."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from collector.db import Database
+from collector.errors import (
+    CollectorError,
+    Forbidden,
+    InvalidInput,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
+from collector.metrics import CollectorMetrics
+from collector.settings import Settings
+from collector.store import IngestStore, micros
+from collector.tokens import Principal, authenticate
+from engine_probe import events as ev
+
+JSON_TYPES = ("application/json", "")
+NDJSON_TYPES = ("application/x-ndjson", "application/ndjson", "application/jsonl")
+
+
+@dataclass(frozen=True, slots=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+    gaps: list[tuple[int, int]]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "gaps": [list(g) for g in self.gaps],
+        }
+
+
+class IngestService:
+    def __init__(self, db: Database, settings: Settings, metrics: CollectorMetrics):
+        self.db = db
+        self.settings = settings
+        self.metrics = metrics
+        self.store = IngestStore(db.dialect)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        try:
+            with self.db.read() as conn:
+                principal = authenticate(conn, authorization)
+            principal.require("ingest")
+        except CollectorError as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            raise
+        return principal
+
+    def ingest(
+        self, principal: Principal, body: bytes, content_type: str, now: datetime
+    ) -> IngestResult:
+        started = time.perf_counter()
+        try:
+            events = self._decode(body, content_type)
+            self._validate(principal, events, now)
+            with self.db.write() as conn:
+                res = self.store.write_batch(
+                    conn,
+                    probe_id=events[0].probe_id,
+                    token_id=principal.token_id,
+                    events=events,
+                    now_us=micros(now),
+                )
+        except CollectorError as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            raise
+        self.metrics.events.labels("accepted").inc(res.accepted)
+        self.metrics.events.labels("duplicate").inc(res.duplicates)
+        self.metrics.batch_seconds.observe(time.perf_counter() - started)
+        return IngestResult(res.accepted, res.duplicates, res.new_gaps)
+
+    def _decode(self, body: bytes, content_type: str) -> list[ev.Event]:
+        mime = content_type.split(";", 1)[0].strip().lower()
+        limit = self.settings.max_batch_events
+        try:
+            if mime in JSON_TYPES:
+                events = ev.decode_json_batch(body, max_events=limit)
+            elif mime in NDJSON_TYPES:
+                events = ev.decode_ndjson_batch(body, max_events=limit)
+            else:
+                raise UnsupportedMediaType(
+                    f"Content-Type {mime!r} is not accepted; send application/json (an array "
+                    "of events) or application/x-ndjson (one event per line)"
+                )
+        except ev.BatchTooLarge as exc:
+            raise PayloadTooLarge(str(exc), {"limit_events": exc.limit}) from None
+        except ev.DecodeError as exc:
+            self.metrics.rejected_events.labels("invalid_input").inc(len(exc.errors))
+            raise InvalidInput(str(exc), [e.as_dict() for e in exc.errors]) from None
+        if not events:
+            raise InvalidInput("the batch holds no events", [])
+        return events
+
+    def _validate(self, principal: Principal, events: list[ev.Event], now: datetime) -> None:
+        errors = []
+        probe_id = events[0].probe_id
+        latest = now + timedelta(seconds=self.settings.max_clock_skew_s)
+        scope = principal.deployment_id
+        for i, e in enumerate(events):
+            if e.probe_id != probe_id:
+                errors.append(
+                    ev.FieldError(
+                        i, "probe_id", f"a batch comes from one probe; expected {probe_id!r}"
+                    )
+                )
+            if e.ts > latest:
+                errors.append(
+                    ev.FieldError(i, "ts", f"{e.ts.isoformat()} is in the future (now {now})")
+                )
+            if scope is not None and e.deployment_id != scope:
+                raise Forbidden(
+                    f"this ingest token may only write deployment {scope!r}",
+                    [ev.FieldError(i, "deployment_id", "outside the token's scope").as_dict()],
+                )
+        if errors:
+            raise InvalidInput(str(ev.DecodeError(errors)), [e.as_dict() for e in errors])

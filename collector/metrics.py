@@ -1,0 +1,136 @@
+"""Prometheus metrics of one collector app.
+
+Ingest counters live in the process (each replica counts what it handled). Deployment
+gauges are read from the database at scrape time, so every replica reports the same truth
+and nothing is lost on restart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+
+from collector import models as m
+from collector.db import Database
+from collector.errors import Unavailable
+
+
+class CollectorMetrics:
+    def __init__(self, db: Database):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.events = Counter(
+            "kvwatch_ingest_events",
+            "Events received, by result (accepted, duplicate).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "kvwatch_ingest_rejected_batches",
+            "Batches refused, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.rejected_events = Counter(
+            "kvwatch_ingest_rejected_events",
+            "Events in refused batches that could be counted, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.batch_seconds = Histogram(
+            "kvwatch_ingest_batch_seconds",
+            "Time to decode, validate and store one batch.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        # Pre-create the label sets so a scrape shows zeros instead of nothing.
+        for r in ("accepted", "duplicate"):
+            self.events.labels(r)
+        self.registry.register(_DeploymentGauges(db))
+
+
+class _DeploymentGauges(Collector):
+    def __init__(self, db: Database):
+        self.db = db
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: collected from the database at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["deployment", "node", "role", "model"]
+        adv = GaugeMetricFamily(
+            "kvwatch_deployment_advertised_context_tokens",
+            "Advertised context of the latest config.",
+            labels=labels,
+        )
+        cap = GaugeMetricFamily(
+            "kvwatch_deployment_pool_capacity_tokens",
+            "KV pool capacity of the latest config.",
+            labels=labels,
+        )
+        used = GaugeMetricFamily(
+            "kvwatch_deployment_pool_used_tokens",
+            "KV pool tokens in use at the last pool sample.",
+            labels=["deployment", "node", "role"],
+        )
+        occ = GaugeMetricFamily(
+            "kvwatch_deployment_pool_occupancy_ratio",
+            "used/capacity at the last pool sample.",
+            labels=["deployment", "node", "role"],
+        )
+        maxp = GaugeMetricFamily(
+            "kvwatch_deployment_max_prompt_tokens_1h",
+            "Largest prompt seen in the last hour.",
+            labels=["deployment"],
+        )
+        missing = GaugeMetricFamily(
+            "kvwatch_probe_missing_events",
+            "Events a probe's seq numbers show as lost (open gaps).",
+            labels=["probe", "deployment"],
+        )
+        try:
+            with self.db.read() as conn:
+                latest_cfg = select(func.max(m.DeploymentConfig.id)).group_by(
+                    m.DeploymentConfig.deployment_id, m.DeploymentConfig.node,
+                    m.DeploymentConfig.role,
+                )
+                for c in conn.execute(
+                    select(m.DeploymentConfig).where(m.DeploymentConfig.id.in_(latest_cfg))
+                ):
+                    lv = [c.deployment_id, c.node, c.role, c.model_id]
+                    adv.add_metric(lv, c.advertised_context)
+                    cap.add_metric(lv, c.pool_capacity_tokens)
+                latest_pool = select(func.max(m.PoolSample.id)).group_by(
+                    m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role
+                )
+                for p in conn.execute(
+                    select(m.PoolSample).where(m.PoolSample.id.in_(latest_pool))
+                ):
+                    lv = [p.deployment_id, p.node, p.role]
+                    used.add_metric(lv, p.used_tokens)
+                    occ.add_metric(lv, p.used_tokens / p.capacity_tokens if p.capacity_tokens else 0)
+                since = int((time.time() - 3600) * 1_000_000)
+                for dep, mx in conn.execute(
+                    select(m.Request.deployment_id, func.max(m.Request.prompt_tokens))
+                    .where(m.Request.first_ts >= since)
+                    .group_by(m.Request.deployment_id)
+                ):
+                    if mx is not None:
+                        maxp.add_metric([dep], mx)
+                for probe, dep, n in conn.execute(
+                    select(
+                        m.SeqGap.probe_id,
+                        m.Probe.deployment_id,
+                        func.sum(m.SeqGap.last_seq - m.SeqGap.first_seq + 1),
+                    )
+                    .join(m.Probe, m.Probe.probe_id == m.SeqGap.probe_id)
+                    .group_by(m.SeqGap.probe_id, m.Probe.deployment_id)
+                ):
+                    missing.add_metric([probe, dep], n)
+        except Unavailable:
+            return  # the ingest counters still scrape while the database is down
+        yield from (adv, cap, used, occ, maxp, missing)

@@ -1,0 +1,270 @@
+"""Read repository: the SQL behind the read API. Functions take a connection and plain
+filters; authorisation and paging policy live in ``collector.reads``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import Connection, func, select, tuple_
+
+from collector import models as m
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFilter:
+    deployment_id: str | None = None
+    model_id: str | None = None
+    tenant: str | None = None
+    route: str | None = None
+    since_us: int | None = None
+    until_us: int | None = None
+    min_prompt_tokens: int | None = None
+
+
+def list_deployments(conn: Connection) -> list[dict[str, Any]]:
+    latest = select(func.max(m.DeploymentConfig.id)).group_by(
+        m.DeploymentConfig.deployment_id, m.DeploymentConfig.node, m.DeploymentConfig.role
+    )
+    configs: dict[str, list[dict[str, Any]]] = {}
+    for c in conn.execute(
+        select(m.DeploymentConfig)
+        .where(m.DeploymentConfig.id.in_(latest))
+        .order_by(m.DeploymentConfig.node, m.DeploymentConfig.role)
+    ):
+        configs.setdefault(c.deployment_id, []).append(_config(c))
+    out = []
+    for d in conn.execute(select(m.Deployment).order_by(m.Deployment.id)):
+        out.append(
+            {
+                "deployment_id": d.id,
+                "first_seen": d.first_seen,
+                "last_seen": d.last_seen,
+                "config": configs.get(d.id, []),
+            }
+        )
+    return out
+
+
+def config_history(conn: Connection, deployment_id: str) -> list[dict[str, Any]]:
+    return [
+        _config(c)
+        for c in conn.execute(
+            select(m.DeploymentConfig)
+            .where(m.DeploymentConfig.deployment_id == deployment_id)
+            .order_by(m.DeploymentConfig.ts, m.DeploymentConfig.id)
+        )
+    ]
+
+
+def _config(c: Any) -> dict[str, Any]:
+    return {
+        "node": c.node,
+        "role": c.role,
+        "ts": c.ts,
+        "engine": c.engine,
+        "engine_version": c.engine_version,
+        "model_id": c.model_id,
+        "advertised_context": c.advertised_context,
+        "pool_capacity_tokens": c.pool_capacity_tokens,
+        "page_size": c.page_size,
+        "dtype": c.dtype,
+        "quantization": c.quantization,
+        "tp_size": c.tp_size,
+        "cuda_graphs": c.cuda_graphs,
+        "disaggregated": c.disaggregated,
+        "prefix_caching": c.prefix_caching,
+        "prefix_cache_salting": c.prefix_cache_salting,
+        "config_hash": c.config_hash,
+    }
+
+
+REQUEST_FIELDS = (
+    "deployment_id",
+    "request_id",
+    "tenant",
+    "route",
+    "model_id",
+    "prompt_tokens",
+    "completion_tokens",
+    "max_tokens",
+    "status",
+    "reject_reason",
+    "limit_tokens",
+    "first_ts",
+    "last_ts",
+)
+
+
+def list_requests(
+    conn: Connection, f: RequestFilter, *, limit: int, after: tuple[int, int] | None
+) -> list[dict[str, Any]]:
+    """Newest first, keyset-paged on (first_ts, id): stable under concurrent inserts."""
+    q = select(m.Request)
+    if f.deployment_id is not None:
+        q = q.where(m.Request.deployment_id == f.deployment_id)
+    if f.model_id is not None:
+        q = q.where(m.Request.model_id == f.model_id)
+    if f.tenant is not None:
+        q = q.where(m.Request.tenant == f.tenant)
+    if f.route is not None:
+        q = q.where(m.Request.route == f.route)
+    if f.since_us is not None:
+        q = q.where(m.Request.first_ts >= f.since_us)
+    if f.until_us is not None:
+        q = q.where(m.Request.first_ts < f.until_us)
+    if f.min_prompt_tokens is not None:
+        q = q.where(m.Request.prompt_tokens >= f.min_prompt_tokens)
+    if after is not None:
+        q = q.where(tuple_(m.Request.first_ts, m.Request.id) < tuple_(*after))
+    q = q.order_by(m.Request.first_ts.desc(), m.Request.id.desc()).limit(limit)
+    out = []
+    for r in conn.execute(q):
+        row: dict[str, Any] = {k: getattr(r, k) for k in REQUEST_FIELDS}
+        row["data_categories"] = _json_list(r.data_categories)
+        row["_key"] = (m.to_micros(r.first_ts), r.id)
+        out.append(row)
+    return out
+
+
+def _json_list(v: str | None) -> list[str]:
+    return [] if v is None else list(msgspec.json.decode(v))
+
+
+def pool_samples(
+    conn: Connection,
+    *,
+    deployment_id: str | None,
+    node: str | None,
+    since_us: int,
+    until_us: int,
+    max_points: int,
+) -> tuple[int, list[dict[str, Any]]]:
+    """Downsample to at most ``max_points`` buckets per (deployment, node, role).
+
+    Returns (bucket width in microseconds, rows). Each bucket carries the mean and max
+    of used tokens, the min of free tokens and the max capacity, so a spike never averages
+    away.
+    """
+    width = max(1, -(-(until_us - since_us) // max_points))
+    ts = m.PoolSample.__table__.c.ts
+    bucket = ((ts - since_us) // width).label("bucket")
+    q = (
+        select(
+            m.PoolSample.deployment_id,
+            m.PoolSample.node,
+            m.PoolSample.role,
+            bucket,
+            func.count().label("samples"),
+            func.avg(m.PoolSample.used_tokens).label("used_avg"),
+            func.max(m.PoolSample.used_tokens).label("used_max"),
+            func.min(m.PoolSample.free_tokens).label("free_min"),
+            func.max(m.PoolSample.capacity_tokens).label("capacity"),
+        )
+        .where(ts >= since_us, ts < until_us)
+        .group_by(m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role, bucket)
+        .order_by(m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role, bucket)
+    )
+    if deployment_id is not None:
+        q = q.where(m.PoolSample.deployment_id == deployment_id)
+    if node is not None:
+        q = q.where(m.PoolSample.node == node)
+    rows = []
+    for r in conn.execute(q):
+        rows.append(
+            {
+                "deployment_id": r.deployment_id,
+                "node": r.node,
+                "role": r.role,
+                "bucket_start_us": since_us + int(r.bucket) * width,
+                "samples": r.samples,
+                "used_avg": float(r.used_avg),
+                "used_max": r.used_max,
+                "free_min": r.free_min,
+                "capacity": r.capacity,
+            }
+        )
+    return width, rows
+
+
+def list_probes(conn: Connection) -> list[dict[str, Any]]:
+    gaps: dict[str, list[tuple[int, int]]] = {}
+    for g in conn.execute(
+        select(m.SeqGap.probe_id, m.SeqGap.first_seq, m.SeqGap.last_seq).order_by(
+            m.SeqGap.probe_id, m.SeqGap.first_seq
+        )
+    ):
+        gaps.setdefault(g.probe_id, []).append((g.first_seq, g.last_seq))
+    drops: dict[str, dict[str, int]] = {}
+    for d in conn.execute(
+        select(m.ProbeDrop.probe_id, m.ProbeDrop.reason, func.sum(m.ProbeDrop.count)).group_by(
+            m.ProbeDrop.probe_id, m.ProbeDrop.reason
+        )
+    ):
+        drops.setdefault(d[0], {})[d[1]] = int(d[2])
+    out = []
+    for p in conn.execute(select(m.Probe).order_by(m.Probe.probe_id)):
+        g = gaps.get(p.probe_id, [])
+        out.append(
+            {
+                "probe_id": p.probe_id,
+                "deployment_id": p.deployment_id,
+                "max_seq": p.max_seq,
+                "accepted": p.accepted,
+                "duplicates": p.duplicates,
+                "missing": sum(b - a + 1 for a, b in g),
+                "gaps": [list(x) for x in g],
+                "reported_drops": drops.get(p.probe_id, {}),
+                "first_seen": p.first_seen,
+                "last_seen": p.last_seen,
+            }
+        )
+    return out
+
+
+def list_page_events(
+    conn: Connection,
+    *,
+    deployment_id: str | None,
+    kind: str | None,
+    tenant: str | None,
+    since_us: int | None,
+    until_us: int | None,
+    limit: int,
+    after: tuple[int, int] | None,
+) -> list[dict[str, Any]]:
+    q = select(m.PageEvent)
+    if deployment_id is not None:
+        q = q.where(m.PageEvent.deployment_id == deployment_id)
+    if kind is not None:
+        q = q.where(m.PageEvent.kind == kind)
+    if tenant is not None:
+        # A tenant sees events where it read, or where its pages were read.
+        q = q.where((m.PageEvent.tenant == tenant) | (m.PageEvent.other_tenant == tenant))
+    if since_us is not None:
+        q = q.where(m.PageEvent.ts >= since_us)
+    if until_us is not None:
+        q = q.where(m.PageEvent.ts < until_us)
+    if after is not None:
+        q = q.where(tuple_(m.PageEvent.ts, m.PageEvent.id) < tuple_(*after))
+    q = q.order_by(m.PageEvent.ts.desc(), m.PageEvent.id.desc()).limit(limit)
+    out = []
+    for r in conn.execute(q):
+        out.append(
+            {
+                "deployment_id": r.deployment_id,
+                "kind": r.kind,
+                "ts": r.ts,
+                "node": r.node,
+                "request_id": r.request_id,
+                "tenant": r.tenant,
+                "other_request_id": r.other_request_id,
+                "other_tenant": r.other_tenant,
+                "page_count": r.page_count,
+                "cross_tenant": r.cross_tenant,
+                "detail": msgspec.json.decode(r.detail),
+                "_key": (m.to_micros(r.ts), r.id),
+            }
+        )
+    return out

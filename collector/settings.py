@@ -1,0 +1,44 @@
+"""The collector's configuration: every field is an environment variable ``KVWATCH_<NAME>``."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Collector settings. Built once and passed to ``create_app(settings)``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore")
+
+    database_url: str = Field(
+        default="sqlite:///kvwatch.db",
+        description="SQLAlchemy URL. SQLite (WAL) is the embedded default; use "
+        "postgresql+psycopg://user@host/db in production.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address `kvwatch serve` binds.")
+    port: int = Field(default=8700, ge=1, le=65535, description="Port `kvwatch serve` binds.")
+    max_batch_events: int = Field(
+        default=10_000, ge=1, le=1_000_000, description="Most events one POST /v1/events may hold."
+    )
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="Largest POST /v1/events body, in bytes."
+    )
+    max_clock_skew_s: float = Field(
+        default=3600.0, ge=0, description="How far in the future an event's ts may lie."
+    )
+    db_pool_size: int = Field(default=5, ge=1, description="PostgreSQL connection pool size.")
+    auto_migrate: bool = Field(
+        default=True,
+        description="Run Alembic migrations to head when the collector starts.",
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if not v.startswith(("sqlite", "postgresql")):
+            raise ValueError("database_url must be a sqlite:// or postgresql:// URL")
+        if v.startswith("postgresql://"):
+            # Bare postgresql:// means psycopg2 to SQLAlchemy; we ship psycopg 3.
+            v = "postgresql+psycopg://" + v[len("postgresql://") :]
+        return v

@@ -1,0 +1,517 @@
+"""The ingest repository: writes one probe's batch in one transaction.
+
+Idempotency lives in ``probes.max_seq`` plus ``seq_gaps`` (see ``models.Probe``): an event is
+new when its seq is above the probe's high-water mark or inside one of its open gaps, so a
+retried batch stores nothing twice without a per-event index. The probe's row is locked
+(``SELECT ... FOR UPDATE`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite) so concurrent
+collector replicas serialise per probe.
+
+Rows go in through the driver directly (``executemany`` on SQLite, ``COPY`` on PostgreSQL):
+the ORM would cost several times the insert itself on this path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from sqlalchemy import Connection, insert, select, update
+
+from collector import models as m
+from collector.errors import Forbidden
+from engine_probe import events as ev
+
+_json = msgspec.json.Encoder()
+
+# Columns, in the order rows are built below.
+POOL_COLS = (
+    "deployment_id",
+    "probe_id",
+    "seq",
+    "ts",
+    "node",
+    "role",
+    "capacity_tokens",
+    "used_tokens",
+    "free_tokens",
+)
+PAGE_COLS = (
+    "deployment_id",
+    "probe_id",
+    "seq",
+    "ts",
+    "kind",
+    "node",
+    "request_id",
+    "tenant",
+    "other_request_id",
+    "other_tenant",
+    "page_count",
+    "cross_tenant",
+    "detail",
+)
+DROP_COLS = ("deployment_id", "probe_id", "seq", "ts", "reason", "count")
+REQ_COLS = (
+    "deployment_id",
+    "request_id",
+    "tenant",
+    "route",
+    "model_id",
+    "prompt_tokens",
+    "completion_tokens",
+    "max_tokens",
+    "status",
+    "reject_reason",
+    "limit_tokens",
+    "data_categories",
+    "first_ts",
+    "last_ts",
+)
+_CONFIG_FIELDS = (
+    "engine",
+    "engine_version",
+    "model_id",
+    "advertised_context",
+    "pool_capacity_tokens",
+    "page_size",
+    "dtype",
+    "quantization",
+    "tp_size",
+    "cuda_graphs",
+    "disaggregated",
+    "prefix_caching",
+    "prefix_cache_salting",
+)
+
+
+def micros(ts: Any) -> int:
+    return round(ts.timestamp() * 1_000_000)
+
+
+@dataclass(slots=True)
+class WriteResult:
+    accepted: int
+    duplicates: int
+    new_gaps: list[tuple[int, int]] = field(default_factory=list)
+    filled: int = 0
+    deployments: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Rows:
+    """A batch's new events, shaped as the rows of each table."""
+
+    pool: list[tuple[Any, ...]] = field(default_factory=list)
+    page: list[tuple[Any, ...]] = field(default_factory=list)
+    drops: list[tuple[Any, ...]] = field(default_factory=list)
+    requests: dict[tuple[str, str], list[Any]] = field(default_factory=dict)
+    configs: list[ev.EngineConfig] = field(default_factory=list)
+    deployments: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+# Request status: "admitted" is provisional; any terminal status replaces it.
+_PROVISIONAL = "admitted"
+
+
+def shape_rows(events: Iterable[ev.Event]) -> Rows:
+    """Turn decoded events into table rows. Pure; events must be in seq order."""
+    rows = Rows()
+    reqs = rows.requests
+    deps = rows.deployments
+    for e in events:
+        ts = micros(e.ts)
+        dep = e.deployment_id
+        span = deps.get(dep)
+        deps[dep] = (ts, ts) if span is None else (min(span[0], ts), max(span[1], ts))
+        t = type(e)
+        if t is ev.PoolSample:
+            assert isinstance(e, ev.PoolSample)
+            rows.pool.append(
+                (dep, e.probe_id, e.seq, ts, e.node, e.role)
+                + (e.capacity_tokens, e.used_tokens, e.free_tokens)
+            )
+        elif t is ev.RequestAdmitted or t is ev.RequestRejected or t is ev.RequestFinished:
+            _fold_request(reqs, e, ts)
+        elif t is ev.PageStaleRead:
+            assert isinstance(e, ev.PageStaleRead)
+            detail = {"page_ids": e.page_ids, "read_kind": e.read_kind, "role": e.role}
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "page.stale_read", e.node, e.reader_request_id)
+                + (e.reader_tenant, e.previous_request_id, e.previous_tenant, len(e.page_ids))
+                + (e.cross_tenant, _json.encode(detail | {"zeroized": e.zeroized}).decode())
+            )
+        elif t is ev.KvTransfer:
+            assert isinstance(e, ev.KvTransfer)
+            detail = {
+                "from_node": e.from_node,
+                "to_node": e.to_node,
+                "tokens": e.tokens,
+                "prefill_rejected": e.prefill_rejected,
+            }
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "kv.transfer", e.from_node, e.request_id, e.tenant)
+                + (None, None, e.pages, False, _json.encode(detail).decode())
+            )
+        elif t is ev.PageReuse:
+            assert isinstance(e, ev.PageReuse)
+            detail = {
+                "step": e.step,
+                "role": e.role,
+                "cross_tenant_pages": e.cross_tenant_pages,
+                "zeroized_pages": e.zeroized_pages,
+            }
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "page.reuse", e.node, None, None, None, None)
+                + (e.reused_pages, e.cross_tenant_pages > 0, _json.encode(detail).decode())
+            )
+        elif t is ev.CanaryHit:
+            assert isinstance(e, ev.CanaryHit)
+            cross = e.canary_tenant is not None and e.canary_tenant != e.reader_tenant
+            detail = {"detector": e.detector, "page_ids": e.page_ids}
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "canary.hit", e.node, e.reader_request_id)
+                + (e.reader_tenant, None, e.canary_tenant, len(e.page_ids), cross)
+                + (_json.encode(detail).decode(),)
+            )
+        elif t is ev.EngineConfig:
+            assert isinstance(e, ev.EngineConfig)
+            rows.configs.append(e)
+        elif t is ev.ProbeDrops:
+            assert isinstance(e, ev.ProbeDrops)
+            for reason, count in sorted(e.counts.items()):
+                rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
+        else:  # pragma: no cover - the decoder only yields the kinds above
+            raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
+    return rows
+
+
+def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> None:
+    """Merge one request event into the batch's row for that request, with the same rules
+    the database upsert applies between batches (see ``_request_upsert_sql``)."""
+    key = (e.deployment_id, e.request_id)
+    t = type(e)
+    if t is ev.RequestAdmitted:
+        status, reason, limit, completion, max_tokens = _PROVISIONAL, None, None, None, e.max_tokens
+        cats = e.data_categories
+    elif t is ev.RequestRejected:
+        status, reason, limit, completion, max_tokens = "rejected", e.reason, e.limit_tokens, None, None
+        cats = e.data_categories
+    else:
+        status, reason, limit, completion, max_tokens = e.status, None, None, e.completion_tokens, None
+        cats = None
+    cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
+    row = reqs.get(key)
+    if row is None:
+        reqs[key] = [
+            e.deployment_id,
+            e.request_id,
+            e.tenant,
+            e.route,
+            e.model_id,
+            e.prompt_tokens,
+            completion,
+            max_tokens,
+            status,
+            reason,
+            limit,
+            cat_json,
+            ts,
+            ts,
+        ]
+        return
+    # tenant (2) keeps the first value: a later event cannot move a request to another tenant
+    row[3] = row[3] if row[3] is not None else e.route
+    row[4] = row[4] if row[4] is not None else e.model_id
+    row[5] = e.prompt_tokens if e.prompt_tokens is not None else row[5]
+    row[6] = completion if completion is not None else row[6]
+    row[7] = max_tokens if max_tokens is not None else row[7]
+    row[8] = row[8] if status == _PROVISIONAL else status
+    row[9] = reason if reason is not None else row[9]
+    row[10] = limit if limit is not None else row[10]
+    row[11] = cat_json if cat_json is not None else row[11]
+    row[12] = min(row[12], ts)
+    row[13] = max(row[13], ts)
+
+
+def _request_upsert_sql(dialect: str, source: str) -> str:
+    lo, hi = ("MIN", "MAX") if dialect == "sqlite" else ("LEAST", "GREATEST")
+    cols = ", ".join(REQ_COLS)
+    r, x = "requests", "excluded"
+    return (
+        f"INSERT INTO requests ({cols}) {source} "
+        "ON CONFLICT (deployment_id, request_id) DO UPDATE SET "
+        f"route = COALESCE({r}.route, {x}.route), "
+        f"model_id = COALESCE({r}.model_id, {x}.model_id), "
+        f"prompt_tokens = COALESCE({x}.prompt_tokens, {r}.prompt_tokens), "
+        f"completion_tokens = COALESCE({x}.completion_tokens, {r}.completion_tokens), "
+        f"max_tokens = COALESCE({x}.max_tokens, {r}.max_tokens), "
+        f"status = CASE WHEN {x}.status = '{_PROVISIONAL}' THEN {r}.status ELSE {x}.status END, "
+        f"reject_reason = COALESCE({x}.reject_reason, {r}.reject_reason), "
+        f"limit_tokens = COALESCE({x}.limit_tokens, {r}.limit_tokens), "
+        f"data_categories = COALESCE({x}.data_categories, {r}.data_categories), "
+        f"first_ts = {lo}({r}.first_ts, {x}.first_ts), "
+        f"last_ts = {hi}({r}.last_ts, {x}.last_ts)"
+    )
+
+
+def config_hash(c: ev.EngineConfig) -> str:
+    payload = _json.encode([getattr(c, f) for f in _CONFIG_FIELDS])
+    return hashlib.sha256(payload).hexdigest()
+
+
+class IngestStore:
+    """Writes batches for one database dialect ("sqlite" or "postgresql")."""
+
+    def __init__(self, dialect: str):
+        self.dialect = dialect
+        self._sqlite = dialect == "sqlite"
+        if self._sqlite:
+            self._req_sql = _request_upsert_sql(
+                dialect, "VALUES (" + ", ".join("?" * len(REQ_COLS)) + ")"
+            )
+            self._pool_sql = _insert_sql("pool_samples", POOL_COLS)
+            self._page_sql = _insert_sql("page_events", PAGE_COLS)
+            self._drop_sql = _insert_sql("probe_drops", DROP_COLS)
+        else:
+            # The staging table makes a whole batch one COPY plus one INSERT ... SELECT.
+            self._req_sql = _request_upsert_sql(
+                dialect, f"SELECT {', '.join(REQ_COLS)} FROM _kvw_stage_requests"
+            )
+            self._stage_sql = (
+                "CREATE TEMP TABLE IF NOT EXISTS _kvw_stage_requests ON COMMIT DELETE ROWS AS "
+                f"SELECT {', '.join(REQ_COLS)} FROM requests WITH NO DATA"
+            )
+
+    # -- the probe's row: ownership, high-water mark, gaps -------------------------------
+
+    def write_batch(
+        self,
+        conn: Connection,
+        *,
+        probe_id: str,
+        token_id: int,
+        events: Sequence[ev.Event],
+        now_us: int,
+    ) -> WriteResult:
+        """Store a batch (all from ``probe_id``) inside the caller's transaction."""
+        probe = self._lock_probe(conn, probe_id, token_id, events[0].deployment_id, now_us)
+        if probe.token_id != token_id:
+            raise Forbidden(
+                f"probe_id {probe_id!r} is registered to another ingest token",
+                {"field": "probe_id"},
+            )
+        max_seq = probe.max_seq
+        gaps = [
+            (g.id, g.first_seq, g.last_seq)
+            for g in conn.execute(
+                select(m.SeqGap.id, m.SeqGap.first_seq, m.SeqGap.last_seq)
+                .where(m.SeqGap.probe_id == probe_id)
+                .order_by(m.SeqGap.first_seq)
+            )
+        ]
+        new, duplicates, filled = _classify(events, max_seq, gaps)
+        new_max = max(max_seq, new[-1].seq) if new else max_seq
+        new_gaps = _gaps_above(new, max_seq)
+        if filled:
+            self._rewrite_gaps(conn, probe_id, gaps, filled, now_us)
+        if new_gaps:
+            conn.execute(
+                insert(m.SeqGap),
+                [
+                    {"probe_id": probe_id, "first_seq": a, "last_seq": b, "detected_at": now_us}
+                    for a, b in new_gaps
+                ],
+            )
+        result = WriteResult(len(new), duplicates, new_gaps, len(filled))
+        if new:
+            rows = shape_rows(new)
+            self._write_rows(conn, rows, now_us)
+            result.deployments = set(rows.deployments)
+        conn.execute(
+            update(m.Probe)
+            .where(m.Probe.probe_id == probe_id)
+            .values(
+                max_seq=new_max,
+                accepted=m.Probe.accepted + len(new),
+                duplicates=m.Probe.duplicates + duplicates,
+                last_seen=now_us,
+            )
+        )
+        return result
+
+    def _lock_probe(
+        self, conn: Connection, probe_id: str, token_id: int, deployment_id: str, now_us: int
+    ) -> Any:
+        conn.exec_driver_sql(
+            "INSERT INTO probes (probe_id, token_id, deployment_id, max_seq, accepted, "
+            "duplicates, first_seen, last_seen) VALUES "
+            + ("(?, ?, ?, 0, 0, 0, ?, ?)" if self._sqlite else "(%s, %s, %s, 0, 0, 0, %s, %s)")
+            + " ON CONFLICT (probe_id) DO NOTHING",
+            (probe_id, token_id, deployment_id, now_us, now_us),
+        )
+        return conn.execute(
+            select(m.Probe.token_id, m.Probe.max_seq)
+            .where(m.Probe.probe_id == probe_id)
+            .with_for_update()
+        ).one()
+
+    def _rewrite_gaps(
+        self,
+        conn: Connection,
+        probe_id: str,
+        gaps: list[tuple[int, int, int]],
+        filled: set[int],
+        now_us: int,
+    ) -> None:
+        for gap_id, lo, hi in gaps:
+            inside = sorted(s for s in filled if lo <= s <= hi)
+            if not inside:
+                continue
+            conn.execute(m.SeqGap.__table__.delete().where(m.SeqGap.id == gap_id))
+            remaining, start = [], lo
+            for s in inside:
+                if s > start:
+                    remaining.append((start, s - 1))
+                start = s + 1
+            if start <= hi:
+                remaining.append((start, hi))
+            if remaining:
+                conn.execute(
+                    insert(m.SeqGap),
+                    [
+                        {"probe_id": probe_id, "first_seq": a, "last_seq": b, "detected_at": now_us}
+                        for a, b in remaining
+                    ],
+                )
+
+    # -- rows ------------------------------------------------------------------------------
+
+    def _write_rows(self, conn: Connection, rows: Rows, now_us: int) -> None:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        self._upsert_deployments(conn, rows.deployments)
+        if rows.configs:
+            self._write_configs(conn, rows.configs)
+        if self._sqlite:
+            cur = raw.cursor()
+            try:
+                if rows.pool:
+                    cur.executemany(self._pool_sql, rows.pool)
+                if rows.page:
+                    cur.executemany(self._page_sql, rows.page)
+                if rows.drops:
+                    cur.executemany(self._drop_sql, rows.drops)
+                if rows.requests:
+                    cur.executemany(self._req_sql, list(rows.requests.values()))
+            finally:
+                cur.close()
+            return
+        with raw.cursor() as cur:
+            if rows.pool:
+                _copy(cur, "pool_samples", POOL_COLS, rows.pool)
+            if rows.page:
+                _copy(cur, "page_events", PAGE_COLS, rows.page)
+            if rows.drops:
+                _copy(cur, "probe_drops", DROP_COLS, rows.drops)
+            if rows.requests:
+                cur.execute(self._stage_sql)
+                _copy(cur, "_kvw_stage_requests", REQ_COLS, rows.requests.values())
+                cur.execute(self._req_sql)
+
+    def _upsert_deployments(self, conn: Connection, spans: dict[str, tuple[int, int]]) -> None:
+        lo, hi = ("MIN", "MAX") if self._sqlite else ("LEAST", "GREATEST")
+        ph = "?" if self._sqlite else "%s"
+        sql = (
+            f"INSERT INTO deployments (id, first_seen, last_seen) VALUES ({ph}, {ph}, {ph}) "
+            f"ON CONFLICT (id) DO UPDATE SET first_seen = {lo}(deployments.first_seen, "
+            f"excluded.first_seen), last_seen = {hi}(deployments.last_seen, excluded.last_seen)"
+        )
+        # Sorted, so concurrent batches take row locks in one order (no deadlock).
+        conn.exec_driver_sql(sql, [(d, a, b) for d, (a, b) in sorted(spans.items())])
+
+    def _write_configs(self, conn: Connection, configs: list[ev.EngineConfig]) -> None:
+        latest: dict[tuple[str, str, str], str] = {}
+        for c in configs:
+            key = (c.deployment_id, c.node, c.role)
+            if key not in latest:
+                prev = conn.execute(
+                    select(m.DeploymentConfig.config_hash)
+                    .where(
+                        m.DeploymentConfig.deployment_id == c.deployment_id,
+                        m.DeploymentConfig.node == c.node,
+                        m.DeploymentConfig.role == c.role,
+                    )
+                    .order_by(m.DeploymentConfig.ts.desc(), m.DeploymentConfig.id.desc())
+                    .limit(1)
+                ).scalar()
+                latest[key] = prev or ""
+            h = config_hash(c)
+            if h == latest[key]:
+                continue
+            latest[key] = h
+            values: dict[str, Any] = {f: getattr(c, f) for f in _CONFIG_FIELDS}
+            values.update(
+                deployment_id=c.deployment_id,
+                probe_id=c.probe_id,
+                seq=c.seq,
+                ts=micros(c.ts),
+                node=c.node,
+                role=c.role,
+                config_hash=h,
+            )
+            conn.execute(insert(m.DeploymentConfig).values(**values))
+
+
+def _insert_sql(table: str, cols: Sequence[str]) -> str:
+    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+
+
+def _copy(cur: Any, table: str, cols: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    with cur.copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
+def _classify(
+    events: Sequence[ev.Event], max_seq: int, gaps: list[tuple[int, int, int]]
+) -> tuple[list[ev.Event], int, set[int]]:
+    """Split a batch into new events (in seq order), a duplicate count, and the seqs that
+    fill existing gaps."""
+    seqs = [e.seq for e in events]
+    # The common case: a fresh, ordered batch above the high-water mark.
+    if seqs[0] > max_seq and all(a < b for a, b in zip(seqs, seqs[1:], strict=False)):
+        return list(events), 0, set()
+    seen: set[int] = set()
+    new: list[ev.Event] = []
+    filled: set[int] = set()
+    duplicates = 0
+    for e in sorted(events, key=lambda x: x.seq):
+        s = e.seq
+        if s in seen:
+            duplicates += 1
+            continue
+        if s > max_seq:
+            seen.add(s)
+            new.append(e)
+        elif any(lo <= s <= hi for _, lo, hi in gaps):
+            seen.add(s)
+            filled.add(s)
+            new.append(e)
+        else:
+            duplicates += 1
+    return new, duplicates, filled
+
+
+def _gaps_above(new: Sequence[ev.Event], max_seq: int) -> list[tuple[int, int]]:
+    gaps: list[tuple[int, int]] = []
+    prev = max_seq
+    for e in new:
+        if e.seq <= max_seq:
+            continue
+        if e.seq > prev + 1:
+            gaps.append((prev + 1, e.seq - 1))
+        prev = e.seq
+    return gaps

@@ -1,0 +1,112 @@
+"""API tokens: creation, lookup, and the principal a request acts as.
+
+Tokens are 256 bits from ``secrets`` and stored only as SHA-256. Lookup is by the hash's
+unique index, so the time a check takes does not depend on how much of a guess matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy import Connection, insert, select
+
+from collector import audit
+from collector import models as m
+from collector.errors import Forbidden, InvalidInput, Unauthorized
+
+TokenKind = Literal["ingest", "read", "admin"]
+KINDS: tuple[TokenKind, ...] = ("ingest", "read", "admin")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    token_id: int
+    kind: TokenKind
+    tenant: str | None
+    deployment_id: str | None
+    label: str
+
+    def require(self, *kinds: TokenKind) -> None:
+        if self.kind not in kinds:
+            raise Forbidden(f"a {self.kind} token cannot do this; needs {' or '.join(kinds)}")
+
+    def tenant_filter(self, requested: str | None) -> str | None:
+        """The tenant a query must be limited to. A tenant-scoped token may only ask for its
+        own tenant; it never widens to others."""
+        if self.kind == "read" and self.tenant is not None:
+            if requested is not None and requested != self.tenant:
+                raise Forbidden(f"this token is scoped to tenant {self.tenant!r}")
+            return self.tenant
+        return requested
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(
+    conn: Connection,
+    *,
+    kind: str,
+    now_us: int,
+    tenant: str | None = None,
+    deployment_id: str | None = None,
+    name: str | None = None,
+    actor: str = "cli",
+) -> tuple[int, str]:
+    """Create a token; returns (id, secret). The secret is never stored or shown again."""
+    if kind not in KINDS:
+        raise InvalidInput(f"token kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    if tenant is not None and kind != "read":
+        raise InvalidInput("--tenant scopes read tokens only")
+    if deployment_id is not None and kind != "ingest":
+        raise InvalidInput("--deployment scopes ingest tokens only")
+    secret = f"kvw_{kind}_{secrets.token_urlsafe(32)}"
+    token_id = conn.execute(
+        insert(m.ApiToken)
+        .values(
+            kind=kind,
+            tenant=tenant,
+            deployment_id=deployment_id,
+            name=name,
+            prefix=secret[:16],
+            token_hash=hash_token(secret),
+            created_at=now_us,
+        )
+        .returning(m.ApiToken.id)
+    ).scalar_one()
+    audit.append(
+        conn,
+        now_us=now_us,
+        actor=actor,
+        action="token.create",
+        subject=f"token:{token_id}",
+        detail={"kind": kind, "tenant": tenant, "deployment_id": deployment_id, "name": name},
+    )
+    return token_id, secret
+
+
+def authenticate(conn: Connection, authorization: str | None) -> Principal:
+    """Resolve an ``Authorization: Bearer ...`` header to a principal, or raise 401."""
+    if not authorization:
+        raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
+    scheme, _, secret = authorization.partition(" ")
+    secret = secret.strip()
+    if scheme.lower() != "bearer" or not secret:
+        raise Unauthorized("the Authorization header must be 'Bearer <token>'")
+    row = conn.execute(
+        select(
+            m.ApiToken.id,
+            m.ApiToken.kind,
+            m.ApiToken.tenant,
+            m.ApiToken.deployment_id,
+            m.ApiToken.prefix,
+            m.ApiToken.revoked_at,
+        ).where(m.ApiToken.token_hash == hash_token(secret))
+    ).first()
+    if row is None or row.revoked_at is not None:
+        raise Unauthorized("unknown or revoked token")
+    return Principal(row.id, row.kind, row.tenant, row.deployment_id, row.prefix)

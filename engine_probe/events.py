@@ -1,0 +1,385 @@
+"""The wire contract between every producer (probes, gateway, scraper, verifier) and the collector.
+
+One typed, versioned schema. Every event carries ``schema_version``, ``probe_id``, a
+per-probe strictly increasing ``seq`` (idempotency and gap detection), ``ts`` (timezone-aware,
+stored as UTC) and ``deployment_id``; ``kind`` selects the event type.
+
+Events describe token counts, pool occupancy and page movements. None of them has a field for
+prompt or completion text, and unknown fields are rejected, so a producer cannot smuggle text
+into the collector by accident.
+
+Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
+which is what an ingest path taking hundreds of thousands of events per second needs (about
+five times pydantic's ``validate_json`` on the same schema). This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+SCHEMA_VERSION: Final = 1
+
+# Limits shared by the decoder and the database column sizes (collector.models uses them).
+ID_MAX: Final = 128
+NAME_MAX: Final = 256
+MAX_PAGE_IDS: Final = 4096
+MAX_CATEGORIES: Final = 16
+MAX_TOKENS: Final = 2**40  # far past any context window, well inside BIGINT
+MAX_SEQ: Final = 2**62
+
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=ID_MAX, pattern=_ID_PATTERN)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX)]
+ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+PositiveTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+Seq = Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)]
+UtcTime = Annotated[datetime, msgspec.Meta(tz=True)]
+PageId = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
+PageIds = Annotated[list[PageId], msgspec.Meta(max_length=MAX_PAGE_IDS)]
+Category = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=_ID_PATTERN)]
+Categories = Annotated[list[Category], msgspec.Meta(max_length=MAX_CATEGORIES)]
+
+Role = Literal["prefill", "decode", "both"]
+RejectReason = Literal[
+    "context_length_exceeded",  # prompt longer than the advertised context
+    "pool_exhausted",  # prompt longer than the KV pool (the incident's path)
+    "invalid_request",
+    "rate_limited",
+    "other",
+]
+FinishStatus = Literal["completed", "length", "error", "aborted"]
+ReadKind = Literal["decode", "prefill", "transfer"]
+CanaryDetector = Literal["paint", "text"]
+DropReason = Literal["buffer_full", "spool_full", "spool_error", "rejected_by_collector", "shutdown"]
+
+
+class Event(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="kind"
+):
+    """Fields every event carries."""
+
+    schema_version: Literal[1]
+    probe_id: Id
+    seq: Seq
+    ts: UtcTime
+    deployment_id: Id
+
+
+class EngineConfig(Event, tag="engine.config", kw_only=True):
+    """What one engine node is configured with; emitted at start and on every change."""
+
+    engine: ShortName
+    engine_version: ShortName
+    model_id: Name
+    node: Id = "node-0"
+    role: Role = "both"
+    advertised_context: PositiveTokens
+    pool_capacity_tokens: Tokens
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    dtype: ShortName
+    quantization: ShortName | None = None
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    cuda_graphs: bool = False
+    disaggregated: bool = False
+    prefix_caching: bool = False
+    prefix_cache_salting: bool = False
+
+
+class RequestAdmitted(Event, tag="request.admitted", kw_only=True):
+    """A request accepted for prefill. ``prompt_tokens``/``model_id`` may be missing when
+    the producer cannot see them; telemetry hygiene rules flag that."""
+
+    request_id: Id
+    tenant: Id
+    route: Name = "/v1/completions"
+    model_id: Name | None
+    prompt_tokens: Tokens | None
+    max_tokens: Tokens | None = None
+    node: Id | None = None
+    data_categories: Categories = []
+
+
+class RequestRejected(Event, tag="request.rejected", kw_only=True):
+    """A request refused; ``limit_tokens`` is the limit it crossed."""
+
+    request_id: Id
+    tenant: Id
+    route: Name = "/v1/completions"
+    model_id: Name | None
+    reason: RejectReason
+    prompt_tokens: Tokens | None
+    limit_tokens: Tokens | None = None
+    node: Id | None = None
+    data_categories: Categories = []
+
+
+class RequestFinished(Event, tag="request.finished", kw_only=True):
+    """A request that produced an answer (or failed while producing one)."""
+
+    request_id: Id
+    tenant: Id
+    route: Name | None = None
+    model_id: Name | None = None
+    prompt_tokens: Tokens | None = None
+    completion_tokens: Tokens | None
+    status: FinishStatus
+    node: Id | None = None
+
+
+class PoolSample(Event, tag="pool.sample", kw_only=True):
+    """KV pool occupancy of one node at ``ts``."""
+
+    node: Id = "node-0"
+    role: Role = "both"
+    capacity_tokens: Tokens
+    used_tokens: Tokens
+    free_tokens: Tokens
+
+    def __post_init__(self) -> None:
+        if self.used_tokens + self.free_tokens > self.capacity_tokens:
+            raise ValueError("used_tokens: used_tokens + free_tokens exceeds capacity_tokens")
+
+
+class KvTransfer(Event, tag="kv.transfer", kw_only=True):
+    """KV pages moved between nodes (disaggregated prefill → decode)."""
+
+    request_id: Id
+    tenant: Id
+    from_node: Id
+    to_node: Id
+    pages: Count
+    tokens: Tokens = 0
+    prefill_rejected: bool = False
+
+
+class PageReuse(Event, tag="page.reuse", kw_only=True):
+    """Pages handed to a new owner during one engine step, aggregated."""
+
+    node: Id = "node-0"
+    role: Role = "both"
+    step: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+    reused_pages: Count
+    cross_tenant_pages: Count
+    zeroized_pages: Count = 0
+
+    def __post_init__(self) -> None:
+        if self.cross_tenant_pages > self.reused_pages:
+            raise ValueError("cross_tenant_pages: cross_tenant_pages exceeds reused_pages")
+
+
+class PageStaleRead(Event, tag="page.stale_read", kw_only=True):
+    """A read of pages not written by the reader's own request in their current generation.
+
+    ``previous_*`` name the last writer of those pages (the exposed tenant); both are None
+    when the pages were never written since the pool was created.
+    """
+
+    node: Id = "node-0"
+    role: Role = "both"
+    read_kind: ReadKind = "decode"
+    reader_request_id: Id
+    reader_tenant: Id
+    page_ids: PageIds
+    previous_request_id: Id | None
+    previous_tenant: Id | None
+    zeroized: bool = False
+
+    @property
+    def cross_tenant(self) -> bool:
+        return self.previous_tenant is not None and self.previous_tenant != self.reader_tenant
+
+
+class CanaryHit(Event, tag="canary.hit", kw_only=True):
+    """A canary (painted page pattern or planted text) found where it must not be."""
+
+    node: Id = "node-0"
+    detector: CanaryDetector
+    reader_request_id: Id
+    reader_tenant: Id
+    canary_tenant: Id | None = None
+    page_ids: PageIds = []
+
+
+class ProbeDrops(Event, tag="probe.drops", kw_only=True):
+    """Events a probe had to drop since its previous report, by reason. Never silent."""
+
+    counts: dict[DropReason, Count]
+
+
+AnyEvent = (
+    EngineConfig
+    | RequestAdmitted
+    | RequestRejected
+    | RequestFinished
+    | PoolSample
+    | KvTransfer
+    | PageReuse
+    | PageStaleRead
+    | CanaryHit
+    | ProbeDrops
+)
+
+EVENT_TYPES: Final[tuple[type[Event], ...]] = (
+    EngineConfig,
+    RequestAdmitted,
+    RequestRejected,
+    RequestFinished,
+    PoolSample,
+    KvTransfer,
+    PageReuse,
+    PageStaleRead,
+    CanaryHit,
+    ProbeDrops,
+)
+KINDS: Final[tuple[str, ...]] = tuple(str(t.__struct_config__.tag) for t in EVENT_TYPES)
+
+
+def kind_of(event: Event) -> str:
+    return str(event.__struct_config__.tag)
+
+
+@dataclass(frozen=True, slots=True)
+class FieldError:
+    """One problem in a batch: which event (``index``; None for the body itself), which
+    field (a dotted path inside that event; None when it is the whole event), and why."""
+
+    index: int | None
+    field: str | None
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "field": self.field, "message": self.message}
+
+
+class DecodeError(ValueError):
+    """A batch that cannot be accepted, with every problem found in it."""
+
+    def __init__(self, errors: Sequence[FieldError]):
+        self.errors = list(errors)
+        first = self.errors[0] if self.errors else None
+        where = "" if first is None else _describe(first)
+        more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
+        super().__init__(f"invalid event batch: {where}{more}")
+
+
+def _describe(err: FieldError) -> str:
+    parts = []
+    if err.index is not None:
+        parts.append(f"event {err.index}")
+    if err.field:
+        parts.append(f"field {err.field!r}")
+    return (", ".join(parts) + ": " if parts else "") + err.message
+
+
+_batch_decoder = msgspec.json.Decoder(list[AnyEvent])
+_event_decoder = msgspec.json.Decoder(AnyEvent)
+_raw_list_decoder = msgspec.json.Decoder(list[msgspec.Raw])
+_encoder = msgspec.json.Encoder()
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_MISSING = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
+_IDX = re.compile(r"^\[(\d+)\]")
+# Cross-field checks in ``__post_init__`` start their message with the field they blame.
+_BLAME = re.compile(r"^(?P<field>[a-z_]+): (?P<msg>.*)$", re.S)
+
+
+def _field_error(index: int | None, exc: msgspec.MsgspecError) -> FieldError:
+    """Turn msgspec's ``"<message> - at `$[3].seq`"`` into (index, field, message)."""
+    m = _AT.match(str(exc))
+    assert m is not None  # the pattern matches any string
+    message, path = m.group("msg"), m.group("path") or ""
+    if index is None and (im := _IDX.match(path)):
+        index, path = int(im.group(1)), path[im.end() :]
+    field = path.lstrip(".") or None
+    if (missing := _MISSING.search(message)) is not None:
+        field = f"{field}.{missing.group(1)}" if field else missing.group(1)
+    elif field is None and (blame := _BLAME.match(message)) is not None:
+        field, message = blame.group("field"), blame.group("msg")
+    return FieldError(index, field, message)
+
+
+def decode_json_batch(body: bytes, *, max_events: int | None = None) -> list[Event]:
+    """Decode a JSON array of events, validating every field.
+
+    Raises :class:`DecodeError` naming every bad event's index and field. The common case (a
+    valid batch) is one typed decode; only a bad batch pays for per-event diagnosis.
+    """
+    try:
+        events: list[Event] = _batch_decoder.decode(body)
+    except msgspec.ValidationError:
+        pass  # diagnose every event below
+    except msgspec.DecodeError as exc:
+        raise DecodeError([FieldError(None, None, f"malformed JSON: {exc}")]) from None
+    else:
+        if max_events is not None and len(events) > max_events:
+            raise BatchTooLarge(len(events), max_events)
+        return events
+    try:
+        raws = _raw_list_decoder.decode(body)
+    except msgspec.ValidationError:
+        raise DecodeError([FieldError(None, None, "expected a JSON array of events")]) from None
+    if max_events is not None and len(raws) > max_events:
+        raise BatchTooLarge(len(raws), max_events)
+    return _decode_each(raws, offset=0)
+
+
+def decode_ndjson_batch(body: bytes, *, max_events: int | None = None) -> list[Event]:
+    """Decode newline-delimited JSON events (one event per non-blank line)."""
+    lines = [line for line in body.split(b"\n") if line.strip()]
+    if max_events is not None and len(lines) > max_events:
+        raise BatchTooLarge(len(lines), max_events)
+    return _decode_each(lines, offset=0)
+
+
+def _decode_each(items: Iterable[bytes | msgspec.Raw], *, offset: int) -> list[Event]:
+    events: list[Event] = []
+    errors: list[FieldError] = []
+    for i, item in enumerate(items, start=offset):
+        try:
+            events.append(_event_decoder.decode(item))
+        except msgspec.ValidationError as exc:
+            errors.append(_field_error(i, exc))
+        except msgspec.DecodeError as exc:
+            errors.append(FieldError(i, None, f"malformed JSON: {exc}"))
+    if errors:
+        raise DecodeError(errors)
+    return events
+
+
+def decode_event(data: bytes) -> Event:
+    """Decode one event (tests, spool replay)."""
+    return _decode_each([data], offset=0)[0]
+
+
+class BatchTooLarge(ValueError):
+    def __init__(self, count: int, limit: int):
+        self.count, self.limit = count, limit
+        super().__init__(f"batch holds {count} events; the limit is {limit}")
+
+
+def encode_batch(events: Sequence[Event]) -> bytes:
+    """Encode events as a JSON array (what producers send)."""
+    return _encoder.encode(events)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def to_builtins(event: Event) -> dict[str, Any]:
+    """The event as plain JSON-compatible values, ``kind`` included."""
+    out: dict[str, Any] = msgspec.to_builtins(event)
+    return out

@@ -1,0 +1,48 @@
+"""Alembic environment: the URL comes from the caller (``kvwatch db upgrade`` passes the
+collector's ``KVWATCH_DATABASE_URL``), the target schema from ``collector.models``."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine, text
+
+from collector.models import Base
+from collector.settings import Settings
+
+config = context.config
+url = config.attributes.get("kvwatch_url") or config.get_main_option("sqlalchemy.url")
+if not url:
+    url = Settings().database_url
+
+# Several collector replicas may start together: one migrates, the others wait for it.
+_PG_LOCK = 0x6B7677617463  # "kvwatc"
+
+
+def run_migrations_online() -> None:
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_LOCK})
+            conn.commit()
+        try:
+            context.configure(
+                connection=conn,
+                target_metadata=Base.metadata,
+                render_as_batch=conn.dialect.name == "sqlite",
+                compare_type=True,
+            )
+            with context.begin_transaction():
+                context.run_migrations()
+        finally:
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_LOCK})
+                conn.commit()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    context.configure(url=url, target_metadata=Base.metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    run_migrations_online()

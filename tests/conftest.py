@@ -1,0 +1,143 @@
+"""Shared fixtures: real databases (SQLite files and fresh PostgreSQL databases) and a real
+collector served over HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+PG_ADMIN_URL = os.environ.get("KVWATCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def _pg_available() -> bool:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL, connect_timeout=3):
+            return True
+    except Exception:
+        return False
+
+
+_PG_OK: bool | None = None
+
+
+def pg_available() -> bool:
+    global _PG_OK
+    if _PG_OK is None:
+        _PG_OK = _pg_available()
+    return _PG_OK
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped afterwards."""
+    if not pg_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL}")
+        pytest.skip("PostgreSQL not reachable")
+    import psycopg
+
+    name = f"kvw_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    try:
+        yield f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'kvwatch.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'kvwatch.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Collector:
+    url: str
+    db_url: str
+    admin: str
+    ingest: str
+    server: object
+
+    def client(self, token: str | None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def token(self, kind: str, **kw: str | None) -> str:
+        return make_token(self.db_url, kind, **kw)
+
+
+def make_token(db_url: str, kind: str, **kw: str | None) -> str:
+    from collector.db import Database
+    from collector.models import to_micros
+    from collector.tokens import create_token
+    from engine_probe.events import utcnow
+
+    db = Database(db_url)
+    try:
+        with db.write() as conn:
+            return create_token(conn, kind=kind, now_us=to_micros(utcnow()), **kw)[1]  # type: ignore[arg-type]
+    finally:
+        db.dispose()
+
+
+@pytest.fixture
+def collector(db_url: str) -> Iterator[Collector]:
+    """The real collector app, served by uvicorn on 127.0.0.1 in a thread."""
+    import uvicorn
+
+    from collector import migrate
+    from collector.app import create_app
+    from collector.settings import Settings
+
+    migrate.upgrade(db_url)
+    settings = Settings(
+        database_url=db_url, max_batch_events=1000, max_body_bytes=1024 * 1024, auto_migrate=False
+    )
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("collector did not start")
+        time.sleep(0.02)
+    try:
+        yield Collector(
+            f"http://127.0.0.1:{port}",
+            db_url,
+            make_token(db_url, "admin"),
+            make_token(db_url, "ingest"),
+            server,
+        )
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

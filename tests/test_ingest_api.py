@@ -1,0 +1,318 @@
+"""POST /v1/events and the read API, through real HTTP, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import create_engine, func, select
+
+from collector import models as m
+from engine_probe import events as ev
+from tests import factories as f
+from tests.conftest import Collector
+
+
+def post(c: Collector, events: list[ev.Event] | bytes, token: str | None = None, **kw: Any):
+    body = events if not isinstance(events, list) else ev.encode_batch(events)
+    headers = {"Content-Type": "application/json"} | kw.pop("headers", {})
+    with c.client(token if token is not None else c.ingest) as client:
+        return client.post("/v1/events", content=body, headers=headers, **kw)
+
+
+def count(c: Collector, model: Any) -> int:
+    eng = create_engine(c.db_url)
+    try:
+        with eng.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(model)).scalar_one())
+    finally:
+        eng.dispose()
+
+
+def all_counts(c: Collector) -> dict[str, int]:
+    return {
+        t.__tablename__: count(c, t)
+        for t in (m.Request, m.PoolSample, m.PageEvent, m.DeploymentConfig, m.Probe, m.Deployment)
+    }
+
+
+def workload() -> list[ev.Event]:
+    return [
+        f.config(1),
+        f.admitted(2, "r1", "acme", 900_000, data_categories=["source_code"]),
+        f.pool(3, used=600_000),
+        f.admitted(4, "r2", "globex", 2_000),
+        f.finished(5, "r1", "acme", 40),
+        f.rejected(6, "r3", "initech", 700_000),
+        f.stale_read(7),
+        f.finished(8, "r2", "globex", 10),
+    ]
+
+
+def test_batch_is_stored_and_readable(collector: Collector) -> None:
+    r = post(collector, workload())
+    assert r.status_code == 200, r.text
+    assert r.json() == {"accepted": 8, "duplicates": 0, "gaps": []}
+    with collector.client(collector.admin) as c:
+        reqs = c.get("/v1/requests").json()["items"]
+        by_id = {x["request_id"]: x for x in reqs}
+        assert set(by_id) == {"r1", "r2", "r3"}
+        assert by_id["r1"]["prompt_tokens"] == 900_000
+        assert by_id["r1"]["completion_tokens"] == 40
+        assert by_id["r1"]["status"] == "completed"
+        assert by_id["r1"]["data_categories"] == ["source_code"]
+        assert by_id["r3"]["status"] == "rejected"
+        assert by_id["r3"]["reject_reason"] == "pool_exhausted"
+        assert by_id["r3"]["limit_tokens"] == 681_280
+        deps = c.get("/v1/deployments").json()
+        assert [d["deployment_id"] for d in deps] == ["glm-prod"]
+        cfg = deps[0]["config"][0]
+        assert cfg["advertised_context"] == 1_048_576
+        assert cfg["pool_capacity_tokens"] == 681_280
+        pe = c.get("/v1/page-events").json()["items"]
+        assert pe[0]["kind"] == "page.stale_read"
+        assert pe[0]["tenant"] == "globex" and pe[0]["other_tenant"] == "acme"
+        assert pe[0]["cross_tenant"] is True
+        assert pe[0]["detail"]["page_ids"] == [3, 4, 5]
+
+
+def test_retried_batch_stores_nothing_twice(collector: Collector) -> None:
+    batch = workload()
+    assert post(collector, batch).json()["accepted"] == 8
+    before = all_counts(collector)
+    again = post(collector, batch)
+    assert again.status_code == 200
+    assert again.json() == {"accepted": 0, "duplicates": 8, "gaps": []}
+    assert all_counts(collector) == before
+    # an overlapping batch stores only its new events
+    r = post(collector, [*batch[5:], f.pool(9), f.pool(10)])
+    assert r.json() == {"accepted": 2, "duplicates": 3, "gaps": []}
+    assert count(collector, m.PoolSample) == 3
+
+
+def test_request_events_merge_across_batches_in_any_order(collector: Collector) -> None:
+    post(collector, [f.finished(5, "r9", "acme", 33, probe="decode")])
+    post(collector, [f.admitted(1, "r9", "acme", 4242, probe="prefill")])
+    with collector.client(collector.admin) as c:
+        (row,) = c.get("/v1/requests").json()["items"]
+    assert (row["prompt_tokens"], row["completion_tokens"], row["status"]) == (4242, 33, "completed")
+    assert row["model_id"] == "glm-5.3"
+    assert row["first_ts"] < row["last_ts"]
+
+
+def test_seq_gaps_are_recorded_and_filled(collector: Collector) -> None:
+    r = post(collector, [f.pool(1), f.pool(2), f.pool(6), f.pool(9)])
+    assert r.json()["gaps"] == [[3, 5], [7, 8]]
+    with collector.client(collector.admin) as c:
+        (p,) = c.get("/v1/probes").json()
+        assert p["missing"] == 5 and p["gaps"] == [[3, 5], [7, 8]]
+        # a late event fills part of a gap; a resend of a stored one is a duplicate
+        r = post(collector, [f.pool(4), f.pool(6)])
+        assert r.json() == {"accepted": 1, "duplicates": 1, "gaps": []}
+        (p,) = c.get("/v1/probes").json()
+        assert p["gaps"] == [[3, 3], [5, 5], [7, 8]]
+        metrics = c.get("/metrics").text
+    assert 'kvwatch_probe_missing_events{deployment="glm-prod",probe="probe-a"} 4.0' in metrics
+
+
+def test_ndjson_batches(collector: Collector) -> None:
+    body = b"\n".join(ev.encode_event(e) for e in workload()[:3]) + b"\n"
+    r = post(collector, body, headers={"Content-Type": "application/x-ndjson"})
+    assert r.status_code == 200, r.text
+    assert r.json()["accepted"] == 3
+
+
+def _bad_batch() -> bytes:
+    good = [f.as_json(e) for e in workload()]
+    good[1]["prompt_tokens"] = "lots"  # wrong type
+    del good[3]["tenant"]  # missing field
+    good[4]["kind"] = "request.teleported"  # unknown kind
+    good[6]["page_ids"] = [-1]  # out of range
+    return json.dumps(good, default=str).encode()
+
+
+def test_bad_events_are_named_and_nothing_is_stored(collector: Collector) -> None:
+    r = post(collector, _bad_batch())
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["code"] == "invalid_input"
+    where = {(d["index"], d["field"]) for d in err["details"]}
+    assert where == {(1, "prompt_tokens"), (3, "tenant"), (4, "kind"), (6, "page_ids[0]")}
+    assert "event 1" in err["message"] and "prompt_tokens" in err["message"]
+    assert all(v == 0 for v in all_counts(collector).values())
+
+
+def test_text_fields_are_refused(collector: Collector) -> None:
+    e = f.as_json(f.admitted(1, "r1"))
+    e["prompt"] = "my secret source code"
+    r = post(collector, json.dumps([e], default=str).encode())
+    assert r.status_code == 422
+    assert r.json()["error"]["details"][0]["field"] == "prompt"
+    assert count(collector, m.Request) == 0
+
+
+def test_semantic_checks(collector: Collector) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    future = datetime.now(UTC) + timedelta(days=2)
+    r = post(collector, [f.pool(1), f.pool(2, probe="other"), f.pool(3, ts=future)])
+    assert r.status_code == 422
+    assert {(d["index"], d["field"]) for d in r.json()["error"]["details"]} == {
+        (1, "probe_id"),
+        (2, "ts"),
+    }
+    r = post(collector, [f.as_json(f.pool(1)) | {"used_tokens": 10**6}] and b"[]")
+    assert r.status_code == 422 and "no events" in r.json()["error"]["message"]
+    bad = f.as_json(f.pool(1, used=10, cap=20)) | {"used_tokens": 30}
+    r = post(collector, json.dumps([bad], default=str).encode())
+    assert r.status_code == 422
+    assert r.json()["error"]["details"][0]["field"] == "used_tokens"
+    assert post(collector, b"[{").status_code == 422
+    assert post(collector, b'{"not": "a list"}').status_code == 422
+    r = post(collector, b"[]", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    assert all(v == 0 for v in all_counts(collector).values())
+
+
+def test_oversize_batches_get_413(collector: Collector) -> None:
+    too_many = [f.pool(i) for i in range(1, 1002)]  # the fixture's limit is 1000 events
+    r = post(collector, too_many)
+    assert r.status_code == 413
+    assert r.json()["error"]["details"] == {"limit_events": 1000}
+    huge = b"[" + b" " * (1024 * 1024) + b"]"  # 1 MiB limit in the fixture
+    r = post(collector, huge)
+    assert r.status_code == 413
+    # a chunked body without Content-Length is measured as it streams
+    r = post(collector, iter([b"[", b" " * (1024 * 1024), b"]"]))  # type: ignore[arg-type]
+    assert r.status_code == 413
+    assert count(collector, m.PoolSample) == 0
+
+
+def test_tokens(collector: Collector) -> None:
+    batch = [f.pool(1)]
+    assert post(collector, batch, token="").status_code == 401
+    assert post(collector, batch, token="kvw_ingest_forged").status_code == 401
+    r = post(collector, batch, headers={"Authorization": "Basic abc"})
+    assert r.status_code == 401
+    assert post(collector, batch, token=collector.admin).status_code == 403
+    read = collector.token("read")
+    assert post(collector, batch, token=read).status_code == 403
+    assert count(collector, m.PoolSample) == 0
+    # a probe's seq space belongs to the first token that wrote it
+    assert post(collector, batch).status_code == 200
+    other = collector.token("ingest")
+    r = post(collector, [f.pool(2)], token=other)
+    assert r.status_code == 403 and r.json()["error"]["details"] == {"field": "probe_id"}
+    # a deployment-scoped ingest token writes only its deployment
+    scoped = collector.token("ingest", deployment_id="llama-dev")
+    r = post(collector, [f.pool(1, probe="p2", dep="glm-prod")], token=scoped)
+    assert r.status_code == 403
+    assert post(collector, [f.pool(1, probe="p2", dep="llama-dev")], token=scoped).status_code == 200
+    # reads
+    with collector.client(None) as c:
+        r = c.get("/v1/requests")
+        assert r.status_code == 401 and "items" not in r.text
+    with collector.client(collector.ingest) as c:
+        assert c.get("/v1/requests").status_code == 403
+        assert c.get("/v1/deployments").status_code == 403
+
+
+def test_tenant_scoped_read_tokens(collector: Collector) -> None:
+    post(collector, workload())
+    acme = collector.token("read", tenant="acme")
+    with collector.client(acme) as c:
+        items = c.get("/v1/requests").json()["items"]
+        assert {x["tenant"] for x in items} == {"acme"}
+        r = c.get("/v1/requests", params={"tenant": "globex"})
+        assert r.status_code == 403 and "items" not in r.json()
+        assert c.get("/v1/requests", params={"tenant": "acme"}).status_code == 200
+        # page events: acme sees the stale read that exposed its pages
+        assert len(c.get("/v1/page-events").json()["items"]) == 1
+        assert c.get("/v1/probes").status_code == 403
+    initech = collector.token("read", tenant="initech")
+    with collector.client(initech) as c:
+        assert [x["request_id"] for x in c.get("/v1/requests").json()["items"]] == ["r3"]
+        assert c.get("/v1/page-events").json()["items"] == []
+
+
+def test_request_filters_and_pages(collector: Collector) -> None:
+    events = []
+    seq = 0
+    for i in range(25):
+        seq += 1
+        events.append(
+            f.admitted(seq, f"q{i:02d}", "acme" if i % 2 else "globex", 1000 * i,
+                       model_id="glm-5.3" if i < 20 else "llama-3")
+        )
+    post(collector, events)
+    with collector.client(collector.admin) as c:
+        seen: list[str] = []
+        cursor = None
+        while True:
+            params: dict[str, Any] = {"limit": 7}
+            if cursor:
+                params["cursor"] = cursor
+            page = c.get("/v1/requests", params=params).json()
+            seen += [x["request_id"] for x in page["items"]]
+            cursor = page["next_cursor"]
+            if not cursor:
+                break
+        assert seen == [f"q{i:02d}" for i in reversed(range(25))]
+        q = c.get("/v1/requests", params={"min_prompt_tokens": 20_000}).json()["items"]
+        assert {x["request_id"] for x in q} == {f"q{i}" for i in range(20, 25)}
+        q = c.get("/v1/requests", params={"model_id": "llama-3", "tenant": "acme"}).json()
+        assert {x["request_id"] for x in q["items"]} == {"q21", "q23"}
+        since = (f.T0.replace(second=10)).isoformat()
+        q = c.get("/v1/requests", params={"since": since, "limit": 100}).json()["items"]
+        assert len(q) == 16  # seq 10..25
+        assert c.get("/v1/requests", params={"cursor": "garbage!"}).status_code == 400
+        r = c.get("/v1/requests", params={"limit": 0})
+        assert r.status_code == 422 and r.json()["error"]["details"][0]["field"] == "limit"
+        assert c.get("/v1/requests", params={"since": "yesterday"}).status_code == 422
+
+
+def test_pool_samples_are_downsampled(collector: Collector) -> None:
+    from datetime import timedelta
+
+    events = [f.pool(i, used=i * 10, ts=f.T0 + timedelta(seconds=i)) for i in range(1, 1001)]
+    post(collector, events)
+    with collector.client(collector.admin) as c:
+        r = c.get(
+            "/v1/pool-samples",
+            params={
+                "since": f.T0.isoformat(),
+                "until": (f.T0 + timedelta(seconds=1000)).isoformat(),
+                "max_points": 10,
+            },
+        ).json()
+    assert r["bucket_seconds"] == 100
+    items = r["items"]
+    assert len(items) == 10
+    assert sum(b["samples"] for b in items) == 999  # ts = T0+1000s lies at `until`, excluded
+    assert items[-1]["used_max"] == 9990  # a spike survives downsampling
+    assert items[0]["used_avg"] == sum(range(10, 1000, 10)) / 99
+
+
+def test_metrics(collector: Collector) -> None:
+    post(collector, workload())
+    post(collector, workload())
+    post(collector, _bad_batch())
+    with collector.client(None) as c:
+        text = c.get("/metrics").text
+    assert 'kvwatch_ingest_events_total{result="accepted"} 8.0' in text
+    assert 'kvwatch_ingest_events_total{result="duplicate"} 8.0' in text
+    assert 'kvwatch_ingest_rejected_batches_total{reason="invalid_input"} 1.0' in text
+    assert "kvwatch_ingest_batch_seconds_count 2.0" in text
+    assert 'kvwatch_deployment_advertised_context_tokens{deployment="glm-prod"' in text
+    assert 'kvwatch_deployment_pool_used_tokens{deployment="glm-prod",node="node-0",role="both"} 600000.0' in text
+
+
+def test_health_and_openapi(collector: Collector) -> None:
+    with collector.client(None) as c:
+        assert c.get("/healthz").json()["status"] == "ok"
+        assert c.get("/readyz").json()["status"] == "ok"
+        doc = c.get("/openapi.json").json()
+        assert c.get("/nope").json()["error"]["code"] == "not_found"
+    for path in ("/v1/events", "/v1/requests", "/v1/deployments", "/v1/pool-samples"):
+        assert path in doc["paths"]
+    assert "PageStaleRead" in doc["components"]["schemas"]
