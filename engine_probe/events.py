@@ -327,6 +327,9 @@ def decode_json_batch(body: bytes, *, max_events: int | None = None) -> list[Eve
         raws = _raw_list_decoder.decode(body)
     except msgspec.ValidationError:
         raise DecodeError([FieldError(None, None, "expected a JSON array of events")]) from None
+    except msgspec.DecodeError as exc:
+        # The typed pass can stop at a bad field before reaching malformed bytes later on.
+        raise DecodeError([FieldError(None, None, f"malformed JSON: {exc}")]) from None
     if max_events is not None and len(raws) > max_events:
         raise BatchTooLarge(len(raws), max_events)
     return _decode_each(raws, offset=0)

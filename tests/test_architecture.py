@@ -1,0 +1,76 @@
+"""The import direction in DESIGN.md, and the packages that must import without torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"collector", "engine_probe", "policies", "dashboard", "refengine", "kvwatch", "migrations"}
+
+# package -> which of our packages it may import
+ALLOWED = {
+    "refengine": set(),
+    "engine_probe": {"engine_probe"},
+    "policies": {"engine_probe.events"},
+    "collector": {"collector", "policies", "engine_probe.events"},
+    "migrations": {"collector"},
+    "dashboard": {"dashboard"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from a import b` counts as importing a.b: b may be a module or a name in a
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _allowed(name: str, rules: set[str]) -> bool:
+    return any(name == r or name.startswith(r + ".") for r in rules)
+
+
+def test_import_direction() -> None:
+    bad = []
+    for pkg, rules in ALLOWED.items():
+        for path in (ROOT / pkg).rglob("*.py"):
+            for name in _imports(path):
+                top = name.split(".")[0]
+                if top not in OURS or top == pkg and pkg != "engine_probe":
+                    continue
+                if pkg == "engine_probe" and name.startswith("engine_probe"):
+                    continue
+                if not _allowed(name, rules):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert bad == []
+
+
+def test_nothing_imports_the_front_door() -> None:
+    bad = [
+        str(p.relative_to(ROOT))
+        for pkg in ALLOWED
+        for p in (ROOT / pkg).rglob("*.py")
+        if any(n == "kvwatch" or n.startswith("kvwatch.") for n in _imports(p))
+    ]
+    assert bad == []
+
+
+def test_torch_free_packages_import_without_torch() -> None:
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError('torch is blocked in this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import collector.app, collector.store, engine_probe, engine_probe.events\n"
+        "import policies, dashboard\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
