@@ -252,13 +252,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             from fastapi.openapi.utils import get_openapi
 
             doc = get_openapi(
-                title=app.title, version=app.version, description=app.description,
+                title=app.title,
+                version=app.version,
+                description=app.description,
                 routes=app.routes,
             )
             doc.setdefault("components", {}).setdefault("schemas", {}).update(_EVENT_COMPONENTS)
-            doc["components"]["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}
-            }
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             doc["security"] = [{"bearer": []}]
             app.openapi_schema = doc
         return app.openapi_schema

@@ -95,7 +95,8 @@ class _DeploymentGauges(Collector):
         try:
             with self.db.read() as conn:
                 latest_cfg = select(func.max(m.DeploymentConfig.id)).group_by(
-                    m.DeploymentConfig.deployment_id, m.DeploymentConfig.node,
+                    m.DeploymentConfig.deployment_id,
+                    m.DeploymentConfig.node,
                     m.DeploymentConfig.role,
                 )
                 for c in conn.execute(
@@ -107,12 +108,12 @@ class _DeploymentGauges(Collector):
                 latest_pool = select(func.max(m.PoolSample.id)).group_by(
                     m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role
                 )
-                for p in conn.execute(
-                    select(m.PoolSample).where(m.PoolSample.id.in_(latest_pool))
-                ):
+                for p in conn.execute(select(m.PoolSample).where(m.PoolSample.id.in_(latest_pool))):
                     lv = [p.deployment_id, p.node, p.role]
                     used.add_metric(lv, p.used_tokens)
-                    occ.add_metric(lv, p.used_tokens / p.capacity_tokens if p.capacity_tokens else 0)
+                    occ.add_metric(
+                        lv, p.used_tokens / p.capacity_tokens if p.capacity_tokens else 0
+                    )
                 since = int((time.time() - 3600) * 1_000_000)
                 for dep, mx in conn.execute(
                     select(m.Request.deployment_id, func.max(m.Request.prompt_tokens))

@@ -205,7 +205,7 @@ def list_probes(conn: Connection) -> list[dict[str, Any]]:
         drops.setdefault(d[0], {})[d[1]] = int(d[2])
     out = []
     for p in conn.execute(select(m.Probe).order_by(m.Probe.probe_id)):
-        g = gaps.get(p.probe_id, [])
+        probe_gaps = gaps.get(p.probe_id, [])
         out.append(
             {
                 "probe_id": p.probe_id,
@@ -213,8 +213,8 @@ def list_probes(conn: Connection) -> list[dict[str, Any]]:
                 "max_seq": p.max_seq,
                 "accepted": p.accepted,
                 "duplicates": p.duplicates,
-                "missing": sum(b - a + 1 for a, b in g),
-                "gaps": [list(x) for x in g],
+                "missing": sum(b - a + 1 for a, b in probe_gaps),
+                "gaps": [list(x) for x in probe_gaps],
                 "reported_drops": drops.get(p.probe_id, {}),
                 "first_seen": p.first_seen,
                 "last_seen": p.last_seen,

@@ -15,10 +15,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import msgspec
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 
 from collector import models as m
 from collector.errors import Forbidden
@@ -121,70 +122,69 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
     rows = Rows()
     reqs = rows.requests
     deps = rows.deployments
+    detail: dict[str, Any]
     for e in events:
         ts = micros(e.ts)
         dep = e.deployment_id
         span = deps.get(dep)
         deps[dep] = (ts, ts) if span is None else (min(span[0], ts), max(span[1], ts))
-        t = type(e)
-        if t is ev.PoolSample:
-            assert isinstance(e, ev.PoolSample)
-            rows.pool.append(
-                (dep, e.probe_id, e.seq, ts, e.node, e.role)
-                + (e.capacity_tokens, e.used_tokens, e.free_tokens)
-            )
-        elif t is ev.RequestAdmitted or t is ev.RequestRejected or t is ev.RequestFinished:
-            _fold_request(reqs, e, ts)
-        elif t is ev.PageStaleRead:
-            assert isinstance(e, ev.PageStaleRead)
-            detail = {"page_ids": e.page_ids, "read_kind": e.read_kind, "role": e.role}
-            rows.page.append(
-                (dep, e.probe_id, e.seq, ts, "page.stale_read", e.node, e.reader_request_id)
-                + (e.reader_tenant, e.previous_request_id, e.previous_tenant, len(e.page_ids))
-                + (e.cross_tenant, _json.encode(detail | {"zeroized": e.zeroized}).decode())
-            )
-        elif t is ev.KvTransfer:
-            assert isinstance(e, ev.KvTransfer)
-            detail = {
-                "from_node": e.from_node,
-                "to_node": e.to_node,
-                "tokens": e.tokens,
-                "prefill_rejected": e.prefill_rejected,
-            }
-            rows.page.append(
-                (dep, e.probe_id, e.seq, ts, "kv.transfer", e.from_node, e.request_id, e.tenant)
-                + (None, None, e.pages, False, _json.encode(detail).decode())
-            )
-        elif t is ev.PageReuse:
-            assert isinstance(e, ev.PageReuse)
-            detail = {
-                "step": e.step,
-                "role": e.role,
-                "cross_tenant_pages": e.cross_tenant_pages,
-                "zeroized_pages": e.zeroized_pages,
-            }
-            rows.page.append(
-                (dep, e.probe_id, e.seq, ts, "page.reuse", e.node, None, None, None, None)
-                + (e.reused_pages, e.cross_tenant_pages > 0, _json.encode(detail).decode())
-            )
-        elif t is ev.CanaryHit:
-            assert isinstance(e, ev.CanaryHit)
-            cross = e.canary_tenant is not None and e.canary_tenant != e.reader_tenant
-            detail = {"detector": e.detector, "page_ids": e.page_ids}
-            rows.page.append(
-                (dep, e.probe_id, e.seq, ts, "canary.hit", e.node, e.reader_request_id)
-                + (e.reader_tenant, None, e.canary_tenant, len(e.page_ids), cross)
-                + (_json.encode(detail).decode(),)
-            )
-        elif t is ev.EngineConfig:
-            assert isinstance(e, ev.EngineConfig)
-            rows.configs.append(e)
-        elif t is ev.ProbeDrops:
-            assert isinstance(e, ev.ProbeDrops)
-            for reason, count in sorted(e.counts.items()):
-                rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
-        else:  # pragma: no cover - the decoder only yields the kinds above
-            raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
+        match e:
+            case ev.PoolSample():
+                rows.pool.append(
+                    (dep, e.probe_id, e.seq, ts, e.node, e.role, e.capacity_tokens,
+                     e.used_tokens, e.free_tokens)
+                )  # fmt: skip
+            case ev.RequestAdmitted() | ev.RequestRejected() | ev.RequestFinished():
+                _fold_request(reqs, e, ts)
+            case ev.PageStaleRead():
+                detail = {
+                    "page_ids": e.page_ids,
+                    "read_kind": e.read_kind,
+                    "role": e.role,
+                    "zeroized": e.zeroized,
+                }
+                rows.page.append(
+                    (dep, e.probe_id, e.seq, ts, "page.stale_read", e.node, e.reader_request_id,
+                     e.reader_tenant, e.previous_request_id, e.previous_tenant, len(e.page_ids),
+                     e.cross_tenant, _json.encode(detail).decode())
+                )  # fmt: skip
+            case ev.KvTransfer():
+                detail = {
+                    "from_node": e.from_node,
+                    "to_node": e.to_node,
+                    "tokens": e.tokens,
+                    "prefill_rejected": e.prefill_rejected,
+                }
+                rows.page.append(
+                    (dep, e.probe_id, e.seq, ts, "kv.transfer", e.from_node, e.request_id,
+                     e.tenant, None, None, e.pages, False, _json.encode(detail).decode())
+                )  # fmt: skip
+            case ev.PageReuse():
+                detail = {
+                    "step": e.step,
+                    "role": e.role,
+                    "cross_tenant_pages": e.cross_tenant_pages,
+                    "zeroized_pages": e.zeroized_pages,
+                }
+                rows.page.append(
+                    (dep, e.probe_id, e.seq, ts, "page.reuse", e.node, None, None, None, None,
+                     e.reused_pages, e.cross_tenant_pages > 0, _json.encode(detail).decode())
+                )  # fmt: skip
+            case ev.CanaryHit():
+                cross = e.canary_tenant is not None and e.canary_tenant != e.reader_tenant
+                detail = {"detector": e.detector, "page_ids": e.page_ids}
+                rows.page.append(
+                    (dep, e.probe_id, e.seq, ts, "canary.hit", e.node, e.reader_request_id,
+                     e.reader_tenant, None, e.canary_tenant, len(e.page_ids), cross,
+                     _json.encode(detail).decode())
+                )  # fmt: skip
+            case ev.EngineConfig():
+                rows.configs.append(e)
+            case ev.ProbeDrops():
+                for reason, count in sorted(e.counts.items()):
+                    rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
+            case _:  # pragma: no cover - the decoder only yields the kinds above
+                raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
     return rows
 
 
@@ -197,10 +197,22 @@ def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> No
         status, reason, limit, completion, max_tokens = _PROVISIONAL, None, None, None, e.max_tokens
         cats = e.data_categories
     elif t is ev.RequestRejected:
-        status, reason, limit, completion, max_tokens = "rejected", e.reason, e.limit_tokens, None, None
+        status, reason, limit, completion, max_tokens = (
+            "rejected",
+            e.reason,
+            e.limit_tokens,
+            None,
+            None,
+        )
         cats = e.data_categories
     else:
-        status, reason, limit, completion, max_tokens = e.status, None, None, e.completion_tokens, None
+        status, reason, limit, completion, max_tokens = (
+            e.status,
+            None,
+            None,
+            e.completion_tokens,
+            None,
+        )
         cats = None
     cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
     row = reqs.get(key)
@@ -370,7 +382,7 @@ class IngestStore:
             inside = sorted(s for s in filled if lo <= s <= hi)
             if not inside:
                 continue
-            conn.execute(m.SeqGap.__table__.delete().where(m.SeqGap.id == gap_id))
+            conn.execute(delete(m.SeqGap).where(m.SeqGap.id == gap_id))
             remaining, start = [], lo
             for s in inside:
                 if s > start:
@@ -482,7 +494,7 @@ def _classify(
     fill existing gaps."""
     seqs = [e.seq for e in events]
     # The common case: a fresh, ordered batch above the high-water mark.
-    if seqs[0] > max_seq and all(a < b for a, b in zip(seqs, seqs[1:], strict=False)):
+    if seqs[0] > max_seq and all(a < b for a, b in pairwise(seqs)):
         return list(events), 0, set()
     seen: set[int] = set()
     new: list[ev.Event] = []

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, cast
 
 import msgspec
 
@@ -59,7 +59,9 @@ RejectReason = Literal[
 FinishStatus = Literal["completed", "length", "error", "aborted"]
 ReadKind = Literal["decode", "prefill", "transfer"]
 CanaryDetector = Literal["paint", "text"]
-DropReason = Literal["buffer_full", "spool_full", "spool_error", "rejected_by_collector", "shutdown"]
+DropReason = Literal[
+    "buffer_full", "spool_full", "spool_error", "rejected_by_collector", "shutdown"
+]
 
 
 class Event(
@@ -74,7 +76,7 @@ class Event(
     deployment_id: Id
 
 
-class EngineConfig(Event, tag="engine.config", kw_only=True):
+class EngineConfig(Event, tag="engine.config", kw_only=True, frozen=True):
     """What one engine node is configured with; emitted at start and on every change."""
 
     engine: ShortName
@@ -94,7 +96,7 @@ class EngineConfig(Event, tag="engine.config", kw_only=True):
     prefix_cache_salting: bool = False
 
 
-class RequestAdmitted(Event, tag="request.admitted", kw_only=True):
+class RequestAdmitted(Event, tag="request.admitted", kw_only=True, frozen=True):
     """A request accepted for prefill. ``prompt_tokens``/``model_id`` may be missing when
     the producer cannot see them; telemetry hygiene rules flag that."""
 
@@ -108,7 +110,7 @@ class RequestAdmitted(Event, tag="request.admitted", kw_only=True):
     data_categories: Categories = []
 
 
-class RequestRejected(Event, tag="request.rejected", kw_only=True):
+class RequestRejected(Event, tag="request.rejected", kw_only=True, frozen=True):
     """A request refused; ``limit_tokens`` is the limit it crossed."""
 
     request_id: Id
@@ -122,7 +124,7 @@ class RequestRejected(Event, tag="request.rejected", kw_only=True):
     data_categories: Categories = []
 
 
-class RequestFinished(Event, tag="request.finished", kw_only=True):
+class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     """A request that produced an answer (or failed while producing one)."""
 
     request_id: Id
@@ -135,7 +137,7 @@ class RequestFinished(Event, tag="request.finished", kw_only=True):
     node: Id | None = None
 
 
-class PoolSample(Event, tag="pool.sample", kw_only=True):
+class PoolSample(Event, tag="pool.sample", kw_only=True, frozen=True):
     """KV pool occupancy of one node at ``ts``."""
 
     node: Id = "node-0"
@@ -149,7 +151,7 @@ class PoolSample(Event, tag="pool.sample", kw_only=True):
             raise ValueError("used_tokens: used_tokens + free_tokens exceeds capacity_tokens")
 
 
-class KvTransfer(Event, tag="kv.transfer", kw_only=True):
+class KvTransfer(Event, tag="kv.transfer", kw_only=True, frozen=True):
     """KV pages moved between nodes (disaggregated prefill → decode)."""
 
     request_id: Id
@@ -161,7 +163,7 @@ class KvTransfer(Event, tag="kv.transfer", kw_only=True):
     prefill_rejected: bool = False
 
 
-class PageReuse(Event, tag="page.reuse", kw_only=True):
+class PageReuse(Event, tag="page.reuse", kw_only=True, frozen=True):
     """Pages handed to a new owner during one engine step, aggregated."""
 
     node: Id = "node-0"
@@ -176,7 +178,7 @@ class PageReuse(Event, tag="page.reuse", kw_only=True):
             raise ValueError("cross_tenant_pages: cross_tenant_pages exceeds reused_pages")
 
 
-class PageStaleRead(Event, tag="page.stale_read", kw_only=True):
+class PageStaleRead(Event, tag="page.stale_read", kw_only=True, frozen=True):
     """A read of pages not written by the reader's own request in their current generation.
 
     ``previous_*`` name the last writer of those pages (the exposed tenant); both are None
@@ -198,7 +200,7 @@ class PageStaleRead(Event, tag="page.stale_read", kw_only=True):
         return self.previous_tenant is not None and self.previous_tenant != self.reader_tenant
 
 
-class CanaryHit(Event, tag="canary.hit", kw_only=True):
+class CanaryHit(Event, tag="canary.hit", kw_only=True, frozen=True):
     """A canary (painted page pattern or planted text) found where it must not be."""
 
     node: Id = "node-0"
@@ -209,7 +211,7 @@ class CanaryHit(Event, tag="canary.hit", kw_only=True):
     page_ids: PageIds = []
 
 
-class ProbeDrops(Event, tag="probe.drops", kw_only=True):
+class ProbeDrops(Event, tag="probe.drops", kw_only=True, frozen=True):
     """Events a probe had to drop since its previous report, by reason. Never silent."""
 
     counts: dict[DropReason, Count]
@@ -314,7 +316,7 @@ def decode_json_batch(body: bytes, *, max_events: int | None = None) -> list[Eve
     valid batch) is one typed decode; only a bad batch pays for per-event diagnosis.
     """
     try:
-        events: list[Event] = _batch_decoder.decode(body)
+        events = cast("list[Event]", _batch_decoder.decode(body))
     except msgspec.ValidationError:
         pass  # diagnose every event below
     except msgspec.DecodeError as exc:

@@ -24,7 +24,10 @@ def base(seq: int, probe: str = "probe-a", dep: str = "glm-prod", **kw: Any) -> 
 def admitted(seq: int, rid: str, tenant: str = "acme", prompt: int = 1000, **kw: Any) -> ev.Event:
     fields = {"model_id": "glm-5.3", "route": "/v1/chat/completions"} | kw
     return ev.RequestAdmitted(
-        **base(seq, **_pop_base(fields)), request_id=rid, tenant=tenant, prompt_tokens=prompt,
+        **base(seq, **_pop_base(fields)),
+        request_id=rid,
+        tenant=tenant,
+        prompt_tokens=prompt,
         **fields,
     )
 
@@ -32,15 +35,23 @@ def admitted(seq: int, rid: str, tenant: str = "acme", prompt: int = 1000, **kw:
 def finished(seq: int, rid: str, tenant: str = "acme", completion: int = 50, **kw: Any) -> ev.Event:
     fields = {"status": "completed"} | kw
     return ev.RequestFinished(
-        **base(seq, **_pop_base(fields)), request_id=rid, tenant=tenant,
-        completion_tokens=completion, **fields,
+        **base(seq, **_pop_base(fields)),
+        request_id=rid,
+        tenant=tenant,
+        completion_tokens=completion,
+        **fields,
     )
 
 
-def rejected(seq: int, rid: str, tenant: str = "acme", prompt: int = 700_000, **kw: Any) -> ev.Event:
+def rejected(
+    seq: int, rid: str, tenant: str = "acme", prompt: int = 700_000, **kw: Any
+) -> ev.Event:
     fields = {"model_id": "glm-5.3", "reason": "pool_exhausted", "limit_tokens": 681_280} | kw
     return ev.RequestRejected(
-        **base(seq, **_pop_base(fields)), request_id=rid, tenant=tenant, prompt_tokens=prompt,
+        **base(seq, **_pop_base(fields)),
+        request_id=rid,
+        tenant=tenant,
+        prompt_tokens=prompt,
         **fields,
     )
 
@@ -48,8 +59,11 @@ def rejected(seq: int, rid: str, tenant: str = "acme", prompt: int = 700_000, **
 def pool(seq: int, used: int = 100, cap: int = 681_280, **kw: Any) -> ev.Event:
     fields = dict(kw)
     return ev.PoolSample(
-        **base(seq, **_pop_base(fields)), capacity_tokens=cap, used_tokens=used,
-        free_tokens=cap - used, **fields,
+        **base(seq, **_pop_base(fields)),
+        capacity_tokens=cap,
+        used_tokens=used,
+        free_tokens=cap - used,
+        **fields,
     )
 
 

@@ -42,7 +42,7 @@ def test_import_direction() -> None:
         for path in (ROOT / pkg).rglob("*.py"):
             for name in _imports(path):
                 top = name.split(".")[0]
-                if top not in OURS or top == pkg and pkg != "engine_probe":
+                if top not in OURS or (top == pkg and pkg != "engine_probe"):
                     continue
                 if pkg == "engine_probe" and name.startswith("engine_probe"):
                     continue

@@ -17,12 +17,26 @@ ALL = [
     f.rejected(3, "r2"),
     f.finished(4, "r1"),
     f.pool(5),
-    ev.KvTransfer(**f.base(6), request_id="r1", tenant="acme", from_node="p0", to_node="d0",
-                  pages=3, tokens=150, prefill_rejected=True),
+    ev.KvTransfer(
+        **f.base(6),
+        request_id="r1",
+        tenant="acme",
+        from_node="p0",
+        to_node="d0",
+        pages=3,
+        tokens=150,
+        prefill_rejected=True,
+    ),
     ev.PageReuse(**f.base(7), step=9, reused_pages=4, cross_tenant_pages=2),
     f.stale_read(8),
-    ev.CanaryHit(**f.base(9), detector="paint", reader_request_id="r1", reader_tenant="acme",
-                 canary_tenant="globex", page_ids=[1]),
+    ev.CanaryHit(
+        **f.base(9),
+        detector="paint",
+        reader_request_id="r1",
+        reader_tenant="acme",
+        canary_tenant="globex",
+        page_ids=[1],
+    ),
     ev.ProbeDrops(**f.base(10), counts={"buffer_full": 3}),
 ]
 
@@ -79,7 +93,11 @@ def test_batch_limit() -> None:
 
 
 _json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
     max_leaves=20,
 )
@@ -108,8 +126,11 @@ def test_arbitrary_json_fails_cleanly(items: list[object]) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(ALL), st.sampled_from(["seq", "ts", "probe_id", "deployment_id", "kind"]),
-       _json_values)
+@given(
+    st.sampled_from(ALL),
+    st.sampled_from(["seq", "ts", "probe_id", "deployment_id", "kind"]),
+    _json_values,
+)
 def test_mutated_events_are_rejected_or_valid(event: ev.Event, key: str, value: object) -> None:
     doc = f.as_json(event) | {key: value}
     try:

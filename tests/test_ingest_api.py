@@ -95,7 +95,11 @@ def test_request_events_merge_across_batches_in_any_order(collector: Collector) 
     post(collector, [f.admitted(1, "r9", "acme", 4242, probe="prefill")])
     with collector.client(collector.admin) as c:
         (row,) = c.get("/v1/requests").json()["items"]
-    assert (row["prompt_tokens"], row["completion_tokens"], row["status"]) == (4242, 33, "completed")
+    assert (row["prompt_tokens"], row["completion_tokens"], row["status"]) == (
+        4242,
+        33,
+        "completed",
+    )
     assert row["model_id"] == "glm-5.3"
     assert row["first_ts"] < row["last_ts"]
 
@@ -207,7 +211,9 @@ def test_tokens(collector: Collector) -> None:
     scoped = collector.token("ingest", deployment_id="llama-dev")
     r = post(collector, [f.pool(1, probe="p2", dep="glm-prod")], token=scoped)
     assert r.status_code == 403
-    assert post(collector, [f.pool(1, probe="p2", dep="llama-dev")], token=scoped).status_code == 200
+    assert (
+        post(collector, [f.pool(1, probe="p2", dep="llama-dev")], token=scoped).status_code == 200
+    )
     # reads
     with collector.client(None) as c:
         r = c.get("/v1/requests")
@@ -237,12 +243,16 @@ def test_tenant_scoped_read_tokens(collector: Collector) -> None:
 
 def test_request_filters_and_pages(collector: Collector) -> None:
     events = []
-    seq = 0
     for i in range(25):
-        seq += 1
+        seq = i + 1
         events.append(
-            f.admitted(seq, f"q{i:02d}", "acme" if i % 2 else "globex", 1000 * i,
-                       model_id="glm-5.3" if i < 20 else "llama-3")
+            f.admitted(
+                seq,
+                f"q{i:02d}",
+                "acme" if i % 2 else "globex",
+                1000 * i,
+                model_id="glm-5.3" if i < 20 else "llama-3",
+            )
         )
     post(collector, events)
     with collector.client(collector.admin) as c:
@@ -304,7 +314,8 @@ def test_metrics(collector: Collector) -> None:
     assert 'kvwatch_ingest_rejected_batches_total{reason="invalid_input"} 1.0' in text
     assert "kvwatch_ingest_batch_seconds_count 2.0" in text
     assert 'kvwatch_deployment_advertised_context_tokens{deployment="glm-prod"' in text
-    assert 'kvwatch_deployment_pool_used_tokens{deployment="glm-prod",node="node-0",role="both"} 600000.0' in text
+    used = 'kvwatch_deployment_pool_used_tokens{deployment="glm-prod",node="node-0",role="both"}'
+    assert f"{used} 600000.0" in text
 
 
 def test_health_and_openapi(collector: Collector) -> None:

@@ -1,4 +1,4 @@
-"""Initial schema: deployments, config history, requests, pool samples, page events, ingest bookkeeping, tokens, audit log.
+"""Initial schema: deployments, configs, requests, pool samples, page events, ingest, tokens, audit.
 
 Revision ID: 0001
 Revises:

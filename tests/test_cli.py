@@ -1,0 +1,76 @@
+"""The CLI as a user runs it: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def kvwatch(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", *args],
+        capture_output=True,
+        text=True,
+        env=os.environ | (env or {}),
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def test_demo_leaves_database_summary_and_commands(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    r = kvwatch("demo", "--dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["events_dropped"] == 0
+    assert summary["events_delivered"] == summary["events_emitted"] > 1000
+    assert summary["requests"] == 600
+    assert summary["cross_tenant_stale_reads"] > 0 and summary["exposed_tenants"]
+    assert Path(summary["artefacts"]["database"]) == out / "kvwatch.db"
+    with sqlite3.connect(out / "kvwatch.db") as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (600,)
+        (stale,) = conn.execute(
+            "SELECT count(*) FROM page_events WHERE kind = 'page.stale_read'"
+        ).fetchone()
+        assert stale == summary["stale_reads"]
+        # no text anywhere: the requests table has counts and labels only
+        cols = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
+        assert not cols & {"prompt", "completion", "text"}
+    assert "kvwatch serve" in r.stdout
+    # a second run replaces the first instead of piling onto it
+    assert kvwatch("demo", "--dir", str(out)).returncode == 0
+    with sqlite3.connect(out / "kvwatch.db") as conn:
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (600,)
+
+
+def test_tokens_create_prints_the_token_alone_on_the_last_line(tmp_path: Path) -> None:
+    env = {"KVWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'k.db'}"}
+    assert kvwatch("db", "upgrade", env=env).returncode == 0
+    r = kvwatch("tokens", "create", "--kind", "read", "--tenant", "acme", env=env)
+    assert r.returncode == 0, r.stderr
+    token = r.stdout.strip().splitlines()[-1]
+    assert token.startswith("kvw_read_") and " " not in token
+    with sqlite3.connect(tmp_path / "k.db") as conn:
+        rows = conn.execute("SELECT kind, tenant, token_hash FROM api_tokens").fetchall()
+        audit = conn.execute("SELECT action FROM audit_log").fetchall()
+    assert rows[0][:2] == ("read", "acme")
+    assert token not in repr(rows)  # stored hashed only
+    assert audit == [("token.create",)]
+
+
+def test_cli_errors_are_clear(tmp_path: Path) -> None:
+    env = {"KVWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'k.db'}"}
+    r = kvwatch("tokens", "create", "--kind", "root", env=env)
+    assert r.returncode == 2 and "token kind must be one of" in r.stderr
+    r = kvwatch("tokens", "create", "--kind", "admin", "--tenant", "acme", env=env)
+    assert r.returncode == 2 and "scopes read tokens only" in r.stderr
+    r = kvwatch("db", "upgrade", env={"KVWATCH_DATABASE_URL": "mysql://nope"})
+    assert r.returncode == 2 and "KVWATCH_DATABASE_URL" in r.stderr
