@@ -15,11 +15,8 @@ import json
 import random
 import shutil
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -37,6 +34,7 @@ from collector.settings import Settings
 from collector.tokens import create_token
 from engine_probe import Probe, ProbeSettings
 from engine_probe import events as ev
+from kvwatch.embedded import serve_in_thread
 
 console = Console()
 
@@ -92,7 +90,7 @@ def run_demo(out_dir: Path | None) -> int:
     token_file.chmod(0o600)
 
     settings = Settings(database_url=db_url, auto_migrate=False)
-    with _collector(settings) as url:
+    with serve_in_thread(create_app(settings)) as url:
         console.print(f"collector: {url} (embedded)")
         probe = Probe(
             ProbeSettings(
@@ -127,32 +125,6 @@ def run_demo(out_dir: Path | None) -> int:
     console.print(f"  KVWATCH_DATABASE_URL={db_url} kvwatch dashboard   (once it lands)")
     ok = stats["sent"] >= emitted and sum(stats["dropped"].values()) == 0
     return 0 if ok else 1
-
-
-@contextmanager
-def _collector(settings: Settings) -> Iterator[str]:
-    import socket
-
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, name="kvwatch-demo-collector", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the embedded collector did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def _workload(probe: Probe, rnd: random.Random) -> int:

@@ -4,9 +4,6 @@ collector served over HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvwatch.embedded import free_port, serve_in_thread
+
+__all__ = ["free_port"]
 
 PG_ADMIN_URL = os.environ.get("KVWATCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -70,19 +71,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("pg_url"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Collector:
     url: str
     db_url: str
     admin: str
     ingest: str
-    server: object
 
     def client(self, token: str | None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -109,8 +103,6 @@ def make_token(db_url: str, kind: str, **kw: str | None) -> str:
 @pytest.fixture
 def collector(db_url: str) -> Iterator[Collector]:
     """The real collector app, served by uvicorn on 127.0.0.1 in a thread."""
-    import uvicorn
-
     from collector import migrate
     from collector.app import create_app
     from collector.settings import Settings
@@ -119,25 +111,5 @@ def collector(db_url: str) -> Iterator[Collector]:
     settings = Settings(
         database_url=db_url, max_batch_events=1000, max_body_bytes=1024 * 1024, auto_migrate=False
     )
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("collector did not start")
-        time.sleep(0.02)
-    try:
-        yield Collector(
-            f"http://127.0.0.1:{port}",
-            db_url,
-            make_token(db_url, "admin"),
-            make_token(db_url, "ingest"),
-            server,
-        )
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(create_app(settings)) as url:
+        yield Collector(url, db_url, make_token(db_url, "admin"), make_token(db_url, "ingest"))

@@ -327,3 +327,28 @@ def test_health_and_openapi(collector: Collector) -> None:
     for path in ("/v1/events", "/v1/requests", "/v1/deployments", "/v1/pool-samples"):
         assert path in doc["paths"]
     assert "PageStaleRead" in doc["components"]["schemas"]
+
+
+def test_database_outage_is_503_never_500(tmp_path: Any) -> None:
+    """With the database unreachable, producers get a retryable 503 and readiness fails."""
+    import httpx
+
+    from collector.app import create_app
+    from collector.settings import Settings
+    from kvwatch.embedded import free_port, serve_in_thread
+
+    dead_pg = f"postgresql://postgres@127.0.0.1:{free_port()}/gone"
+    app = create_app(Settings(database_url=dead_pg, auto_migrate=False))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        r = c.post(
+            "/v1/events",
+            content=ev.encode_batch([f.pool(1)]),
+            headers={"Authorization": "Bearer kvw_ingest_x"},
+        )
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "unavailable"
+        r = c.get("/v1/requests", headers={"Authorization": "Bearer kvw_read_x"})
+        assert r.status_code == 503
+        assert c.get("/readyz").status_code == 503
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/metrics").status_code == 200
