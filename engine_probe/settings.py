@@ -1,0 +1,129 @@
+"""Probe settings, read from ``KVWATCH_*`` environment variables.
+
+``KVWATCH_COLLECTOR_URL`` and ``KVWATCH_INGEST_TOKEN`` are public names shared by every
+producer (probes, gateway, scraper, verifier): the field names here must never change.
+Everything is validated when the settings object is built, so the hot path never checks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+from pathlib import Path
+from typing import Final, Self
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine_probe.events import ID_MAX
+
+# The same pattern as ``events.Id``: probe and deployment ids travel in every event.
+ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
+_ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
+# Room kept after a probe id's root for "-{pid}-{hex}" (see ``derive_probe_id``).
+_SUFFIX_ROOM: Final = 1 + 10 + 1 + 6
+
+GIB: Final = 1 << 30
+
+
+def sanitize_id(raw: str, *, fallback: str = "probe") -> str:
+    """Map any string onto the wire contract's Id pattern (used for host names)."""
+    cleaned = _ID_BAD_CHARS.sub("-", raw)
+    if not cleaned or not cleaned[0].isalnum() or not cleaned[0].isascii():
+        cleaned = f"{fallback}-{cleaned}" if cleaned else fallback
+    return cleaned[:ID_MAX]
+
+
+def derive_probe_id(root: str | None = None) -> str:
+    """A new probe id ``{root}-{pid}-{6 random hex}``; ``root`` defaults to the host name.
+
+    The random part makes ids unique across pid reuse, restarts and forks: the collector
+    deduplicates on (probe_id, seq), so a seq space must never be reused under one id.
+    """
+    base = sanitize_id(root if root is not None else socket.gethostname(), fallback="host")
+    base = base[: ID_MAX - _SUFFIX_ROOM]
+    return f"{base}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _check_id(value: str, what: str) -> str:
+    if not ID_RE.match(value) or len(value) > ID_MAX:
+        raise ValueError(
+            f"{what} {value!r} must match {ID_RE.pattern} and be at most {ID_MAX} characters"
+        )
+    return value
+
+
+class ProbeSettings(BaseSettings):
+    """Settings of one in-engine probe. Immutable once built.
+
+    ``collector_url`` None means "do not export": :func:`engine_probe.configure_probe` then
+    keeps the no-op probe (nothing is recorded, so nothing can pile up unsent).
+    ``probe_id`` None means "generate one per process" (``{hostname}-{pid}-{6 hex}``); an
+    explicit id must be unique per process lifetime, because the seq counter restarts at 1
+    with every process and the collector deduplicates on (probe_id, seq).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
+
+    collector_url: str | None = None
+    ingest_token: str | None = Field(default=None, repr=False)
+    probe_id: str | None = None
+    deployment_id: str = "default"
+    probe_spool_dir: Path | None = None
+    probe_buffer_size: int = Field(default=65536, ge=1, le=1 << 26)
+    probe_batch_size: int = Field(default=2000, ge=1)
+    probe_flush_interval_s: float = Field(default=0.5, gt=0, le=3600)
+    probe_max_spool_bytes: int = Field(default=GIB, ge=1)
+    probe_request_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    probe_backoff_base_s: float = Field(default=0.2, gt=0)
+    probe_backoff_max_s: float = Field(default=30.0, gt=0)
+    probe_atexit_timeout_s: float = Field(default=2.0, ge=0, le=600)
+
+    @field_validator("collector_url", "ingest_token", "probe_id", "probe_spool_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        # An exported-but-empty environment variable means "not set", not "the empty string".
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @field_validator("collector_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip().rstrip("/")
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme.lower() not in ("http", "https") or not rest or rest[0] == "/":
+            raise ValueError(f"collector_url {value!r} must be an http:// or https:// URL")
+        return value
+
+    @field_validator("probe_id")
+    @classmethod
+    def _check_probe_id(cls, value: str | None) -> str | None:
+        return None if value is None else _check_id(value, "probe_id")
+
+    @field_validator("deployment_id")
+    @classmethod
+    def _check_deployment_id(cls, value: str) -> str:
+        return _check_id(value, "deployment_id")
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> Self:
+        if self.probe_batch_size > self.probe_buffer_size:
+            raise ValueError(
+                f"probe_batch_size ({self.probe_batch_size}) must not exceed "
+                f"probe_buffer_size ({self.probe_buffer_size})"
+            )
+        if self.probe_backoff_base_s > self.probe_backoff_max_s:
+            raise ValueError(
+                f"probe_backoff_base_s ({self.probe_backoff_base_s}) must not exceed "
+                f"probe_backoff_max_s ({self.probe_backoff_max_s})"
+            )
+        return self
+
+    @property
+    def events_url(self) -> str | None:
+        return None if self.collector_url is None else f"{self.collector_url}/v1/events"
