@@ -23,7 +23,7 @@ from collector.ingest import IngestService
 from collector.metrics import CollectorMetrics
 from collector.reads import ReadService
 from collector.settings import Settings
-from collector.tokens import Principal, authenticate
+from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -61,7 +61,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
     metrics = CollectorMetrics(db)
-    ingest = IngestService(db, settings, metrics)
+    authenticator = Authenticator(db, ttl_s=settings.token_cache_s)
+    ingest = IngestService(db, settings, metrics, authenticator)
     reads = ReadService(db)
 
     @asynccontextmanager
@@ -101,11 +102,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return _error(exc.status_code, code, str(exc.detail))
 
     async def principal(authorization: str | None) -> Principal:
-        def _auth() -> Principal:
-            with db.read() as conn:
-                return authenticate(conn, authorization)
-
-        return await anyio.to_thread.run_sync(_auth)
+        return await anyio.to_thread.run_sync(authenticator, authorization)
 
     @app.post(
         "/v1/events",

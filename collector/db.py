@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.pool import NullPool
 
 from collector.errors import Unavailable
 
@@ -19,22 +21,30 @@ class Database:
     """One SQLAlchemy engine plus the transaction discipline the collector relies on.
 
     SQLite: WAL journal (readers never block the writer), ``synchronous=NORMAL`` (a process
-    crash loses nothing committed), a busy timeout, and write transactions opened with
-    ``BEGIN IMMEDIATE`` so two writers queue instead of failing with "database is locked"
-    half-way through a batch. PostgreSQL: a pre-pinged pool; writers serialise per probe
-    with row locks (see ``collector.store``).
+    crash loses nothing committed), pooled connections (opening one per batch costs more
+    than the insert), and one writer at a time: a thread lock plus an ``flock`` on
+    ``<db>.writelock`` queue writers of this and other processes (``kvwatch serve
+    --workers``) without SQLite's sleep-and-retry busy handler, and ``BEGIN IMMEDIATE``
+    takes the write lock before reading, so a batch never fails half-way with "database is
+    locked". PostgreSQL: a pre-pinged pool; writers serialise per probe with row locks (see
+    ``collector.store``).
     """
 
     def __init__(self, url: str, *, pool_size: int = 5, echo: bool = False):
         self.url = make_url(url)
         self.dialect = self.url.get_backend_name()
         kwargs: dict[str, Any] = {"echo": echo}
+        self._thread_lock = threading.Lock()
+        self._lock_path: Path | None = None
+        self._lock_file: IO[str] | None = None
+        self._lock_pid = 0
         if self.dialect == "sqlite":
             if self.url.database and self.url.database != ":memory:":
-                Path(self.url.database).parent.mkdir(parents=True, exist_ok=True)
+                db_file = Path(self.url.database)
+                db_file.parent.mkdir(parents=True, exist_ok=True)
+                self._lock_path = db_file.with_name(db_file.name + ".writelock")
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
-            # One connection per checkout; SQLite connections are cheap and WAL needs no pool.
-            kwargs["poolclass"] = NullPool
+            kwargs.update(pool_size=pool_size, max_overflow=2 * pool_size)
         else:
             kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
         self.engine: Engine = create_engine(self.url, **kwargs)
@@ -48,10 +58,34 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Connection]:
         """A write transaction: commits on success, rolls back on any exception."""
-        with self._translate(), self.engine.connect() as conn:
+        with self._translate(), ExitStack() as stack:
+            if self.is_sqlite:
+                stack.enter_context(self._sqlite_writer())
+            conn = stack.enter_context(self.engine.connect())
             conn = conn.execution_options(kvwatch_immediate=True)
             with conn.begin():
                 yield conn
+
+    @contextmanager
+    def _sqlite_writer(self) -> Iterator[None]:
+        with self._thread_lock:
+            if self._lock_path is None:
+                yield
+                return
+            fd = self._lock_fd()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _lock_fd(self) -> int:
+        # flock belongs to the open file description: a forked child must open its own.
+        if self._lock_file is None or self._lock_pid != os.getpid():
+            assert self._lock_path is not None
+            self._lock_file = self._lock_path.open("a")
+            self._lock_pid = os.getpid()
+        return self._lock_file.fileno()
 
     @contextmanager
     def read(self) -> Iterator[Connection]:
@@ -64,6 +98,9 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
 
     @contextmanager
     def _translate(self) -> Iterator[None]:

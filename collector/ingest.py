@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from itertools import pairwise
 
 from collector.db import Database
 from collector.errors import (
@@ -16,8 +17,8 @@ from collector.errors import (
 )
 from collector.metrics import CollectorMetrics
 from collector.settings import Settings
-from collector.store import IngestStore, micros
-from collector.tokens import Principal, authenticate
+from collector.store import IngestStore, micros, shape_rows
+from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
 
 JSON_TYPES = ("application/json", "")
@@ -39,16 +40,22 @@ class IngestResult:
 
 
 class IngestService:
-    def __init__(self, db: Database, settings: Settings, metrics: CollectorMetrics):
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        metrics: CollectorMetrics,
+        authenticator: Authenticator,
+    ):
         self.db = db
+        self._authenticate = authenticator
         self.settings = settings
         self.metrics = metrics
         self.store = IngestStore(db.dialect)
 
     def authenticate(self, authorization: str | None) -> Principal:
         try:
-            with self.db.read() as conn:
-                principal = authenticate(conn, authorization)
+            principal = self._authenticate(authorization)
             principal.require("ingest")
         except CollectorError as exc:
             self.metrics.rejected.labels(exc.code).inc()
@@ -62,6 +69,10 @@ class IngestService:
         try:
             events = self._decode(body, content_type)
             self._validate(principal, events, now)
+            # Shaping is pure: do it before taking the write lock (the store re-shapes only
+            # when the batch turns out to hold duplicates).
+            ordered = all(a.seq < b.seq for a, b in pairwise(events))
+            rows = shape_rows(events) if ordered else None
             with self.db.write() as conn:
                 res = self.store.write_batch(
                     conn,
@@ -69,6 +80,7 @@ class IngestService:
                     token_id=principal.token_id,
                     events=events,
                     now_us=micros(now),
+                    rows=rows,
                 )
         except CollectorError as exc:
             self.metrics.rejected.labels(exc.code).inc()

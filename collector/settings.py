@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     max_clock_skew_s: float = Field(
         default=3600.0, ge=0, description="How far in the future an event's ts may lie."
     )
+    token_cache_s: float = Field(
+        default=5.0, ge=0, description="How long a valid token is remembered (revocation lag)."
+    )
+    workers: int = Field(default=1, ge=1, le=64, description="`kvwatch serve` processes.")
     db_pool_size: int = Field(default=5, ge=1, description="PostgreSQL connection pool size.")
     auto_migrate: bool = Field(
         default=True,

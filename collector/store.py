@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from itertools import pairwise
 from typing import Any
 
@@ -123,11 +124,19 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
     reqs = rows.requests
     deps = rows.deployments
     detail: dict[str, Any]
+    # A batch nearly always holds one deployment: track its time span in locals.
+    cur_dep, lo, hi = "", 0, 0
     for e in events:
         ts = micros(e.ts)
         dep = e.deployment_id
-        span = deps.get(dep)
-        deps[dep] = (ts, ts) if span is None else (min(span[0], ts), max(span[1], ts))
+        if dep != cur_dep:
+            if cur_dep:
+                _widen(deps, cur_dep, lo, hi)
+            cur_dep, lo, hi = dep, ts, ts
+        elif ts < lo:
+            lo = ts
+        elif ts > hi:
+            hi = ts
         match e:
             case ev.PoolSample():
                 rows.pool.append(
@@ -185,67 +194,54 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
                     rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
             case _:  # pragma: no cover - the decoder only yields the kinds above
                 raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
+    if cur_dep:
+        _widen(deps, cur_dep, lo, hi)
     return rows
+
+
+def _widen(spans: dict[str, tuple[int, int]], dep: str, lo: int, hi: int) -> None:
+    old = spans.get(dep)
+    spans[dep] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
 
 
 def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> None:
     """Merge one request event into the batch's row for that request, with the same rules
     the database upsert applies between batches (see ``_request_upsert_sql``)."""
-    key = (e.deployment_id, e.request_id)
     t = type(e)
-    if t is ev.RequestAdmitted:
-        status, reason, limit, completion, max_tokens = _PROVISIONAL, None, None, None, e.max_tokens
-        cats = e.data_categories
-    elif t is ev.RequestRejected:
-        status, reason, limit, completion, max_tokens = (
-            "rejected",
-            e.reason,
-            e.limit_tokens,
-            None,
-            None,
-        )
-        cats = e.data_categories
+    if t is ev.RequestFinished:
+        new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
+               e.completion_tokens, None, e.status, None, None, None, ts, ts]  # fmt: skip
     else:
-        status, reason, limit, completion, max_tokens = (
-            e.status,
-            None,
-            None,
-            e.completion_tokens,
-            None,
-        )
-        cats = None
-    cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
+        cats = e.data_categories
+        cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
+        if t is ev.RequestAdmitted:
+            new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
+                   e.prompt_tokens, None, e.max_tokens, _PROVISIONAL, None, None, cat_json,
+                   ts, ts]  # fmt: skip
+        else:
+            new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
+                   e.prompt_tokens, None, None, "rejected", e.reason, e.limit_tokens, cat_json,
+                   ts, ts]  # fmt: skip
+    key = (e.deployment_id, e.request_id)
     row = reqs.get(key)
     if row is None:
-        reqs[key] = [
-            e.deployment_id,
-            e.request_id,
-            e.tenant,
-            e.route,
-            e.model_id,
-            e.prompt_tokens,
-            completion,
-            max_tokens,
-            status,
-            reason,
-            limit,
-            cat_json,
-            ts,
-            ts,
-        ]
+        reqs[key] = new
         return
-    # tenant (2) keeps the first value: a later event cannot move a request to another tenant
-    row[3] = row[3] if row[3] is not None else e.route
-    row[4] = row[4] if row[4] is not None else e.model_id
-    row[5] = e.prompt_tokens if e.prompt_tokens is not None else row[5]
-    row[6] = completion if completion is not None else row[6]
-    row[7] = max_tokens if max_tokens is not None else row[7]
-    row[8] = row[8] if status == _PROVISIONAL else status
-    row[9] = reason if reason is not None else row[9]
-    row[10] = limit if limit is not None else row[10]
-    row[11] = cat_json if cat_json is not None else row[11]
-    row[12] = min(row[12], ts)
-    row[13] = max(row[13], ts)
+    # tenant (2) keeps the first value: a later event cannot move a request to another tenant.
+    # route, model_id: first known value wins; counts, reasons, categories: latest known.
+    if row[3] is None:
+        row[3] = new[3]
+    if row[4] is None:
+        row[4] = new[4]
+    for i in (5, 6, 7, 9, 10, 11):
+        if new[i] is not None:
+            row[i] = new[i]
+    if new[8] != _PROVISIONAL:
+        row[8] = new[8]
+    if ts < row[12]:
+        row[12] = ts
+    if ts > row[13]:
+        row[13] = ts
 
 
 def _request_upsert_sql(dialect: str, source: str) -> str:
@@ -280,6 +276,7 @@ class IngestStore:
     def __init__(self, dialect: str):
         self.dialect = dialect
         self._sqlite = dialect == "sqlite"
+        self._dep_sql = deployment_upsert_sql(dialect)
         if self._sqlite:
             self._req_sql = _request_upsert_sql(
                 dialect, "VALUES (" + ", ".join("?" * len(REQ_COLS)) + ")"
@@ -307,8 +304,14 @@ class IngestStore:
         token_id: int,
         events: Sequence[ev.Event],
         now_us: int,
+        rows: Rows | None = None,
     ) -> WriteResult:
-        """Store a batch (all from ``probe_id``) inside the caller's transaction."""
+        """Store a batch (all from ``probe_id``) inside the caller's transaction.
+
+        ``rows`` may be ``shape_rows(events)`` computed before the transaction (it is pure),
+        which keeps that work out of the write lock; it is used only when every event turns
+        out to be new.
+        """
         probe = self._lock_probe(conn, probe_id, token_id, events[0].deployment_id, now_us)
         if probe.token_id != token_id:
             raise Forbidden(
@@ -325,6 +328,8 @@ class IngestStore:
             )
         ]
         new, duplicates, filled = _classify(events, max_seq, gaps)
+        if rows is None or len(new) != len(events):
+            rows = shape_rows(new) if new else None
         new_max = max(max_seq, new[-1].seq) if new else max_seq
         new_gaps = _gaps_above(new, max_seq)
         if filled:
@@ -338,8 +343,7 @@ class IngestStore:
                 ],
             )
         result = WriteResult(len(new), duplicates, new_gaps, len(filled))
-        if new:
-            rows = shape_rows(new)
+        if rows is not None:
             self._write_rows(conn, rows, now_us)
             result.deployments = set(rows.deployments)
         conn.execute(
@@ -404,9 +408,14 @@ class IngestStore:
     def _write_rows(self, conn: Connection, rows: Rows, now_us: int) -> None:
         raw = conn.connection.driver_connection
         assert raw is not None
-        self._upsert_deployments(conn, rows.deployments)
-        if rows.configs:
+        self.write_rows(raw, rows)
+        if rows.configs:  # after the deployment rows they reference
             self._write_configs(conn, rows.configs)
+
+    def write_rows(self, raw: Any, rows: Rows) -> None:
+        """Write a batch's rows through the DBAPI connection ``raw``, inside its open
+        transaction: ``executemany`` on SQLite, binary ``COPY`` on PostgreSQL. This is the
+        whole data write of a batch (``bench/ingest.py`` times it alone as the ceiling)."""
         if self._sqlite:
             cur = raw.cursor()
             try:
@@ -418,6 +427,7 @@ class IngestStore:
                     cur.executemany(self._drop_sql, rows.drops)
                 if rows.requests:
                     cur.executemany(self._req_sql, list(rows.requests.values()))
+                cur.executemany(self._dep_sql, _spans(rows.deployments))
             finally:
                 cur.close()
             return
@@ -430,19 +440,11 @@ class IngestStore:
                 _copy(cur, "probe_drops", DROP_COLS, rows.drops)
             if rows.requests:
                 cur.execute(self._stage_sql)
-                _copy(cur, "_kvw_stage_requests", REQ_COLS, rows.requests.values())
+                _copy(cur, "_kvw_stage_requests", REQ_COLS, rows.requests.values(), "requests")
                 cur.execute(self._req_sql)
-
-    def _upsert_deployments(self, conn: Connection, spans: dict[str, tuple[int, int]]) -> None:
-        lo, hi = ("MIN", "MAX") if self._sqlite else ("LEAST", "GREATEST")
-        ph = "?" if self._sqlite else "%s"
-        sql = (
-            f"INSERT INTO deployments (id, first_seen, last_seen) VALUES ({ph}, {ph}, {ph}) "
-            f"ON CONFLICT (id) DO UPDATE SET first_seen = {lo}(deployments.first_seen, "
-            f"excluded.first_seen), last_seen = {hi}(deployments.last_seen, excluded.last_seen)"
-        )
-        # Sorted, so concurrent batches take row locks in one order (no deadlock).
-        conn.exec_driver_sql(sql, [(d, a, b) for d, (a, b) in sorted(spans.items())])
+            # Last: the deployment's row lock is then held only until the commit, so
+            # batches of one deployment from different probes barely queue on it.
+            cur.executemany(self._dep_sql, _spans(rows.deployments))
 
     def _write_configs(self, conn: Connection, configs: list[ev.EngineConfig]) -> None:
         latest: dict[tuple[str, str, str], str] = {}
@@ -481,8 +483,45 @@ def _insert_sql(table: str, cols: Sequence[str]) -> str:
     return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
 
 
-def _copy(cur: Any, table: str, cols: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    with cur.copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN") as copy:
+def _spans(spans: dict[str, tuple[int, int]]) -> list[tuple[str, int, int]]:
+    # Sorted, so concurrent batches take row locks in one order (no deadlock).
+    return [(d, a, b) for d, (a, b) in sorted(spans.items())]
+
+
+def deployment_upsert_sql(dialect: str) -> str:
+    lo, hi = ("MIN", "MAX") if dialect == "sqlite" else ("LEAST", "GREATEST")
+    ph = "?" if dialect == "sqlite" else "%s"
+    return (
+        f"INSERT INTO deployments (id, first_seen, last_seen) VALUES ({ph}, {ph}, {ph}) "
+        f"ON CONFLICT (id) DO UPDATE SET first_seen = {lo}(deployments.first_seen, "
+        f"excluded.first_seen), last_seen = {hi}(deployments.last_seen, excluded.last_seen)"
+    )
+
+
+_PG_TYPE_NAMES = {"VARCHAR": "varchar", "TEXT": "text", "BIGINT": "int8", "INTEGER": "int4"}
+_PG_TYPE_NAMES["BOOLEAN"] = "bool"
+
+
+@cache
+def _pg_types(table: str, cols: tuple[str, ...]) -> list[str]:
+    """PostgreSQL type names of ``table``'s columns, from the models (binary COPY needs them)."""
+    from sqlalchemy.dialects import postgresql
+
+    dialect = postgresql.dialect()
+    t = m.Base.metadata.tables[table]
+    return [_PG_TYPE_NAMES[t.c[c].type.compile(dialect).split("(")[0]] for c in cols]
+
+
+def _copy(
+    cur: Any,
+    table: str,
+    cols: tuple[str, ...],
+    rows: Iterable[Sequence[Any]],
+    types_of: str | None = None,
+) -> None:
+    # Binary COPY: no text formatting or parsing of every number on either side.
+    with cur.copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types(_pg_types(types_of or table, cols))
         for row in rows:
             copy.write_row(row)
 

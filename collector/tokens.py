@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,7 @@ from sqlalchemy import Connection, insert, select
 
 from collector import audit
 from collector import models as m
+from collector.db import Database
 from collector.errors import Forbidden, InvalidInput, Unauthorized
 
 TokenKind = Literal["ingest", "read", "admin"]
@@ -110,3 +112,28 @@ def authenticate(conn: Connection, authorization: str | None) -> Principal:
     if row is None or row.revoked_at is not None:
         raise Unauthorized("unknown or revoked token")
     return Principal(row.id, row.kind, row.tenant, row.deployment_id, row.prefix)
+
+
+class Authenticator:
+    """Resolves bearer tokens, remembering valid ones for ``ttl_s`` seconds so a busy probe
+    does not cost a database round trip per batch. Unknown tokens are never cached (a flood
+    of guesses must not grow memory); a revoked token stops working within ``ttl_s``."""
+
+    def __init__(self, db: Database, ttl_s: float = 5.0, max_entries: int = 10_000):
+        self.db = db
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._cache: dict[str, tuple[float, Principal]] = {}
+
+    def __call__(self, authorization: str | None) -> Principal:
+        now = time.monotonic()
+        hit = self._cache.get(authorization) if authorization else None
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        with self.db.read() as conn:
+            principal = authenticate(conn, authorization)
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()
+        assert authorization is not None  # authenticate() refused a missing header
+        self._cache[authorization] = (now + self.ttl_s, principal)
+        return principal

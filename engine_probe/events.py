@@ -16,10 +16,11 @@ five times pydantic's ``validate_json`` on the same schema). This module never i
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Annotated, Any, Final, Literal, cast
+from operator import attrgetter
+from typing import Annotated, Any, Final, Literal, cast, get_type_hints
 
 import msgspec
 
@@ -34,8 +35,17 @@ MAX_TOKENS: Final = 2**40  # far past any context window, well inside BIGINT
 MAX_SEQ: Final = 2**62
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$"
+_ID_RULE = "ids start with a letter or digit and use only letters, digits and ._:/@+=-"
+# fullmatch, not match with "$": "$" also matches before a trailing newline.
+_ID_RE = re.compile(_ID_PATTERN[1:-1])
 
-Id = Annotated[str, msgspec.Meta(min_length=1, max_length=ID_MAX, pattern=_ID_PATTERN)]
+# The id pattern is checked after decoding (``_check_ids``), not by msgspec: a regex per
+# field per event was most of the decode time, and ids repeat, so known-good ones are cached.
+# The JSON Schema still states the pattern.
+Id = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=ID_MAX, extra_json_schema={"pattern": _ID_PATTERN}),
+]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=NAME_MAX)]
 ShortName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
@@ -45,7 +55,9 @@ Seq = Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)]
 UtcTime = Annotated[datetime, msgspec.Meta(tz=True)]
 PageId = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 PageIds = Annotated[list[PageId], msgspec.Meta(max_length=MAX_PAGE_IDS)]
-Category = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=_ID_PATTERN)]
+Category = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=64, extra_json_schema={"pattern": _ID_PATTERN})
+]
 Categories = Annotated[list[Category], msgspec.Meta(max_length=MAX_CATEGORIES)]
 
 Role = Literal["prefill", "decode", "both"]
@@ -245,6 +257,55 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
 KINDS: Final[tuple[str, ...]] = tuple(str(t.__struct_config__.tag) for t in EVENT_TYPES)
 
 
+def _id_fields(t: type[Event]) -> tuple[Callable[[Event], Any], tuple[str, ...], tuple[str, ...]]:
+    """(getter of the low-cardinality id values, their names, request-id fields) of a type."""
+    hints = get_type_hints(t, include_extras=True)
+    ids = [n for n in t.__struct_fields__ if hints[n] in (Id, Id | None)]
+    repeating = tuple(n for n in ids if not n.endswith("request_id"))
+    unique = tuple(n for n in ids if n.endswith("request_id"))
+    # attrgetter of one name returns the value, of several a tuple: always make it a tuple.
+    getter = attrgetter(*repeating, repeating[0]) if len(repeating) == 1 else attrgetter(*repeating)
+    return getter, repeating, unique
+
+
+_ID_FIELDS: Final = {t: _id_fields(t) for t in EVENT_TYPES}
+_known_ids: set[tuple[Any, ...]] = set()
+_KNOWN_IDS_MAX: Final = 65_536
+
+
+def _check_ids(events: Sequence[Event]) -> list[FieldError]:
+    """Check every id field against the id pattern. The low-cardinality ids of an event
+    (probe, deployment, tenant, node) repeat across a batch: their tuple is cached once seen
+    valid. Request ids are unique, so each is checked."""
+    known = _known_ids
+    if len(known) > _KNOWN_IDS_MAX:
+        known.clear()
+    match = _ID_RE.fullmatch
+    errors: list[FieldError] = []
+    for i, e in enumerate(events):
+        getter, repeating, unique = _ID_FIELDS[type(e)]
+        values = getter(e)
+        if values not in known:
+            bad = False
+            for name, v in zip(repeating, values, strict=False):
+                if v is not None and match(v) is None:
+                    bad = True
+                    errors.append(FieldError(i, name, f"{v!r} is not a valid id: {_ID_RULE}"))
+            if not bad:
+                known.add(values)
+        for name in unique:
+            v = getattr(e, name)
+            if v is not None and match(v) is None:
+                errors.append(FieldError(i, name, f"{v!r} is not a valid id: {_ID_RULE}"))
+        cats = getattr(e, "data_categories", None)
+        if cats:
+            for j, c in enumerate(cats):
+                if match(c) is None:
+                    msg = f"{c!r} is not a valid category: {_ID_RULE}"
+                    errors.append(FieldError(i, f"data_categories[{j}]", msg))
+    return errors
+
+
 def kind_of(event: Event) -> str:
     return str(event.__struct_config__.tag)
 
@@ -324,6 +385,8 @@ def decode_json_batch(body: bytes, *, max_events: int | None = None) -> list[Eve
     else:
         if max_events is not None and len(events) > max_events:
             raise BatchTooLarge(len(events), max_events)
+        if errors := _check_ids(events):
+            raise DecodeError(errors)
         return events
     try:
         raws = _raw_list_decoder.decode(body)
@@ -350,11 +413,14 @@ def _decode_each(items: Iterable[bytes | msgspec.Raw], *, offset: int) -> list[E
     errors: list[FieldError] = []
     for i, item in enumerate(items, start=offset):
         try:
-            events.append(_event_decoder.decode(item))
+            event = _event_decoder.decode(item)
         except msgspec.ValidationError as exc:
             errors.append(_field_error(i, exc))
         except msgspec.DecodeError as exc:
             errors.append(FieldError(i, None, f"malformed JSON: {exc}"))
+        else:
+            events.append(event)
+            errors += [replace(err, index=i) for err in _check_ids([event])]
     if errors:
         raise DecodeError(errors)
     return events

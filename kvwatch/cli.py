@@ -45,16 +45,34 @@ DbUrl = Annotated[
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [KVWATCH_HOST].")] = None,
     port: Annotated[int | None, typer.Option(help="Port [KVWATCH_PORT].")] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Processes sharing the port [KVWATCH_WORKERS].")
+    ] = None,
     database_url: DbUrl = None,
 ) -> None:
     """Run the collector (HTTP API, ingest, /metrics)."""
+    import os
+
     import uvicorn
 
+    from collector import migrate
     from collector.app import create_app
 
     settings = _settings(database_url)
+    n = workers or settings.workers
+    if n == 1:
+        app_or_path: object = create_app(settings)
+    else:
+        # Workers build their own app from the environment; migrate once, here, first.
+        if settings.auto_migrate:
+            migrate.upgrade(settings.database_url)
+        os.environ["KVWATCH_DATABASE_URL"] = settings.database_url
+        os.environ["KVWATCH_AUTO_MIGRATE"] = "false"
+        app_or_path = "collector.app:create_app"
     uvicorn.run(
-        create_app(settings),
+        app_or_path,  # type: ignore[arg-type]
+        factory=n > 1,
+        workers=n if n > 1 else None,
         host=host or settings.host,
         port=port or settings.port,
         log_level="info",
