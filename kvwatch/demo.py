@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -117,14 +118,24 @@ def run_demo(out_dir: Path | None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     console.print(f"\nsummary: {out / 'summary.json'}")
     console.rule("explore the result")
-    console.print(f"  KVWATCH_DATABASE_URL={db_url} kvwatch serve")
-    console.print(
+    exe = _kvwatch_exe()
+    # Plain print: commands must not be wrapped at the terminal width, or they break on paste.
+    print(f"  KVWATCH_DATABASE_URL={db_url} {exe} serve")
+    print(
         f'  curl -H "Authorization: Bearer $(cat {token_file})" '
-        "http://127.0.0.1:8700/v1/requests?min_prompt_tokens=500000"
+        "'http://127.0.0.1:8700/v1/requests?min_prompt_tokens=500000'"
     )
-    console.print(f"  KVWATCH_DATABASE_URL={db_url} kvwatch dashboard   (once it lands)")
+    print(f"  KVWATCH_DATABASE_URL={db_url} {exe} dashboard   # once the dashboard lands")
     ok = stats["sent"] >= emitted and sum(stats["dropped"].values()) == 0
     return 0 if ok else 1
+
+
+def _kvwatch_exe() -> str:
+    """How this user reaches the CLI: the script that is running, when it is on no PATH."""
+    script = Path(sys.argv[0])
+    if script.name == "kvwatch" and shutil.which("kvwatch") != str(script.resolve()):
+        return str(script.resolve())
+    return "kvwatch"
 
 
 def _workload(probe: Probe, rnd: random.Random) -> int:
