@@ -42,7 +42,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 Auth = Annotated[str | None, Header(include_in_schema=False)]
 MAX_PAGE = 1000
 PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="Rows per page")]
-MinTokens = Annotated[int | None, Query(ge=0)]
+MinTokens = Annotated[int | None, Query(ge=0, le=2**62)]
 MaxPoints = Annotated[int, Query(ge=1, le=10_000, description="Buckets per series")]
 
 
@@ -55,6 +55,23 @@ def _error(status: int, code: str, message: str, details: Any = None) -> JSONRes
 def _aware(dt: datetime | None) -> datetime | None:
     # Naive query times are read as UTC: what a person typing ?since=2026-08-27 means.
     return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+class _RejectNul:
+    """PostgreSQL can neither store nor compare NUL: refuse it in the URL before any route
+    reaches the database (a 400, never a 500)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (
+            b"%00" in scope.get("query_string", b"") or "\x00" in scope.get("path", "")
+        ):
+            response = _error(400, "bad_request", "NUL characters are not allowed in the URL")
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -79,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "page events. Every endpoint but /healthz, /readyz and /metrics needs a bearer token.",
         lifespan=lifespan,
     )
+    app.add_middleware(_RejectNul)
     app.state.settings = settings
     app.state.db = db
     app.state.metrics = metrics

@@ -82,7 +82,7 @@ def verify(conn: Connection) -> ChainCheck:
         ).order_by(m.AuditEntry.id)
     ):
         n += 1
-        ts = row.ts if isinstance(row.ts, int) else round(row.ts.timestamp() * 1_000_000)
+        ts = row.ts if isinstance(row.ts, int) else m.to_micros(row.ts)
         if row.prev_hash != prev:
             return ChainCheck(False, n, row.id, "prev_hash does not match the previous entry")
         if _digest(prev, ts, row.actor, row.action, row.subject, row.detail) != row.hash:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -14,7 +15,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from collector.errors import Unavailable
+from collector.errors import TransientConflict, Unavailable
 
 
 class Database:
@@ -106,18 +107,50 @@ class Database:
     def _translate(self) -> Iterator[None]:
         # An unreachable or restarting database is an outage, not a bug: answer 503 so
         # producers keep their data and retry.
+        # The ingest path talks to the driver directly, so driver exceptions arrive here
+        # unwrapped as well as wrapped by SQLAlchemy.
         try:
             yield
-        except OperationalError as exc:
-            raise Unavailable(f"database unavailable: {_short(exc)}") from exc
         except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise Unavailable(f"database connection lost: {_short(exc)}") from exc
-            raise
+            if (mapped := _translated(exc.orig, exc)) is None:
+                raise
+            raise mapped from exc
+        except _DRIVER_ERRORS as exc:
+            if (mapped := _translated(exc, None)) is None:
+                raise
+            raise mapped from exc
 
 
-def _short(exc: DBAPIError) -> str:
-    return str(exc.orig).strip().splitlines()[0] if exc.orig else type(exc).__name__
+def _psycopg_errors() -> tuple[type[Exception], ...]:
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - psycopg is a dependency
+        return ()
+    return (psycopg.Error,)
+
+
+_DRIVER_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, *_psycopg_errors())
+_RETRYABLE_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
+
+
+def _translated(orig: BaseException | None, wrapped: DBAPIError | None) -> Exception | None:
+    """Map a driver error to what the caller should see: a retryable conflict, an outage
+    (503), or the original error (a bug: a 500 that tests must never see)."""
+    text = str(orig).strip().splitlines()[0] if orig else type(wrapped).__name__
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in _RETRYABLE_SQLSTATES:
+        return TransientConflict(f"concurrent write conflict, retry: {text}")
+    outage = isinstance(wrapped, OperationalError) or (
+        wrapped is not None and wrapped.connection_invalidated
+    )
+    if orig is not None:
+        name = type(orig).__name__
+        outage = (
+            outage
+            or name in ("OperationalError", "InterfaceError")
+            or (sqlstate is not None and sqlstate[:2] in ("08", "53", "57"))
+        )
+    return Unavailable(f"database unavailable: {text}") if outage else None
 
 
 def _sqlite_discipline(engine: Engine) -> None:

@@ -61,3 +61,9 @@ class Unavailable(CollectorError):
 
     status = 503
     code = "unavailable"
+
+
+class TransientConflict(Unavailable):
+    """A deadlock or serialization failure between concurrent writers: safe to retry."""
+
+    code = "conflict_retry"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 
 from collector.db import Database
@@ -13,6 +13,7 @@ from collector.errors import (
     Forbidden,
     InvalidInput,
     PayloadTooLarge,
+    TransientConflict,
     UnsupportedMediaType,
 )
 from collector.metrics import CollectorMetrics
@@ -21,6 +22,8 @@ from collector.store import IngestStore, micros, shape_rows
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
 
+_CONFLICT_RETRIES = 3
+_EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 JSON_TYPES = ("application/json", "")
 NDJSON_TYPES = ("application/x-ndjson", "application/ndjson", "application/jsonl")
 
@@ -73,15 +76,23 @@ class IngestService:
             # when the batch turns out to hold duplicates).
             ordered = all(a.seq < b.seq for a, b in pairwise(events))
             rows = shape_rows(events) if ordered else None
-            with self.db.write() as conn:
-                res = self.store.write_batch(
-                    conn,
-                    probe_id=events[0].probe_id,
-                    token_id=principal.token_id,
-                    events=events,
-                    now_us=micros(now),
-                    rows=rows,
-                )
+            for attempt in range(_CONFLICT_RETRIES + 1):
+                try:
+                    with self.db.write() as conn:
+                        res = self.store.write_batch(
+                            conn,
+                            probe_id=events[0].probe_id,
+                            token_id=principal.token_id,
+                            events=events,
+                            now_us=micros(now),
+                            rows=rows,
+                        )
+                    break
+                except TransientConflict:
+                    # The transaction rolled back whole; a retry sees the winner's rows.
+                    if attempt == _CONFLICT_RETRIES:
+                        raise
+                    time.sleep(0.01 * (attempt + 1))
         except CollectorError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             raise
@@ -124,7 +135,9 @@ class IngestService:
                         i, "probe_id", f"a batch comes from one probe; expected {probe_id!r}"
                     )
                 )
-            if e.ts > latest:
+            if e.ts < _EARLIEST:
+                errors.append(ev.FieldError(i, "ts", f"{e.ts.isoformat()} is before 2000"))
+            elif e.ts > latest:
                 errors.append(
                     ev.FieldError(i, "ts", f"{e.ts.isoformat()} is in the future (now {now})")
                 )

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from collector import models as m
+from collector import queries
 from collector.db import Database
 from collector.errors import Unavailable
 
@@ -94,21 +95,11 @@ class _DeploymentGauges(Collector):
         )
         try:
             with self.db.read() as conn:
-                latest_cfg = select(func.max(m.DeploymentConfig.id)).group_by(
-                    m.DeploymentConfig.deployment_id,
-                    m.DeploymentConfig.node,
-                    m.DeploymentConfig.role,
-                )
-                for c in conn.execute(
-                    select(m.DeploymentConfig).where(m.DeploymentConfig.id.in_(latest_cfg))
-                ):
+                for c in queries.latest_configs(conn):
                     lv = [c.deployment_id, c.node, c.role, c.model_id]
                     adv.add_metric(lv, c.advertised_context)
                     cap.add_metric(lv, c.pool_capacity_tokens)
-                latest_pool = select(func.max(m.PoolSample.id)).group_by(
-                    m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role
-                )
-                for p in conn.execute(select(m.PoolSample).where(m.PoolSample.id.in_(latest_pool))):
+                for p in queries.latest_pool_samples(conn):
                     lv = [p.deployment_id, p.node, p.role]
                     used.add_metric(lv, p.used_tokens)
                     occ.add_metric(

@@ -23,16 +23,52 @@ class RequestFilter:
     min_prompt_tokens: int | None = None
 
 
-def list_deployments(conn: Connection) -> list[dict[str, Any]]:
-    latest = select(func.max(m.DeploymentConfig.id)).group_by(
-        m.DeploymentConfig.deployment_id, m.DeploymentConfig.node, m.DeploymentConfig.role
+def _latest(model: Any) -> Any:
+    """The newest row (by event time, then id) of each (deployment, node, role): what a
+    config or a pool is now, even when an older event arrived last."""
+    rank = (
+        func.row_number()
+        .over(
+            partition_by=(model.deployment_id, model.node, model.role),
+            order_by=(model.ts.desc(), model.id.desc()),
+        )
+        .label("rank")
     )
+    ranked = select(model.id, rank).subquery()
+    newest = select(ranked.c.id).where(ranked.c.rank == 1)
+    return (
+        select(model)
+        .where(model.id.in_(newest))
+        .order_by(model.deployment_id, model.node, model.role)
+    )
+
+
+def latest_configs(conn: Connection) -> list[Any]:
+    return list(conn.execute(_latest(m.DeploymentConfig)))
+
+
+def latest_pool_samples(conn: Connection) -> list[Any]:
+    """The latest sample of each (deployment, node, role). The table is large: each
+    deployment's newest rows come from a backward scan of its (deployment_id, ts) index,
+    and a node that has sent nothing among them counts as silent."""
+    out = []
+    for dep in conn.execute(select(m.Deployment.id)).scalars():
+        seen: set[tuple[str, str]] = set()
+        for p in conn.execute(
+            select(m.PoolSample)
+            .where(m.PoolSample.deployment_id == dep)
+            .order_by(m.PoolSample.ts.desc(), m.PoolSample.id.desc())
+            .limit(256)
+        ):
+            if (p.node, p.role) not in seen:
+                seen.add((p.node, p.role))
+                out.append(p)
+    return out
+
+
+def list_deployments(conn: Connection) -> list[dict[str, Any]]:
     configs: dict[str, list[dict[str, Any]]] = {}
-    for c in conn.execute(
-        select(m.DeploymentConfig)
-        .where(m.DeploymentConfig.id.in_(latest))
-        .order_by(m.DeploymentConfig.node, m.DeploymentConfig.role)
-    ):
+    for c in latest_configs(conn):
         configs.setdefault(c.deployment_id, []).append(_config(c))
     out = []
     for d in conn.execute(select(m.Deployment).order_by(m.Deployment.id)):

@@ -14,6 +14,8 @@ from collector.errors import BadRequest
 from collector.models import to_micros
 from collector.tokens import Principal
 
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
 
 def encode_cursor(key: tuple[int, int]) -> str:
     return base64.urlsafe_b64encode(f"{key[0]}:{key[1]}".encode()).decode().rstrip("=")
@@ -24,8 +26,10 @@ def decode_cursor(cursor: str | None) -> tuple[int, int] | None:
         return None
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        a, b = raw.split(":")
-        return int(a), int(b)
+        a, b = (int(x) for x in raw.split(":"))
+        if not (_I64_MIN <= a <= _I64_MAX and _I64_MIN <= b <= _I64_MAX):
+            raise ValueError("out of range")
+        return a, b
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise BadRequest("cursor is not one this API returned", {"field": "cursor"}) from None
 
@@ -41,6 +45,14 @@ def _page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     for it in items:
         it.pop("_key", None)
     return {"items": items, "next_cursor": nxt}
+
+
+def _redact_other_party(item: dict[str, Any], tenant: str) -> None:
+    """A tenant learns that its data crossed a boundary, never who was on the other side."""
+    if item["tenant"] != tenant:
+        item["tenant"] = item["request_id"] = None
+    if item["other_tenant"] != tenant:
+        item["other_tenant"] = item["other_request_id"] = None
 
 
 class ReadService:
@@ -98,7 +110,12 @@ class ReadService:
     ) -> dict[str, Any]:
         who.require("read", "admin")
         until = until or now
-        since = since or until - timedelta(hours=1)
+        try:
+            since = since or until - timedelta(hours=1)
+        except OverflowError:
+            raise BadRequest(
+                "until is too early for a one-hour window", {"field": "until"}
+            ) from None
         if since >= until:
             raise BadRequest("since must be before until", {"field": "since"})
         with self.db.read() as conn:
@@ -130,17 +147,21 @@ class ReadService:
         cursor: str | None,
     ) -> dict[str, Any]:
         who.require("read", "admin")
+        scope = who.tenant_filter(tenant)
         with self.db.read() as conn:
             items = queries.list_page_events(
                 conn,
                 deployment_id=deployment_id,
                 kind=kind,
-                tenant=who.tenant_filter(tenant),
+                tenant=scope,
                 since_us=_us(since),
                 until_us=_us(until),
                 limit=limit + 1,
                 after=decode_cursor(cursor),
             )
+        if who.tenant is not None and who.kind == "read":
+            for it in items:
+                _redact_other_party(it, who.tenant)
         return _page(items, limit)
 
     def probes(self, who: Principal) -> list[dict[str, Any]]:

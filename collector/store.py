@@ -13,6 +13,7 @@ the ORM would cost several times the insert itself on this path.
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -116,6 +117,37 @@ class Rows:
 
 # Request status: "admitted" is provisional; any terminal status replaces it.
 _PROVISIONAL = "admitted"
+
+# How two observations of one request merge, per column. One table drives both the in-batch
+# fold (``_fold_request``) and the database upsert (``_request_upsert_sql``). Every rule is
+# commutative and associative and ignores NULL, so the stored row does not depend on which
+# probe's batch arrives first: the prefill node's rejection (700,000 prompt tokens) and the
+# decode node's completion of the one-token placeholder merge to the same row either way.
+# "rank": the outcome a user saw wins over a rejection, which wins over admission.
+REQUEST_MERGE: dict[str, str] = {
+    "tenant": "min",  # one tenant per request; "min" only makes a producer bug deterministic
+    "route": "max",
+    "model_id": "max",
+    "prompt_tokens": "max",
+    "completion_tokens": "max",
+    "max_tokens": "max",
+    "status": "rank",
+    "reject_reason": "max",
+    "limit_tokens": "max",
+    "data_categories": "max",
+    "first_ts": "min",
+    "last_ts": "max",
+}
+STATUS_RANK: dict[str, int] = {
+    "admitted": 0,
+    "rejected": 1,
+    "completed": 2,
+    "length": 3,
+    "aborted": 4,
+    "error": 5,
+}
+_FOLD = tuple((REQ_COLS.index(c), rule) for c, rule in REQUEST_MERGE.items())
+_TEXT_COLS = {"tenant", "route", "model_id", "reject_reason", "data_categories", "status"}
 
 
 def shape_rows(events: Iterable[ev.Event]) -> Rows:
@@ -227,42 +259,47 @@ def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> No
     if row is None:
         reqs[key] = new
         return
-    # tenant (2) keeps the first value: a later event cannot move a request to another tenant.
-    # route, model_id: first known value wins; counts, reasons, categories: latest known.
-    if row[3] is None:
-        row[3] = new[3]
-    if row[4] is None:
-        row[4] = new[4]
-    for i in (5, 6, 7, 9, 10, 11):
-        if new[i] is not None:
-            row[i] = new[i]
-    if new[8] != _PROVISIONAL:
-        row[8] = new[8]
-    if ts < row[12]:
-        row[12] = ts
-    if ts > row[13]:
-        row[13] = ts
+    for i, rule in _FOLD:
+        a, b = row[i], new[i]
+        if b is None or a == b:
+            continue
+        if a is None:
+            row[i] = b
+        elif rule == "max":
+            if b > a:
+                row[i] = b
+        elif rule == "min":
+            if b < a:
+                row[i] = b
+        elif STATUS_RANK[b] > STATUS_RANK[a]:  # rule == "rank"
+            row[i] = b
 
 
 def _request_upsert_sql(dialect: str, source: str) -> str:
-    lo, hi = ("MIN", "MAX") if dialect == "sqlite" else ("LEAST", "GREATEST")
-    cols = ", ".join(REQ_COLS)
     r, x = "requests", "excluded"
+    # Compare strings by code point on both databases, as Python does in the fold.
+    collate = ' COLLATE "C"' if dialect == "postgresql" else ""
+    sets = []
+    for col, rule in REQUEST_MERGE.items():
+        rc, xc = f"{r}.{col}", f"{x}.{col}"
+        if rule == "rank":
+            better = f"{_rank_sql(xc)} > {_rank_sql(rc)}"
+        else:
+            c = collate if col in _TEXT_COLS else ""
+            better = f"{xc}{c} {'>' if rule == 'max' else '<'} {rc}{c}"
+        sets.append(
+            f"{col} = CASE WHEN {xc} IS NULL THEN {rc} "
+            f"WHEN {rc} IS NULL OR {better} THEN {xc} ELSE {rc} END"
+        )
     return (
-        f"INSERT INTO requests ({cols}) {source} "
-        "ON CONFLICT (deployment_id, request_id) DO UPDATE SET "
-        f"route = COALESCE({r}.route, {x}.route), "
-        f"model_id = COALESCE({r}.model_id, {x}.model_id), "
-        f"prompt_tokens = COALESCE({x}.prompt_tokens, {r}.prompt_tokens), "
-        f"completion_tokens = COALESCE({x}.completion_tokens, {r}.completion_tokens), "
-        f"max_tokens = COALESCE({x}.max_tokens, {r}.max_tokens), "
-        f"status = CASE WHEN {x}.status = '{_PROVISIONAL}' THEN {r}.status ELSE {x}.status END, "
-        f"reject_reason = COALESCE({x}.reject_reason, {r}.reject_reason), "
-        f"limit_tokens = COALESCE({x}.limit_tokens, {r}.limit_tokens), "
-        f"data_categories = COALESCE({x}.data_categories, {r}.data_categories), "
-        f"first_ts = {lo}({r}.first_ts, {x}.first_ts), "
-        f"last_ts = {hi}({r}.last_ts, {x}.last_ts)"
+        f"INSERT INTO requests ({', '.join(REQ_COLS)}) {source} "
+        "ON CONFLICT (deployment_id, request_id) DO UPDATE SET " + ", ".join(sets)
     )
+
+
+def _rank_sql(col: str) -> str:
+    cases = " ".join(f"WHEN '{k}' THEN {v}" for k, v in STATUS_RANK.items())
+    return f"(CASE {col} {cases} ELSE -1 END)"
 
 
 def config_hash(c: ev.EngineConfig) -> str:
@@ -287,7 +324,11 @@ class IngestStore:
         else:
             # The staging table makes a whole batch one COPY plus one INSERT ... SELECT.
             self._req_sql = _request_upsert_sql(
-                dialect, f"SELECT {', '.join(REQ_COLS)} FROM _kvw_stage_requests"
+                dialect,
+                # Key order: two batches touching the same requests (a prefill and a decode
+                # probe) then lock them in one order and cannot deadlock.
+                f"SELECT {', '.join(REQ_COLS)} FROM _kvw_stage_requests "
+                "ORDER BY deployment_id, request_id",
             )
             self._stage_sql = (
                 "CREATE TEMP TABLE IF NOT EXISTS _kvw_stage_requests ON COMMIT DELETE ROWS AS "
@@ -319,14 +360,25 @@ class IngestStore:
                 {"field": "probe_id"},
             )
         max_seq = probe.max_seq
-        gaps = [
-            (g.id, g.first_seq, g.last_seq)
-            for g in conn.execute(
-                select(m.SeqGap.id, m.SeqGap.first_seq, m.SeqGap.last_seq)
-                .where(m.SeqGap.probe_id == probe_id)
-                .order_by(m.SeqGap.first_seq)
-            )
-        ]
+        low = min(e.seq for e in events)
+        # Gaps matter only to a batch reaching back below the high-water mark (a retry or a
+        # late replay); load just those that overlap it.
+        gaps = (
+            []
+            if low > max_seq
+            else [
+                (g.id, g.first_seq, g.last_seq)
+                for g in conn.execute(
+                    select(m.SeqGap.id, m.SeqGap.first_seq, m.SeqGap.last_seq)
+                    .where(
+                        m.SeqGap.probe_id == probe_id,
+                        m.SeqGap.last_seq >= low,
+                        m.SeqGap.first_seq <= max_seq,
+                    )
+                    .order_by(m.SeqGap.first_seq)
+                )
+            ]
+        )
         new, duplicates, filled = _classify(events, max_seq, gaps)
         if rows is None or len(new) != len(events):
             rows = shape_rows(new) if new else None
@@ -440,7 +492,14 @@ class IngestStore:
                 _copy(cur, "probe_drops", DROP_COLS, rows.drops)
             if rows.requests:
                 cur.execute(self._stage_sql)
-                _copy(cur, "_kvw_stage_requests", REQ_COLS, rows.requests.values(), "requests")
+                reqs = rows.requests
+                _copy(
+                    cur,
+                    "_kvw_stage_requests",
+                    REQ_COLS,
+                    [reqs[k] for k in sorted(reqs)],
+                    "requests",
+                )
                 cur.execute(self._req_sql)
             # Last: the deployment's row lock is then held only until the commit, so
             # batches of one deployment from different probes barely queue on it.
@@ -539,6 +598,7 @@ def _classify(
     new: list[ev.Event] = []
     filled: set[int] = set()
     duplicates = 0
+    starts = [lo for _, lo, _ in gaps]  # gaps are disjoint and sorted by first_seq
     for e in sorted(events, key=lambda x: x.seq):
         s = e.seq
         if s in seen:
@@ -547,7 +607,9 @@ def _classify(
         if s > max_seq:
             seen.add(s)
             new.append(e)
-        elif any(lo <= s <= hi for _, lo, hi in gaps):
+            continue
+        k = bisect_right(starts, s) - 1
+        if k >= 0 and s <= gaps[k][2]:
             seen.add(s)
             filled.add(s)
             new.append(e)

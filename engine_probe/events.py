@@ -114,7 +114,7 @@ class RequestAdmitted(Event, tag="request.admitted", kw_only=True, frozen=True):
 
     request_id: Id
     tenant: Id
-    route: Name = "/v1/completions"
+    route: Name | None = None
     model_id: Name | None
     prompt_tokens: Tokens | None
     max_tokens: Tokens | None = None
@@ -127,7 +127,7 @@ class RequestRejected(Event, tag="request.rejected", kw_only=True, frozen=True):
 
     request_id: Id
     tenant: Id
-    route: Name = "/v1/completions"
+    route: Name | None = None
     model_id: Name | None
     reason: RejectReason
     prompt_tokens: Tokens | None
@@ -306,6 +306,33 @@ def _check_ids(events: Sequence[Event]) -> list[FieldError]:
     return errors
 
 
+# A JSON escape that decodes to a control character (\u0000-\u001f, \n, \t, ...). Matching the
+# raw body is a C-speed pre-check; only a match pays for scanning the decoded strings, which
+# settles false alarms such as an escaped backslash followed by "n".
+_CONTROL_ESCAPE = re.compile(rb"\\(?:u00[01][0-9a-fA-F]|[nrtbf])")
+_CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_text(events: Sequence[Event]) -> list[FieldError]:
+    """Refuse control characters in every string field (PostgreSQL cannot store NUL, and
+    no label needs a newline). Only called when the body contains such an escape."""
+    errors: list[FieldError] = []
+    for i, e in enumerate(events):
+        for name in e.__struct_fields__:
+            v = getattr(e, name)
+            values = v if isinstance(v, list) else [v]
+            for j, item in enumerate(values):
+                if isinstance(item, str) and _CONTROL_CHAR.search(item):
+                    where = f"{name}[{j}]" if isinstance(v, list) else name
+                    errors.append(FieldError(i, where, "control characters are not allowed"))
+    return errors
+
+
+def is_valid_id(value: str) -> bool:
+    """The id rule every id field follows (probe, deployment, tenant, node, request)."""
+    return 0 < len(value) <= ID_MAX and _ID_RE.fullmatch(value) is not None
+
+
 def kind_of(event: Event) -> str:
     return str(event.__struct_config__.tag)
 
@@ -382,11 +409,16 @@ def decode_json_batch(body: bytes, *, max_events: int | None = None) -> list[Eve
         pass  # diagnose every event below
     except msgspec.DecodeError as exc:
         raise DecodeError([FieldError(None, None, f"malformed JSON: {exc}")]) from None
+    except RecursionError:
+        raise DecodeError([FieldError(None, None, "JSON nested too deeply")]) from None
     else:
         if max_events is not None and len(events) > max_events:
             raise BatchTooLarge(len(events), max_events)
-        if errors := _check_ids(events):
-            raise DecodeError(errors)
+        errors = _check_ids(events)
+        if _CONTROL_ESCAPE.search(body):
+            errors += _check_text(events)
+        if errors:
+            raise DecodeError(_distinct(errors))
         return events
     try:
         raws = _raw_list_decoder.decode(body)
@@ -395,9 +427,19 @@ def decode_json_batch(body: bytes, *, max_events: int | None = None) -> list[Eve
     except msgspec.DecodeError as exc:
         # The typed pass can stop at a bad field before reaching malformed bytes later on.
         raise DecodeError([FieldError(None, None, f"malformed JSON: {exc}")]) from None
+    except RecursionError:
+        raise DecodeError([FieldError(None, None, "JSON nested too deeply")]) from None
     if max_events is not None and len(raws) > max_events:
         raise BatchTooLarge(len(raws), max_events)
     return _decode_each(raws, offset=0)
+
+
+def _distinct(errors: list[FieldError]) -> list[FieldError]:
+    """One error per (event, field), in event order."""
+    seen: dict[tuple[int | None, str | None], FieldError] = {}
+    for err in errors:
+        seen.setdefault((err.index, err.field), err)
+    return sorted(seen.values(), key=lambda e: (-1 if e.index is None else e.index, e.field or ""))
 
 
 def decode_ndjson_batch(body: bytes, *, max_events: int | None = None) -> list[Event]:
@@ -418,11 +460,16 @@ def _decode_each(items: Iterable[bytes | msgspec.Raw], *, offset: int) -> list[E
             errors.append(_field_error(i, exc))
         except msgspec.DecodeError as exc:
             errors.append(FieldError(i, None, f"malformed JSON: {exc}"))
+        except RecursionError:
+            errors.append(FieldError(i, None, "JSON nested too deeply"))
         else:
             events.append(event)
-            errors += [replace(err, index=i) for err in _check_ids([event])]
+            found = _check_ids([event])
+            if _CONTROL_ESCAPE.search(item):
+                found += _check_text([event])
+            errors += [replace(err, index=i) for err in found]
     if errors:
-        raise DecodeError(errors)
+        raise DecodeError(_distinct(errors))
     return events
 
 
