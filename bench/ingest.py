@@ -378,7 +378,7 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
-WORKERS = 2  # `kvwatch serve --workers`; set from --workers
+WORKERS = 1  # `kvwatch serve --workers`; set from --workers
 
 
 @contextlib.contextmanager
@@ -835,7 +835,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="an existing PostgreSQL database to connect to for creating and dropping "
         f"throwaway ones (default {DEFAULT_PG_URL}, env KVWATCH_BENCH_PG_URL)",
     )
-    p.add_argument("--workers", type=int, default=2, help="collector processes (default 2)")
+    p.add_argument("--workers", type=int, default=1, help="collector processes (default 1)")
     args = p.parse_args(argv)
     global WORKERS
     WORKERS = args.workers
