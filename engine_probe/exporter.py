@@ -12,15 +12,25 @@ How it answers the collector:
 * 400/422: the collector refuses those events for good. Not retried: they are counted as
   dropped ("rejected_by_collector") and kept in ``<spool_dir>/rejected/``. When the
   collector (or a local decode) names the bad events, the others are sent again without them.
-* anything else (401/403 misconfiguration, 404, 429, 5xx, connection refused, timeouts):
-  retriable. Exponential backoff with full jitter; meanwhile batches go to the backlog.
+* connection errors, timeouts, 401 (the token, never the batch), 429, 502, 503, 504: the
+  collector is unavailable. Retried forever (an outage must never lose data), with
+  exponential backoff and full jitter; meanwhile batches go to the backlog.
+* any other answer (403, 404, 500, ...): retried too, but at most ``probe_max_attempts``
+  times per batch. Such an answer can come from the batch itself (a 500 on input the
+  collector chokes on; a 403 for an adopted batch whose probe_id belongs to another token),
+  and the backlog is replayed in order, so a batch that can never succeed would block every
+  batch behind it. Past the cap it is dead-lettered and counted like a 422, and the next
+  batch gets its turn. Once a batch of another (dead) probe's id was dead-lettered on a 403,
+  later batches of that id are dead-lettered at their first 403, so an adopted spool of
+  thousands of such batches cannot hold the probe's own events back for hours.
 
 The backlog is the spool on disk when ``probe_spool_dir`` is set, else a bounded list in
 memory. Once it holds anything, every newer batch goes to its end, and it is replayed
 oldest first before anything newer is sent, which keeps each probe's events in seq order.
 
 Invariant: every event taken from the buffer ends delivered, in the backlog, or counted in
-the drop counter; no code path discards a batch without counting it.
+the drop counter (dead-lettered batches included); no code path discards a batch without
+counting it.
 """
 
 from __future__ import annotations
@@ -48,6 +58,12 @@ log = logging.getLogger("engine_probe.exporter")
 
 USER_AGENT: Final = "kvwatch-probe/0.1"
 _NOTE_BODY_MAX: Final = 16 * 1024
+_ERROR_MESSAGE_MAX: Final = 300
+# Answers that say the collector (or the way to it) is unavailable, not that the batch is
+# bad: retried forever. 401 is decided from the token before the body is read, so it never
+# says anything about a batch; dead-lettering on it would only lose data while a person
+# fixes the token.
+_UNAVAILABLE: Final = frozenset({401, 429, 502, 503, 504})
 
 
 class _Head(msgspec.Struct):
@@ -71,12 +87,22 @@ def _join(raws: Sequence[msgspec.Raw | bytes]) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
+class _Refusal:
+    """An answer that counts against a batch's ``probe_max_attempts``."""
+
+    status: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Retry:
     """What is left of a batch that could not be delivered yet (all of it, or the part
-    after what a 413 split did deliver)."""
+    after what a 413 split or a 422 did deliver). ``refusal`` is set when the failure
+    counts against the attempt cap (None: transport error or collector unavailable)."""
 
     body: bytes
     events: int
+    refusal: _Refusal | None = None
 
 
 class _MemoryFull(Exception):
@@ -238,6 +264,11 @@ class Exporter:
         self._attempt = 0
         self._retry_at = 0.0
         self._healthy = True
+        self._max_attempts = settings.probe_max_attempts
+        # Refusals counted against the backlog's head (reset whenever the head changes or
+        # makes progress), and the foreign probe ids given up on after a 403.
+        self._head_attempts = 0
+        self._forbidden_ids: set[str] = set()
 
         self.sent = 0
         self.batches_sent = 0
@@ -432,6 +463,7 @@ class Exporter:
         if isinstance(self._backlog, _MemoryBacklog):
             for item in self._backlog.drain_all():
                 self._account_drop(item.body, item.events, "shutdown")
+            self._head_attempts = 0
             self._mark_handled()
         totals_after = self._drops.totals()
         lost = sum(
@@ -476,7 +508,11 @@ class Exporter:
                 self._failed(f"unexpected error: {exc!r}")
                 retry = _Retry(body, n)
             if retry is not None:
-                self._to_backlog(retry.body, retry.events, first_seq)
+                attempts = 0 if retry.refusal is None else 1
+                if self._give_up(retry, attempts):
+                    continue
+                # The backlog was empty: this batch becomes its head, with its attempt.
+                self._to_backlog(retry.body, retry.events, first_seq, attempts)
 
     def _encode(self, chunk: list[ev.Event]) -> tuple[bytes, int] | None:
         try:
@@ -499,9 +535,12 @@ class Exporter:
                     self._drops.restore(event.counts.items())
         return (_join(parts), len(parts)) if parts else None
 
-    def _to_backlog(self, body: bytes, n: int, first_seq: int) -> None:
+    def _to_backlog(self, body: bytes, n: int, first_seq: int, attempts: int = 0) -> None:
+        was_empty = not len(self._backlog)
         try:
             self._backlog.push(body, n, first_seq)
+            if was_empty:
+                self._head_attempts = attempts
         except SpoolFullError as exc:
             self.last_error = str(exc)
             self._account_drop(body, n, "spool_full")
@@ -534,7 +573,7 @@ class Exporter:
                 log.error("unreadable spooled batch dropped: %s", exc)
                 self.last_error = str(exc)
                 self._drops.add("spool_error", self._head_events())
-                self._backlog.pop()
+                self._pop_head()
                 continue
             try:
                 retry = self._deliver(body, n, deadline)
@@ -543,16 +582,62 @@ class Exporter:
                 self._failed(f"unexpected error: {exc!r}")
                 return
             if retry is not None:
-                if retry.body is not body:
+                if retry.events < n:  # part of it was delivered (413 split) or refused (422)
                     try:
                         self._backlog.replace_head(retry.body, retry.events)
                     except Exception as exc:
                         # The old head stays: its delivered part will be sent twice, which
-                        # the collector's (probe_id, seq) idempotency absorbs.
+                        # the collector's (probe_id, seq) idempotency absorbs. Its attempt
+                        # count stays too, so this cannot go round forever.
                         log.warning("cannot shrink a partly delivered spool file: %s", exc)
+                    else:
+                        self._head_attempts = 0  # progress: what is left starts afresh
+                if retry.refusal is not None:
+                    self._head_attempts += 1
+                    if self._give_up(retry, self._head_attempts):
+                        # What was delivered of the head is delivered; the rest is in the
+                        # dead-letter directory and counted: the head is done with.
+                        self._pop_head()
+                        self._mark_handled()
+                        continue
                 return
-            self._backlog.pop()
+            self._pop_head()
             self._mark_handled()
+
+    def _pop_head(self) -> None:
+        self._backlog.pop()
+        self._head_attempts = 0
+
+    def _give_up(self, retry: _Retry, attempts: int) -> bool:
+        """Dead-letter ``retry`` (counted as "rejected_by_collector") when its refusals
+        reached the cap; True when it did."""
+        refusal = retry.refusal
+        if refusal is None:
+            return False
+        # Only another probe's id (an adopted batch) is remembered: that id's token is gone
+        # for good, while this probe's own 403 may be fixed by a person at any time.
+        probe_id = self._batch_probe_id(retry.body) if refusal.status == 403 else None
+        foreign = probe_id if probe_id is not None and probe_id != self._probe_id else None
+        if attempts < self._max_attempts and foreign not in self._forbidden_ids:
+            return False
+        why = (
+            f"gave up after {attempts} refusal{'' if attempts == 1 else 's'}, "
+            f"probe_max_attempts={self._max_attempts}"
+        )
+        if attempts < self._max_attempts:
+            why += f"; an earlier batch of probe_id {foreign!r} was refused with 403 as often"
+        if foreign is not None:
+            self._forbidden_ids.add(foreign)
+        self._dead_letter(retry.body, retry.events, refusal.status, refusal.text, why)
+        return True
+
+    @staticmethod
+    def _batch_probe_id(body: bytes) -> str | None:
+        try:
+            heads = _heads_decoder.decode(body)
+        except msgspec.MsgspecError:
+            return None
+        return heads[0].probe_id if heads else None
 
     def _head_events(self) -> int:
         spool = self._spool
@@ -586,15 +671,17 @@ class Exporter:
             return self._split_and_deliver(body, n, resp, deadline)
         if status in (400, 422):
             return self._reject(body, n, resp, deadline)
-        if status in (401, 403):
-            self._failed(
-                f"collector answered {status}: check KVWATCH_INGEST_TOKEN "
-                "(events are kept and retried)",
-                resp,
-            )
-        else:
-            self._failed(f"collector answered {status}", resp)
-        return _Retry(body, n)
+        said = f"collector answered {status}{_error_message(resp)}"
+        if status in _UNAVAILABLE:
+            if status == 401:
+                said += " (check KVWATCH_INGEST_TOKEN; events are kept and retried)"
+            self._failed(said, resp)
+            return _Retry(body, n)
+        check = "check KVWATCH_INGEST_TOKEN and its scope; " if status == 403 else ""
+        self._failed(
+            f"{said} ({check}a batch refused {self._max_attempts} times is dead-lettered)", resp
+        )
+        return _Retry(body, n, _Refusal(status, resp.text[:_NOTE_BODY_MAX]))
 
     def _split_and_deliver(
         self, body: bytes, n: int, resp: httpx.Response, deadline: float | None
@@ -602,10 +689,10 @@ class Exporter:
         try:
             raws = _split(body)
         except msgspec.MsgspecError:
-            self._dead_letter(body, n, resp, "413 for a batch that is not a JSON array")
+            self._dead_letter_resp(body, n, resp, "413 for a batch that is not a JSON array")
             return None
         if len(raws) <= 1:
-            self._dead_letter(body, n, resp, "one event is larger than the collector allows")
+            self._dead_letter_resp(body, n, resp, "one event is larger than the collector allows")
             return None
         mid = len(raws) // 2
         halves = (raws[:mid], raws[mid:])
@@ -614,7 +701,7 @@ class Exporter:
             if retry is not None:
                 if i == 0:
                     rest = _split(retry.body) + halves[1]
-                    return _Retry(_join(rest), len(rest))
+                    return _Retry(_join(rest), len(rest), retry.refusal)
                 return retry
         return None
 
@@ -626,7 +713,7 @@ class Exporter:
         try:
             raws = _split(body)
         except msgspec.MsgspecError:
-            self._dead_letter(body, n, resp, "batch is not a JSON array")
+            self._dead_letter_resp(body, n, resp, "batch is not a JSON array")
             return None
         bad = _bad_indices(resp, len(raws))
         if not bad:
@@ -635,21 +722,28 @@ class Exporter:
             except ev.DecodeError as exc:
                 bad = {e.index for e in exc.errors if e.index is not None and e.index < len(raws)}
         if not bad or len(bad) >= len(raws):
-            self._dead_letter(body, len(raws), resp, "collector refused the batch")
+            self._dead_letter_resp(body, len(raws), resp, "collector refused the batch")
             return None
         rejected = [raws[i] for i in sorted(bad)]
         good = [raw for i, raw in enumerate(raws) if i not in bad]
-        self._dead_letter(_join(rejected), len(rejected), resp, "collector refused these events")
+        self._dead_letter_resp(
+            _join(rejected), len(rejected), resp, "collector refused these events"
+        )
         return self._deliver(_join(good), len(good), deadline)
 
-    def _dead_letter(self, body: bytes, n: int, resp: httpx.Response, why: str) -> None:
-        log.error("collector refused %d events (%s, HTTP %d)", n, why, resp.status_code)
-        self.last_error = f"collector refused {n} events: HTTP {resp.status_code}"
+    def _dead_letter_resp(self, body: bytes, n: int, resp: httpx.Response, why: str) -> None:
+        self._dead_letter(body, n, resp.status_code, resp.text, why)
+
+    def _dead_letter(self, body: bytes, n: int, status: int, text: str, why: str) -> None:
+        """Count ``n`` events as "rejected_by_collector" and keep them, with ``why``, in
+        ``<spool_dir>/rejected/`` (when there is a spool)."""
+        log.error("collector refused %d events (%s, HTTP %d)", n, why, status)
+        self.last_error = f"collector refused {n} events: HTTP {status} ({why})"
         self._account_drop(body, n, "rejected_by_collector")
         if self._spool is not None:
             note = (
-                f"{why}\nPOST {self._url}\nHTTP {resp.status_code}\n"
-                f"events: {n}\nresponse:\n{resp.text[:_NOTE_BODY_MAX]}\n"
+                f"{why}\nPOST {self._url}\nHTTP {status}\n"
+                f"events: {n}\nresponse:\n{text[:_NOTE_BODY_MAX]}\n"
             )
             self._spool.write_rejected(body, note)
         # The collector answered: it is reachable, whatever it thought of these events.
@@ -684,6 +778,7 @@ class Exporter:
         self._healthy = True
         self._attempt = 0
         self._retry_at = 0.0
+        self._forbidden_ids.clear()  # whatever was refused may be allowed again
         self.sent += n
         self.batches_sent += 1
         try:
@@ -715,6 +810,17 @@ class Exporter:
                     delay, min(float(resp.headers.get("Retry-After", "")), s.probe_backoff_max_s)
                 )
         self._retry_at = time.monotonic() + delay
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """``": <the collector's error message>"`` from ``{"error": {"message": ...}}``, or ""."""
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    if not isinstance(message, str) or not message:
+        return ""
+    return f": {message[:_ERROR_MESSAGE_MAX]}"
 
 
 def _bad_indices(resp: httpx.Response, count: int) -> set[int]:

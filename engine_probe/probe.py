@@ -11,6 +11,10 @@ The hot path (``Probe.emit``) validates the event type, builds the msgspec Struc
 next seq under one short lock, and appends it to a bounded buffer; it never does I/O, never
 waits for room, and never blocks on the collector. A daemon exporter thread does the rest.
 
+Probe ids: the configured ``probe_id`` (else the host name) is a root. Every ``Probe`` sends
+as ``{root}-{pid}-{6 random hex}``, so a restarted process (same root, seq from 1 again) never
+reuses the previous process's seq space, which the collector would count as duplicates.
+
 Processes that fork: in the child, every probe gets a fresh probe id (the parent's seq space
 must never be reused under one id), a seq counter from 1, an empty buffer, new locks, and an
 exporter thread started lazily by the first ``emit``. The parent's buffered events stay the
@@ -114,12 +118,14 @@ class Probe(BaseProbe):
                 "configure_probe() keeps the no-op probe without one"
             )
         self.settings = settings
-        # Ids of forked children derive from this root: the configured id, else the host.
+        # Every id this probe uses (and its forked children's) derives from this root: the
+        # configured id, else the host name. Never the root itself: the seq counter starts
+        # at 1 in every process, and a reused (probe_id, seq) is stored as a duplicate.
         self._id_root = settings.probe_id
         self._deployment_id = settings.deployment_id
         self._control = threading.Lock()
         self._shutdown_result: bool | None = None
-        self._new_identity(settings.probe_id or derive_probe_id())
+        self._new_identity(derive_probe_id(self._id_root))
         _live_probes.add(self)
         self._start_exporter()
 

@@ -17,10 +17,9 @@ from typing import Final, Self
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_probe.events import ID_MAX
+from engine_probe.events import ID_MAX, is_valid_id
 
-# The same pattern as ``events.Id``: probe and deployment ids travel in every event.
-ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
+# What ``sanitize_id`` replaces; validation itself is ``events.is_valid_id`` (one rule).
 _ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
 # Room kept after a probe id's root for "-{pid}-{hex}" (see ``derive_probe_id``).
 _SUFFIX_ROOM: Final = 1 + 10 + 1 + 6
@@ -40,17 +39,20 @@ def derive_probe_id(root: str | None = None) -> str:
     """A new probe id ``{root}-{pid}-{6 random hex}``; ``root`` defaults to the host name.
 
     The random part makes ids unique across pid reuse, restarts and forks: the collector
-    deduplicates on (probe_id, seq), so a seq space must never be reused under one id.
+    deduplicates on (probe_id, seq), so a seq space must never be reused under one id. The
+    root is cut so that the whole id stays within ``ID_MAX`` characters.
     """
     base = sanitize_id(root if root is not None else socket.gethostname(), fallback="host")
     base = base[: ID_MAX - _SUFFIX_ROOM]
     return f"{base}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _check_id(value: str, what: str) -> str:
-    if not ID_RE.match(value) or len(value) > ID_MAX:
+def _check_id(value: str, env_var: str) -> str:
+    if not is_valid_id(value):
         raise ValueError(
-            f"{what} {value!r} must match {ID_RE.pattern} and be at most {ID_MAX} characters"
+            f"{env_var}={value!r} is not a valid id: 1 to {ID_MAX} characters, starting with "
+            "a letter or digit, then only letters, digits and ._:/@+=- "
+            "(no spaces, no trailing newline)"
         )
     return value
 
@@ -60,16 +62,28 @@ class ProbeSettings(BaseSettings):
 
     ``collector_url`` None means "do not export": :func:`engine_probe.configure_probe` then
     keeps the no-op probe (nothing is recorded, so nothing can pile up unsent).
-    ``probe_id`` None means "generate one per process" (``{hostname}-{pid}-{6 hex}``); an
-    explicit id must be unique per process lifetime, because the seq counter restarts at 1
-    with every process and the collector deduplicates on (probe_id, seq).
+    ``probe_id`` is the ROOT of the probe ids, not an id: every process (and every forked
+    child, and every ``Probe`` built) uses ``{root}-{pid}-{6 random hex}`` (root cut to fit
+    ``events.ID_MAX``), because the seq counter restarts at 1 with every process and the
+    collector deduplicates on (probe_id, seq). The root defaults to the host name; the same
+    root may be configured for any number of processes and restarts. ``Probe.probe_id`` is
+    the id actually sent.
+
+    ``probe_max_attempts``: how many times one batch may be refused with an HTTP answer
+    that says nothing about the collector being unavailable (a 500 on bad input, a 403,
+    404, ...) before it goes to the dead-letter directory and the next batch gets its turn.
+    Connection errors, timeouts, 401, 429, 502, 503 and 504 are retried forever.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
 
     collector_url: str | None = None
     ingest_token: str | None = Field(default=None, repr=False)
-    probe_id: str | None = None
+    probe_id: str | None = Field(
+        default=None,
+        description="Root of this probe's ids (default: the host name). Each process appends "
+        "'-{pid}-{6 random hex}', so one root may serve any number of processes and restarts.",
+    )
     deployment_id: str = "default"
     probe_spool_dir: Path | None = None
     probe_buffer_size: int = Field(default=65536, ge=1, le=1 << 26)
@@ -79,6 +93,7 @@ class ProbeSettings(BaseSettings):
     probe_request_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     probe_backoff_base_s: float = Field(default=0.2, gt=0)
     probe_backoff_max_s: float = Field(default=30.0, gt=0)
+    probe_max_attempts: int = Field(default=8, ge=1, le=1_000_000)
     probe_atexit_timeout_s: float = Field(default=2.0, ge=0, le=600)
 
     @field_validator("collector_url", "ingest_token", "probe_id", "probe_spool_dir", mode="before")
@@ -103,12 +118,12 @@ class ProbeSettings(BaseSettings):
     @field_validator("probe_id")
     @classmethod
     def _check_probe_id(cls, value: str | None) -> str | None:
-        return None if value is None else _check_id(value, "probe_id")
+        return None if value is None else _check_id(value, "KVWATCH_PROBE_ID")
 
     @field_validator("deployment_id")
     @classmethod
     def _check_deployment_id(cls, value: str) -> str:
-        return _check_id(value, "deployment_id")
+        return _check_id(value, "KVWATCH_DEPLOYMENT_ID")
 
     @model_validator(mode="after")
     def _check_relations(self) -> Self:

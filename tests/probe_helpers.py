@@ -3,8 +3,8 @@
 ``FakeCollector`` is a real ``ThreadingHTTPServer`` on 127.0.0.1 that decodes batches with the
 wire contract, the way the collector does, records every accepted batch (duplicates
 included, so tests can assert exactly-once delivery) and can be told to answer 401/413/422/
-503, to hold requests, or to go away entirely (connection refused) and come back on the same
-port.
+503, to refuse chosen batches with any status (``refuse``), to hold requests, or to go away
+entirely (connection refused) and come back on the same port.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class FakeCollector:
         self.headers: list[dict[str, str]] = []
         self.status_override: int | None = None  # answer this to every request
         self.max_events: int | None = None  # 413 above this many events
+        # Called with every decoded batch: a status to answer instead of accepting it, or None.
+        self.refuse: Callable[[list[ev.Event]], int | None] | None = None
         self.gate = threading.Event()  # requests wait here until it is set
         self.gate.set()
         self.in_flight = 0
@@ -139,6 +141,8 @@ class FakeCollector:
             batch = ev.decode_json_batch(body)
         except ev.DecodeError as exc:
             return 422, error("invalid_events", str(exc), [e.as_dict() for e in exc.errors])
+        if self.refuse is not None and (status := self.refuse(batch)) is not None:
+            return status, error("refused", "refused by the test")
         with self.lock:
             self.batches.append(batch)
         return 200, {"accepted": len(batch), "duplicates": 0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from engine_probe import events as ev
 from engine_probe.buffer import DropCounter, EventBuffer
 from engine_probe.errors import InvalidEventError, ProbeConfigError
 from engine_probe.probe import NoopProbe, Probe, configure_probe, get_probe, shutdown_probe
-from engine_probe.settings import ID_RE, ProbeSettings, derive_probe_id, sanitize_id
+from engine_probe.settings import ProbeSettings, derive_probe_id, sanitize_id
 from tests.probe_helpers import FakeCollector, fake_collector, make_probe, pool, settings, wait_for
 
 __all__ = ["fake_collector", "make_probe"]  # fixtures used here
@@ -275,7 +276,11 @@ def test_settings_come_from_kvwatch_environment(monkeypatch: pytest.MonkeyPatch)
         {"collector_url": "ftp://collector"},
         {"probe_id": "has space"},
         {"probe_id": "-leading-dash"},
+        {"probe_id": "engine-0\n"},
+        {"probe_id": "x" * 129},
         {"deployment_id": "x" * 200},
+        {"deployment_id": "prod\n"},
+        {"probe_max_attempts": 0},
     ],
 )
 def test_settings_refuse_what_cannot_work(overrides: dict[str, Any]) -> None:
@@ -283,16 +288,67 @@ def test_settings_refuse_what_cannot_work(overrides: dict[str, Any]) -> None:
         ProbeSettings(**overrides)
 
 
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("KVWATCH_PROBE_ID", "engine-0\n"),
+        ("KVWATCH_PROBE_ID", "engine 0"),
+        ("KVWATCH_DEPLOYMENT_ID", "prod\n"),
+    ],
+)
+def test_bad_ids_from_the_environment_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    # "$" in a regex also matches before a trailing newline: the check must use the wire
+    # contract's own rule (fullmatch), or the collector would refuse every event later.
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValidationError, match=var):
+        ProbeSettings()
+
+
+def test_probe_max_attempts_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ProbeSettings().probe_max_attempts == 8
+    monkeypatch.setenv("KVWATCH_PROBE_MAX_ATTEMPTS", "3")
+    assert ProbeSettings().probe_max_attempts == 3
+
+
 def test_generated_probe_ids_fit_the_wire_contract() -> None:
     pid = derive_probe_id()
-    assert ID_RE.match(pid) and len(pid) <= ev.ID_MAX
+    assert ev.is_valid_id(pid)
     assert derive_probe_id() != pid
     child = derive_probe_id("node-a")
-    assert child.startswith("node-a-") and ID_RE.match(child)
+    assert child.startswith("node-a-") and ev.is_valid_id(child)
+    # A root of the longest valid id is cut so that the suffix still fits.
+    long_root = "r" * ev.ID_MAX
+    assert ev.is_valid_id(long_root)
+    derived = derive_probe_id(long_root)
+    assert ev.is_valid_id(derived) and derived.startswith("r" * 100)
+
+
+def test_a_configured_probe_id_is_a_root_each_probe_extends(
+    fake_collector: FakeCollector, make_probe: Any
+) -> None:
+    # A restarted process with the same KVWATCH_PROBE_ID starts its seq at 1 again: under
+    # the same id the collector would store its events as duplicates of the previous run's.
+    first = make_probe(settings(fake_collector, probe_id="engine-0"))
+    second = make_probe(settings(fake_collector, probe_id="engine-0"))
+    assert first.probe_id != second.probe_id
+    for probe in (first, second):
+        assert probe.probe_id.startswith(f"engine-0-{os.getpid()}-")
+        assert ev.is_valid_id(probe.probe_id)
+        assert probe.stats()["probe_id"] == probe.probe_id
+    longest = make_probe(settings(fake_collector, probe_id="x" * ev.ID_MAX))
+    assert ev.is_valid_id(longest.probe_id)
+    assert pool(first) and pool(second) and pool(longest)
+    for probe in (first, second, longest):
+        assert probe.force_flush(5)
+    by_probe = fake_collector.by_probe()
+    assert set(by_probe) == {first.probe_id, second.probe_id, longest.probe_id}
+    assert all([e.seq for e in events] == [1] for events in by_probe.values())
 
 
 @given(st.text(max_size=300))
 def test_sanitize_id_always_yields_a_valid_id(raw: str) -> None:
     value = sanitize_id(raw)
-    assert ID_RE.match(value) and 1 <= len(value) <= ev.ID_MAX
-    assert ID_RE.match(derive_probe_id(raw)) and len(derive_probe_id(raw)) <= ev.ID_MAX
+    assert ev.is_valid_id(value)
+    assert ev.is_valid_id(derive_probe_id(raw))

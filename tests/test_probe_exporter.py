@@ -12,9 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine_probe import events as ev
 from engine_probe.probe import Probe
-from engine_probe.spool import REJECTED_DIR
+from engine_probe.spool import REJECTED_DIR, Spool
 from tests.probe_helpers import (
     TOKEN,
     FakeCollector,
@@ -240,6 +242,176 @@ def test_422_for_a_whole_batch_is_not_retried_and_is_reported_later(
     [report] = delivered(fake_collector, probe.probe_id)
     assert isinstance(report, ev.ProbeDrops) and report.seq == 6
     assert report.counts == {"rejected_by_collector": 5}
+
+
+# -- the attempt cap -----------------------------------------------------------------------
+
+
+def dead_letters(spool_dir: Path) -> list[tuple[list[dict[str, Any]], str]]:
+    """(events, note) of every dead-lettered batch, oldest first."""
+    return [
+        (json.loads(p.read_bytes()), p.with_suffix(".txt").read_text())
+        for p in sorted((spool_dir / REJECTED_DIR).glob("*.json"))
+        if not p.name.startswith(".")  # a dead letter being written
+    ]
+
+
+def test_a_batch_refused_with_500_forever_is_dead_lettered_after_the_cap(
+    fake_collector: FakeCollector, make_probe: Any, tmp_path: Path
+) -> None:
+    # A batch the collector can never take (a 500 on input it chokes on) must not block
+    # every batch behind it: the backlog is replayed oldest first.
+    spool_dir = tmp_path / "spool"
+    fake_collector.refuse = lambda batch: 500 if 666 in used_tokens(batch) else None
+    probe = make_probe(settings(fake_collector, probe_spool_dir=spool_dir, probe_max_attempts=3))
+    pool(probe, used=0)
+    pool(probe, used=666)
+    pool(probe, used=2)
+    assert probe.force_flush(5)  # spooled counts as handled
+    for i in range(3, 8):
+        pool(probe, used=i)
+    assert probe.force_flush(5)
+    wait_for(lambda: probe.stats()["spooled"]["files"] == 0, what="the spool to drain")
+    assert probe.force_flush(5)  # sends the report of the dead-lettered batch
+    wait_for(lambda: fully_accounted(fake_collector, probe.probe_id), what="the report")
+
+    assert fake_collector.statuses.count(500) == 3  # exactly the cap, then never again
+    events = delivered(fake_collector, probe.probe_id)
+    assert_in_seq_order_exactly_once(events)
+    # The whole refused batch (the collector named no culprit) is dead-lettered.
+    assert used_tokens(events) == [3, 4, 5, 6, 7]
+    reports = [e for e in events if isinstance(e, ev.ProbeDrops)]
+    assert [r.counts for r in reports] == [{"rejected_by_collector": 3}]
+    assert probe.stats()["dropped"]["rejected_by_collector"] == 3
+    [(kept, note)] = dead_letters(spool_dir)
+    assert [e["used_tokens"] for e in kept] == [0, 666, 2]
+    assert "HTTP 500" in note and "after 3 refusals" in note and "probe_max_attempts=3" in note
+
+
+@pytest.mark.parametrize("max_attempts", [1, 3])
+def test_500_for_everything_without_a_spool_dead_letters_each_batch_at_the_cap(
+    fake_collector: FakeCollector, make_probe: Any, max_attempts: int
+) -> None:
+    probe = make_probe(settings(fake_collector, probe_max_attempts=max_attempts))
+    fake_collector.status_override = 500
+    for i in range(3):
+        pool(probe, used=i)
+    # Without a spool, flush waits for the retries: the cap is what ends them.
+    assert probe.force_flush(5)
+    assert fake_collector.statuses[:max_attempts] == [500] * max_attempts
+    assert probe.stats()["dropped"]["rejected_by_collector"] >= 3
+    assert "HTTP 500" in probe.stats()["last_error"]
+    fake_collector.status_override = None
+    assert probe.force_flush(5)
+    wait_for(lambda: fully_accounted(fake_collector, probe.probe_id), what="the report")
+    # Drop reports refused meanwhile gave their counts back: the last one explains it all.
+    events = delivered(fake_collector, probe.probe_id)
+    assert all(isinstance(e, ev.ProbeDrops) for e in events)
+    assert accounting(events)[1] == probe.stats()["dropped"]["rejected_by_collector"]
+
+
+@pytest.mark.parametrize("status", [401, 429, 502, 503, 504])
+def test_unavailable_answers_are_retried_forever(
+    fake_collector: FakeCollector, make_probe: Any, tmp_path: Path, status: int
+) -> None:
+    # An outage (or a token being fixed) must never lose data, however long it lasts.
+    probe = make_probe(
+        settings(fake_collector, probe_spool_dir=tmp_path / "spool", probe_max_attempts=2)
+    )
+    fake_collector.status_override = status
+    for i in range(4):
+        pool(probe, used=i)
+    assert probe.force_flush(5)
+    wait_for(lambda: fake_collector.statuses.count(status) >= 6, what="retries past the cap")
+    assert sum(probe.stats()["dropped"].values()) == 0
+    assert probe.stats()["spooled"]["events"] == 4
+    fake_collector.status_override = None
+    wait_for(lambda: len(fake_collector.events()) == 4, what="delivery after the outage")
+    assert used_tokens(fake_collector.events()) == [0, 1, 2, 3]
+    assert not (tmp_path / "spool" / REJECTED_DIR).exists()
+
+
+def test_transport_errors_between_refusals_do_not_count(
+    fake_collector: FakeCollector, make_probe: Any, tmp_path: Path
+) -> None:
+    probe = make_probe(
+        settings(fake_collector, probe_spool_dir=tmp_path / "spool", probe_max_attempts=3)
+    )
+    answers = iter([500, 503, 503, 500, 503])
+    fake_collector.refuse = lambda batch: next(answers, None)
+    pool(probe, used=1)
+    assert probe.force_flush(5)
+    wait_for(lambda: len(fake_collector.events()) == 1, what="delivery on the 6th try")
+    assert fake_collector.statuses == [500, 503, 503, 500, 503, 200]
+    assert sum(probe.stats()["dropped"].values()) == 0
+
+
+def test_adopted_batches_of_a_probe_id_refused_with_403_cannot_block_new_events(
+    fake_collector: FakeCollector, make_probe: Any, tmp_path: Path
+) -> None:
+    # A spool left by a process whose probe id is registered to a token that was rotated
+    # since: the collector answers 403 to those batches forever.
+    spool_dir = tmp_path / "spool"
+    orphan_id = "old-engine-1-abc123"
+    orphan = Spool(spool_dir, orphan_id, 1 << 20)
+    for b in range(4):
+        events = [
+            ev.PoolSample(schema_version=1, probe_id=orphan_id, seq=b * 2 + i + 1,
+                          ts=ev.utcnow(), deployment_id="test-dep", capacity_tokens=10,
+                          used_tokens=1, free_tokens=0)
+            for i in range(2)
+        ]  # fmt: skip
+        orphan.push(ev.encode_batch(events), len(events))
+    orphan.close()
+    fake_collector.refuse = lambda batch: 403 if batch[0].probe_id == orphan_id else None
+
+    probe = make_probe(settings(fake_collector, probe_spool_dir=spool_dir, probe_max_attempts=3))
+    for i in range(5):
+        pool(probe, used=i)
+    assert probe.force_flush(5)
+    wait_for(lambda: len(delivered(fake_collector, probe.probe_id)) == 5, what="own events")
+    wait_for(lambda: probe.stats()["spooled"]["files"] == 0, what="the spool to drain")
+    stats = probe.stats()
+    assert stats["adopted_files"] == 4
+    # The first orphan batch gets the full cap; once its id is known to be refused, each
+    # later batch of that id is dead-lettered at its first 403.
+    assert fake_collector.statuses.count(403) == 3 + 3
+    assert stats["dropped"]["rejected_by_collector"] == 8
+    assert [e.seq for e in delivered(fake_collector, probe.probe_id)] == [1, 2, 3, 4, 5]
+    assert orphan_id not in fake_collector.by_probe()
+    kept = dead_letters(spool_dir)
+    assert len(kept) == 4 and all("HTTP 403" in note for _, note in kept)
+    assert [e["seq"] for events, _ in kept for e in events] == list(range(1, 9))
+
+
+def test_the_own_probe_id_refused_with_403_gets_the_full_cap_for_every_batch(
+    fake_collector: FakeCollector, make_probe: Any, tmp_path: Path
+) -> None:
+    # The probe's own 403 (a token's scope) may be fixed any time: no shortcut for it.
+    probe = make_probe(
+        settings(
+            fake_collector,
+            probe_spool_dir=tmp_path / "spool",
+            probe_max_attempts=2,
+            probe_batch_size=2,
+        )
+    )
+    fake_collector.status_override = 403
+    for i in range(4):
+        pool(probe, used=i)
+    assert probe.force_flush(5)
+
+    def data_dead_letters() -> list[tuple[list[dict[str, Any]], str]]:
+        kept = dead_letters(tmp_path / "spool")
+        return [(events, note) for events, note in kept if events[0]["kind"] == "pool.sample"]
+
+    wait_for(lambda: len(data_dead_letters()) == 2, what="both batches capped")
+    for events, note in data_dead_letters():
+        assert len(events) == 2 and "after 2 refusals" in note and "HTTP 403" in note
+    fake_collector.status_override = None
+    assert probe.force_flush(5)
+    wait_for(lambda: fully_accounted(fake_collector, probe.probe_id), what="the report")
+    assert used_tokens(delivered(fake_collector, probe.probe_id)) == []
 
 
 # -- drops ---------------------------------------------------------------------------------
