@@ -1,0 +1,601 @@
+"""The engine: public API, and execution of the prefill, transfer and decode phases.
+
+Topologies
+----------
+``monolithic``: one pool (``"kv"``, role ``both``). A request is admitted when the pool can
+hold its whole block table (prompt plus generation budget); prefill writes the prompt into
+it and decode continues in place.
+
+``disaggregated``: a prefill worker with its own pool (``"prefill"``, ``pool_tokens``) and a
+decode worker with its own (``"decode"``, ``decode_pool_tokens``). Prefill allocates the
+prompt's pages, writes them and computes the first token; the transfer allocates the decode
+block table, copies the prefill pages into it, and frees the prefill pages.
+
+Over-length prompts
+-------------------
+Longer than ``advertised_context``: ``ContextLengthExceeded`` from ``submit`` in both modes,
+before anything is allocated.
+
+Within the advertised context but longer than a pool:
+
+* ``hardened``: the same clean ``ContextLengthExceeded`` (limit = the smallest pool), from
+  ``submit``, before any allocation or transfer.
+* ``legacy``, disaggregated (the incident): prefill marks the request rejected, prefills a
+  one-token PLACEHOLDER instead, and still transfers that page to decode; decode allocates a
+  block table for the *original* prompt length and trusts it, so it reads pages nobody
+  overwrote — the previous owners' KV, i.e. other tenants' text.
+* ``legacy``, monolithic: the prompt is silently cut to the pool (its first tokens kept),
+  as SGLang's quiet clamp of ``max_req_len`` to the pool makes an over-length prompt come
+  out; ``req.truncated`` is set and ``on_request_truncated`` fires, the client is not told.
+  No stale read happens on this path.
+
+Threading
+---------
+Every public method takes the engine's re-entrant lock, so calls from several threads are
+serialised and observers never run concurrently. The intended server shape: one background
+thread loops ``step()`` (``wait_for_work()`` when idle); request handlers call ``submit()``
+(which may raise ``ContextLengthExceeded`` in the handler's thread), receive tokens through
+the ``on_delta`` callback (called in the engine thread: hand them to an event loop with
+``call_soon_threadsafe``) or poll ``req.text``, and ``req.wait()``; ``abort()`` on client
+disconnect. ``generate()`` steps the engine itself: use it only where nothing else drives
+the engine (tests, scripts). A step holds the lock for its whole duration, so ``submit``
+may wait up to one step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import torch
+
+from refengine.config import EngineConfig
+from refengine.errors import ContextLengthExceeded, InvalidRequest
+from refengine.hooks import EngineObserver
+from refengine.model import LabModel
+from refengine.pool import KVPool, Role
+from refengine.request import Completion, Request, TokenDelta
+from refengine.scheduler import Scheduler
+from refengine.tokenizer import PLACEHOLDER, ByteTokenizer
+
+ENGINE_NAME = "refengine"
+
+
+def _table(req: Request) -> torch.Tensor:
+    """The block table of a request that must hold one (decoding)."""
+    if req.block_table is None:
+        raise RuntimeError(f"{req.request_id} has no block table in status {req.status}")
+    return req.block_table
+
+
+@dataclass
+class StepResult:
+    """What one ``step()`` did."""
+
+    step: int
+    prefilled: int = 0
+    transferred: int = 0
+    decoded: int = 0
+    deltas: list[TokenDelta] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.prefilled or self.transferred or self.decoded)
+
+
+class Engine:
+    """A paged-KV engine over the lab model. See the module docstring for topologies,
+    over-length handling and threading.
+
+    Invariants: ``pools`` never changes after construction; every page of every pool is
+    either free or in the block table of exactly one live request (``check_invariants``);
+    ``_live`` maps the id of every queued/transferring/decoding request to it.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config if config is not None else EngineConfig()
+        cfg = self.config
+        self.device = cfg.torch_device
+        self.tokenizer = ByteTokenizer()
+        self.model = LabModel(
+            heads=cfg.heads, head_dim=cfg.head_dim, device=self.device, dtype=cfg.torch_dtype
+        )
+
+        def pool(name: str, role: Role, tokens: int) -> KVPool:
+            return KVPool(
+                name=name,
+                role=role,
+                num_pages=tokens // cfg.page_size,
+                page_size=cfg.page_size,
+                heads=cfg.heads,
+                head_dim=cfg.head_dim,
+                dtype=cfg.torch_dtype,
+                device=self.device,
+                zeroize_on_free=cfg.zeroize_on_free,
+            )
+
+        self.disaggregated = cfg.topology == "disaggregated"
+        if self.disaggregated:
+            self.prefill_pool = pool("prefill", "prefill", cfg.prefill_pool_tokens)
+            self.decode_pool = pool("decode", "decode", cfg.decode_pool_capacity_tokens)
+            self.pools: dict[str, KVPool] = {
+                "prefill": self.prefill_pool,
+                "decode": self.decode_pool,
+            }
+        else:
+            self.prefill_pool = self.decode_pool = pool("kv", "both", cfg.prefill_pool_tokens)
+            self.pools = {"kv": self.prefill_pool}
+
+        self._sched = Scheduler(max_batch=cfg.max_batch, max_prefill_tokens=cfg.max_prefill_tokens)
+        self._observers: list[EngineObserver] = []
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._live: dict[str, Request] = {}
+        self._tenants: dict[str, int] = {}
+        self._tenant_names: dict[int, str] = {}
+        self._next_handle = 1
+        self.steps = 0
+        # Slot offsets within a page, reused by every decode step.
+        self._offsets = torch.arange(cfg.page_size, device=self.device)
+
+    # -- observers and identities ---------------------------------------------------------
+
+    def add_observer(self, obs: EngineObserver) -> None:
+        with self._lock:
+            self._observers.append(obs)
+            obs.on_attach(self)
+
+    def remove_observer(self, obs: EngineObserver) -> None:
+        with self._lock:
+            self._observers.remove(obs)
+
+    def request_handle(self, req: Request) -> int:
+        return req.handle
+
+    def tenant_handle(self, tenant: str) -> int:
+        """The stable int handle of ``tenant`` (assigned on first sight, from 1)."""
+        with self._lock:
+            h = self._tenants.get(tenant)
+            if h is None:
+                h = len(self._tenants) + 1
+                self._tenants[tenant] = h
+                self._tenant_names[h] = tenant
+            return h
+
+    def tenant_name(self, handle: int) -> str | None:
+        return self._tenant_names.get(handle)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """A live (queued, transferring or decoding) request. Finished ones are forgotten:
+        an observer that needs them later keeps its own map from ``on_request_admitted``."""
+        return self._live.get(request_id)
+
+    def info(self) -> dict[str, object]:
+        """Static description for an ``engine.config`` event or ``/v1/models``."""
+        from refengine import __version__
+
+        cfg = self.config
+        return {
+            "engine": ENGINE_NAME,
+            "engine_version": __version__,
+            "model_id": cfg.model_id,
+            "mode": cfg.mode,
+            "topology": cfg.topology,
+            "disaggregated": self.disaggregated,
+            "advertised_context": cfg.advertised_context,
+            "page_size": cfg.page_size,
+            "dtype": cfg.kv_dtype,
+            "tp_size": 1,
+            "cuda_graphs": False,
+            "prefix_cache": False,
+            "zeroize_on_free": cfg.zeroize_on_free,
+            "device": str(self.device),
+            "max_batch": cfg.max_batch,
+            "pools": [
+                {
+                    "name": p.name,
+                    "role": p.role,
+                    "num_pages": p.num_pages,
+                    "capacity_tokens": p.capacity_tokens,
+                }
+                for p in self.pools.values()
+            ],
+        }
+
+    def count_tokens(self, text: str) -> int:
+        return self.tokenizer.count(text)
+
+    # -- submission -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str,
+        tenant: str,
+        max_tokens: int = 16,
+        request_id: str | None = None,
+        *,
+        route: str | None = None,
+        on_delta: Callable[[TokenDelta], None] | None = None,
+    ) -> Request:
+        """Queue a request; returns it (status ``queued``).
+
+        Raises ``InvalidRequest`` (empty prompt or tenant, ``max_tokens < 1``, an id already
+        live) or ``ContextLengthExceeded`` — both before anything is allocated. A clean
+        rejection still gets a handle and fires ``on_request_rejected`` first, so a probe
+        counts it.
+        """
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt must be a string")
+        if not tenant:
+            raise InvalidRequest("tenant must be a non-empty string")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
+        data = self.tokenizer.encode_bytes(prompt)
+        if not data:
+            raise InvalidRequest("prompt must not be empty")
+        cfg = self.config
+        with self._lock:
+            if request_id is not None and request_id in self._live:
+                raise InvalidRequest(f"request id {request_id!r} is already in flight")
+            handle = self._next_handle
+            self._next_handle += 1
+            req = Request(
+                request_id=request_id if request_id is not None else f"req-{handle}",
+                tenant=tenant,
+                handle=handle,
+                tenant_handle=self.tenant_handle(tenant),
+                prompt=data,
+                max_tokens=max_tokens,
+                max_new_tokens=max_tokens,
+                model=cfg.model_id,
+                route=route,
+                on_delta=on_delta,
+            )
+            p = len(data)
+            if p > cfg.advertised_context:
+                self._reject(req, "context_length_exceeded", cfg.advertised_context)
+            pool_limit = min(self.prefill_pool.capacity_tokens, self.decode_pool.capacity_tokens)
+            if cfg.mode == "hardened" and p > pool_limit:
+                self._reject(req, "kv_pool_exceeded", pool_limit)
+            self._plan(req)
+            self._sched.waiting.append(req)
+            self._live[req.request_id] = req
+            for obs in self._observers:
+                obs.on_request_admitted(req)
+            self._work.notify_all()
+            return req
+
+    def _reject(self, req: Request, reason: str, limit: int) -> NoReturn:
+        req._close("rejected", None)
+        for obs in self._observers:
+            obs.on_request_rejected(req, reason, limit, req.prompt_tokens)
+        req.done.set()
+        raise ContextLengthExceeded(
+            prompt_tokens=req.prompt_tokens, limit_tokens=limit, reason=reason, request=req
+        )
+
+    def _plan(self, req: Request) -> None:
+        """Decide what prefill writes, what decode will trust, and the block-table size.
+
+        Generation is capped so the decode block table fits its pool and prompt plus
+        completion fit the advertised context (at least one token is always allowed: the one
+        prefill computes, which needs no slot).
+        """
+        cfg = self.config
+        p = req.prompt_tokens
+        pcap = self.prefill_pool.capacity_tokens
+        dcap = self.decode_pool.capacity_tokens
+        if p <= pcap:
+            req.cached_prompt_tokens = p
+        elif self.disaggregated:  # legacy only: hardened rejected it in submit
+            req.cached_prompt_tokens = 1  # the placeholder
+        else:
+            req.cached_prompt_tokens = pcap  # legacy monolithic: silent truncation
+        # Decode trusts the client's length (clamped to its own pool): correct whenever
+        # prefill wrote the prompt, and exactly the incident's bug when it did not.
+        assumed = min(p, dcap) if self.disaggregated else req.cached_prompt_tokens
+        req.assumed_prompt_tokens = assumed
+        req.max_new_tokens = max(
+            1, min(req.max_tokens, cfg.advertised_context - p, dcap - assumed + 1)
+        )
+        req.reserve_tokens = assumed + req.max_new_tokens - 1
+
+    # -- driving --------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self._sched.has_work
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until something is queued (or ``timeout``); for an idle server loop."""
+        with self._work:
+            if not self._sched.has_work:
+                self._work.wait(timeout)
+            return self._sched.has_work
+
+    def run_until_idle(self, max_steps: int | None = None) -> int:
+        """Step until nothing is queued or running; returns the number of steps."""
+        n = 0
+        while self.has_work and (max_steps is None or n < max_steps):
+            self.step()
+            n += 1
+        return n
+
+    def generate(
+        self,
+        prompt: str,
+        tenant: str,
+        max_tokens: int = 16,
+        request_id: str | None = None,
+        *,
+        route: str | None = None,
+    ) -> Completion:
+        """Submit and step until this request finishes (other queued requests progress too).
+        Raises like ``submit``."""
+        with self._lock:
+            req = self.submit(prompt, tenant, max_tokens, request_id, route=route)
+            while not req.finished:
+                self.step()
+            return req.completion()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a live request now and free its pages; False if it is not live."""
+        with self._lock:
+            req = self._live.get(request_id)
+            if req is None:
+                return False
+            self._sched.remove(req)
+            if req.block_table is not None:
+                self._free(self.pools[req.pool_name or ""], req)
+            piece = req._close("aborted", "abort")
+            self._retire(req)
+            delta = TokenDelta(req, (), piece, True, req.finish_reason)
+            if req.on_delta is not None:
+                req.on_delta(delta)
+            return True
+
+    def step(self) -> StepResult:
+        """One scheduler iteration: prefills, transfers, one batched decode step, finishes.
+
+        Requests prefilled or transferred in this step join the decode batch in the next one.
+        """
+        with self._lock:
+            self.steps += 1
+            result = StepResult(step=self.steps)
+            decode_batch = list(self._sched.running)
+            self._prefill_phase(result)
+            if self.disaggregated:
+                self._transfer_phase(result)
+            if decode_batch:
+                self._decode_phase(decode_batch, result)
+            if self._observers and not result.idle:
+                for obs in self._observers:
+                    obs.on_step(self)
+            for delta in result.deltas:
+                if delta.request.on_delta is not None:
+                    delta.request.on_delta(delta)
+            return result
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def _prefill_phase(self, result: StepResult) -> None:
+        pool = self.prefill_pool
+        if self.disaggregated:
+            slots = self.config.max_batch - len(self._sched.transferring)
+
+            def need(r: Request) -> int:
+                return pool.pages_for(r.cached_prompt_tokens)
+        else:
+            slots = self.config.max_batch - len(self._sched.running)
+
+            def need(r: Request) -> int:
+                return pool.pages_for(r.reserve_tokens)
+
+        picked = self._sched.pick_prefills(
+            free_pages=pool.free_pages, pages_needed=need, slots=slots
+        )
+        if not picked:
+            return
+        firsts = [self._prefill(pool, req, need(req)) for req in picked]
+        # One device->host sync for all first tokens of the step.
+        tokens = torch.cat(firsts).tolist()
+        for req, tok in zip(picked, tokens, strict=True):
+            delta = req._emit(tok)
+            result.deltas.append(delta)
+            if delta.finished:
+                self._finish(pool, req, result)
+            elif self.disaggregated:
+                req.status = "transferring"
+                self._sched.transferring.append(req)
+            else:
+                req.status = "decoding"
+                req.cache_len = req.assumed_prompt_tokens
+                self._sched.running.append(req)
+        result.prefilled = len(picked)
+
+    def _prefill(self, pool: KVPool, req: Request, n_pages: int) -> torch.Tensor:
+        """Allocate, write the prompt's K/V, and return the first token (a [1] tensor)."""
+        req.status = "prefilling"
+        obs = self._observers
+        if self.disaggregated and req.prompt_tokens > pool.capacity_tokens:
+            req.prefill_rejected = True
+            for o in obs:
+                o.on_request_rejected(
+                    req, "prefill_pool_exceeded", pool.capacity_tokens, req.prompt_tokens
+                )
+            tokens = torch.tensor([PLACEHOLDER], dtype=torch.int64, device=self.device)
+        else:
+            if req.assumed_prompt_tokens < req.prompt_tokens:
+                # Legacy clamp to the binding pool (monolithic: this one; disaggregated: the
+                # decode pool, which copies only what fits).
+                req.truncated = True
+                for o in obs:
+                    o.on_request_truncated(req, req.assumed_prompt_tokens, req.prompt_tokens)
+            # bytearray: torch.frombuffer wants a writable buffer.
+            raw = bytearray(req.prompt[: req.cached_prompt_tokens])
+            tokens = torch.frombuffer(raw, dtype=torch.uint8).to(self.device, torch.int64)
+        pages = pool.alloc(n_pages)
+        req.block_table = pages
+        req.pool_name = pool.name
+        for o in obs:
+            o.on_alloc(pool, pages, req)
+        n = tokens.shape[0]
+        k, v = self.model.kv(tokens, 0)
+        pool.write(pool.slots(pages, 0, n), k, v)
+        for o in obs:
+            o.on_kv_write(pool, pages[: pool.pages_for(n)], req)
+        # The first token attends to the K/V just computed (in flight, not re-read from the
+        # pool), as prefill kernels do; the query aims at position 0.
+        # All n slots form one "page" of the single reader.
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        first, _ = self.model.attend(
+            self.model.query(tokens[-1:], 0),
+            k[None],
+            v[None],
+            torch.arange(n, device=self.device)[None],
+            zero,
+            zero + n,
+            zero,
+        )
+        return first
+
+    def _transfer_phase(self, result: StepResult) -> None:
+        src_pool, dst_pool = self.prefill_pool, self.decode_pool
+        picked = self._sched.pick_transfers(
+            free_pages=dst_pool.free_pages,
+            pages_needed=lambda r: dst_pool.pages_for(r.reserve_tokens),
+        )
+        hardened = self.config.mode == "hardened"
+        for req in picked:
+            assert req.block_table is not None
+            src = req.block_table
+            dst = dst_pool.alloc(dst_pool.pages_for(req.reserve_tokens))
+            for o in self._observers:
+                o.on_alloc(dst_pool, dst, req)
+            # Only the pages prefill holds can be copied; decode's block table may be longer
+            # (legacy: it was sized for the original prompt, not the placeholder).
+            n_copy = min(src.shape[0], dst.shape[0], dst_pool.pages_for(req.assumed_prompt_tokens))
+            if hardened and n_copy * dst_pool.page_size < req.assumed_prompt_tokens:
+                # Hardened never hands decode a block table it did not fill; submit's check
+                # makes this unreachable, so reaching it is an engine bug.
+                raise RuntimeError(f"{req.request_id}: transfer would leave unwritten pages")
+            dst_pool.copy_from(src_pool, src[:n_copy], dst[:n_copy])
+            for o in self._observers:
+                o.on_kv_transfer(
+                    src_pool, src[:n_copy], dst_pool, dst[:n_copy], req, req.prefill_rejected
+                )
+            self._free(src_pool, req)
+            req.block_table = dst
+            req.pool_name = dst_pool.name
+            req.cache_len = req.assumed_prompt_tokens
+            req.status = "decoding"
+            self._sched.running.append(req)
+        result.transferred = len(picked)
+
+    def _decode_phase(self, batch: list[Request], result: StepResult) -> None:
+        pool = self.decode_pool
+        ps = pool.page_size
+        dev = self.device
+        b = len(batch)
+        # Host-side bookkeeping (no device sync): each request writes its last token at
+        # position cache_len and reads pages 0..cache_len // ps of its block table.
+        n_read = [r.cache_len // ps + 1 for r in batch]
+        meta = torch.tensor(
+            [
+                [r.cache_len for r in batch],
+                n_read,
+                [len(r.output_tokens) for r in batch],
+                [r.output_tokens[-1] for r in batch],
+            ],
+            dtype=torch.int64,
+        ).to(dev)
+        write_pos, counts, targets, fed = meta[0], meta[1], meta[2], meta[3]
+        total = sum(n_read)
+        flat_pages = torch.cat([_table(r)[:n] for r, n in zip(batch, n_read, strict=True)])
+        starts = counts.cumsum(0) - counts
+        owner_page = torch.repeat_interleave(torch.arange(b, device=dev), counts, output_size=total)
+        page_rank = torch.arange(total, device=dev) - starts.repeat_interleave(
+            counts, output_size=total
+        )
+
+        # Write the fed-back tokens' K/V first: attention includes the token itself.
+        write_pages = flat_pages.index_select(0, starts + write_pos // ps)
+        k_new, v_new = self.model.kv(fed, 1)
+        pool.write(write_pages * ps + write_pos % ps, k_new, v_new)
+        handles: torch.Tensor | None = None
+        if self._observers:
+            handles = torch.tensor([r.handle for r in batch], dtype=torch.int64).to(dev)
+            for o in self._observers:
+                o.on_kv_write_batch(pool, write_pages, handles, batch)
+
+        # One gather for the whole batch: every request's pages, each read exactly once.
+        k, v = pool.gather(flat_pages)
+        next_tokens, valid = self.model.attend(
+            self.model.query(fed, 1),
+            k,
+            v,
+            page_rank[:, None] * ps + self._offsets[None, :],
+            owner_page,
+            write_pos + 1,
+            targets,
+        )
+        if handles is not None:
+            readers = handles.index_select(0, owner_page)
+            for o in self._observers:
+                o.on_kv_read(pool, flat_pages, readers, k, v, valid)
+
+        tokens = next_tokens.tolist()  # the step's one device->host sync
+        for req, tok in zip(batch, tokens, strict=True):
+            req.cache_len += 1
+            delta = req._emit(tok)
+            result.deltas.append(delta)
+            if delta.finished:
+                self._sched.running.remove(req)
+                self._finish(pool, req, result)
+        result.decoded = b
+
+    # -- endings --------------------------------------------------------------------------
+
+    def _free(self, pool: KVPool, req: Request) -> None:
+        assert req.block_table is not None
+        pages = req.block_table
+        zeroized = pool.free(pages)
+        req.block_table = None
+        req.pool_name = None
+        for o in self._observers:
+            o.on_free(pool, pages, zeroized)
+
+    def _finish(self, pool: KVPool, req: Request, result: StepResult) -> None:
+        self._free(pool, req)
+        req._close("finished", None)
+        self._retire(req)
+        result.finished.append(req)
+
+    def _retire(self, req: Request) -> None:
+        self._live.pop(req.request_id, None)
+        for o in self._observers:
+            o.on_request_finished(req)
+        req.done.set()
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert that every page is free or owned by exactly one live request, and that the
+        queues hold exactly the live requests. Synchronises the device: tests only."""
+        with self._lock:
+            for pool in self.pools.values():
+                owned = [
+                    r.block_table
+                    for r in self._live.values()
+                    if r.block_table is not None and r.pool_name == pool.name
+                ]
+                pool.check(owned)
+            queued = (
+                list(self._sched.waiting) + list(self._sched.transferring) + self._sched.running
+            )
+            assert sorted(r.handle for r in queued) == sorted(
+                r.handle for r in self._live.values()
+            ), "queues and live requests disagree"
