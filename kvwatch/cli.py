@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -15,8 +16,10 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 tokens_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+engine_app = typer.Typer(help="refengine, the reference paged-KV engine.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
+app.add_typer(engine_app, name="engine")
 
 err = Console(stderr=True)
 
@@ -141,6 +144,144 @@ def demo(
     from kvwatch.demo import run_demo
 
     raise typer.Exit(run_demo(dir))
+
+
+class EngineMode(StrEnum):
+    legacy = "legacy"
+    hardened = "hardened"
+
+
+class EngineTopology(StrEnum):
+    monolithic = "monolithic"
+    disaggregated = "disaggregated"
+
+
+class KVDtype(StrEnum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+def _tenant_keys(values: list[str] | None) -> list[str] | None:
+    """Check ``NAME=KEY`` values (typer callback: a bad one is a usage error, exit 2)."""
+    names: set[str] = set()
+    keys: set[str] = set()
+    for value in values or []:
+        name, sep, key = value.partition("=")
+        name, key = name.strip(), key.strip()
+        if not sep or not name or not key:
+            # Never echo the value: it holds a key.
+            raise typer.BadParameter("expected NAME=KEY with a non-empty name and key")
+        if name in names:
+            raise typer.BadParameter(f"tenant {name!r} is given twice")
+        if key in keys:
+            raise typer.BadParameter(f"tenant {name!r} reuses another tenant's key")
+        names.add(name)
+        keys.add(key)
+    return values
+
+
+@engine_app.command("serve")
+def engine_serve(
+    mode: Annotated[
+        EngineMode,
+        typer.Option(help="legacy reproduces the incident; hardened rejects cleanly."),
+    ] = EngineMode.hardened,
+    topology: Annotated[
+        EngineTopology, typer.Option(help="One pool, or prefill and decode pools.")
+    ] = EngineTopology.monolithic,
+    advertised_context: Annotated[
+        int, typer.Option(min=1, help="Tokens the API accepts (bytes: the tokenizer is bytes).")
+    ] = 8192,
+    pool_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens of the prefill pool (or of the only pool).")
+    ] = 16384,
+    decode_pool_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Tokens of the decode pool (disaggregated; default: --pool-tokens)."
+        ),
+    ] = None,
+    tenant_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tenant-key",
+            metavar="NAME=KEY",
+            callback=_tenant_keys,
+            envvar="KVWATCH_ENGINE_TENANT_KEYS",
+            show_envvar=False,
+            help="Accept only these bearer keys, each naming its tenant (repeatable; also "
+            "KVWATCH_ENGINE_TENANT_KEYS, space-separated). Without: each key is its own tenant.",
+        ),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8000,
+    page_size: Annotated[int, typer.Option(min=1, help="Tokens per KV page.")] = 16,
+    max_batch: Annotated[int, typer.Option(min=1, help="Most requests per decode step.")] = 32,
+    zeroize_on_free: Annotated[
+        bool, typer.Option(help="Zero freed KV pages (the hardening option).")
+    ] = False,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    kv_dtype: Annotated[KVDtype, typer.Option(help="KV cache dtype.")] = KVDtype.float32,
+    model_id: Annotated[str, typer.Option(help="The model id served.")] = "refengine-lab",
+    torch_threads: Annotated[
+        int | None, typer.Option(min=1, help="torch intra-op threads (default: torch's).")
+    ] = None,
+) -> None:
+    """Run refengine's OpenAI-compatible server (/v1/completions, /v1/chat/completions,
+    /v1/models)."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        err.print(f"[red]error:[/] --device must be cpu, cuda or cuda:N, not {device!r}")
+        raise typer.Exit(2)
+    if decode_pool_tokens is not None and topology is not EngineTopology.disaggregated:
+        err.print("[red]error:[/] --decode-pool-tokens needs --topology disaggregated")
+        raise typer.Exit(2)
+
+    import torch
+    import uvicorn
+
+    from refengine import Engine, EngineConfig
+    from refengine.server import create_app
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        err.print("[red]error:[/] --device cuda, but torch sees no CUDA device")
+        raise typer.Exit(2)
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    try:
+        config = EngineConfig(
+            mode=mode.value,
+            topology=topology.value,
+            advertised_context=advertised_context,
+            pool_tokens=pool_tokens,
+            decode_pool_tokens=decode_pool_tokens,
+            page_size=page_size,
+            max_batch=max_batch,
+            zeroize_on_free=zeroize_on_free,
+            device=device,
+            kv_dtype=kv_dtype.value,
+            model_id=model_id,
+        )
+        engine = Engine(config)
+    except (ValueError, RuntimeError) as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    keys: dict[str, str] | None = None
+    if tenant_key:
+        keys = {}
+        for value in tenant_key:
+            name, _, key = value.partition("=")
+            keys[name.strip()] = key.strip()
+    fastapi_app = create_app(engine, tenant_keys=keys, model_id=model_id)
+    pools = ", ".join(f"{p.name} {p.capacity_tokens} tokens" for p in engine.pools.values())
+    tenants = ", ".join(sorted(keys)) if keys else "one per bearer key"
+    err.print(
+        f"refengine {mode.value} {topology.value} serving {model_id!r} on http://{host}:{port}/v1"
+        f" - advertised context {advertised_context} tokens; pools: {pools}; tenants: {tenants}"
+    )
+    uvicorn.run(fastapi_app, host=host, port=port, log_level="info", access_log=False)
 
 
 def _redact(url: str) -> str:
