@@ -82,6 +82,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ingest = IngestService(db, settings, metrics, authenticator)
     reads = ReadService(db)
 
+    # SQLite takes one writer at a time anyway: more ingest threads would only fight over
+    # the GIL and the write lock. PostgreSQL writers run in parallel (the driver releases
+    # the GIL while the server works), up to the connection pool.
+    ingest_limiter = anyio.CapacityLimiter(1 if db.is_sqlite else settings.db_pool_size)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
@@ -147,7 +152,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body = await _read_body(request, settings.max_body_bytes)
         ctype = request.headers.get("content-type", "")
         now = datetime.now(UTC)
-        result = await anyio.to_thread.run_sync(ingest.ingest, who, body, ctype, now)
+        result = await anyio.to_thread.run_sync(
+            ingest.ingest, who, body, ctype, now, limiter=ingest_limiter
+        )
         return result.as_dict()
 
     @app.get("/v1/deployments", response_model=list[s.DeploymentOut], responses=_ERRORS)
