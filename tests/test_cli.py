@@ -25,30 +25,46 @@ def kvwatch(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     )
 
 
-def test_demo_leaves_database_summary_and_commands(tmp_path: Path) -> None:
+def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "demo"
     r = kvwatch("demo", "--dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["events_dropped"] == 0
-    assert summary["events_delivered"] == summary["events_emitted"] > 1000
-    assert summary["requests"] == 600
-    assert summary["cross_tenant_stale_reads"] > 0 and summary["exposed_tenants"]
+    assert summary["events_delivered"] == summary["events_emitted"] > 0
+    legacy, hardened = summary["modes"]["legacy"], summary["modes"]["hardened"]
+    # legacy: the over-pool prompt is answered with another tenant's text, and the probe
+    # saw the stale read naming that tenant
+    assert legacy["long_prompt_outcome"] == "answered"
+    assert legacy["answer_carried_text_of"]
+    assert set(legacy["answer_carried_text_of"]) <= set(legacy["exposed_tenants"])
+    assert legacy["readers"] == ["massive-dynamic"]
+    # hardened: a clean refusal, nothing read that should not be
+    assert "maximum context length" in hardened["long_prompt_outcome"]
+    assert hardened["answer_carried_text_of"] == [] and hardened["stale_reads"] == 0
+    assert legacy["own_answers_exact"] and hardened["own_answers_exact"]
     assert Path(summary["artefacts"]["database"]) == out / "kvwatch.db"
     with sqlite3.connect(out / "kvwatch.db") as conn:
-        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (600,)
         (stale,) = conn.execute(
             "SELECT count(*) FROM page_events WHERE kind = 'page.stale_read'"
         ).fetchone()
-        assert stale == summary["stale_reads"]
+        assert stale == legacy["stale_reads"] > 0
+        (rejected,) = conn.execute(
+            "SELECT count(*) FROM requests WHERE reject_reason = 'pool_exhausted'"
+        ).fetchone()
+        assert rejected == 2  # the long prompt, in both modes
         # no text anywhere: the requests table has counts and labels only
         cols = {row[1] for row in conn.execute("PRAGMA table_info(requests)")}
         assert not cols & {"prompt", "completion", "text"}
-    assert "kvwatch serve" in r.stdout
+        dump = "\n".join(conn.iterdump())
+    assert "merger with Initech" not in dump  # a tenant's prompt text is stored nowhere
+    assert "kvwatch serve" in r.stdout or " serve" in r.stdout
     # a second run replaces the first instead of piling onto it
     assert kvwatch("demo", "--dir", str(out)).returncode == 0
     with sqlite3.connect(out / "kvwatch.db") as conn:
-        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (600,)
+        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (12,)
 
 
 def test_tokens_create_prints_the_token_alone_on_the_last_line(tmp_path: Path) -> None:

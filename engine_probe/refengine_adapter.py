@@ -1,0 +1,613 @@
+"""The refengine adapter: refengine's observer hooks → page ledger, canary, probe events.
+
+``attach(engine)`` (or ``engine.add_observer(RefengineAdapter(...))``) is all it takes. The
+adapter is duck-typed: it implements every method of ``refengine.hooks.EngineObserver`` by
+name and signature without importing refengine (``engine_probe`` never imports it).
+
+What it emits, through the probe (``get_probe()`` unless one is given):
+
+* ``engine.config`` at attach, one per pool (node = the pool's node id, role prefill, decode
+  or both), with the advertised context next to that pool's capacity;
+* ``request.admitted`` / ``request.rejected`` / ``request.finished`` with token counts, never
+  text. Rejection reasons map to the wire contract: ``prefill_pool_exceeded`` (the legacy
+  incident path) and ``kv_pool_exceeded`` → ``pool_exhausted``, ``context_length_exceeded``
+  stays;
+* ``kv.transfer`` per transfer (pages, tokens copied, from/to node, ``prefill_rejected``);
+* ``page.reuse`` per pool per step, when its allocations handed out pages still holding
+  somebody's KV (or zeroized ones), with the cross-tenant count;
+* ``page.stale_read`` per :class:`~engine_probe.ledger.StaleRead` the ledger finds in a
+  decode gather or a transfer, naming reader and previous writer (request and tenant);
+* ``canary.hit`` (detector ``paint``) in canary mode;
+* ``pool.sample`` per pool at attach and every ``pool_sample_every`` steps.
+
+Partial writes
+--------------
+A write covers the positions from ``req.cache_len`` on (prefill: from 0; a decode step: the
+one slot at ``cache_len``, the position its fed-back token takes). Its first page is written
+*partially* when that start is not a page boundary: the slots before it hold whatever they
+held, so :meth:`PageLedger.write` is told ``partial`` for that page and it validates nothing.
+That is what keeps the incident's first decode page stale: decode trusts 1000 prompt
+positions, so its first write lands at slot 8 of a page prefill never wrote.
+
+The ledger's unit is the page: a page its owner wrote from its first slot is the owner's, up
+to any length. The incident's transferred placeholder page is such a page (one token written,
+then read as 16 positions, the other 15 slots holding what the prefill page held), so the
+ledger passes it; canary mode reports it, because it looks at the slots attention used.
+
+Reporting
+---------
+A decode step re-reads every page of each reader's block table. A stale page is reported
+once per (reader, page, previous writer, zeroized), a painted page once per (reader, page,
+painting tenant): without that, one leaking request would send an event per page group per
+generated token. The memory of what was reported is host-side, per reader, and dropped when
+the reader finishes.
+
+Cost
+----
+No per-page Python loop on the common path, and at most one device-to-host sync per engine
+step: allocations' reuse counts (``alloc_counts``) accumulate as device tensors; the decode
+read computes "any stale page" (``stale_mask(...).any()``) and "any valid slot starting with
+the sentinel" without syncing, and one ``.tolist()`` of those flags and the reuse counts
+decides whether the rare path (grouping, deduplicating and reporting, which syncs freely and
+runs on every step while a leaking request decodes) runs. Steps without a decode sync the
+reuse counts in ``on_step``. ``PageLedger.transfer`` syncs once per transferred request on
+its own.
+
+If attached while requests are in flight, the pages they already own are unknown to the
+ledger: their reads are not checked (requests admitted after attach are).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import torch
+from torch import Tensor
+
+from engine_probe.canary import CanaryFinding, PoolCanary
+from engine_probe.events import (
+    MAX_PAGE_IDS,
+    CanaryHit,
+    EngineConfig,
+    Event,
+    KvTransfer,
+    PageReuse,
+    PageStaleRead,
+    PoolSample,
+    RequestAdmitted,
+    RequestFinished,
+    RequestRejected,
+    is_valid_id,
+)
+from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
+from engine_probe.probe import BaseProbe, get_probe
+
+__all__ = ["REJECT_REASONS", "RefengineAdapter", "attach"]
+
+#: refengine's rejection reasons → the wire contract's ``RejectReason``.
+REJECT_REASONS: Final[Mapping[str, str]] = {
+    "context_length_exceeded": "context_length_exceeded",
+    "prefill_pool_exceeded": "pool_exhausted",
+    "kv_pool_exceeded": "pool_exhausted",
+}
+_FINISH_STATUS: Final[Mapping[str, str]] = {"stop": "completed", "length": "length"}
+_UNKNOWN: Final = "unknown"
+
+
+# -- what the adapter reads from refengine's objects (duck-typed) ---------------------------
+
+
+class _Pool(Protocol):
+    name: str
+    role: Any
+    num_pages: int
+    page_size: int
+    device: torch.device
+    dtype: torch.dtype
+    k: Tensor
+    v: Tensor
+
+    @property
+    def capacity_tokens(self) -> int: ...
+    @property
+    def used_tokens(self) -> int: ...
+    @property
+    def free_tokens(self) -> int: ...
+
+
+class _Request(Protocol):
+    request_id: str
+    tenant: str
+    handle: int
+    tenant_handle: int
+    model: str
+    route: str | None
+    max_tokens: int
+    status: str
+    finish_reason: str | None
+    cache_len: int
+    cached_prompt_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+
+
+@dataclass(eq=False)
+class _PoolState:
+    name: str
+    node: str
+    role: str
+    page_size: int
+    ledger: PageLedger | None
+    canary: PoolCanary | None
+    #: this step's reuse counts [reused, cross_tenant, zeroized], not synced yet
+    pending: Tensor | None = None
+    reuse: list[int] = field(default_factory=lambda: [0, 0, 0])
+
+
+def _safe_id(value: str, prefix: str) -> str:
+    """``value`` if it is a valid wire id, else a stable hashed stand-in (never dropped)."""
+    if is_valid_id(value):
+        return value
+    return f"{prefix}-{hashlib.sha256(value.encode()).hexdigest()[:24]}"
+
+
+def _chunks(pages: list[int]) -> list[list[int]]:
+    return [pages[i : i + MAX_PAGE_IDS] for i in range(0, len(pages), MAX_PAGE_IDS)] or [[]]
+
+
+class RefengineAdapter:
+    """Observer of one refengine ``Engine`` (see the module docstring).
+
+    ``ledger``: keep a :class:`PageLedger` per pool and report reuse and stale reads.
+    ``canary``: paint freed pages and report gathered KV that still holds the paint; works
+    with ``ledger=False`` (an independent detector). ``nodes`` maps pool names to node ids
+    (default: the pool name: ``kv`` monolithic, ``prefill``/``decode`` disaggregated).
+
+    Invariants: ``_pools`` holds one state per pool of the attached engine, keyed by pool
+    name; a state's ``ledger``/``canary`` live on its pool's device; ``pending`` is None
+    outside a step's allocations-to-sync window.
+    """
+
+    def __init__(
+        self,
+        probe: BaseProbe | None = None,
+        *,
+        deployment_id: str | None = None,
+        ledger: bool = True,
+        canary: bool = False,
+        pool_sample_every: int = 16,
+        engine_name: str = "refengine",
+        engine_version: str | None = None,
+        nodes: Mapping[str, str] | None = None,
+        request_capacity: int = 1 << 16,
+    ) -> None:
+        if pool_sample_every < 1:
+            raise ValueError("pool_sample_every must be >= 1")
+        self._probe = probe
+        self.deployment_id = deployment_id
+        self.use_ledger = ledger
+        self.use_canary = canary
+        self.pool_sample_every = pool_sample_every
+        self.engine_name = engine_name
+        self.engine_version = engine_version
+        self._nodes = dict(nodes or {})
+        self._request_capacity = request_capacity
+        self._engine: Any = None
+        self._pools: dict[str, _PoolState] = {}
+        self._prefill_node = self._decode_node = "node-0"
+        self._model_id: str | None = None
+        # handle -> (request id, tenant handle), for naming previous writers of stale pages
+        self._requests: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._tenant_ids: dict[int, str] = {}
+        # what was reported, per reader handle: (pool, page, previous writer, zeroized) and
+        # (pool, page, painting tenant)
+        self._seen_stale: dict[int, set[tuple[str, int, int | None, bool]]] = {}
+        self._seen_canary: dict[int, set[tuple[str, int, int]]] = {}
+        # attached mid-flight: reads by requests older than the first one seen are not checked
+        self._pre_attach_pages = False
+        self._first_handle: int | None = None
+        self.counters: dict[str, int] = {
+            "steps": 0,
+            "syncs": 0,
+            "stale_reads": 0,
+            "canary_hits": 0,
+            "reuse_events": 0,
+        }
+
+    # -- public helpers ------------------------------------------------------------------
+
+    @property
+    def probe(self) -> BaseProbe:
+        return self._probe if self._probe is not None else get_probe()
+
+    @property
+    def ledgers(self) -> dict[str, PageLedger]:
+        return {n: s.ledger for n, s in self._pools.items() if s.ledger is not None}
+
+    def node_of(self, pool_name: str) -> str:
+        return self._pools[pool_name].node
+
+    def detach(self) -> None:
+        if self._engine is not None:
+            self._engine.remove_observer(self)
+            self._engine = None
+
+    def sample_pools(self) -> None:
+        """Emit one ``pool.sample`` per pool now (host counters: no device sync)."""
+        if self._engine is None:
+            return
+        for pool in self._engine.pools.values():
+            st = self._pools[pool.name]
+            self._emit(
+                PoolSample,
+                node=st.node,
+                role=st.role,
+                capacity_tokens=pool.capacity_tokens,
+                used_tokens=pool.used_tokens,
+                free_tokens=pool.free_tokens,
+            )
+
+    # -- EngineObserver: attach and requests ----------------------------------------------
+
+    def on_attach(self, engine: Any) -> None:
+        self._engine = engine
+        info = engine.info()
+        self._model_id = str(info["model_id"])
+        version = self.engine_version or str(info.get("engine_version", "unknown"))
+        self._pools = {}
+        for pool in engine.pools.values():
+            node = _safe_id(self._nodes.get(pool.name, pool.name), "node")
+            ledger = PageLedger(pool.num_pages, pool.device, pool.name) if self.use_ledger else None
+            canary = (
+                PoolCanary(pool.num_pages, pool.device, pool.dtype) if self.use_canary else None
+            )
+            self._pools[pool.name] = _PoolState(
+                name=pool.name,
+                node=node,
+                role=str(pool.role),
+                page_size=pool.page_size,
+                ledger=ledger,
+                canary=canary,
+            )
+            if pool.used_tokens:
+                self._pre_attach_pages = True
+            self._emit(
+                EngineConfig,
+                engine=self.engine_name,
+                engine_version=version,
+                model_id=self._model_id,
+                node=node,
+                role=str(pool.role),
+                advertised_context=int(info["advertised_context"]),
+                pool_capacity_tokens=pool.capacity_tokens,
+                page_size=pool.page_size,
+                dtype=str(info["dtype"]),
+                tp_size=int(info.get("tp_size", 1)),
+                cuda_graphs=bool(info.get("cuda_graphs", False)),
+                disaggregated=bool(info["disaggregated"]),
+                prefix_caching=bool(info.get("prefix_cache", False)),
+                prefix_cache_salting=False,
+            )
+        self._prefill_node = self._pools[engine.prefill_pool.name].node
+        self._decode_node = self._pools[engine.decode_pool.name].node
+        self.sample_pools()
+
+    def on_request_admitted(self, req: _Request) -> None:
+        self._remember(req)
+        self._emit(
+            RequestAdmitted,
+            request_id=self._request_id(req.handle),
+            tenant=self._tenant_id(req.tenant_handle, req.tenant),
+            route=req.route,
+            model_id=req.model,
+            prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens,
+            node=self._prefill_node,
+        )
+
+    def on_request_rejected(
+        self, req: _Request, reason: str, limit_tokens: int, prompt_tokens: int
+    ) -> None:
+        self._remember(req)
+        self._emit(
+            RequestRejected,
+            request_id=self._request_id(req.handle),
+            tenant=self._tenant_id(req.tenant_handle, req.tenant),
+            route=req.route,
+            model_id=req.model,
+            reason=REJECT_REASONS.get(reason, "other"),
+            prompt_tokens=prompt_tokens,
+            limit_tokens=limit_tokens,
+            node=self._prefill_node,
+        )
+
+    def on_request_truncated(self, req: _Request, limit_tokens: int, prompt_tokens: int) -> None:
+        """No event kind for a silent truncation: ``request.admitted`` already carries the
+        full prompt token count, which is what context-pressure rules need."""
+
+    def on_request_finished(self, req: _Request) -> None:
+        self._seen_stale.pop(req.handle, None)
+        self._seen_canary.pop(req.handle, None)
+        if req.status == "aborted":
+            status = "aborted"
+        else:
+            status = _FINISH_STATUS.get(req.finish_reason or "", "error")
+        self._emit(
+            RequestFinished,
+            request_id=self._request_id(req.handle, req.request_id),
+            tenant=self._tenant_id(req.tenant_handle, req.tenant),
+            route=req.route,
+            model_id=req.model,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=req.completion_tokens,
+            status=status,
+            node=self._decode_node,
+        )
+
+    # -- EngineObserver: pages -------------------------------------------------------------
+
+    def on_alloc(self, pool: _Pool, pages: Tensor, req: _Request) -> None:
+        st = self._pools[pool.name]
+        if req.handle not in self._requests:
+            self._remember(req, new=False)
+        if st.ledger is not None:
+            counts = st.ledger.alloc_counts(pages, req.handle, req.tenant_handle)
+            st.pending = counts if st.pending is None else st.pending + counts
+        if st.canary is not None:
+            st.canary.on_alloc(pages, req.tenant_handle)
+
+    def on_free(self, pool: _Pool, pages: Tensor, zeroized: bool) -> None:
+        st = self._pools[pool.name]
+        if st.ledger is not None:
+            st.ledger.free(pages, zeroized=zeroized)
+        if st.canary is not None and not zeroized:
+            st.canary.paint(pool.k, pool.v, pages)
+
+    def on_kv_write(self, pool: _Pool, pages: Tensor, req: _Request) -> None:
+        st = self._pools[pool.name]
+        if st.ledger is None:
+            return
+        if req.cache_len % st.page_size == 0:
+            st.ledger.write(pages, req.handle)
+        else:  # the first page is appended to; the rest are written from their first slot
+            part = torch.zeros(pages.shape[0], dtype=torch.bool, device=st.ledger.device)
+            part[0] = True
+            st.ledger.write(pages, req.handle, partial=part)
+
+    def on_kv_write_batch(
+        self, pool: _Pool, pages: Tensor, writers: Tensor, reqs: Sequence[_Request]
+    ) -> None:
+        st = self._pools[pool.name]
+        if st.ledger is None:
+            return
+        ps = st.page_size
+        # Host-side: each request writes the slot at its cache_len (no device sync).
+        flags = [r.cache_len % ps != 0 for r in reqs]
+        if not any(flags):
+            st.ledger.write(pages, writers)
+        elif all(flags):
+            st.ledger.write(pages, writers, partial=True)
+        else:
+            part = torch.tensor(flags, dtype=torch.bool).to(st.ledger.device)
+            st.ledger.write(pages, writers, partial=part)
+
+    def on_kv_transfer(
+        self,
+        src_pool: _Pool,
+        src_pages: Tensor,
+        dst_pool: _Pool,
+        dst_pages: Tensor,
+        req: _Request,
+        prefill_rejected: bool,
+    ) -> None:
+        src, dst = self._pools[src_pool.name], self._pools[dst_pool.name]
+        n = src_pages.shape[0]
+        self._emit(
+            KvTransfer,
+            request_id=self._request_id(req.handle, req.request_id),
+            tenant=self._tenant_id(req.tenant_handle, req.tenant),
+            from_node=src.node,
+            to_node=dst.node,
+            pages=n,
+            tokens=min(req.cached_prompt_tokens, n * src.page_size),
+            prefill_rejected=prefill_rejected,
+        )
+        if src.ledger is not None and dst.ledger is not None:
+            if self._unchecked(req.handle):
+                dst.ledger.write(dst_pages, req.handle)  # trusted: older than the attach
+            else:
+                reports = src.ledger.transfer(src_pages, dst.ledger, dst_pages, req.handle)
+                self._emit_stale(src, reports, dedupe=False)
+        if src.canary is not None and dst.canary is not None:
+            dst.canary.on_transfer(src.canary, src_pages, dst_pages)
+
+    def on_kv_read(
+        self,
+        pool: _Pool,
+        pages: Tensor,
+        readers: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+    ) -> None:
+        st = self._pools[pool.name]
+        flags: list[Tensor] = []
+        check_ledger = st.ledger is not None and not (
+            self._pre_attach_pages and self._first_handle is None
+        )
+        if check_ledger:
+            assert st.ledger is not None
+            stale = st.ledger.stale_mask(pages, readers)
+            if self._pre_attach_pages:
+                stale &= readers >= (self._first_handle or 0)
+            flags.append(stale.any())
+        if st.canary is not None:
+            flags.append(st.canary.suspect(k, valid))
+        pending = [s for s in self._pools.values() if s.pending is not None]
+        if not flags and not pending:
+            return
+        if pending:
+            parts = [f.reshape(1).long() for f in flags]
+            parts += [s.pending for s in pending if s.pending is not None]
+            values = torch.cat(parts).tolist()  # the step's one sync
+            self._absorb(pending, values[len(flags) :])
+        elif len(flags) == 1:
+            values = [flags[0].item()]  # the step's one sync
+        else:
+            values = torch.stack(flags).tolist()  # the step's one sync
+        self.counters["syncs"] += 1
+        if check_ledger and values[0]:
+            assert st.ledger is not None
+            reports = st.ledger.read(pages, readers)
+            if self._pre_attach_pages:
+                first = self._first_handle or 0
+                reports = [r for r in reports if r.reader_request >= first]
+            self._emit_stale(st, reports, dedupe=True)
+        if st.canary is not None and values[len(flags) - 1]:
+            self._emit_canary(st, st.canary.findings(pages, readers, k, v, valid))
+
+    def on_step(self, engine: Any) -> None:
+        self.counters["steps"] += 1
+        pending = [s for s in self._pools.values() if s.pending is not None]
+        if pending:
+            values = torch.cat([s.pending for s in pending if s.pending is not None]).tolist()
+            self.counters["syncs"] += 1
+            self._absorb(pending, values)
+        for st in self._pools.values():
+            reused, cross, zeroized = st.reuse
+            if reused or zeroized:
+                self.counters["reuse_events"] += 1
+                self._emit(
+                    PageReuse,
+                    node=st.node,
+                    role=st.role,
+                    step=int(engine.steps),
+                    reused_pages=reused,
+                    cross_tenant_pages=cross,
+                    zeroized_pages=zeroized,
+                )
+                st.reuse = [0, 0, 0]
+        if self.counters["steps"] % self.pool_sample_every == 0:
+            self.sample_pools()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _emit(self, event_type: type[Event], **fields: Any) -> None:
+        self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
+
+    def _absorb(self, states: list[_PoolState], values: list[int]) -> None:
+        for j, st in enumerate(states):
+            for c in range(3):
+                st.reuse[c] += values[3 * j + c]
+            st.pending = None
+
+    def _remember(self, req: _Request, new: bool = True) -> None:
+        """Keep the request's names; ``new``: it was submitted after the attach."""
+        if new and self._first_handle is None:
+            self._first_handle = req.handle
+        reqs = self._requests
+        reqs[req.handle] = (_safe_id(req.request_id, "req"), req.tenant_handle)
+        reqs.move_to_end(req.handle)
+        if len(reqs) > self._request_capacity:
+            reqs.popitem(last=False)
+        self._tenant_id(req.tenant_handle, req.tenant)
+
+    def _unchecked(self, handle: int) -> bool:
+        """A request already in flight when the adapter attached (its pages are unknown)."""
+        return self._pre_attach_pages and (
+            self._first_handle is None or handle < self._first_handle
+        )
+
+    def _request_id(self, handle: int, fallback: str | None = None) -> str:
+        known = self._requests.get(handle)
+        if known is not None:
+            return known[0]
+        return _safe_id(fallback, "req") if fallback is not None else f"handle-{handle}"
+
+    def _tenant_id(self, handle: int, name: str | None = None) -> str:
+        tid = self._tenant_ids.get(handle)
+        if tid is None:
+            if name is None and self._engine is not None:
+                name = self._engine.tenant_name(handle)
+            if name is None:
+                return _UNKNOWN
+            tid = self._tenant_ids[handle] = _safe_id(name, "tenant")
+        return tid
+
+    def _names(self, reader: int, ledger_tenant: int = UNKNOWN_TENANT) -> tuple[str, str]:
+        """(request id, tenant id) of a request handle seen on a vectorised hook."""
+        known = self._requests.get(reader)
+        if known is not None:
+            return known[0], self._tenant_id(known[1])
+        tenant = _UNKNOWN if ledger_tenant == UNKNOWN_TENANT else self._tenant_id(ledger_tenant)
+        return f"handle-{reader}", tenant
+
+    def _emit_stale(self, st: _PoolState, reports: list[StaleRead], *, dedupe: bool) -> None:
+        for r in reports:
+            pages = r.page_ids
+            if dedupe:
+                seen = self._seen_stale.setdefault(r.reader_request, set())
+                keys = [(st.name, p, r.previous_request, r.zeroized) for p in pages]
+                pages = [p for p, key in zip(pages, keys, strict=True) if key not in seen]
+                seen.update(keys)
+                if not pages:
+                    continue
+            self.counters["stale_reads"] += 1
+            reader_id, reader_tenant = self._names(r.reader_request, r.reader_tenant)
+            prev_id = prev_tenant = None
+            if r.previous_request is not None:
+                prev_id = self._request_id(r.previous_request)
+                pt = r.previous_tenant
+                prev_tenant = (
+                    _UNKNOWN if pt is None or pt == UNKNOWN_TENANT else self._tenant_id(pt)
+                )
+            for chunk in _chunks(pages):
+                self._emit(
+                    PageStaleRead,
+                    node=st.node,
+                    role=st.role,
+                    read_kind=r.read_kind,
+                    reader_request_id=reader_id,
+                    reader_tenant=reader_tenant,
+                    page_ids=chunk,
+                    previous_request_id=prev_id,
+                    previous_tenant=prev_tenant,
+                    zeroized=r.zeroized,
+                )
+
+    def _emit_canary(self, st: _PoolState, findings: list[CanaryFinding]) -> None:
+        for f in findings:
+            seen = self._seen_canary.setdefault(f.reader, set())
+            keys = [(st.name, p, f.canary_tenant) for p in f.page_ids]
+            pages = [p for p, key in zip(f.page_ids, keys, strict=True) if key not in seen]
+            seen.update(keys)
+            if not pages:
+                continue
+            self.counters["canary_hits"] += 1
+            reader_id, reader_tenant = self._names(f.reader)
+            canary_tenant = None if f.canary_tenant < 0 else self._tenant_id(f.canary_tenant)
+            for chunk in _chunks(pages):
+                self._emit(
+                    CanaryHit,
+                    node=st.node,
+                    detector="paint",
+                    reader_request_id=reader_id,
+                    reader_tenant=reader_tenant,
+                    canary_tenant=canary_tenant,
+                    page_ids=chunk,
+                )
+
+
+def attach(engine: Any, probe: BaseProbe | None = None, **options: Any) -> RefengineAdapter:
+    """Build a :class:`RefengineAdapter` (``options`` as its keywords) and add it to
+    ``engine``'s observers; returns it."""
+    adapter = RefengineAdapter(probe, **options)
+    engine.add_observer(adapter)
+    return adapter
