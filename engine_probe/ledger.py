@@ -1,15 +1,18 @@
-"""The page ledger: who owns, and who last wrote, every page of a KV pool.
+"""The page ledger: who owns, and who last wrote, every page (and how much of it) of a KV pool.
 
 One :class:`PageLedger` per KV pool, kept as int64 tensors on the pool's own device. The
 engine adapter calls it when the engine allocates, writes, frees, transfers and reads pages.
-A read is valid only if the reader's own request wrote the page in the page's current
-allocation generation; anything else is a *stale read* (:class:`StaleRead`), reported with
-the previous writer, i.e. the request and tenant whose KV the reader may have seen.
+The ledger tracks pages and, within a page, the length of the prefix its owner has written
+(``filled``): writes carry their slot range, reads how many slots of each page they read
+(``upto``). A read is valid only if the reader's own request wrote the page in the page's
+current allocation generation, from its first slot up to at least ``upto``; anything else is
+a *stale read* (:class:`StaleRead`), reported with the previous writer, i.e. the request and
+tenant whose KV the reader may have seen.
 
 Every operation is vectorised over tensors of page ids; nothing loops over pages in Python.
-The common case of :meth:`PageLedger.read` is one gather, one compare and one reduction,
-followed by the one host sync needed to decide whether anything must be reported
-(:meth:`PageLedger.stale_mask` skips the sync and the reduction).
+The common case of a read check is two gathers, two compares and one reduction, followed by
+the one host sync needed to decide whether anything must be reported (:meth:`PageLedger.any_stale`
+and :meth:`PageLedger.stale_mask` skip the sync).
 
 This is the only module of ``engine_probe`` that imports torch; nothing in the package
 imports it implicitly.
@@ -30,6 +33,7 @@ __all__ = [
     "NEVER",
     "NOBODY",
     "UNKNOWN_TENANT",
+    "Extent",
     "PageIds",
     "PageLedger",
     "ReuseStats",
@@ -49,6 +53,14 @@ NOBODY: Final = -(2**63)
 ReadKind = Literal["decode", "transfer"]
 PageIds = Tensor | Sequence[int]
 """Page ids: an integer tensor (any shape, flattened) or a sequence of ints."""
+Extent = Tensor | int | None
+"""What a read covers of each page: ``None`` (whole pages), an int or an integer tensor
+broadcastable to the pages' shape (slots ``[0, upto)``), or a bool tensor of shape
+``pages.shape + (page_size,)`` marking the slots read (the read covers up to its last set
+slot, e.g. an engine's attention mask)."""
+
+# columns of the row tensors
+_REQ, _TEN, _GEN, _ZERO = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +79,17 @@ class ReuseStats:
 
 @dataclass(frozen=True, slots=True)
 class StaleRead:
-    """Pages one reader read without having written them in their current generation.
+    """Pages one reader read without having written them in their current generation, or
+    read past the prefix it wrote (``upto > filled``: the read ran into slots that still hold
+    what the page held before).
 
-    Grouped by (reader, previous writer request and tenant, zeroized). ``previous_request``
-    and ``previous_tenant`` are ``None`` when the pages were never written since the pool was
-    created; ``previous_tenant`` is ``UNKNOWN_TENANT`` (-1) when the writer's tenant is not
-    known to the ledger, and ``reader_tenant`` likewise. ``zeroized``: the pages were zeroized
-    on free and not rewritten since, so they hold zeros, not the previous writer's KV.
+    Grouped by (reader, previous writer request and tenant, zeroized). The previous writer is
+    the page's last writer, or, for a read past the reader's own prefix, the writer of the
+    slots past it (see :class:`PageLedger`). ``previous_request`` and ``previous_tenant`` are
+    ``None`` when that content was never written since the pool was created;
+    ``previous_tenant`` is ``UNKNOWN_TENANT`` (-1) when the writer's tenant is not known to
+    the ledger, and ``reader_tenant`` likewise. ``zeroized``: the slots read were zeroized on
+    free and not rewritten since, so they hold zeros, not the previous writer's KV.
     ``read_kind`` is ``"decode"`` (a block-table gather) or ``"transfer"`` (the source side of
     a KV transfer); ``pool`` is the name of the ledger that was read.
     """
@@ -109,10 +125,16 @@ def _check_handle(value: int, what: str) -> int:
     return value
 
 
+def _check_slot(value: int, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
 class PageLedger:
     """Per-page ownership and provenance of one KV pool, as tensors on the pool's device.
 
-    State, one int64 entry per page (bool for ``zeroized``)::
+    State, per page (int64; the zeroized flags as 0/1)::
 
         owner_request, owner_tenant   current owner; FREE (-1) when the page is free
         generation                    allocation generation, +1 on every alloc of the page
@@ -121,32 +143,68 @@ class PageLedger:
                                       -1 if never written, or if the content was carried in
                                       by a transfer of a page that was not valid at the source
         zeroized                      zeroized on free and not written since
+        filled                        0..page_size: how many leading slots the owner has
+                                      validly written in the current generation
+        previous_request, _tenant,    who the slots past ``filled`` are attributed to: the
+        previous_zeroized             writer of what the owner's prefix was written over (the
+                                      page's last writer before the owner's generation, in
+                                      the normal case)
         valid_for                     the only request for which a read is valid, else NOBODY
+
+    Writes carry their slot range ``[start, end)`` within each page; reads carry how much of
+    each page they read (``upto``, see :data:`Extent`). An owner's write that starts at or
+    before ``filled`` extends ``filled`` to its end; one that starts past ``filled`` leaves a
+    hole and extends nothing (engines append to a page in order; the ledger keeps a prefix
+    length per page, not a bit per slot, so a hole stays one even if filled in later).
 
     Invariants (checked by :meth:`check_invariants`):
 
     1. ``owner_request == FREE`` iff ``owner_tenant == FREE``.
     2. ``generation >= 0`` and ``writer_generation <= generation``.
     3. ``writer_request == NEVER`` implies ``writer_tenant == -1`` and
-       ``writer_generation == -1``.
+       ``writer_generation == -1``; ``previous_request == NEVER`` implies
+       ``previous_tenant == -1``.
     4. ``valid_for == owner_request`` where the page is owned, was written by its owner in
        its current generation and is not zeroized; ``valid_for == NOBODY`` everywhere else.
-       So a read of page ``p`` by request ``r`` is valid iff ``valid_for[p] == r``: the reader
-       owns the page and wrote it in the page's current generation. Every other read is a
-       stale read. Every operation maintains ``valid_for``, so that the hot path of
-       :meth:`read` is one gather, one compare and one reduction.
-    5. Free keeps the last writer (freed memory is not cleared); ``free(zeroized=True)`` sets
-       ``zeroized``, which only a later full write clears. Alloc never changes the writer
-       fields; a partial write never makes a page valid.
+    5. ``0 <= filled <= page_size``, and ``filled > 0`` iff ``valid_for != NOBODY``. So a read
+       of slots ``[0, upto)`` of page ``p`` by request ``r`` is valid iff
+       ``valid_for[p] == r and upto <= filled[p]``: the reader owns the page and wrote its
+       first ``upto`` slots in the page's current generation. Every other read is a stale
+       read. Every operation maintains ``valid_for`` and ``filled``, so that the hot path of
+       a read check is two gathers, two compares and one reduction.
+    6. Where ``valid_for == NOBODY``, the previous writer fields equal the writer fields
+       (``previous_zeroized == zeroized``): the whole page is attributed to its last writer.
+       Where the page is valid, they name who the slots past ``filled`` are attributed to:
+       whoever the page was attributed to when its owner's prefix started (its first write
+       from slot 0 in this generation; for a page transferred in, the source page's previous
+       writer), or a later writer that wrote starting exactly at ``filled``.
+    7. Free keeps the last writer (freed memory is not cleared); ``free(zeroized=True)`` sets
+       ``zeroized``, which only a write covering the first slot of what is not valid clears.
+       Alloc never changes the writer fields.
+
+    Stale reads name the previous writer: for a page not valid for the reader, the page's
+    last writer (``writer_*``, ``zeroized``); for a page valid for the reader but read past
+    ``filled`` (a hole: the incident's one-token placeholder page read as 16 positions), who
+    the slots past ``filled`` are attributed to (``previous_*``, ``previous_zeroized``): the
+    tenant whose bytes sit in the hole.
 
     Request and tenant handles are non-negative ints chosen by the adapter. The ledger
     remembers each request's tenant from its allocs (the last ``tenant_capacity`` requests,
     least recently allocating first out) to name the tenant of a reader or of a writer that
-    wrote into a page it did not own. Page ids must be in ``[0, num_pages)`` (not checked:
-    checking would cost a host sync on CUDA; out-of-range ids fail in torch's indexing).
-    Within one call, ids should be distinct (duplicates are harmless except in the destination
-    of :meth:`transfer` or in a write with several writers, where which one wins is
+    wrote into a page it did not own. Page ids must be in ``[0, num_pages)`` and slot ranges
+    within ``[0, page_size]`` with ``start < end`` (not checked for tensors: checking would
+    cost a host sync on CUDA; out-of-range ids fail in torch's indexing). Within one call, ids
+    should be distinct (duplicates are harmless except in the destination of
+    :meth:`transfer` or in a write with several writers, where which one wins is
     unspecified).
+
+    Layout: the owner fields are the columns of one ``[num_pages, 4]`` tensor (owner
+    request, tenant, generation, 0), the writer and previous-writer fields the columns of two
+    ``[num_pages + 1, 4]`` tensors (the previous writer's third column is unused), so that a
+    write gathers one row per page and scatters it, patched, as the writer's row;
+    ``valid_for`` is the first column of one ``[num_pages, 1 + page_size / 8]`` tensor whose
+    other columns mark, 8 slots per int64 word, the slots at or past ``filled``, so that a
+    read check gathers one row per page read.
     """
 
     def __init__(
@@ -155,45 +213,66 @@ class PageLedger:
         device: torch.device | str = "cpu",
         name: str = "pool",
         *,
+        page_size: int = 16,
         tenant_capacity: int = 1 << 16,
     ) -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"num_pages must be a non-negative int, got {num_pages!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if tenant_capacity < 1:
             raise ValueError("tenant_capacity must be >= 1")
         self.name = name
         self._num_pages = num_pages
+        self._page_size = page_size
         self._tenant_capacity = tenant_capacity
         self._tenants: OrderedDict[int, int] = OrderedDict()
         dev = torch.device(device)
+        n = num_pages
 
-        def filled(value: int) -> Tensor:
-            return torch.full((num_pages,), value, dtype=torch.long, device=dev)
+        def rows(*values: int, sink: bool = False) -> Tensor:
+            row = torch.tensor(values, dtype=torch.long, device=dev)
+            return row.repeat(n + sink, 1)
 
-        self._owner_req = filled(FREE)
-        self._owner_ten = filled(FREE)
-        self._gen = filled(0)
-        # The writer fields have one extra row, a sink at index num_pages: a partial write
-        # scatters the pages it leaves unchanged there instead of gathering and re-writing
-        # their old values. Everything else uses the num_pages-long views.
-        sink_len = num_pages + 1
-        self._writer_req_sink = torch.full((sink_len,), NEVER, dtype=torch.long, device=dev)
-        self._writer_ten_sink = torch.full((sink_len,), -1, dtype=torch.long, device=dev)
-        self._writer_gen_sink = torch.full((sink_len,), -1, dtype=torch.long, device=dev)
-        self._zeroized_sink = torch.zeros((sink_len,), dtype=torch.bool, device=dev)
-        self._writer_req = self._writer_req_sink[:num_pages]
-        self._writer_ten = self._writer_ten_sink[:num_pages]
-        self._writer_gen = self._writer_gen_sink[:num_pages]
-        self._zeroized = self._zeroized_sink[:num_pages]
-        self._valid_for = filled(NOBODY)  # no sink: out-of-range page ids fail here
+        self._own = rows(FREE, FREE, 0, 0)  # the 4th column stays 0: see write()
+        # The writer and previous-writer rows have one extra row, a sink at index num_pages:
+        # a write scatters the pages whose rows it leaves unchanged there instead of
+        # gathering and re-writing their old values. Everything else uses the first n rows.
+        self._writer_rows = rows(NEVER, -1, -1, 0, sink=True)
+        self._prev_rows = rows(NEVER, -1, -1, 0, sink=True)
+        self._owner_req, self._owner_ten, self._gen, _ = self._own.unbind(1)
+        w = self._writer_rows[:n]
+        self._writer_req, self._writer_ten, self._writer_gen, self._zeroized = w.unbind(1)
+        self._prev_req, self._prev_ten, _, self._prev_zero = self._prev_rows[:n].unbind(1)
+        self._filled = torch.zeros((n,), dtype=torch.long, device=dev)
+        # The read path's row per page: valid_for, then (page sizes a multiple of 8) the slots
+        # a read of the page must not use, those at or past `filled`, as int64 words of 8
+        # slots (bytes), the layout of a bool slot mask viewed as int64. One gather gives a
+        # read check all it needs, and `mask & words` what it used past the prefix.
+        self._words = page_size // 8 if page_size % 8 == 0 else 0
+        row_of = torch.zeros((page_size + 1, 1 + self._words), dtype=torch.long)
+        if self._words:
+            past = torch.arange(page_size)[None, :] >= torch.arange(page_size + 1)[:, None]
+            row_of[:, 1:] = past.view(torch.int64)
+        self._row_of = row_of.to(dev)  # row f: (0, the words of the slots at or past f)
+        self._unread = self._row_of[:1].clone()  # the row of a page valid for nobody
+        self._unread[0, 0] = NOBODY
+        self._read_rows = self._unread.repeat(n, 1)
+        self._valid_for = self._read_rows[:, 0]
         # torch.device("cuda") has no index; the tensors' device does.
-        self.device: torch.device = self._valid_for.device
+        self.device: torch.device = self._read_rows.device
+        # 1..page_size: a slot's rank, to find the last slot a slot mask marks
+        self._slot_rank = torch.arange(1, page_size + 1, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ accessors
 
     @property
     def num_pages(self) -> int:
         return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
 
     def owner_of(self, pages: PageIds) -> Tensor:
         """Owner request of each page (FREE = -1), an int64 tensor on the ledger's device."""
@@ -202,6 +281,10 @@ class PageLedger:
     def owner_tenant_of(self, pages: PageIds) -> Tensor:
         """Owner tenant of each page (FREE = -1), an int64 tensor on the ledger's device."""
         return self._owner_ten.index_select(0, self._index(pages))
+
+    def filled_of(self, pages: PageIds) -> Tensor:
+        """Leading slots of each page valid for its owner (0..page_size), an int64 tensor."""
+        return self._filled.index_select(0, self._index(pages))
 
     def tenant_of(self, request: int) -> int:
         """The tenant this ledger last saw ``request`` allocate for, or UNKNOWN_TENANT."""
@@ -220,7 +303,11 @@ class PageLedger:
             "writer_request": self._writer_req.tolist(),
             "writer_tenant": self._writer_ten.tolist(),
             "writer_generation": self._writer_gen.tolist(),
-            "zeroized": [int(z) for z in self._zeroized.tolist()],
+            "zeroized": self._zeroized.tolist(),
+            "filled": self._filled.tolist(),
+            "previous_request": self._prev_req.tolist(),
+            "previous_tenant": self._prev_ten.tolist(),
+            "previous_zeroized": self._prev_zero.tolist(),
             "valid_for": self._valid_for.clamp(min=-1).tolist(),  # NOBODY shown as -1
         }
 
@@ -228,23 +315,44 @@ class PageLedger:
         """Names of the class invariants that do not hold (empty when all hold)."""
         owned = self._owner_req >= 0
         never = self._writer_req == NEVER
+        zeroized = self._zeroized != 0
         expected_valid = torch.where(
             owned
             & (self._writer_req == self._owner_req)
             & (self._writer_gen == self._gen)
-            & ~self._zeroized,
+            & ~zeroized,
             self._owner_req,
             NOBODY,
         )
+        invalid = self._valid_for == NOBODY
+        flags01 = torch.cat([self._zeroized, self._prev_zero])
         checks = {
             "1 owner request/tenant free together": (
                 (self._owner_req == FREE) != (self._owner_ten == FREE)
             ).any(),
             "2 generations": ((self._gen < 0) | (self._writer_gen > self._gen)).any(),
             "3 never-written pages have no writer tenant/generation": (
-                never & ((self._writer_ten != -1) | (self._writer_gen != -1))
+                (never & ((self._writer_ten != -1) | (self._writer_gen != -1)))
+                | ((self._prev_req == NEVER) & (self._prev_ten != -1))
             ).any(),
             "4 valid_for": (self._valid_for != expected_valid).any(),
+            "5 filled": (
+                (self._filled < 0)
+                | (self._filled > self._page_size)
+                | ((self._filled > 0) == invalid)
+            ).any(),
+            "6 previous writer of a page not valid is its writer": (
+                invalid
+                & (
+                    (self._prev_req != self._writer_req)
+                    | (self._prev_ten != self._writer_ten)
+                    | (self._prev_zero != self._zeroized)
+                )
+            ).any(),
+            "zeroized flags are 0 or 1": ((flags01 != 0) & (flags01 != 1)).any(),
+            "read rows follow filled": (
+                self._read_rows[:, 1:] != self._row_of.index_select(0, self._filled)[:, 1:]
+            ).any(),
         }
         flags = torch.stack(list(checks.values())).tolist()
         return [name for name, bad in zip(checks, flags, strict=True) if bad]
@@ -258,14 +366,18 @@ class PageLedger:
         _check_handle(request, "request")
         _check_handle(tenant, "tenant")
         p = self._index(pages)
-        zeroized = self._zeroized.index_select(0, p)
-        holds = (self._writer_req.index_select(0, p) != NEVER) & ~zeroized
-        cross = holds & (self._writer_ten.index_select(0, p) != tenant)
+        writer = self._writer_rows.index_select(0, p)
+        zeroized = writer[:, _ZERO] != 0
+        holds = (writer[:, _REQ] != NEVER) & ~zeroized
+        cross = holds & (writer[:, _TEN] != tenant)
         counts = torch.stack([holds.sum(), cross.sum(), zeroized.sum()])
         self._owner_req.index_fill_(0, p, request)
         self._owner_ten.index_fill_(0, p, tenant)
         self._gen.index_add_(0, p, torch.ones_like(p))
-        self._valid_for.index_fill_(0, p, NOBODY)
+        self._read_rows.index_copy_(0, p, self._unread.expand(p.numel(), -1))
+        self._filled.index_fill_(0, p, 0)
+        # invariant 6 (a no-op unless the page was still valid: a double allocation)
+        self._prev_rows.index_copy_(0, p, writer)
         self._remember_tenant(request, tenant)
         return counts
 
@@ -281,73 +393,90 @@ class PageLedger:
         pages: PageIds,
         request: Tensor | int,
         *,
-        partial: bool | Tensor = False,
+        start: Tensor | int = 0,
+        end: Tensor | int | None = None,
         tenant: Tensor | int | None = None,
     ) -> None:
-        """``request`` wrote KV into these pages in their current generation.
+        """``request`` wrote KV into slots ``[start, end)`` of these pages in their current
+        generation.
 
         ``request`` is one handle, or an integer tensor of writer handles broadcastable to the
         shape of ``pages`` (a decode step: one page per request, each written by its own
-        request, in one call).
+        request, in one call). ``start`` and ``end`` likewise: ints (``end`` defaults to
+        ``page_size``: the write runs to the end of the page) or integer tensors. The default
+        ``[0, page_size)`` is a whole-page write.
 
-        A full write (the default) covers each page from its first slot: the page now holds
-        the writer's KV, valid for it if it owns the page. A write into a page owned by
-        another request makes it invalid for its owner. The writer's tenant is the page
-        owner's when the writer owns the page; otherwise (an engine writing into pages it does
-        not own) ``tenant`` (an int or a tensor like ``request``) if given, else, for a single
-        handle, the tenant the ledger remembers for it, else UNKNOWN_TENANT.
+        Page ``p`` with ``filled[p] == f`` (0 when it is not valid for its owner):
 
-        ``partial`` (a bool, or a bool tensor broadcastable to the pages' shape): the write
-        started past the page's first slot (a decode step or a prefill chunk appending to a
-        partly filled page), so the earlier slots still hold what they held. A partial write
-        validates nothing: a page already valid for the writer stays valid, a stale page stays
-        stale and keeps naming its previous writer. Only a page valid for another request
-        changes: it becomes written by the writer (spoiled for its owner).
+        * the owner writing from ``start <= f``: ``filled = max(f, end)``, the page is valid
+          for it (a page written from slot 0 becomes valid; an append extends the prefix);
+        * anyone writing from ``start > f``: nothing changes (a hole: the slots between still
+          hold what they held, so the write validates nothing and the page keeps naming its
+          previous writer);
+        * another request writing from ``start < f``, or from slot 0 of a page not valid
+          (``f == 0``): the page is now that writer's (spoiled for its owner; ``filled = 0``);
+        * another request writing from exactly ``start == f > 0``: the owner's prefix stays
+          valid, and the slots past it are now attributed to that writer.
+
+        The writer's tenant is the page owner's when the writer owns the page; otherwise (an
+        engine writing into pages it does not own) ``tenant`` (an int or a tensor like
+        ``request``) if given, else, for a single handle, the tenant the ledger remembers for
+        it, else UNKNOWN_TENANT.
         """
+        ps = self._page_size
         p = self._pages(pages)
         shape = p.shape
-        p = p.reshape(-1)
+        if p.dim() != 1:
+            p = p.reshape(-1)
         w = self._handles(request, shape, "request")
-        owner = self._owner_req.index_select(0, p)
+        s = self._slots(start, shape, "start", 0, ps - 1)
+        e = self._slots(ps if end is None else end, shape, "end", 1, ps)
+        if isinstance(s, int) and isinstance(e, int) and s >= e:
+            raise ValueError(f"a write needs start < end, got [{s}, {e})")
+        # The owner's row (request, tenant, generation, 0) is the writer's row (request,
+        # tenant, generation, not zeroized) once patched for writers that are not the owner.
+        written = self._own.index_select(0, p)
+        owner = written[:, _REQ]
         own = owner == w
         if tenant is None:
             fallback: Tensor | int = UNKNOWN_TENANT if isinstance(w, Tensor) else self.tenant_of(w)
         else:
             fallback = self._handles(tenant, shape, "tenant")
-        writer_ten = torch.where(own, self._owner_ten.index_select(0, p), fallback)
-        gen = self._gen.index_select(0, p)
-        full_valid = torch.where(own, owner, NOBODY)
-        if isinstance(partial, bool) and not partial:
-            if isinstance(w, Tensor):
-                self._writer_req.index_copy_(0, p, w)
+        foreign = ~own
+        if isinstance(fallback, Tensor):
+            written[:, _TEN] = torch.where(foreign, fallback, written[:, _TEN])
+        else:
+            written[:, _TEN].masked_fill_(foreign, fallback)
+        sink = self._num_pages
+        if isinstance(s, int) and s == 0:
+            # Every write covers its page's first slot: the owner's pages are valid, with
+            # filled = max(filled, end); every other page is spoiled, the writer's now.
+            if isinstance(e, int) and e == ps:
+                new_filled = torch.where(own, ps, 0)
             else:
-                self._writer_req.index_fill_(0, p, w)
-            self._writer_ten.index_copy_(0, p, writer_ten)
-            self._writer_gen.index_copy_(0, p, gen)
-            self._zeroized.index_fill_(0, p, False)
-            self._valid_for.index_copy_(0, p, full_valid)
-            return
-        valid_for = torch.take(self._valid_for, p)
-        spoil = (valid_for != NOBODY) & (valid_for != w)
-        if isinstance(partial, Tensor):
-            part = torch.broadcast_to(partial.to(device=self.device, dtype=torch.bool), shape)
-            part = part.reshape(-1)
-            change = spoil | ~part
+                grown = torch.maximum(self._filled.index_select(0, p), self._tensor(e))
+                new_filled = grown.masked_fill_(foreign, 0)
+            writer_target: Tensor = p
+            prev_target = torch.where(own, sink, p)
+            new_valid = torch.where(own, owner, NOBODY)
         else:
-            change = spoil
-        # a spoiled page's writer is not its owner, so full_valid is NOBODY there
-        new_valid = torch.where(change, full_valid, valid_for)
-        # pages left unchanged go to the sink row; changed ones are fully rewritten (a
-        # spoiled page was valid, hence not zeroized; a full write clears zeroized)
-        target = torch.where(change, p, self._num_pages)
-        if isinstance(w, Tensor):
-            self._writer_req_sink.index_copy_(0, target, w)
-        else:
-            self._writer_req_sink.index_fill_(0, target, w)
-        self._writer_ten_sink.index_copy_(0, target, writer_ten)
-        self._writer_gen_sink.index_copy_(0, target, gen)
-        self._zeroized_sink.index_fill_(0, target, False)
-        self._valid_for.index_copy_(0, p, new_valid)
+            f = self._filled.index_select(0, p)
+            reach = f >= s  # the write starts within the prefix or at its end
+            ext = own & reach  # the owner extends its prefix (or starts it, at slot 0)
+            cover = reach ^ ext  # another writer reaches into the prefix or its end
+            # ... into the prefix itself, or at slot 0 of a page not valid: spoiled
+            spoil = cover & (f.clamp(min=1) > s)
+            grown = f.clamp(min=e) if isinstance(e, int) else torch.maximum(f, e)
+            new_filled = torch.where(ext, grown, f.masked_fill(spoil, 0))
+            # the writer rows of a page already valid are rewritten with the same values
+            writer_target = torch.where(ext | spoil, p, sink)
+            prev_target = torch.where(cover, p, sink)
+            new_valid = torch.where(new_filled > 0, owner, NOBODY)
+        written[:, _REQ] = w  # (owner, a view of this column, is not used past here)
+        self._writer_rows.index_copy_(0, writer_target, written)
+        self._prev_rows.index_copy_(0, prev_target, written)
+        self._filled.index_copy_(0, p, new_filled)
+        self._set_read_rows(p, new_valid, new_filled)
 
     def free(self, pages: PageIds, zeroized: bool = False) -> None:
         """Pages return to the free list. Their last writer stays (the memory is not
@@ -355,26 +484,37 @@ class PageLedger:
         p = self._index(pages)
         self._owner_req.index_fill_(0, p, FREE)
         self._owner_ten.index_fill_(0, p, FREE)
-        self._valid_for.index_fill_(0, p, NOBODY)
+        self._read_rows.index_copy_(0, p, self._unread.expand(p.numel(), -1))
+        self._filled.index_fill_(0, p, 0)
         if zeroized:
-            self._zeroized.index_fill_(0, p, True)
+            self._zeroized.index_fill_(0, p, 1)
+        # invariant 6: the whole page is now attributed to its last writer
+        self._prev_rows.index_copy_(0, p, self._writer_rows.index_select(0, p))
 
-    def stale_mask(self, pages: PageIds, readers: Tensor | int) -> Tensor:
+    def stale_mask(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> Tensor:
         """Which reads are stale, without a host sync: a bool tensor shaped like ``pages``.
 
         ``readers`` is one request handle or an integer tensor broadcastable to the shape of
         ``pages`` (e.g. ``[batch, 1]`` against a ``[batch, pages_per_request]`` block table).
+        ``upto``: how much of each page is read (see :data:`Extent`; ``None``: whole pages).
+        A read is stale unless the page is valid for its reader and every slot read lies
+        within the page's ``filled`` prefix.
         """
-        p = self._pages(pages)
-        return torch.take(self._valid_for, p) != self._readers(readers, p.shape)
+        return self._stale(pages, readers, upto, everywhere=False)
 
-    def read(self, pages: PageIds, readers: Tensor | int) -> list[StaleRead]:
-        """Check a decode gather of ``pages`` by ``readers`` (see :meth:`stale_mask`).
+    def any_stale(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> Tensor:
+        """``stale_mask(pages, readers, upto).any()`` (a 0-d bool tensor, no host sync),
+        cheaper for slot masks: the hot path of an engine's read check."""
+        return self._stale(pages, readers, upto, everywhere=True)
+
+    def read(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> list[StaleRead]:
+        """Check a decode gather of ``pages`` by ``readers``, of ``upto`` of each page (see
+        :meth:`stale_mask`).
 
         Returns ``[]`` when every read is valid, after one reduction and one host sync;
         otherwise the stale reads grouped by (reader, previous writer, zeroized).
         """
-        stale = self.stale_mask(pages, readers)
+        stale = self.stale_mask(pages, readers, upto)
         if not bool(stale.any()):
             return []
         return self._report(pages, readers, stale, "decode")
@@ -386,10 +526,14 @@ class PageLedger:
         (same length; ``dst`` may be this ledger, on any device).
 
         The source side is a read by ``request``: source pages not valid for it are returned
-        as stale reads (``read_kind="transfer"``). Each destination page takes on what its
-        source held: written by ``request`` in ``dst``'s current generation if the source
-        page was valid for ``request``; otherwise the source's last writer, tenant and
-        zeroized flag, with ``writer_generation = -1``, so any later read of it is stale and
+        as stale reads (``read_kind="transfer"``). A valid source page is copied whole, its
+        prefix and what lies past it: the copy is no read of the slots past ``filled``, which
+        a later read of the destination still finds there. Each destination page takes on
+        what its source held: written by ``request`` in ``dst``'s current generation, with
+        the source's ``filled`` and previous writer, if the source page was valid for
+        ``request`` (valid for it at the destination when it owns that page; otherwise
+        ``filled`` is 0); else the source's last writer, tenant and zeroized flag, with
+        ``writer_generation = -1`` and ``filled = 0``, so any later read of it is stale and
         names the original writer. The destination's owner and generation are unchanged.
         """
         _check_handle(request, "request")
@@ -400,26 +544,37 @@ class PageLedger:
                 f"transfer needs as many destination pages as source pages "
                 f"({s.numel()} != {d.numel()})"
             )
-        ok = torch.take(self._valid_for, s) == request
+        ok = self._valid_for.index_select(0, s) == request
         stale = ~ok
         reports = self._report(s, request, stale, "transfer") if bool(stale.any()) else []
 
-        src_writer = torch.where(ok, request, self._writer_req.index_select(0, s))
-        src_ten = torch.where(
-            ok, self._owner_ten.index_select(0, s), self._writer_ten.index_select(0, s)
-        )
-        src_zero = self._zeroized.index_select(0, s) & stale
         dev = dst.device
-        ok_d = ok.to(dev)
-        dst_gen = dst._gen.index_select(0, d)
-        dst_owner = dst._owner_req.index_select(0, d)
-        dst._writer_req.index_copy_(0, d, src_writer.to(dev))
-        dst._writer_ten.index_copy_(0, d, src_ten.to(dev))
-        dst._writer_gen.index_copy_(0, d, torch.where(ok_d, dst_gen, -1))
-        dst._zeroized.index_copy_(0, d, src_zero.to(dev))
-        dst._valid_for.index_copy_(
-            0, d, torch.where(ok_d & (dst_owner == request), request, NOBODY)
+        src = self._writer_rows.index_select(0, s)
+        src_prev = self._prev_rows.index_select(0, s).to(dev)
+        src_filled = self._filled.index_select(0, s).to(dev)
+        src_owner_ten = self._owner_ten.index_select(0, s).to(dev)
+        src = src.to(dev)
+        ok = ok.to(dev)
+        own_rows = dst._own.index_select(0, d)
+        valid = ok & (own_rows[:, _REQ] == request)
+        # A valid source: written by `request` in dst's generation, not zeroized. Else what
+        # the source holds, carried in from elsewhere (writer generation -1).
+        carried = torch.stack(
+            [
+                src[:, _REQ].masked_fill(ok, request),
+                torch.where(ok, src_owner_ten, src[:, _TEN]),
+                torch.where(ok, own_rows[:, _GEN], -1),
+                src[:, _ZERO].masked_fill(ok, 0),
+            ],
+            dim=1,
         )
+        dst._writer_rows.index_copy_(0, d, carried)
+        filled = src_filled.masked_fill_(~valid, 0)
+        dst._filled.index_copy_(0, d, filled)
+        dst._set_read_rows(d, torch.where(valid, request, NOBODY), filled)
+        # invariant 6: a page valid at the destination carries what lies past its source's
+        # prefix; any other destination page is attributed whole to its (new) writer
+        dst._prev_rows.index_copy_(0, d, torch.where(valid[:, None], src_prev, carried))
         return reports
 
     # ------------------------------------------------------------------ internals
@@ -445,38 +600,130 @@ class PageLedger:
     def _index(self, pages: PageIds) -> Tensor:
         return self._pages(pages).reshape(-1)
 
+    def _tensor(self, value: Tensor | int) -> Tensor:
+        if isinstance(value, Tensor):
+            return value
+        return torch.tensor(value, dtype=torch.long, device=self.device)
+
+    def _set_read_rows(self, p: Tensor, valid_for: Tensor, filled: Tensor) -> None:
+        rows = self._row_of.index_select(0, filled)
+        rows[:, 0] = valid_for
+        self._read_rows.index_copy_(0, p, rows)
+
+    def _stale(
+        self, pages: PageIds, readers: Tensor | int, upto: Extent, *, everywhere: bool
+    ) -> Tensor:
+        """Which reads of ``pages`` are stale (shaped like ``pages``), or, ``everywhere``,
+        whether any is (0-d). See :meth:`stale_mask`."""
+        p = self._pages(pages)
+        shape = p.shape
+        flat = p if p.dim() == 1 else p.reshape(-1)
+        r = self._readers(readers, shape)
+        mask = words = None
+        if isinstance(upto, Tensor) and upto.dtype == torch.bool:
+            mask = self._slot_mask(upto, shape)
+            words = self._slot_words(mask)
+        if words is not None:  # the hot path: one gather, one compare, one and, one or
+            rows = self._read_rows.index_select(0, flat)
+            if isinstance(r, Tensor) and r.shape != flat.shape:
+                r = torch.broadcast_to(r, shape).reshape(-1)
+            foreign = rows[:, 0] != r
+            hit = rows[:, 1:].bitwise_and_(words.reshape(-1, self._words))
+            if everywhere:
+                hit[:, 0].bitwise_or_(foreign)  # a foreign page: stale, whatever was read
+                return hit.any()
+            return (foreign | hit.any(-1)).reshape(shape)
+        foreign = self._valid_for.index_select(0, flat).reshape(shape) != r
+        filled = self._filled.index_select(0, flat).reshape(shape)
+        if mask is not None:  # a mask not viewable as words: the last slot marked, + 1
+            past = filled < (mask * self._slot_rank).amax(-1)
+        elif upto is None:
+            past = filled < self._page_size
+        else:
+            past = filled < self._extent(upto, shape)
+        stale = foreign | past
+        return stale.any() if everywhere else stale
+
+    def _slot_mask(self, mask: Tensor, shape: torch.Size) -> Tensor:
+        ms = mask.shape
+        if not ms or ms[:-1] != shape or ms[-1] != self._page_size:
+            want = (*shape, self._page_size)
+            raise ValueError(f"a slot mask of shape {tuple(ms)}, not {want}")
+        return mask if mask.device == self.device else mask.to(self.device)
+
+    def _slot_words(self, mask: Tensor) -> Tensor | None:
+        """The mask as int64 words of 8 slots (a view, no copy), or None where it cannot be
+        viewed so (page size not a multiple of 8, a strided or misaligned mask)."""
+        if not self._words or not mask.is_contiguous():
+            return None
+        try:
+            return mask.view(torch.int64)
+        except RuntimeError:
+            return None
+
+    def _broadcastable(self, values: Tensor, shape: torch.Size, what: str) -> Tensor:
+        """``values`` on the ledger's device, checked to be integers that broadcast to
+        ``shape`` (returned unflattened: a compare broadcasts)."""
+        dtype = values.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{what} must be integers, got {dtype}")
+        rs = values.shape
+        # by hand: torch.broadcast_shapes costs about a millisecond per call
+        if rs != shape and (
+            len(rs) > len(shape)
+            or any(a not in (1, b) for a, b in zip(reversed(rs), reversed(shape), strict=False))
+        ):
+            raise ValueError(
+                f"{what} of shape {tuple(rs)} do not broadcast to the pages' shape {tuple(shape)}"
+            )
+        return values if values.device == self.device else values.to(self.device)
+
     def _readers(self, readers: Tensor | int, shape: torch.Size) -> Tensor | int:
-        """Reader handles for :meth:`stale_mask`: an int, or a tensor broadcastable to
-        ``shape`` (returned as is, unflattened: the compare broadcasts)."""
+        """Reader handles: an int, or a tensor broadcastable to ``shape``."""
         if not isinstance(readers, Tensor):
             return _check_handle(readers, "reader")
         if readers.dtype == torch.long and readers.device == self.device and readers.shape == shape:
-            return readers
-        if readers.dtype.is_floating_point or readers.dtype.is_complex:
-            raise TypeError(f"reader handles must be integers, got {readers.dtype}")
-        # by hand: torch.broadcast_shapes costs about a millisecond per call
-        rs = readers.shape
-        if len(rs) > len(shape) or any(
-            a not in (1, b) for a, b in zip(reversed(rs), reversed(shape), strict=False)
-        ):
-            raise ValueError(
-                f"handles of shape {tuple(readers.shape)} do not broadcast to the pages' "
-                f"shape {tuple(shape)}"
-            )
-        return readers.to(device=self.device, dtype=torch.long)
+            return readers  # the hot path: the adapter's readers, one per page read
+        return self._broadcastable(readers, shape, "handles").long()
+
+    def _extent(self, upto: Tensor | int, shape: torch.Size) -> Tensor | int:
+        """Read extents: an int (checked), or a tensor broadcastable to ``shape``."""
+        if not isinstance(upto, Tensor):
+            return _check_slot(upto, "upto", 0, self._page_size)
+        return self._broadcastable(upto, shape, "read extents")
+
+    def _flat(self, values: Tensor, shape: torch.Size, what: str) -> Tensor:
+        """A tensor broadcast to ``shape``, flattened."""
+        if values.shape == shape and values.dim() == 1 and values.device == self.device:
+            if values.dtype.is_floating_point or values.dtype == torch.bool:
+                raise TypeError(f"{what} must be integers, got {values.dtype}")
+            return values  # the hot path: one value per page, already flat
+        v = self._broadcastable(values, shape, what)
+        return (v if v.shape == shape else torch.broadcast_to(v, shape)).reshape(-1)
 
     def _handles(self, handles: Tensor | int, shape: torch.Size, what: str) -> Tensor | int:
         """An int handle (checked), or a tensor of them broadcast to ``shape``, flattened."""
         if not isinstance(handles, Tensor):
             return _check_handle(handles, what)
-        h = self._readers(handles, shape)
-        assert isinstance(h, Tensor)
-        return (h if h.shape == shape else torch.broadcast_to(h, shape)).reshape(-1)
+        flat = self._flat(handles, shape, "handles")
+        return flat if flat.dtype == torch.long else flat.long()
+
+    def _slots(
+        self, slots: Tensor | int, shape: torch.Size, what: str, low: int, high: int
+    ) -> Tensor | int:
+        """A slot bound: an int (checked against ``[low, high]``), or a tensor of them
+        broadcast to ``shape``, flattened (not checked)."""
+        if not isinstance(slots, Tensor):
+            return _check_slot(slots, what, low, high)
+        return self._flat(slots, shape, f"{what} slots")
 
     def _report(
         self, pages: PageIds, readers: Tensor | int, stale: Tensor, kind: ReadKind
     ) -> list[StaleRead]:
-        """Group the stale reads (the rare path: syncs, and loops over groups only)."""
+        """Group the stale reads (the rare path: syncs, and loops over groups only).
+
+        A stale page valid for its reader was read past its prefix: it names who the slots
+        past the prefix are attributed to; any other stale page names its last writer."""
         p = self._pages(pages)
         shape = p.shape
         p = p.reshape(-1)
@@ -487,15 +734,13 @@ class PageLedger:
             stale_readers = torch.broadcast_to(r, shape).reshape(-1).index_select(0, idx)
         else:
             stale_readers = torch.full_like(stale_pages, readers)
-        keys = torch.stack(
-            [
-                stale_readers,
-                self._writer_req.index_select(0, stale_pages),
-                self._writer_ten.index_select(0, stale_pages),
-                self._zeroized.index_select(0, stale_pages).long(),
-            ],
-            dim=1,
+        hole = self._valid_for.index_select(0, stale_pages) == stale_readers
+        named = torch.where(
+            hole[:, None],
+            self._prev_rows.index_select(0, stale_pages),
+            self._writer_rows.index_select(0, stale_pages),
         )
+        keys = torch.stack([stale_readers, named[:, _REQ], named[:, _TEN], named[:, _ZERO]], dim=1)
         groups, inverse = torch.unique(keys, dim=0, return_inverse=True)
         order = torch.argsort(inverse, stable=True)
         counts = torch.bincount(inverse, minlength=groups.shape[0]).tolist()

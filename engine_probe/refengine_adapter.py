@@ -20,19 +20,21 @@ What it emits, through the probe (``get_probe()`` unless one is given):
 * ``canary.hit`` (detector ``paint``) in canary mode;
 * ``pool.sample`` per pool at attach and every ``pool_sample_every`` steps.
 
-Partial writes
---------------
-A write covers the positions from ``req.cache_len`` on (prefill: from 0; a decode step: the
-one slot at ``cache_len``, the position its fed-back token takes). Its first page is written
-*partially* when that start is not a page boundary: the slots before it hold whatever they
-held, so :meth:`PageLedger.write` is told ``partial`` for that page and it validates nothing.
-That is what keeps the incident's first decode page stale: decode trusts 1000 prompt
-positions, so its first write lands at slot 8 of a page prefill never wrote.
+Slot ranges
+-----------
+The ledger tracks, per page, how many leading slots its owner has written (``filled``). A
+write covers the positions from ``req.cache_len`` on (prefill: from 0 to the tokens it
+actually wrote, ``cached_prompt_tokens``; a decode step: the one slot at ``cache_len``, the
+position its fed-back token takes), so each page's slot range follows: the first page from
+``cache_len % page_size``, the last up to the last position written. A read covers, per page,
+the slots attention used (``on_kv_read``'s ``valid`` mask, passed to the ledger as is). A read
+past a page's ``filled`` is stale and names the writer of the slots past it.
 
-The ledger's unit is the page: a page its owner wrote from its first slot is the owner's, up
-to any length. The incident's transferred placeholder page is such a page (one token written,
-then read as 16 positions, the other 15 slots holding what the prefill page held), so the
-ledger passes it; canary mode reports it, because it looks at the slots attention used.
+That is what keeps the incident's decode pages stale: decode trusts 1000 prompt positions,
+so its first write lands at slot 8 of a page prefill never wrote (a hole: it validates
+nothing). And it is what catches the transferred placeholder page: prefill wrote one token
+into slot 0, decode reads it as 16 positions, and slots 1..15 still hold what the prefill
+page held before (another tenant's prompt, named as the previous writer).
 
 Reporting
 ---------
@@ -46,12 +48,13 @@ Cost
 ----
 No per-page Python loop on the common path, and at most one device-to-host sync per engine
 step: allocations' reuse counts (``alloc_counts``) accumulate as device tensors; the decode
-read computes "any stale page" (``stale_mask(...).any()``) and "any valid slot starting with
-the sentinel" without syncing, and one ``.tolist()`` of those flags and the reuse counts
-decides whether the rare path (grouping, deduplicating and reporting, which syncs freely and
-runs on every step while a leaking request decodes) runs. Steps without a decode sync the
-reuse counts in ``on_step``. ``PageLedger.transfer`` syncs once per transferred request on
-its own.
+read computes "any stale page" (``any_stale``: the pages' owners against the readers, and the
+``valid`` mask against the pages' written prefixes, 8 slots per int64 word) and "any valid
+slot starting with the sentinel" without syncing, and one ``.tolist()`` of those flags and
+the reuse counts decides whether the rare path (grouping, deduplicating and reporting, which
+syncs freely and runs on every step while a leaking request decodes) runs. Steps without a
+decode sync the reuse counts in ``on_step``. ``PageLedger.transfer`` syncs once per
+transferred request on its own.
 
 If attached while requests are in flight, the pages they already own are unknown to the
 ledger: their reads are not checked (requests admitted after attach are).
@@ -264,7 +267,11 @@ class RefengineAdapter:
         self._pools = {}
         for pool in engine.pools.values():
             node = _safe_id(self._nodes.get(pool.name, pool.name), "node")
-            ledger = PageLedger(pool.num_pages, pool.device, pool.name) if self.use_ledger else None
+            ledger = (
+                PageLedger(pool.num_pages, pool.device, pool.name, page_size=pool.page_size)
+                if self.use_ledger
+                else None
+            )
             canary = (
                 PoolCanary(pool.num_pages, pool.device, pool.dtype) if self.use_canary else None
             )
@@ -372,14 +379,30 @@ class RefengineAdapter:
 
     def on_kv_write(self, pool: _Pool, pages: Tensor, req: _Request) -> None:
         st = self._pools[pool.name]
-        if st.ledger is None:
+        if st.ledger is None or pages.shape[0] == 0:
             return
-        if req.cache_len % st.page_size == 0:
-            st.ledger.write(pages, req.handle)
-        else:  # the first page is appended to; the rest are written from their first slot
-            part = torch.zeros(pages.shape[0], dtype=torch.bool, device=st.ledger.device)
-            part[0] = True
-            st.ledger.write(pages, req.handle, partial=part)
+        # Positions [cache_len, end) of the block table, whose pages these are: prefill
+        # writes the prompt tokens it actually has (one for the legacy placeholder); any other
+        # caller, one decode token.
+        ps = st.page_size
+        first = req.cache_len
+        end = req.cached_prompt_tokens if req.status == "prefilling" else first + 1
+        if end <= first:
+            return  # nothing written: counting nothing is the safe side
+        n = pages.shape[0]
+        start: Tensor | int = first % ps
+        stop: Tensor | int = (end - 1) % ps + 1
+        if n > 1:  # the first page from its start slot, the last one up to its end slot
+            dev = st.ledger.device
+            if start:
+                starts = torch.zeros(n, dtype=torch.long, device=dev)
+                starts[0] = start
+                start = starts
+            if stop != ps:
+                stops = torch.full((n,), ps, dtype=torch.long, device=dev)
+                stops[-1] = stop
+                stop = stops
+        st.ledger.write(pages, req.handle, start=start, end=stop)
 
     def on_kv_write_batch(
         self, pool: _Pool, pages: Tensor, writers: Tensor, reqs: Sequence[_Request]
@@ -388,15 +411,15 @@ class RefengineAdapter:
         if st.ledger is None:
             return
         ps = st.page_size
-        # Host-side: each request writes the slot at its cache_len (no device sync).
-        flags = [r.cache_len % ps != 0 for r in reqs]
-        if not any(flags):
-            st.ledger.write(pages, writers)
-        elif all(flags):
-            st.ledger.write(pages, writers, partial=True)
+        # Host-side: each request writes the one slot at its cache_len (no device sync).
+        slots = [r.cache_len % ps for r in reqs]
+        first = slots[0] if slots else 0
+        if all(s == first for s in slots):
+            st.ledger.write(pages, writers, start=first, end=first + 1)
         else:
-            part = torch.tensor(flags, dtype=torch.bool).to(st.ledger.device)
-            st.ledger.write(pages, writers, partial=part)
+            ranges = torch.tensor([slots, [s + 1 for s in slots]], dtype=torch.long)
+            start, end = ranges.to(st.ledger.device).unbind(0)
+            st.ledger.write(pages, writers, start=start, end=end)
 
     def on_kv_transfer(
         self,
@@ -444,10 +467,13 @@ class RefengineAdapter:
         )
         if check_ledger:
             assert st.ledger is not None
-            stale = st.ledger.stale_mask(pages, readers)
+            # `valid` marks the slots attention used: the ledger checks them, not the count
+            # (exact for any mask, a sliding window's included)
             if self._pre_attach_pages:
-                stale &= readers >= (self._first_handle or 0)
-            flags.append(stale.any())
+                stale = st.ledger.stale_mask(pages, readers, valid)
+                flags.append((stale & (readers >= (self._first_handle or 0))).any())
+            else:
+                flags.append(st.ledger.any_stale(pages, readers, valid))
         if st.canary is not None:
             flags.append(st.canary.suspect(k, valid))
         pending = [s for s in self._pools.values() if s.pending is not None]
@@ -465,7 +491,7 @@ class RefengineAdapter:
         self.counters["syncs"] += 1
         if check_ledger and values[0]:
             assert st.ledger is not None
-            reports = st.ledger.read(pages, readers)
+            reports = st.ledger.read(pages, readers, valid)
             if self._pre_attach_pages:
                 first = self._first_handle or 0
                 reports = [r for r in reports if r.reader_request >= first]

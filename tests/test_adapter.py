@@ -91,18 +91,25 @@ def secret(tenant: str, i: int, repeat: int = 3) -> str:
 
 @dataclass
 class Oracle(EngineObserver):
-    """Host-side truth, in dicts, added before the adapter.
+    """Host-side truth, in dicts, slot by slot, added before the adapter.
 
-    ``slot0``: who wrote slot 0 of each page in its current generation (the page-level
-    validity the ledger defines: a page is the reader's when the reader wrote it from its
-    first slot; a transfer carries the source's status). ``stale``: (reader, pool, page) of
-    every decode read of a page not valid for its reader. ``writer_tenant``/``zeroized``: what
-    an alloc finds in a page (for ``page.reuse``), per step."""
+    ``valid``: per page, for each slot, the request that wrote it while owning the page in
+    its current generation (None: not written so since the page was allocated, overwritten
+    by another request, or freed); a transfer copies it for the transferring request.
+    ``content``: per page, for each slot, the tenant whose KV it holds (None: never written;
+    0: zeroized), carried by transfers, kept across frees. ``stale``: (reader, pool, page) of
+    every decode read that used a slot not valid for its reader, and ``exposed`` the content
+    tenants of those slots. ``writer_tenant``/``zeroized``: what an alloc finds in a page (for
+    ``page.reuse``), per step."""
 
-    slot0: dict[tuple[str, int], int | None] = field(default_factory=dict)
+    page_size: int = 16
+    owner: dict[tuple[str, int], int] = field(default_factory=dict)
+    valid: dict[tuple[str, int], list[int | None]] = field(default_factory=dict)
+    content: dict[tuple[str, int], list[int | None]] = field(default_factory=dict)
     writer_tenant: dict[tuple[str, int], int] = field(default_factory=dict)
     zeroized: set[tuple[str, int]] = field(default_factory=set)
     stale: set[tuple[int, str, int]] = field(default_factory=set)
+    exposed: dict[tuple[int, str, int], set[int | None]] = field(default_factory=dict)
     reuse: dict[tuple[int, str], list[int]] = field(default_factory=dict)
     tenant_of: dict[int, int] = field(default_factory=dict)
     transfers: dict[int, list[int]] = field(default_factory=dict)  # handle -> dst pages
@@ -110,6 +117,10 @@ class Oracle(EngineObserver):
 
     def on_attach(self, engine: Engine) -> None:
         self.engine = engine
+        self.page_size = engine.config.page_size
+
+    def _unwritten(self) -> list[int | None]:
+        return [None] * self.page_size
 
     def on_alloc(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
         assert self.engine is not None
@@ -117,7 +128,8 @@ class Oracle(EngineObserver):
         counts = self.reuse.setdefault((self.engine.steps, pool.name), [0, 0, 0])
         for p in pages.tolist():
             key = (pool.name, p)
-            self.slot0[key] = None
+            self.owner[key] = req.handle
+            self.valid[key] = self._unwritten()
             if key in self.zeroized:
                 counts[2] += 1
             elif key in self.writer_tenant:
@@ -125,25 +137,34 @@ class Oracle(EngineObserver):
                 counts[1] += self.writer_tenant[key] != req.tenant_handle
 
     def on_free(self, pool: KVPool, pages: torch.Tensor, zeroized: bool) -> None:
-        if zeroized:
-            self.zeroized.update((pool.name, p) for p in pages.tolist())
+        for p in pages.tolist():
+            key = (pool.name, p)
+            self.owner.pop(key, None)
+            self.valid[key] = self._unwritten()
+            if zeroized:
+                self.zeroized.add(key)
+                self.content[key] = [0] * self.page_size
 
-    def _wrote(self, pool: str, page: int, handle: int, from_slot0: bool) -> None:
+    def _wrote(self, pool: str, page: int, handle: int, slot: int) -> None:
         key = (pool, page)
         self.writer_tenant[key] = self.tenant_of[handle]
         self.zeroized.discard(key)
-        if from_slot0:
-            self.slot0[key] = handle
+        self.content.setdefault(key, self._unwritten())[slot] = self.tenant_of[handle]
+        valid = self.valid.setdefault(key, self._unwritten())
+        valid[slot] = handle if self.owner.get(key) == handle else None
 
     def on_kv_write(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
-        for p in pages.tolist():
-            self._wrote(pool.name, p, req.handle, True)  # prefill writes from position 0
+        # prefill: positions cache_len (0) .. cached_prompt_tokens - 1 of the block table
+        ps, table = pool.page_size, pages.tolist()
+        for pos in range(req.cache_len, req.cached_prompt_tokens):
+            page = table[pos // ps - req.cache_len // ps]
+            self._wrote(pool.name, page, req.handle, pos % ps)
 
     def on_kv_write_batch(
         self, pool: KVPool, pages: torch.Tensor, writers: torch.Tensor, reqs: Sequence[Request]
     ) -> None:
         for p, r in zip(pages.tolist(), reqs, strict=True):
-            self._wrote(pool.name, p, r.handle, r.cache_len % pool.page_size == 0)
+            self._wrote(pool.name, p, r.handle, r.cache_len % pool.page_size)
 
     def on_kv_transfer(
         self,
@@ -155,9 +176,14 @@ class Oracle(EngineObserver):
         prefill_rejected: bool,
     ) -> None:
         self.transfers[req.handle] = dst_pages.tolist()
+        h = req.handle
         for s, d in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
             src, dst = (src_pool.name, s), (dst_pool.name, d)
-            self.slot0[dst] = req.handle if self.slot0.get(src) == req.handle else None
+            ours = self.owner.get(dst) == h
+            self.valid[dst] = [
+                h if ours and v == h else None for v in self.valid.get(src, self._unwritten())
+            ]
+            self.content[dst] = list(self.content.get(src, self._unwritten()))
             if src in self.writer_tenant:
                 self.writer_tenant[dst] = self.writer_tenant[src]
             self.zeroized.discard(dst)
@@ -173,9 +199,14 @@ class Oracle(EngineObserver):
         v: torch.Tensor,
         valid: torch.Tensor,
     ) -> None:
-        for p, r in zip(pages.tolist(), readers.tolist(), strict=True):
-            if self.slot0.get((pool.name, p)) != r:
+        for p, r, used in zip(pages.tolist(), readers.tolist(), valid.tolist(), strict=True):
+            key = (pool.name, p)
+            slots = self.valid.get(key, self._unwritten())
+            content = self.content.get(key, self._unwritten())
+            bad = [j for j, u in enumerate(used) if u and slots[j] != r]
+            if bad:
                 self.stale.add((r, pool.name, p))
+                self.exposed.setdefault((r, pool.name, p), set()).update(content[j] for j in bad)
 
     def nonzero_reuse(self) -> dict[tuple[int, str], tuple[int, int, int]]:
         return {k: (a, b, c) for k, (a, b, c) in self.reuse.items() if a or c}
@@ -342,16 +373,30 @@ def test_incident_stale_reads_match_the_oracle_page_for_page(canary: bool) -> No
     assert victims and victims <= set(TENANTS[:4])
     assert all(f["previous_request_id"] in names.values() for f in stale if f["previous_tenant"])
     assert all(f["read_kind"] == "decode" and f["node"] == "decode" for f in stale)
+    # Each report names a tenant whose KV sat in the slots read that the reader never wrote
+    # (None: slots never written since the pool was created).
+    handles = {name: h for h, name in names.items()}
+    for f in stale:
+        for p in f["page_ids"]:
+            exposed = oracle.exposed[(handles[f["reader_request_id"]], "decode", p)]
+            assert f["previous_tenant"] in {
+                None if t is None else eng.tenant_name(t) for t in exposed
+            }
 
     (tr,) = [f for f in probe.of(ev.KvTransfer) if f["request_id"] == over.request_id]
     assert (tr["prefill_rejected"], tr["pages"], tr["tokens"]) == (True, 1, 1)
+    # The transferred placeholder page: one token written into slot 0, read as 16 positions,
+    # slots 1..15 holding another tenant's prompt from the prefill pool. Stale, naming them.
+    (placeholder,) = oracle.transfers[over.handle]
+    (named,) = [f["previous_tenant"] for f in stale if placeholder in f["page_ids"]]
+    assert named in TENANTS[:4]
     if canary:
-        # The canary sees every stale page, and also the transferred placeholder page, whose
-        # tail (read as positions 1..15) holds paint copied from the prefill pool.
+        # The canary sees exactly the pages the ledger reports, the placeholder page included
+        # (its tail holds paint copied from the prefill pool).
         hits = probe.of(ev.CanaryHit)
         assert {h["reader_request_id"] for h in hits} == {over.request_id}
         painted = {p for h in hits for p in h["page_ids"]}
-        assert painted == {p for _, _, p in reported} | set(oracle.transfers[over.handle])
+        assert painted == {p for _, _, p in reported}
     rejected = probe.of(ev.RequestRejected)
     assert [(f["reason"], f["prompt_tokens"], f["limit_tokens"]) for f in rejected] == [
         ("pool_exhausted", 1000, 512)
@@ -359,13 +404,16 @@ def test_incident_stale_reads_match_the_oracle_page_for_page(canary: bool) -> No
     probe.validate()
 
 
-def test_partial_write_into_a_stale_page_keeps_it_stale() -> None:
+def test_hole_write_keeps_a_stale_page_stale_and_the_placeholder_page_is_caught() -> None:
     """Block-table page 62 (positions 992..1007) of the over-pool request: decode's first
-    write lands at slot 8. Reported stale at the first read even though it was just written."""
+    write lands at slot 8, past the page's (empty) written prefix. Reported stale at the first
+    read even though it was just written. Page 0, the transferred placeholder page, was
+    written at slot 0 only and is read as 16 positions: stale, naming acme, whose prompt the
+    prefill page held."""
     eng = make(mode="legacy", topology="disaggregated", pool_tokens=512, decode_pool_tokens=4096)
     probe = RecordingProbe()
     attach(eng, probe)
-    eng.generate(secret("acme", 0, repeat=6), "acme", max_tokens=2000)
+    acme = eng.generate(secret("acme", 0, repeat=6), "acme", max_tokens=2000)
     seen: list[torch.Tensor] = []
 
     class Table(EngineObserver):
@@ -376,12 +424,15 @@ def test_partial_write_into_a_stale_page_keeps_it_stale() -> None:
     eng.add_observer(Table())
     eng.generate("y" * 1000, "mallory", max_tokens=3)
     table = seen[0].tolist()
-    stale_pages = {p for f in probe.of(ev.PageStaleRead) for p in f["page_ids"]}
+    stale = probe.of(ev.PageStaleRead)
+    stale_pages = {p for f in stale for p in f["page_ids"]}
     assert table[62] in stale_pages
-    # The placeholder page was written from its first slot by mallory and transferred: the
-    # page-level ledger counts it as hers, though its slots 1..15 hold what the prefill page
-    # held before. The canary sees those (test_incident_stale_reads_match_the_oracle...).
-    assert table[0] not in stale_pages
+    (placeholder,) = [f for f in stale if table[0] in f["page_ids"]]
+    assert (placeholder["previous_tenant"], placeholder["previous_request_id"]) == (
+        "acme",
+        acme.request_id,
+    )
+    assert (placeholder["reader_tenant"], placeholder["zeroized"]) == ("mallory", False)
 
 
 # -- clean rejections, aborts, ids ----------------------------------------------------------

@@ -5,7 +5,9 @@ larger than the prefill pool (512), several tenants' ordinary requests, then one
 longer than the pool.
 
 * legacy: the answer carries another tenant's text; the ledger reports the stale read naming
-  both tenants; the collector stores it, with the request and its prompt token count;
+  both tenants, the placeholder page included (one token written, read as 16 positions: the
+  answer's first 15 bytes come from the other 15 slots); the collector stores it, with the
+  request and its prompt token count;
 * hardened: a clean ``ContextLengthExceeded`` before any KV moves, no stale read, no foreign
   text;
 * canary mode with the ledger switched off: the painted pages give the incident away on
@@ -14,8 +16,8 @@ longer than the pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -25,7 +27,15 @@ import torch
 from engine_probe.probe import Probe
 from engine_probe.refengine_adapter import RefengineAdapter, attach
 from engine_probe.settings import ProbeSettings
-from refengine import Completion, ContextLengthExceeded, Engine, EngineConfig
+from refengine import (
+    Completion,
+    ContextLengthExceeded,
+    Engine,
+    EngineConfig,
+    EngineObserver,
+    KVPool,
+    Request,
+)
 from tests.conftest import Collector
 
 TENANTS = ("acme", "globex", "initech", "umbrella")
@@ -47,6 +57,37 @@ def secret(tenant: str, i: int) -> str:
 
 
 @dataclass
+class Hole(EngineObserver):
+    """Whose bytes sit in the placeholder page's hole: the request that last wrote the
+    prefill page the legacy placeholder went into (slots 1..15 still hold its prompt), and
+    the decode page that page was copied to."""
+
+    last_writer: dict[int, Request] = field(default_factory=dict)
+    writer: Request | None = None
+    decode_page: int | None = None
+
+    def on_alloc(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
+        if pool.name == "prefill" and req.prefill_rejected:
+            self.writer = self.last_writer.get(int(pages[0]))
+
+    def on_kv_write(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
+        if pool.name == "prefill":
+            self.last_writer.update(dict.fromkeys(pages.tolist(), req))
+
+    def on_kv_transfer(
+        self,
+        src_pool: KVPool,
+        src_pages: torch.Tensor,
+        dst_pool: KVPool,
+        dst_pages: torch.Tensor,
+        req: Request,
+        prefill_rejected: bool,
+    ) -> None:
+        if prefill_rejected:
+            self.decode_page = int(dst_pages[0])
+
+
+@dataclass
 class Run:
     engine: Engine
     adapter: RefengineAdapter
@@ -54,9 +95,16 @@ class Run:
     deployment: str
 
 
-def replay(collector: Collector, mode: str, deployment: str, **adapter: Any) -> Run:
-    """Start a probe on ``collector``, attach it, serve the four tenants' ordinary requests;
-    the caller sends the over-pool prompt and then calls ``finish``."""
+def replay(
+    collector: Collector,
+    mode: str,
+    deployment: str,
+    observers: Iterable[EngineObserver] = (),
+    **adapter: Any,
+) -> Run:
+    """Start a probe on ``collector``, attach it (after ``observers``), serve the four
+    tenants' ordinary requests; the caller sends the over-pool prompt and then calls
+    ``finish``."""
     settings = ProbeSettings(
         collector_url=collector.url,
         ingest_token=collector.ingest,
@@ -76,6 +124,8 @@ def replay(collector: Collector, mode: str, deployment: str, **adapter: Any) -> 
             max_batch=4,
         )
     )
+    for obs in observers:
+        eng.add_observer(obs)
     ad = attach(eng, probe, **adapter)
     reqs = [eng.submit(secret(t, i), t, max_tokens=400) for i, t in enumerate(TENANTS)]
     eng.run_until_idle()
@@ -111,7 +161,8 @@ def foreign_text(answer: str, normal: list[Completion]) -> list[Completion]:
 def test_legacy_incident_leaks_and_the_collector_stores_the_stale_read(
     collector: Collector,
 ) -> None:
-    run = replay(collector, "legacy", "incident-legacy")
+    hole = Hole()
+    run = replay(collector, "legacy", "incident-legacy", [hole])
     answer = run.engine.generate(OVER, "mallory", max_tokens=400, request_id="over-1")
     finish(run)
 
@@ -119,6 +170,10 @@ def test_legacy_incident_leaks_and_the_collector_stores_the_stale_read(
     assert answer.rejected and answer.prompt_tokens == 1000 and "y" not in answer.text
     victims = foreign_text(answer.text, run.normal)
     assert victims and {v.tenant for v in victims} <= set(TENANTS)
+    # The placeholder page: prefill wrote one token into slot 0; slots 1..15 still held
+    # another tenant's prompt, and they are the answer's first 15 bytes.
+    assert hole.writer is not None and hole.writer.tenant in TENANTS
+    assert answer.text[:15] == hole.writer.prompt[1:16].decode()
 
     with collector.client(collector.admin) as http:
         dep = {"deployment_id": run.deployment}
@@ -131,6 +186,12 @@ def test_legacy_incident_leaks_and_the_collector_stores_the_stale_read(
             row = exposed[v.tenant]
             assert row["other_request_id"] == v.request_id and row["cross_tenant"] is True
             assert row["detail"]["read_kind"] == "decode" and row["page_count"] > 0
+        # ... and the tenant whose bytes were in the placeholder page's hole, on that page.
+        assert hole.writer.tenant in exposed
+        on_placeholder = [s for s in stale if hole.decode_page in s["detail"]["page_ids"]]
+        assert [
+            (s["other_tenant"], s["other_request_id"], s["cross_tenant"]) for s in on_placeholder
+        ] == [(hole.writer.tenant, hole.writer.request_id, True)]
         (transfer,) = [
             t for t in get(http, "/v1/page-events", kind="kv.transfer", **dep)
             if t["request_id"] == "over-1"

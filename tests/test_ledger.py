@@ -43,8 +43,10 @@ def test_fresh_ledger() -> None:
     assert led.check_invariants() == []
     snap = led.snapshot()
     assert snap["generation"] == [0] * 8
-    assert snap["writer_request"] == [-1] * 8
+    assert snap["writer_request"] == snap["previous_request"] == [-1] * 8
+    assert snap["filled"] == [0] * 8
     assert snap["valid_for"] == [-1] * 8
+    assert led.page_size == 16
 
 
 def test_alloc_owns_and_bumps_generation() -> None:
@@ -187,23 +189,159 @@ def test_write_into_a_page_owned_by_another_request() -> None:
     assert stale.cross_tenant
 
 
-def test_partial_writes_validate_nothing() -> None:
+def test_hole_writes_validate_nothing() -> None:
     led = PageLedger(8)
     led.alloc(ids(0), 1, 10)
     led.write(ids(0), 1)
     led.free(ids(0))
     led.alloc(ids(0, 1), 2, 20)
-    led.write(ids(0, 1), 2, partial=True)  # appending a token to a stale page heals nothing
+    led.write(ids(0, 1), 2, start=1)  # appending a token to a stale page heals nothing
     stale = led.read(ids(0, 1), 2)
     assert [(s.page_ids, s.previous_request) for s in stale] == [([1], None), ([0], 1)]
     led.write(ids(1), 2)
-    led.write(ids(1), 2, partial=True)  # appending to one's own valid page keeps it valid
+    led.write(ids(1), 2, start=1)  # rewriting part of one's own valid page keeps it valid
     assert led.read(ids(1), 2) == []
     led.alloc(ids(2), 3, 30)
-    led.write(ids(1), 3, partial=True)  # another request appending spoils it for the owner
+    led.write(ids(1), 3, start=1)  # another request writing into the prefix spoils it
     (stale,) = led.read(ids(1), 2)
     assert (stale.previous_request, stale.previous_tenant) == (3, 30)
     assert led.check_invariants() == []
+
+
+def test_filled_grows_with_in_order_writes_only() -> None:
+    led = PageLedger(4, page_size=8)
+    led.alloc(ids(0), 1, 10)
+    led.write(ids(0), 1, end=3)  # slots 0..2
+    assert led.filled_of(ids(0)).tolist() == [3]
+    assert led.read(ids(0), 1, upto=3) == [] and led.read(ids(0), 1, upto=0) == []
+    assert [s.page_ids for s in led.read(ids(0), 1, upto=4)] == [[0]]
+    led.write(ids(0), 1, start=3, end=4)  # an append at the end of the prefix extends it
+    led.write(ids(0), 1, start=1, end=2)  # a rewrite inside it changes nothing
+    assert led.filled_of(ids(0)).tolist() == [4]
+    led.write(ids(0), 1, start=5, end=6)  # past the prefix: a hole (slot 4), nothing extends
+    assert led.filled_of(ids(0)).tolist() == [4]
+    led.write(ids(0), 1, start=4, end=5)  # slot 4 now; slot 5 is not remembered
+    assert led.filled_of(ids(0)).tolist() == [5]
+    assert led.read(ids(0), 1, upto=5) == []
+    assert [s.page_ids for s in led.read(ids(0), 1, upto=6)] == [[0]]
+    assert led.stale_mask(ids(0, 0, 0), 1, upto=ids(5, 6, 8)).tolist() == [False, True, True]
+    assert led.stale_mask(ids(0), 1).tolist() == [True]  # no upto: the whole page is read
+    led.write(ids(0), 1, start=5)  # to the end of the page
+    assert led.read(ids(0), 1) == []
+    assert led.check_invariants() == []
+
+
+def test_placeholder_page_read_past_its_one_written_slot() -> None:
+    """The incident's placeholder page: tenant 100's prompt fills a prefill page; it is freed;
+    rejected request 2 (tenant 200) writes ONE token into slot 0 and the page is transferred;
+    decode reads it as 16 positions. Slots 1..15 still hold tenant 100's KV: stale, naming
+    request 1 and tenant 100 (cross-tenant), on the prefill side and after the transfer."""
+    pre, dec = PageLedger(4, name="prefill"), PageLedger(4, name="decode")
+    pre.alloc(ids(0), 1, 100)
+    pre.write(ids(0), 1)
+    pre.free(ids(0))
+    pre.alloc(ids(0), 2, 200)
+    pre.write(ids(0), 2, start=0, end=1)  # the one-token placeholder
+    assert pre.read(ids(0), 2, upto=1) == []
+    (stale,) = pre.read(ids(0), 2, upto=16)
+    assert (stale.page_ids, stale.previous_request, stale.previous_tenant) == ([0], 1, 100)
+    assert stale.cross_tenant and not stale.zeroized
+    dec.alloc(ids(3), 2, 200)
+    assert pre.transfer(ids(0), dec, ids(3), 2) == []  # the token it wrote is its own
+    assert dec.filled_of(ids(3)).tolist() == [1]
+    assert dec.read(ids(3), 2, upto=1) == []
+    (stale,) = dec.read(ids(3).view(1, 1), ids(2).view(1, 1), upto=torch.tensor([[16]]))
+    assert (stale.reader_request, stale.reader_tenant) == (2, 200)
+    assert (stale.page_ids, stale.previous_request, stale.previous_tenant) == ([3], 1, 100)
+    assert (stale.pool, stale.read_kind) == ("decode", "decode") and stale.cross_tenant
+    # decode appends its tokens in order: the prefix grows, the hole does not go away
+    dec.write(ids(3), 2, start=1, end=2)
+    assert dec.read(ids(3), 2, upto=2) == []
+    assert [s.previous_tenant for s in dec.read(ids(3), 2, upto=3)] == [100]
+    assert pre.check_invariants() == [] and dec.check_invariants() == []
+
+
+def test_hole_of_a_zeroized_page() -> None:
+    led = PageLedger(4)
+    led.alloc(ids(0), 1, 10)
+    led.write(ids(0), 1)
+    led.free(ids(0), zeroized=True)
+    led.alloc(ids(0), 2, 20)
+    led.write(ids(0), 2, end=1)
+    (stale,) = led.read(ids(0), 2)
+    assert (stale.previous_request, stale.previous_tenant, stale.zeroized) == (1, 10, True)
+    assert not stale.cross_tenant  # zeros in the hole, not tenant 10's KV
+    assert led.snapshot()["zeroized"][0] == 0  # the written prefix is not zeros
+    assert led.check_invariants() == []
+
+
+def test_another_writer_at_the_end_of_the_prefix_takes_over_the_hole() -> None:
+    led = PageLedger(4)
+    led.alloc(ids(0), 1, 10)
+    led.write(ids(0), 1)
+    led.free(ids(0))
+    led.alloc(ids(0), 2, 20)
+    led.write(ids(0), 2, end=4)
+    led.write(ids(0), 3, start=5, tenant=30)  # past the prefix's end: changes nothing
+    assert [s.previous_request for s in led.read(ids(0), 2, upto=16)] == [1]
+    led.write(ids(0), 3, start=4, tenant=30)  # at the prefix's end: the hole is now 3's
+    assert led.read(ids(0), 2, upto=4) == []
+    (stale,) = led.read(ids(0), 2, upto=5)
+    assert (stale.previous_request, stale.previous_tenant) == (3, 30)
+    led.write(ids(0), 3, start=3, end=4, tenant=30)  # into the prefix: spoiled
+    (stale,) = led.read(ids(0), 2, upto=1)
+    assert (stale.previous_request, stale.previous_tenant) == (3, 30)
+    assert led.filled_of(ids(0)).tolist() == [0]
+    assert led.check_invariants() == []
+
+
+def test_slot_arguments_are_checked() -> None:
+    led = PageLedger(4, page_size=8)
+    led.alloc(ids(0), 1, 10)
+    for bad in ({"start": 8}, {"start": -1}, {"end": 0}, {"end": 9}, {"start": 3, "end": 3}):
+        with pytest.raises(ValueError):
+            led.write(ids(0), 1, **bad)
+    with pytest.raises(ValueError):
+        led.read(ids(0), 1, upto=9)
+    with pytest.raises(TypeError):
+        led.read(ids(0), 1, upto=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="broadcast"):
+        led.read(ids(0, 1), 1, upto=ids(1, 2, 3))
+    with pytest.raises(ValueError):
+        PageLedger(4, page_size=0)
+
+
+@pytest.mark.parametrize("page_size", [16, 8, 12, 1])
+def test_slot_masks_read_up_to_their_last_slot(page_size: int) -> None:
+    """A bool mask of the slots read (an engine's attention mask) reads up to its last set
+    slot: the same verdict as that extent, holes below it or not, checked 8 slots per int64
+    word where the page size allows, else through the extent (12, 1; or a strided mask)."""
+    rng = random.Random(page_size)
+    led = PageLedger(6, page_size=page_size)
+    led.alloc(ids(0, 1, 2, 3, 4), 1, 10)
+    led.alloc(ids(5), 2, 20)
+    for page in range(6):
+        led.write(ids(page), 1 if page < 5 else 2, end=rng.randint(1, page_size))
+    led.write(ids(4), 3, start=0, end=1, tenant=30)  # spoiled: stale for 1 whatever is read
+    pages = ids(0, 1, 2, 3, 4, 5, 0, 1)
+    for _ in range(50):
+        last = torch.tensor([rng.randint(0, page_size) for _ in range(8)])
+        slots = torch.arange(page_size)[None, :]
+        mask = (slots == last[:, None] - 1) | ((slots < last[:, None]) & (torch.rand(8, 1) < 0.5))
+        expected = led.stale_mask(pages, 1, last)
+        assert led.stale_mask(pages, 1, mask).tolist() == expected.tolist()
+        assert bool(led.any_stale(pages, 1, mask)) == bool(expected.any())
+        strided = mask.t().contiguous().t()  # same values, not contiguous: via the extent
+        assert led.stale_mask(pages, 1, strided).tolist() == expected.tolist()
+        table, table_mask = pages.view(2, 4), mask.view(2, 4, page_size)
+        assert led.stale_mask(table, ids(1, 1).view(2, 1), table_mask).view(-1).tolist() == (
+            expected.tolist()
+        )
+        assert [s.page_ids for s in led.read(pages, 1, mask)] == [
+            s.page_ids for s in led.read(pages, 1, last)
+        ]
+    with pytest.raises(ValueError, match="slot mask"):
+        led.stale_mask(pages, 1, torch.ones(8, page_size + 1, dtype=torch.bool))
 
 
 def test_batched_write_one_writer_per_page() -> None:
@@ -212,9 +350,9 @@ def test_batched_write_one_writer_per_page() -> None:
         led.alloc(ids(r), r, 10 + r)
     led.write(ids(0, 1), ids(0, 1))
     # a decode step: request 0 appends to page 0, 1 to page 1, 2 starts page 2
-    led.write(ids(0, 1, 2), ids(0, 1, 2), partial=torch.tensor([True, True, False]))
+    led.write(ids(0, 1, 2), ids(0, 1, 2), start=torch.tensor([5, 16 - 1, 0]))
     assert led.read(ids(0, 1, 2), ids(0, 1, 2)) == []
-    led.write(ids(2), ids(1), partial=torch.tensor([True]))  # request 1 spoils request 2's page
+    led.write(ids(2), ids(1), start=torch.tensor([1]))  # request 1 spoils request 2's page
     (stale,) = led.read(ids(0, 1, 2), ids(0, 1, 2))
     assert (stale.reader_request, stale.previous_request, stale.previous_tenant) == (2, 1, -1)
     led.write(ids(2), ids(1), tenant=ids(11))  # tenant given: named
@@ -379,15 +517,22 @@ def test_incident_scenario_on_device(device: str) -> None:
     dec.free(ids(4, 5, 6, device=device))
     # B: rejected, one-token placeholder written to one prefill page, the rest carried over
     pre.alloc(ids(0, 1, device=device), b, 200)
-    pre.write(ids(0, device=device), b)
+    pre.write(ids(0, device=device), b, end=1)
     dec.alloc(ids(4, 5, 6, device=device), b, 200)
     (t_stale,) = pre.transfer(ids(0, 1, device=device), dec, ids(4, 5, device=device), b)
     assert (t_stale.read_kind, t_stale.page_ids, t_stale.previous_tenant) == ("transfer", [1], 100)
-    reads = dec.read(ids(4, 5, 6, device=device).view(1, 3), ids(b, device=device).view(1, 1))
+    table, reader = ids(4, 5, 6, device=device).view(1, 3), ids(b, device=device).view(1, 1)
+    # page 4 holds one token of B's and 15 of A's: valid read as 1 position, stale as 16
+    reads = dec.read(table, reader, upto=ids(1, 16, 9, device=device).view(1, 3))
     got = {
         (tuple(s.page_ids), s.previous_request, s.previous_tenant, s.cross_tenant) for s in reads
     }
     assert got == {((5, 6), a, 100, True)}
+    reads = dec.read(table, reader)
+    got = {
+        (tuple(s.page_ids), s.previous_request, s.previous_tenant, s.cross_tenant) for s in reads
+    }
+    assert got == {((4, 5, 6), a, 100, True)}
     assert pre.check_invariants() == [] and dec.check_invariants() == []
 
 
@@ -399,11 +544,21 @@ def test_transfer_across_devices() -> None:
     dec.alloc([2, 3], 1, 10)
     assert [s.page_ids for s in pre.transfer([0, 1], dec, [2, 3], 1)] == [[1]]
     assert [s.page_ids for s in dec.read([2, 3], 1)] == [[3]]
+    pre.free([0, 1])
+    pre.alloc([0], 2, 20)
+    pre.write([0], 2, end=1)
+    dec.alloc([1], 2, 20)
+    assert pre.transfer([0], dec, [1], 2) == []
+    ((page, prev),) = [(s.page_ids, s.previous_tenant) for s in dec.read([1, 1], 2, ids(1, 2))]
+    assert (page, prev) == ([1], 10)
+    assert dec.check_invariants() == []
 
 
 # --------------------------------------------------------------------------- reference model
 
 Report = tuple[int, int, int, int | None, int | None, bool, str, str]
+SLOTS = 8  # slots per page in the property tests: few, so that slot ranges meet often
+Truth = tuple[int, int] | None
 
 
 @dataclass
@@ -415,11 +570,30 @@ class RefPage:
     writer_tenant: int = -1
     written_gen: int | None = None  # None: never written, or carried in by a stale transfer
     zeroized: bool = False
+    filled: int = 0  # leading slots the owner wrote in this generation
+    prev: int | None = None  # who the slots past ``filled`` are attributed to
+    prev_tenant: int = -1
+    prev_zeroized: bool = False
+    # The truth, slot by slot, kept apart from the ledger's rules: the (request, generation)
+    # that wrote each slot while owning the page; None: anybody else, or nobody.
+    slots: list[Truth] = field(default_factory=lambda: [None] * SLOTS)
+
+    def attribute_whole_page_to_writer(self) -> None:
+        self.prev, self.prev_tenant, self.prev_zeroized = (
+            self.writer,
+            self.writer_tenant,
+            self.zeroized,
+        )
 
 
 @dataclass
 class RefPool:
-    """The ledger's contract, written as plainly as possible, one page at a time."""
+    """The ledger's contract, written as plainly as possible, one page and one slot at a time.
+
+    Besides the contract's state, each page keeps the truth per slot (who wrote it while
+    owning the page, in which generation), which the ledger does not have: a read the
+    contract passes must be truly valid (no false negative, whatever the interleaving), and
+    for an engine that writes each page's slots in order the two must agree exactly."""
 
     n: int
     name: str
@@ -439,8 +613,16 @@ class RefPool:
         return [i for i, pg in enumerate(self.pages) if pg.owner == -1]
 
     def valid(self, p: int, r: int) -> bool:
+        """Page level: ``r`` owns the page and wrote it in its current generation."""
         pg = self.pages[p]
         return pg.owner == r and pg.writer == r and pg.written_gen == pg.gen and not pg.zeroized
+
+    def reads_valid(self, p: int, r: int, upto: int) -> bool:
+        return self.valid(p, r) and upto <= self.pages[p].filled
+
+    def truly_valid(self, p: int, r: int, upto: int) -> bool:
+        pg = self.pages[p]
+        return pg.owner == r and all(t == (r, pg.gen) for t in pg.slots[:upto])
 
     def alloc(self, pages: list[int], r: int, t: int) -> ReuseStats:
         reused = cross = zeroized = 0
@@ -450,42 +632,61 @@ class RefPool:
             reused += holds
             cross += holds and pg.writer_tenant != t
             zeroized += pg.zeroized
-            pg.owner, pg.owner_tenant, pg.gen = r, t, pg.gen + 1
+            pg.owner, pg.owner_tenant, pg.gen, pg.filled = r, t, pg.gen + 1, 0
+            pg.attribute_whole_page_to_writer()
         self.tenants[r] = t
         return ReuseStats(reused, cross, zeroized)
 
     def write(
-        self, pages: list[int], writers: list[int], partial: list[bool], known_tenant: bool
+        self,
+        pages: list[int],
+        writers: list[int],
+        starts: list[int],
+        ends: list[int],
+        known_tenant: bool,
     ) -> None:
         """``known_tenant``: a single-handle write, where the ledger looks the tenant up."""
-        for p, r, part in zip(pages, writers, partial, strict=True):
+        for p, r, s, e in zip(pages, writers, starts, ends, strict=True):
             pg = self.pages[p]
-            if part and not (pg.owner >= 0 and pg.owner != r and self.valid(p, pg.owner)):
-                continue  # a partial write only ever spoils another request's valid page
-            pg.writer = r
-            if pg.owner == r:
-                pg.writer_tenant = pg.owner_tenant
-            else:
-                pg.writer_tenant = self.tenant_of(r) if known_tenant else -1
-            pg.written_gen = pg.gen
-            pg.zeroized = False
+            mine = pg.owner == r
+            tenant = pg.owner_tenant if mine else (self.tenant_of(r) if known_tenant else -1)
+            for j in range(s, e):
+                pg.slots[j] = (r, pg.gen) if mine else None
+            f = pg.filled
+            if mine and s <= f:  # the owner starts its prefix, or extends it
+                pg.filled = max(f, e)
+                pg.writer, pg.writer_tenant, pg.written_gen, pg.zeroized = r, tenant, pg.gen, False
+            elif not mine and (s < f or s == f == 0):  # into the prefix, or slot 0 of a stale page
+                pg.filled = 0
+                pg.writer, pg.writer_tenant, pg.written_gen, pg.zeroized = r, tenant, pg.gen, False
+                pg.attribute_whole_page_to_writer()
+            elif not mine and s == f:  # at the prefix's end: what lies past it is r's now
+                pg.prev, pg.prev_tenant, pg.prev_zeroized = r, tenant, False
+            # else: the write starts past the prefix (a hole), and changes nothing
 
     def free(self, pages: list[int], zeroized: bool) -> None:
         for p in pages:
             pg = self.pages[p]
             pg.owner = pg.owner_tenant = -1
+            pg.filled = 0
             pg.zeroized = pg.zeroized or zeroized
+            pg.attribute_whole_page_to_writer()
 
     def stale(self, p: int, r: int, kind: str) -> Report:
+        """The report of a stale read of ``p`` by ``r``: past the reader's own prefix, it
+        names who the rest is attributed to; otherwise the page's last writer."""
         pg = self.pages[p]
-        prev_tenant = None if pg.writer is None else pg.writer_tenant
-        return (r, self.tenant_of(r), p, pg.writer, prev_tenant, pg.zeroized, kind, self.name)
+        if self.valid(p, r):
+            w, wt, z = pg.prev, pg.prev_tenant, pg.prev_zeroized
+        else:
+            w, wt, z = pg.writer, pg.writer_tenant, pg.zeroized
+        return (r, self.tenant_of(r), p, w, None if w is None else wt, z, kind, self.name)
 
-    def read(self, pages: list[int], readers: list[int]) -> Counter[Report]:
+    def read(self, pages: list[int], readers: list[int], uptos: list[int]) -> Counter[Report]:
         return Counter(
             self.stale(p, r, "decode")
-            for p, r in zip(pages, readers, strict=True)
-            if not self.valid(p, r)
+            for p, r, u in zip(pages, readers, uptos, strict=True)
+            if not self.reads_valid(p, r, u)
         )
 
     def transfer(
@@ -495,15 +696,25 @@ class RefPool:
         carried = []
         for s in src:
             pg = self.pages[s]
+            ours = [pg.owner == r and t == (r, pg.gen) for t in pg.slots]
             if self.valid(s, r):
-                carried.append((r, pg.owner_tenant, True, False))
+                rest = (pg.prev, pg.prev_tenant, pg.prev_zeroized)
+                carried.append((True, r, pg.owner_tenant, False, pg.filled, rest, ours))
             else:
                 out[self.stale(s, r, "transfer")] += 1
-                carried.append((pg.writer, pg.writer_tenant, False, pg.zeroized))
-        for d, (w, wt, ok, z) in zip(dst_pages, carried, strict=True):
+                carried.append((False, pg.writer, pg.writer_tenant, pg.zeroized, 0, None, ours))
+        for d, (ok, w, wt, z, filled, rest, ours) in zip(dst_pages, carried, strict=True):
             dp = dst.pages[d]
             dp.writer, dp.writer_tenant, dp.zeroized = w, wt, z
             dp.written_gen = dp.gen if ok else None
+            valid_here = ok and dp.owner == r
+            dp.filled = filled if valid_here else 0
+            if valid_here:
+                assert rest is not None
+                dp.prev, dp.prev_tenant, dp.prev_zeroized = rest
+            else:
+                dp.attribute_whole_page_to_writer()
+            dp.slots = [(r, dp.gen) if o and dp.owner == r else None for o in ours]
         return out
 
     def snapshot(self) -> dict[str, list[int]]:
@@ -517,6 +728,10 @@ class RefPool:
                 -1 if pg.written_gen is None else pg.written_gen for pg in self.pages
             ],
             "zeroized": [int(pg.zeroized) for pg in self.pages],
+            "filled": [pg.filled for pg in self.pages],
+            "previous_request": [-1 if pg.prev is None else pg.prev for pg in self.pages],
+            "previous_tenant": [pg.prev_tenant for pg in self.pages],
+            "previous_zeroized": [int(pg.prev_zeroized) for pg in self.pages],
         }
 
 
@@ -545,53 +760,95 @@ def flatten(reports: list[StaleRead]) -> Counter[Report]:
     return out
 
 
+Table = tuple[int, list[int], list[int]]  # reader, pages, slots read of each page
+
+
 class Pair:
     """A ledger and its reference model, driven together; every outcome is compared."""
 
     def __init__(self, n: int, name: str, device: str) -> None:
-        self.ledger = PageLedger(n, device=device, name=name)
+        self.ledger = PageLedger(n, device=device, name=name, page_size=SLOTS)
         self.model = RefPool(n, name)
         self.device = device
 
-    def t(self, pages: list[int]) -> torch.Tensor:
-        return torch.tensor(pages, dtype=torch.long, device=self.device)
+    def t(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def alloc(self, pages: list[int], r: int, tenant: int) -> None:
         assert self.ledger.alloc(self.t(pages), r, tenant) == self.model.alloc(pages, r, tenant)
 
     def write(
-        self, pages: list[int], r: int | list[int], partial: bool | list[bool] = False
+        self,
+        pages: list[int],
+        r: int | list[int],
+        start: int | list[int] = 0,
+        end: int | list[int] | None = None,
     ) -> None:
-        """One writer handle or one per page; one partial flag or one per page."""
-        writers = r if isinstance(r, list) else [r] * len(pages)
-        parts = partial if isinstance(partial, list) else [partial] * len(pages)
+        """One writer handle or one per page; one slot range or one per page (``end=None``:
+        to the end of the page)."""
+        n = len(pages)
+        writers = r if isinstance(r, list) else [r] * n
+        starts = start if isinstance(start, list) else [start] * n
+        ends = end if isinstance(end, list) else [SLOTS if end is None else end] * n
         self.ledger.write(
             self.t(pages),
             self.t(r) if isinstance(r, list) else r,
-            partial=torch.tensor(partial, dtype=torch.bool, device=self.device)
-            if isinstance(partial, list)
-            else partial,
+            start=self.t(start) if isinstance(start, list) else start,
+            end=self.t(end) if isinstance(end, list) else end,
         )
-        self.model.write(pages, writers, parts, known_tenant=not isinstance(r, list))
+        self.model.write(pages, writers, starts, ends, known_tenant=not isinstance(r, list))
 
     def free(self, pages: list[int], zeroized: bool) -> None:
         self.ledger.free(self.t(pages), zeroized=zeroized)
         self.model.free(pages, zeroized)
 
-    def read(self, tables: list[tuple[int, list[int]]], as_2d: bool = False) -> Counter[Report]:
-        pages = [p for _, table in tables for p in table]
-        readers = [r for r, table in tables for _ in table]
-        expected = self.model.read(pages, readers)
+    def read(
+        self,
+        tables: list[Table],
+        as_2d: bool = False,
+        exact: bool = False,
+        rng: random.Random | None = None,
+    ) -> Counter[Report]:
+        """Read each table's pages (slots ``[0, upto)`` of each) for its reader. ``as_2d``:
+        one ``[readers, pages]`` block table (tables of one length). ``exact``: the contract
+        must agree with the truth both ways (an engine writing slots in order); otherwise only
+        its valid reads must be truly valid. ``rng``: sometimes pass the extents as a slot
+        mask (as an engine's attention mask), with holes below the last slot read."""
+        pages = [p for _, table, _ in tables for p in table]
+        readers = [r for r, table, _ in tables for _ in table]
+        uptos = [u for _, _, us in tables for u in us]
+        model = self.model
+        for p, r, u in zip(pages, readers, uptos, strict=True):
+            claimed, truly = model.reads_valid(p, r, u), model.truly_valid(p, r, u)
+            assert truly or not claimed, f"false negative: page {p} slots [0, {u}) for {r}"
+            assert truly == claimed or not exact, f"page {p} slots [0, {u}) for {r}: {truly}"
+        expected = model.read(pages, readers, uptos)
+        upto: torch.Tensor | int | None
+        if rng is not None and rng.random() < 0.4:
+            rows = [slot_mask(rng, u) for u in uptos]
+            mask = torch.tensor(rows, dtype=torch.bool, device=self.device).view(-1, SLOTS)
+            upto = mask.view(len(tables), len(tables[0][1]), SLOTS) if as_2d else mask
+        elif all(u == SLOTS for u in uptos) and len(uptos) % 2:  # the default: whole pages
+            upto = None
+        elif len(set(uptos)) == 1 and len(uptos) % 3:
+            upto = uptos[0]
+        elif as_2d:
+            upto = self.t([us for _, _, us in tables])
+        else:
+            upto = self.t(uptos)
+        args: tuple[torch.Tensor, torch.Tensor | int]
         if as_2d:
-            got = self.ledger.read(
-                self.t([table for _, table in tables]),
-                self.t([r for r, _ in tables]).view(-1, 1),
+            args = (
+                self.t([table for _, table, _ in tables]),
+                self.t([r for r, _, _ in tables]).view(-1, 1),
             )
         elif len(tables) == 1:
-            got = self.ledger.read(self.t(pages), tables[0][0])
+            args = (self.t(pages), tables[0][0])
         else:
-            got = self.ledger.read(self.t(pages), self.t(readers))
+            args = (self.t(pages), self.t(readers))
+        got = self.ledger.read(*args, upto)
         assert flatten(got) == expected
+        assert bool(self.ledger.any_stale(*args, upto)) == bool(expected)
         return expected
 
     def transfer(self, src: list[int], dst: Pair, dst_pages: list[int], r: int) -> None:
@@ -600,12 +857,14 @@ class Pair:
         assert flatten(got) == expected
 
     def check(self) -> None:
+        model = self.model
+        for i, pg in enumerate(model.pages):  # the page-level and the slot rules agree
+            assert (pg.filled > 0) == model.valid(i, pg.owner), f"page {i}: {pg}"
         snap = self.ledger.snapshot()
         assert snap.pop("valid_for") == [
-            pg.owner if self.model.valid(i, pg.owner) else -1
-            for i, pg in enumerate(self.model.pages)
+            pg.owner if model.valid(i, pg.owner) else -1 for i, pg in enumerate(model.pages)
         ]
-        assert snap == self.model.snapshot()
+        assert snap == model.snapshot()
         assert self.ledger.check_invariants() == []
 
 
@@ -626,6 +885,32 @@ def some(data: st.DataObject, pool: list[int], max_size: int = 4) -> list[int]:
         return []
     rng = random.Random(data.draw(SEEDS))
     return rng.sample(pool, rng.randint(0, min(max_size, len(pool))))
+
+
+def slot_range(rng: random.Random, filled: int) -> tuple[int, int]:
+    """A write's slot range: from the page's first slot, from the end of its prefix (an
+    append), or anywhere (a hole when past the prefix)."""
+    kind = rng.random()
+    if kind < 0.3:
+        start = 0
+    elif kind < 0.7:
+        start = min(filled, SLOTS - 1)
+    else:
+        start = rng.randrange(SLOTS)
+    end = start + 1 if rng.random() < 0.5 else rng.randint(start + 1, SLOTS)
+    return start, end
+
+
+def slot_mask(rng: random.Random, upto: int) -> list[bool]:
+    """Slots ``[0, upto)`` read as a mask: all of them, or some, with the last one set."""
+    if rng.random() < 0.5:
+        return [j < upto for j in range(SLOTS)]
+    return [j == upto - 1 or (j < upto and rng.random() < 0.5) for j in range(SLOTS)]
+
+
+def read_extent(rng: random.Random, filled: int) -> int:
+    """How many slots of a page a read covers: all, just the prefix, one past it, any."""
+    return rng.choice([SLOTS, filled, min(filled + 1, SLOTS), rng.randint(0, SLOTS)])
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -654,17 +939,47 @@ class LedgerMachine(RuleBasedStateMachine):
         pool=st.sampled_from(["prefill", "decode"]),
         r=REQUESTS,
         own=st.booleans(),
-        partial=st.booleans(),
+        whole=st.booleans(),
         data=st.data(),
     )
-    def write(self, pool: str, r: int, own: bool, partial: bool, data: st.DataObject) -> None:
+    def write(self, pool: str, r: int, own: bool, whole: bool, data: st.DataObject) -> None:
+        """One writer, one slot range for every page (whole pages: the default range)."""
         pair = self.pools[pool]
         candidates = pair.model.owned_by(r) if own else list(range(pair.model.n))
-        pair.write(some(data, candidates), r, partial)
+        pages = some(data, candidates)
+        if whole:
+            pair.write(pages, r)
+            return
+        rng = random.Random(data.draw(SEEDS))
+        start, end = slot_range(rng, pair.model.pages[pages[0]].filled if pages else 0)
+        pair.write(pages, r, start, end)
+
+    @rule(pool=st.sampled_from(["prefill", "decode"]), r=REQUESTS, data=st.data())
+    def prefill(self, pool: str, r: int, data: st.DataObject) -> None:
+        """Free pages allocated and written in order, the last one partly: a prompt."""
+        pair = self.pools[pool]
+        pages = some(data, pair.model.free_pages())
+        pair.alloc(pages, r, tenant_of(r))
+        if pages:
+            last = random.Random(data.draw(SEEDS)).randint(1, SLOTS)
+            pair.write(pages, r, 0, [SLOTS] * (len(pages) - 1) + [last])
+
+    @rule(pool=st.sampled_from(["prefill", "decode"]), r=REQUESTS, data=st.data())
+    def append(self, pool: str, r: int, data: st.DataObject) -> None:
+        """The common case: an owner appends to its pages' prefixes (from slot 0 on a page
+        not written yet), so that valid pages, partly filled ones and their holes abound."""
+        pair = self.pools[pool]
+        rng = random.Random(data.draw(SEEDS))
+        pages = [
+            p for p in some(data, pair.model.owned_by(r)) if pair.model.pages[p].filled < SLOTS
+        ]
+        starts = [pair.model.pages[p].filled for p in pages]
+        ends = [rng.randint(s + 1, SLOTS) for s in starts]
+        pair.write(pages, r, starts, ends)
 
     @rule(pool=st.sampled_from(["prefill", "decode"]), data=st.data())
     def write_batch(self, pool: str, data: st.DataObject) -> None:
-        """One call, a writer and a partial flag per page (a decode step's writes); pages
+        """One call, a writer and a slot range per page (a decode step's writes); pages
         mostly their writer's own."""
         pair = self.pools[pool]
         rng = random.Random(data.draw(SEEDS))
@@ -675,8 +990,14 @@ class LedgerMachine(RuleBasedStateMachine):
             else rng.randrange(6)
             for p in pages
         ]
-        partial = [rng.random() < 0.5 for _ in pages]
-        pair.write(pages, writers, partial if rng.random() < 0.7 else rng.random() < 0.5)
+        ranges = [slot_range(rng, pair.model.pages[p].filled) for p in pages]
+        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
+        if rng.random() < 0.3 and pages:  # one start for all: a tensor of ends, or ints
+            starts = [starts[0]] * len(pages)
+            ends = [max(e, starts[0] + 1) for e in ends]
+            pair.write(pages, writers, starts[0], ends if rng.random() < 0.5 else max(ends))
+        else:
+            pair.write(pages, writers, starts, ends)
 
     @rule(
         pool=st.sampled_from(["prefill", "decode"]),
@@ -693,15 +1014,18 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(pool=st.sampled_from(["prefill", "decode"]), data=st.data())
     def read(self, pool: str, data: st.DataObject) -> None:
         pair = self.pools[pool]
+        rng = random.Random(data.draw(SEEDS))
         readers = data.draw(st.lists(REQUESTS, unique=True, min_size=1, max_size=3))
-        tables = []
+        same_upto = rng.random() < 0.3
+        tables: list[Table] = []
         for r in readers:
             table = pair.model.owned_by(r)
             if data.draw(st.booleans()):  # plus pages it does not own
                 table += some(data, list(range(pair.model.n)), 2)
-            tables.append((r, table))
-        same_len = len({len(t) for _, t in tables}) == 1
-        pair.read(tables, as_2d=same_len and data.draw(st.booleans()))
+            uptos = [read_extent(rng, pair.model.pages[p].filled) for p in table]
+            tables.append((r, table, [SLOTS] * len(table) if same_upto else uptos))
+        same_len = len({len(t) for _, t, _ in tables}) == 1
+        pair.read(tables, as_2d=same_len and data.draw(st.booleans()), rng=rng)
 
     @rule(forward=st.booleans(), r=REQUESTS, data=st.data())
     def transfer(self, forward: bool, r: int, data: st.DataObject) -> None:
@@ -721,8 +1045,7 @@ class LedgerMachine(RuleBasedStateMachine):
             pair.check()
 
 
-BUG_KINDS = ["skip_write", "early_free", "drop_transfer", "read_foreign"]
-SLOTS = 4  # tokens per page
+BUG_KINDS = ["skip_write", "placeholder", "early_free", "drop_transfer", "read_foreign"]
 
 
 @dataclass
@@ -730,17 +1053,20 @@ class Req:
     handle: int
     tenant: int
     table: list[int]  # decode block table
-    fill: int  # tokens in the last page
+    length: int  # positions decode trusts: the next token's position
     bugs: frozenset[str]
     early_freed: set[int] = field(default_factory=set)
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """A disaggregated engine (prefill pool -> transfer -> decode pool) driving the ledger.
+    """A disaggregated engine (prefill pool -> transfer -> decode pool) driving the ledger,
+    slot by slot: prefill writes a prompt of ``length`` tokens (the last page partly), decode
+    appends one token per step and reads every slot up to it.
 
-    Without bugs, no read may be flagged. With bugs (skipped writes, early frees, dropped
-    transfers, reads of other requests' pages), the ledger must flag exactly what the model
-    flags."""
+    Without bugs, no read may be flagged. With bugs (skipped writes, the legacy placeholder
+    prefill of one token for a long prompt, early frees, dropped transfers, reads of other
+    requests' pages), the ledger must flag exactly what the model flags, and the model
+    exactly the reads of slots their reader did not write (this engine appends in order)."""
 
     DEVICE = "cpu"
     BUGS = False
@@ -771,6 +1097,7 @@ class EngineMachine(RuleBasedStateMachine):
         h = random.Random(data.draw(SEEDS)).choice(handles)
         tenant = h % 3
         n = data.draw(st.integers(1, 3))
+        length = data.draw(st.integers((n - 1) * SLOTS + 1, n * SLOTS))
         bugs = (
             frozenset(data.draw(st.sets(st.sampled_from(BUG_KINDS)))) if self.BUGS else frozenset()
         )
@@ -779,10 +1106,14 @@ class EngineMachine(RuleBasedStateMachine):
         if p_pages is None or d_pages is None:
             return  # no room: queued (nothing touched)
         self.pre.alloc(p_pages, h, tenant)
-        written = p_pages
-        if "skip_write" in bugs:
-            written = some(data, p_pages, n - 1)
-        self.pre.write(written, h)
+        if "placeholder" in bugs:  # one token into the first page; decode trusts `length`
+            self.pre.write(p_pages[:1], h, 0, 1)
+        else:
+            ends = [SLOTS] * (n - 1) + [length - (n - 1) * SLOTS]
+            written = list(range(n))
+            if "skip_write" in bugs:
+                written = some(data, written, n - 1)
+            self.pre.write([p_pages[i] for i in written], h, 0, [ends[i] for i in written])
         self.dec.alloc(d_pages, h, tenant)
         if "drop_transfer" in bugs:
             k = data.draw(st.integers(0, n - 1))
@@ -790,8 +1121,7 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             self.pre.transfer(p_pages, self.dec, d_pages, h)
         self.pre.free(p_pages, self.zeroize)
-        fill = data.draw(st.integers(1, SLOTS))
-        self.live[h] = Req(h, tenant, d_pages, fill, bugs)
+        self.live[h] = Req(h, tenant, d_pages, length, bugs)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -801,32 +1131,34 @@ class EngineMachine(RuleBasedStateMachine):
         stepping = []
         for h in batch:
             req = self.live[h]
-            if req.fill == SLOTS:
+            if req.length == len(req.table) * SLOTS:
                 new = self._take(self.dec, 1, data)
                 if new is None:
                     continue  # preempted this step
                 self.dec.alloc(new, h, req.tenant)
                 req.table = req.table + new
-                req.fill = 0
             stepping.append(req)
-        # one token per request, one batched write: the first token of a page covers its
-        # first slot (a full write), later ones append (partial)
+        # one token per request, one batched write, at each request's position
         self.dec.write(
-            [req.table[-1] for req in stepping],
+            [req.table[req.length // SLOTS] for req in stepping],
             [req.handle for req in stepping],
-            [req.fill > 0 for req in stepping],
+            [req.length % SLOTS for req in stepping],
+            [req.length % SLOTS + 1 for req in stepping],
         )
-        tables = []
+        tables: list[Table] = []
         for req in stepping:
-            h = req.handle
-            req.fill += 1
-            table = list(req.table)
+            last = req.length // SLOTS
+            table = req.table[: last + 1]
+            uptos = [SLOTS] * last + [req.length % SLOTS + 1]
             if "read_foreign" in req.bugs and data.draw(st.booleans()):
                 table.append(data.draw(st.integers(0, self.dec.model.n - 1)))
-            tables.append((h, table))
+                uptos.append(rng.randint(1, SLOTS))
+            tables.append((req.handle, table, uptos))
+            req.length += 1
         if tables:
-            same_len = len({len(t) for _, t in tables}) == 1
-            flagged = self.dec.read(tables, as_2d=same_len and data.draw(st.booleans()))
+            same_len = len({len(t) for _, t, _ in tables}) == 1
+            as_2d = same_len and data.draw(st.booleans())
+            flagged = self.dec.read(tables, as_2d=as_2d, exact=True, rng=rng)
             self.flagged += sum(flagged.values())
             if not self.BUGS:
                 assert not flagged, "a bug-free engine must never be flagged"
