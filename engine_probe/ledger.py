@@ -202,9 +202,8 @@ class PageLedger:
     request, tenant, generation, 0), the writer and previous-writer fields the columns of two
     ``[num_pages + 1, 4]`` tensors (the previous writer's third column is unused), so that a
     write gathers one row per page and scatters it, patched, as the writer's row;
-    ``valid_for`` is the first column of one ``[num_pages, 1 + page_size / 8]`` tensor whose
-    other columns mark, 8 slots per int64 word, the slots at or past ``filled``, so that a
-    read check gathers one row per page read.
+    ``valid_for`` is contiguous, and next to it a ``[num_pages, page_size / 8]`` tensor marks,
+    8 slots per int64 word, the slots at or past ``filled``, for the read path's gathers.
     """
 
     def __init__(
@@ -245,22 +244,18 @@ class PageLedger:
         self._writer_req, self._writer_ten, self._writer_gen, self._zeroized = w.unbind(1)
         self._prev_req, self._prev_ten, _, self._prev_zero = self._prev_rows[:n].unbind(1)
         self._filled = torch.zeros((n,), dtype=torch.long, device=dev)
-        # The read path's row per page: valid_for, then (page sizes a multiple of 8) the slots
-        # a read of the page must not use, those at or past `filled`, as int64 words of 8
-        # slots (bytes), the layout of a bool slot mask viewed as int64. One gather gives a
-        # read check all it needs, and `mask & words` what it used past the prefix.
+        self._valid_for = torch.full((n,), NOBODY, dtype=torch.long, device=dev)
+        # For page sizes a multiple of 8, the slots a read of each page must not use (those
+        # at or past `filled`) as int64 words of 8 slots (bytes): the layout of a bool slot
+        # mask viewed as int64, so that `mask & unread` is what a read used past the prefix,
+        # without a reduction over slots. Row f of `_unread_of` is the words for filled == f.
         self._words = page_size // 8 if page_size % 8 == 0 else 0
-        row_of = torch.zeros((page_size + 1, 1 + self._words), dtype=torch.long)
-        if self._words:
-            past = torch.arange(page_size)[None, :] >= torch.arange(page_size + 1)[:, None]
-            row_of[:, 1:] = past.view(torch.int64)
-        self._row_of = row_of.to(dev)  # row f: (0, the words of the slots at or past f)
-        self._unread = self._row_of[:1].clone()  # the row of a page valid for nobody
-        self._unread[0, 0] = NOBODY
-        self._read_rows = self._unread.repeat(n, 1)
-        self._valid_for = self._read_rows[:, 0]
+        past = torch.arange(page_size)[None, :] >= torch.arange(page_size + 1)[:, None]
+        unread_of = past.view(torch.int64) if self._words else torch.zeros((page_size + 1, 0))
+        self._unread_of = unread_of.to(device=dev, dtype=torch.long)
+        self._unread = self._unread_of[0].repeat(n, 1)
         # torch.device("cuda") has no index; the tensors' device does.
-        self.device: torch.device = self._read_rows.device
+        self.device: torch.device = self._valid_for.device
         # 1..page_size: a slot's rank, to find the last slot a slot mask marks
         self._slot_rank = torch.arange(1, page_size + 1, dtype=torch.int32, device=self.device)
 
@@ -350,8 +345,8 @@ class PageLedger:
                 )
             ).any(),
             "zeroized flags are 0 or 1": ((flags01 != 0) & (flags01 != 1)).any(),
-            "read rows follow filled": (
-                self._read_rows[:, 1:] != self._row_of.index_select(0, self._filled)[:, 1:]
+            "unread slots follow filled": (
+                self._unread != self._unread_of.index_select(0, self._filled)
             ).any(),
         }
         flags = torch.stack(list(checks.values())).tolist()
@@ -374,8 +369,7 @@ class PageLedger:
         self._owner_req.index_fill_(0, p, request)
         self._owner_ten.index_fill_(0, p, tenant)
         self._gen.index_add_(0, p, torch.ones_like(p))
-        self._read_rows.index_copy_(0, p, self._unread.expand(p.numel(), -1))
-        self._filled.index_fill_(0, p, 0)
+        self._set_read_state(p, NOBODY, 0)
         # invariant 6 (a no-op unless the page was still valid: a double allocation)
         self._prev_rows.index_copy_(0, p, writer)
         self._remember_tenant(request, tenant)
@@ -437,12 +431,11 @@ class PageLedger:
         # tenant, generation, not zeroized) once patched for writers that are not the owner.
         written = self._own.index_select(0, p)
         owner = written[:, _REQ]
-        own = owner == w
+        foreign = owner != w  # the writer does not own the page
         if tenant is None:
             fallback: Tensor | int = UNKNOWN_TENANT if isinstance(w, Tensor) else self.tenant_of(w)
         else:
             fallback = self._handles(tenant, shape, "tenant")
-        foreign = ~own
         if isinstance(fallback, Tensor):
             written[:, _TEN] = torch.where(foreign, fallback, written[:, _TEN])
         else:
@@ -452,22 +445,23 @@ class PageLedger:
             # Every write covers its page's first slot: the owner's pages are valid, with
             # filled = max(filled, end); every other page is spoiled, the writer's now.
             if isinstance(e, int) and e == ps:
-                new_filled = torch.where(own, ps, 0)
+                new_filled = torch.where(foreign, 0, ps)
             else:
                 grown = torch.maximum(self._filled.index_select(0, p), self._tensor(e))
                 new_filled = grown.masked_fill_(foreign, 0)
             writer_target: Tensor = p
-            prev_target = torch.where(own, sink, p)
-            new_valid = torch.where(own, owner, NOBODY)
+            prev_target = torch.where(foreign, p, sink)
+            new_valid = torch.where(foreign, NOBODY, owner)
         else:
             f = self._filled.index_select(0, p)
             reach = f >= s  # the write starts within the prefix or at its end
-            ext = own & reach  # the owner extends its prefix (or starts it, at slot 0)
-            cover = reach ^ ext  # another writer reaches into the prefix or its end
-            # ... into the prefix itself, or at slot 0 of a page not valid: spoiled
-            spoil = cover & (f.clamp(min=1) > s)
+            ext = reach > foreign  # the owner extends its prefix (or starts it, at slot 0)
+            cover = reach & foreign  # another writer reaches into the prefix or its end
+            # ... into the prefix itself, or at slot 0 of a page not valid: spoiled (a start
+            # below max(f, 1) is within reach)
+            spoil = (f.clamp(min=1) > s) & foreign
             grown = f.clamp(min=e) if isinstance(e, int) else torch.maximum(f, e)
-            new_filled = torch.where(ext, grown, f.masked_fill(spoil, 0))
+            new_filled = torch.where(ext, grown, f).masked_fill_(spoil, 0)
             # the writer rows of a page already valid are rewritten with the same values
             writer_target = torch.where(ext | spoil, p, sink)
             prev_target = torch.where(cover, p, sink)
@@ -475,8 +469,7 @@ class PageLedger:
         written[:, _REQ] = w  # (owner, a view of this column, is not used past here)
         self._writer_rows.index_copy_(0, writer_target, written)
         self._prev_rows.index_copy_(0, prev_target, written)
-        self._filled.index_copy_(0, p, new_filled)
-        self._set_read_rows(p, new_valid, new_filled)
+        self._set_read_state(p, new_valid, new_filled)
 
     def free(self, pages: PageIds, zeroized: bool = False) -> None:
         """Pages return to the free list. Their last writer stays (the memory is not
@@ -484,8 +477,7 @@ class PageLedger:
         p = self._index(pages)
         self._owner_req.index_fill_(0, p, FREE)
         self._owner_ten.index_fill_(0, p, FREE)
-        self._read_rows.index_copy_(0, p, self._unread.expand(p.numel(), -1))
-        self._filled.index_fill_(0, p, 0)
+        self._set_read_state(p, NOBODY, 0)
         if zeroized:
             self._zeroized.index_fill_(0, p, 1)
         # invariant 6: the whole page is now attributed to its last writer
@@ -569,9 +561,9 @@ class PageLedger:
             dim=1,
         )
         dst._writer_rows.index_copy_(0, d, carried)
-        filled = src_filled.masked_fill_(~valid, 0)
-        dst._filled.index_copy_(0, d, filled)
-        dst._set_read_rows(d, torch.where(valid, request, NOBODY), filled)
+        dst._set_read_state(
+            d, torch.where(valid, request, NOBODY), src_filled.masked_fill_(~valid, 0)
+        )
         # invariant 6: a page valid at the destination carries what lies past its source's
         # prefix; any other destination page is attributed whole to its (new) writer
         dst._prev_rows.index_copy_(0, d, torch.where(valid[:, None], src_prev, carried))
@@ -605,10 +597,21 @@ class PageLedger:
             return value
         return torch.tensor(value, dtype=torch.long, device=self.device)
 
-    def _set_read_rows(self, p: Tensor, valid_for: Tensor, filled: Tensor) -> None:
-        rows = self._row_of.index_select(0, filled)
-        rows[:, 0] = valid_for
-        self._read_rows.index_copy_(0, p, rows)
+    def _set_read_state(self, p: Tensor, valid_for: Tensor | int, filled: Tensor | int) -> None:
+        """``valid_for`` and ``filled`` of pages ``p`` (tensors like ``p``, or ints), and the
+        unread-slot words that follow ``filled``."""
+        if isinstance(valid_for, int):
+            self._valid_for.index_fill_(0, p, valid_for)
+        else:
+            self._valid_for.index_copy_(0, p, valid_for)
+        if isinstance(filled, int):
+            self._filled.index_fill_(0, p, filled)
+            if self._words:
+                self._unread.index_copy_(0, p, self._unread_of[filled].expand(p.numel(), -1))
+        else:
+            self._filled.index_copy_(0, p, filled)
+            if self._words:
+                self._unread.index_copy_(0, p, self._unread_of.index_select(0, filled))
 
     def _stale(
         self, pages: PageIds, readers: Tensor | int, upto: Extent, *, everywhere: bool
@@ -623,15 +626,15 @@ class PageLedger:
         if isinstance(upto, Tensor) and upto.dtype == torch.bool:
             mask = self._slot_mask(upto, shape)
             words = self._slot_words(mask)
-        if words is not None:  # the hot path: one gather, one compare, one and, one or
-            rows = self._read_rows.index_select(0, flat)
+        if words is not None:  # the hot path: two gathers, a compare, an and, two reductions
             if isinstance(r, Tensor) and r.shape != flat.shape:
                 r = torch.broadcast_to(r, shape).reshape(-1)
-            foreign = rows[:, 0] != r
-            hit = rows[:, 1:].bitwise_and_(words.reshape(-1, self._words))
+            foreign = self._valid_for.index_select(0, flat) != r
+            if words.dim() != 2:
+                words = words.view(-1, self._words)
+            hit = self._unread.index_select(0, flat).bitwise_and_(words)
             if everywhere:
-                hit[:, 0].bitwise_or_(foreign)  # a foreign page: stale, whatever was read
-                return hit.any()
+                return foreign.any() | hit.any()
             return (foreign | hit.any(-1)).reshape(shape)
         foreign = self._valid_for.index_select(0, flat).reshape(shape) != r
         filled = self._filled.index_select(0, flat).reshape(shape)

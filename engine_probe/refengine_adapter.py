@@ -418,8 +418,8 @@ class RefengineAdapter:
             st.ledger.write(pages, writers, start=first, end=first + 1)
         else:
             ranges = torch.tensor([slots, [s + 1 for s in slots]], dtype=torch.long)
-            start, end = ranges.to(st.ledger.device).unbind(0)
-            st.ledger.write(pages, writers, start=start, end=end)
+            ranges = ranges.to(st.ledger.device)
+            st.ledger.write(pages, writers, start=ranges[0], end=ranges[1])
 
     def on_kv_transfer(
         self,
