@@ -1027,6 +1027,24 @@ class LedgerMachine(RuleBasedStateMachine):
         same_len = len({len(t) for _, t, _ in tables}) == 1
         pair.read(tables, as_2d=same_len and data.draw(st.booleans()), rng=rng)
 
+    @rule(pool=st.sampled_from(["prefill", "decode"]), data=st.data())
+    def read_at_the_prefix(self, pool: str, data: st.DataObject) -> None:
+        """Pages valid for their owners, read by them up to the end of their prefix or one
+        slot past it: the boundary the check draws."""
+        pair = self.pools[pool]
+        rng = random.Random(data.draw(SEEDS))
+        model = pair.model
+        valid = [
+            i for i, pg in enumerate(model.pages) if pg.owner >= 0 and model.valid(i, pg.owner)
+        ]
+        tables: dict[int, tuple[list[int], list[int]]] = {}
+        for p in rng.sample(valid, min(len(valid), rng.randint(1, 4))):
+            pages, uptos = tables.setdefault(model.pages[p].owner, ([], []))
+            pages.append(p)
+            uptos.append(min(SLOTS, model.pages[p].filled + rng.randint(0, 1)))
+        if tables:
+            pair.read([(r, pages, uptos) for r, (pages, uptos) in tables.items()], rng=rng)
+
     @rule(forward=st.booleans(), r=REQUESTS, data=st.data())
     def transfer(self, forward: bool, r: int, data: st.DataObject) -> None:
         src, dst = self.pools["prefill"], self.pools["decode"]
