@@ -10,9 +10,10 @@ a *stale read* (:class:`StaleRead`), reported with the previous writer, i.e. the
 tenant whose KV the reader may have seen.
 
 Every operation is vectorised over tensors of page ids; nothing loops over pages in Python.
-The common case of a read check is two gathers, two compares and one reduction, followed by
-the one host sync needed to decide whether anything must be reported (:meth:`PageLedger.any_stale`
-and :meth:`PageLedger.stale_mask` skip the sync).
+The common case of a read check (:meth:`PageLedger.any_stale`, given the engine's slot mask)
+is two gathers (the pages' ``valid_for`` and their unwritten-slot words), a compare, an and
+and two reductions, with no host sync; the caller's one sync decides whether anything must
+be reported (:meth:`PageLedger.read` syncs once itself).
 
 This is the only module of ``engine_probe`` that imports torch; nothing in the package
 imports it implicitly.
@@ -170,8 +171,8 @@ class PageLedger:
        of slots ``[0, upto)`` of page ``p`` by request ``r`` is valid iff
        ``valid_for[p] == r and upto <= filled[p]``: the reader owns the page and wrote its
        first ``upto`` slots in the page's current generation. Every other read is a stale
-       read. Every operation maintains ``valid_for`` and ``filled``, so that the hot path of
-       a read check is two gathers, two compares and one reduction.
+       read. Every operation maintains ``valid_for`` and ``filled`` (and the words of the
+       slots at or past ``filled``), so that a read check needs no more than two gathers.
     6. Where ``valid_for == NOBODY``, the previous writer fields equal the writer fields
        (``previous_zeroized == zeroized``): the whole page is attributed to its last writer.
        Where the page is valid, they name who the slots past ``filled`` are attributed to:
