@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import json
 import os
 import random
 import shutil
@@ -49,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import BenchError, bench_main
 from collector import migrate
 from collector.db import Database
 from collector.store import IngestStore, Rows, shape_rows
@@ -77,10 +77,6 @@ DEPLOYMENTS = (
 POOL_EVERY = 4  # one pool.sample per 4 requests
 REUSE_EVERY = 50  # one page.reuse per 50 requests
 EVENTS_PER_REQUEST = 2 + 1 / POOL_EVERY + 1 / REUSE_EVERY
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not run or its results are wrong: exit 1, loudly."""
 
 
 # -- workload ----------------------------------------------------------------------------
@@ -378,18 +374,17 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
-WORKERS = 1  # `kvwatch serve --workers`; set from --workers
-
-
 @contextlib.contextmanager
-def collector(url: str, workdir: Path, wl: Workload, batch: int) -> Iterator[tuple[str, int]]:
+def collector(
+    url: str, workdir: Path, wl: Workload, batch: int, workers: int = 1
+) -> Iterator[tuple[str, int]]:
     """A ``kvwatch serve`` subprocess on a free port; yields (base URL, pid). Always stopped."""
     largest = max(len(b.body) for bs in wl.batches for b in bs)
     env = os.environ | {
         "KVWATCH_DATABASE_URL": url,
         "KVWATCH_MAX_BATCH_EVENTS": str(max(10_000, batch)),
         "KVWATCH_MAX_BODY_BYTES": str(max(16 << 20, 2 * largest)),
-        "KVWATCH_WORKERS": str(WORKERS),
+        "KVWATCH_WORKERS": str(workers),
     }
     port = _free_port()
     log_path = workdir / f"collector-{port}.log"
@@ -480,9 +475,10 @@ def http_ingest(
     batch: int,
     clients: int,
     profile: Path | None = None,
+    workers: int = 1,
 ) -> HttpResult:
     token = _ingest_token(url)
-    with collector(url, workdir, wl, batch) as (base, pid):
+    with collector(url, workdir, wl, batch, workers) as (base, pid):
         print(f"  collector pid {pid} at {base}", flush=True)
         plan = [wl.interleaved(range(i, len(wl.probes), clients)) for i in range(clients)]
         totals = {"accepted": 0, "duplicates": 0, "gaps": 0}
@@ -761,7 +757,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw_s = raw_sqlite(workdir / "raw.db", wl)
         verify(f"sqlite:///{workdir / 'raw.db'}", wl, bookkeeping=False, label="sqlite raw")
         url = f"sqlite:///{workdir / 'http.db'}"
-        http = http_ingest(url, workdir, wl, args.batch, args.clients, _prof(args, "sqlite"))
+        http = http_ingest(
+            url, workdir, wl, args.batch, args.clients, _prof(args, "sqlite"), args.workers
+        )
         _check_http(http, wl, "sqlite http")
         verify(url, wl, bookkeeping=True, label="sqlite http")
         result["sqlite"] = _backend_result(
@@ -781,7 +779,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             verify(raw_url, wl, bookkeeping=False, label="postgresql raw")
             _, http_url = pg.create("http")
             http = http_ingest(
-                http_url, workdir, wl, args.batch, args.clients, _prof(args, "postgresql")
+                http_url,
+                workdir,
+                wl,
+                args.batch,
+                args.clients,
+                _prof(args, "postgresql"),
+                args.workers,
             )
             _check_http(http, wl, "postgresql http")
             verify(http_url, wl, bookkeeping=True, label="postgresql http")
@@ -837,8 +841,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workers", type=int, default=1, help="collector processes (default 1)")
     args = p.parse_args(argv)
-    global WORKERS
-    WORKERS = args.workers
     if args.events is None:
         args.events = 150_000 if args.quick else 1_000_000
     for name in ("events", "batch", "clients", "probes"):
@@ -849,15 +851,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        result = run(args)
-    except BenchError as exc:
-        print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
-        print(json.dumps({"bench": "ingest", "error": str(exc)}))
-        return 1
-    print(json.dumps(result))
-    return 0
+    return bench_main("ingest", parse_args(argv), run)
 
 
 if __name__ == "__main__":

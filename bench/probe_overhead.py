@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import random
 import statistics
@@ -75,6 +74,7 @@ from typing import Any
 
 import torch
 
+from bench.common import BenchError, bench_main
 from engine_probe.events import CanaryHit, Event, PageStaleRead
 from engine_probe.probe import BaseProbe
 from engine_probe.refengine_adapter import attach
@@ -93,10 +93,6 @@ PAGE_SIZE = 16
 STAGGER = 5
 #: Most timed rounds in one lifetime (bounds the requests' max_tokens).
 MAX_ROUNDS = 400
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not run or its results are wrong: exit 1, loudly."""
 
 
 @dataclass(frozen=True)
@@ -833,15 +829,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        result = run(args)
-    except BenchError as exc:
-        print(f"BENCHMARK FAILED: {exc}", file=sys.stderr)
-        print(json.dumps({"bench": "probe_overhead", "error": str(exc)}))
-        return 1
-    print(json.dumps(result))
-    return 0
+    return bench_main("probe_overhead", parse_args(argv), run)
 
 
 if __name__ == "__main__":
