@@ -118,6 +118,7 @@ VARIANTS = (
 HOOKS = tuple(n for n in vars(EngineObserver) if n.startswith("on_") and n != "on_attach")
 #: What a steady decode step calls (in this order).
 DECODE_HOOKS = ("on_kv_write_batch", "on_kv_read", "on_step")
+REWOUND_HOOKS = ("on_kv_write_batch",)  # see _rewinder
 
 
 class CountingProbe(BaseProbe):
@@ -159,6 +160,8 @@ class HookTimer:
         self.sync = sync
         self.times: dict[str, list[float]] = {}
         self.last_args: dict[str, tuple[Any, ...]] = {}
+        # before the last call of a hook that changes the ledgers: how to put them back
+        self.rewind: dict[str, Callable[[], None]] = {}
         self._names: list[str] = []
         for name in HOOKS:
             hook = getattr(adapter, name, None)
@@ -174,6 +177,8 @@ class HookTimer:
         times = self.times.setdefault(name, [])
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if name in REWOUND_HOOKS:
+                self.rewind[name] = _rewinder(getattr(self.adapter, "ledgers", {}), args[-1])
             self.sync()
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
@@ -220,9 +225,17 @@ def _sync_fn(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def _median_time(fn: Callable[[], object], n: int, sync: Callable[[], None]) -> float:
+def _median_time(
+    fn: Callable[[], object],
+    n: int,
+    sync: Callable[[], None],
+    before: Callable[[], object] | None = None,
+) -> float:
+    """Median time of ``fn`` over ``n`` calls; ``before`` runs untimed before each."""
     times = []
     for _ in range(n):
+        if before is not None:
+            before()
         sync()
         t0 = time.perf_counter()
         fn()
@@ -403,10 +416,35 @@ def _top_level_ops(fn: Callable[[], object]) -> int:
     )
 
 
+def _rewinder(ledgers: dict[str, Any], reqs: Sequence[Any]) -> Callable[[], None]:
+    """A function that puts the ledgers' tensors and the requests' cache lengths back as
+    they are now.
+
+    The write hook appends one slot per request, at the request's cache length: run again on
+    the same arguments after the step, the requests have moved on one token and the slot is
+    already in the prefix, so a re-run would time another path of the ledger (the rare one).
+    Every re-run starts from the state the step saw. (The tensors only: the ledger's other
+    state, an append pending settlement, is left by a re-run as by the step.)"""
+    saved = []
+    for ledger in ledgers.values():
+        for t in vars(ledger).values():
+            if isinstance(t, torch.Tensor) and t._base is None:
+                saved.append((t, t.clone()))
+    lengths = [r.cache_len for r in reqs]
+
+    def rewind() -> None:
+        for t, copy in saved:
+            t.copy_(copy)
+        for r, n in zip(reqs, lengths, strict=True):
+            r.cache_len = n
+
+    return rewind
+
+
 def _ledger_micro(b: Built, timer: HookTimer | None, sync: Callable[[], None]) -> dict[str, Any]:
     """The ledger adapter's decode hooks again, alone and warm, on the arguments of the last
-    decode step (both are idempotent there: the same writers rewrite the same slots' pages,
-    and the read is clean): their time and how many torch ops each dispatches. Then
+    decode step (each re-run of the write hook from the ledger state before it; the read is
+    clean and idempotent): their time and how many torch ops each dispatches. Then
     ``PageLedger.read`` / ``stale_mask`` alone, and the step's KV gather for scale."""
     if timer is None or b.adapter is None:
         return {}
@@ -420,8 +458,15 @@ def _ledger_micro(b: Built, timer: HookTimer | None, sync: Callable[[], None]) -
         def call(hook: Callable[..., Any] = hook, hook_args: tuple[Any, ...] = hook_args) -> Any:
             return hook(*hook_args)
 
-        out["warm_hook_us"][name] = round(1e6 * _median_time(call, 200, sync), 1)
+        rewind = timer.rewind.get(name)
+        reqs = hook_args[-1] if rewind is not None else ()
+        lengths = [r.cache_len for r in reqs]
+        out["warm_hook_us"][name] = round(1e6 * _median_time(call, 200, sync, rewind), 1)
+        if rewind is not None:
+            rewind()
         out["hook_ops"][name] = _top_level_ops(call)
+        for r, n in zip(reqs, lengths, strict=True):  # the requests as the step left them
+            r.cache_len = n
     read_args = timer.last_args.get("on_kv_read")
     ledgers = getattr(b.adapter, "ledgers", {})
     if read_args is None or read_args[0].name not in ledgers:

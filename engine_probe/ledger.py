@@ -11,9 +11,10 @@ tenant whose KV the reader may have seen.
 
 Every operation is vectorised over tensors of page ids; nothing loops over pages in Python.
 The common case of a read check (:meth:`PageLedger.any_stale`, given the engine's slot mask)
-is two gathers (the pages' ``valid_for`` and their unwritten-slot words), a compare, an and
-and two reductions, with no host sync; the caller's one sync decides whether anything must
-be reported (:meth:`PageLedger.read` syncs once itself).
+is three gathers (the pages' ``valid_for`` and ``filled``, and the words marking the slots past
+``filled``), a compare, an and and two reductions, with no host sync; the caller's one sync
+decides whether anything must be reported (:meth:`PageLedger.read` syncs once itself). A
+decode step's writes (:meth:`PageLedger.append`) are a dozen ops, also without a sync.
 
 This is the only module of ``engine_probe`` that imports torch; nothing in the package
 imports it implicitly.
@@ -171,8 +172,8 @@ class PageLedger:
        of slots ``[0, upto)`` of page ``p`` by request ``r`` is valid iff
        ``valid_for[p] == r and upto <= filled[p]``: the reader owns the page and wrote its
        first ``upto`` slots in the page's current generation. Every other read is a stale
-       read. Every operation maintains ``valid_for`` and ``filled`` (and the words of the
-       slots at or past ``filled``), so that a read check needs no more than two gathers.
+       read. Every operation maintains ``valid_for`` and ``filled``, so that a read check
+       needs no more than three gathers.
     6. Where ``valid_for == NOBODY``, the previous writer fields equal the writer fields
        (``previous_zeroized == zeroized``): the whole page is attributed to its last writer.
        Where the page is valid, they name who the slots past ``filled`` are attributed to:
@@ -203,8 +204,11 @@ class PageLedger:
     request, tenant, generation, 0), the writer and previous-writer fields the columns of two
     ``[num_pages + 1, 4]`` tensors (the previous writer's third column is unused), so that a
     write gathers one row per page and scatters it, patched, as the writer's row;
-    ``valid_for`` is contiguous, and next to it a ``[num_pages, page_size / 8]`` tensor marks,
-    8 slots per int64 word, the slots at or past ``filled``, for the read path's gathers.
+    ``valid_for`` and ``filled`` are contiguous; a ``[page_size + 1, page_size / 8]`` table
+    marks, 8 slots per int64 word, the slots at or past each value of ``filled``, for the read
+    path. The writer and previous-writer rows, ``valid_for`` and ``filled`` have a sink row
+    past the last page, where :meth:`write` and :meth:`append` scatter what they must leave
+    unchanged.
     """
 
     def __init__(
@@ -244,8 +248,12 @@ class PageLedger:
         w = self._writer_rows[:n]
         self._writer_req, self._writer_ten, self._writer_gen, self._zeroized = w.unbind(1)
         self._prev_req, self._prev_ten, _, self._prev_zero = self._prev_rows[:n].unbind(1)
-        self._filled = torch.zeros((n,), dtype=torch.long, device=dev)
-        self._valid_for = torch.full((n,), NOBODY, dtype=torch.long, device=dev)
+        # valid_for and filled also have a sink row (see append()); the first n rows are
+        # views, contiguous, used everywhere else.
+        self._filled_sink = torch.zeros((n + 1,), dtype=torch.long, device=dev)
+        self._valid_for_sink = torch.full((n + 1,), NOBODY, dtype=torch.long, device=dev)
+        self._filled = self._filled_sink[:n]
+        self._valid_for = self._valid_for_sink[:n]
         # For page sizes a multiple of 8, the slots a read of each page must not use (those
         # at or past `filled`) as int64 words of 8 slots (bytes): the layout of a bool slot
         # mask viewed as int64, so that `mask & unread` is what a read used past the prefix,
@@ -254,7 +262,9 @@ class PageLedger:
         past = torch.arange(page_size)[None, :] >= torch.arange(page_size + 1)[:, None]
         unread_of = past.view(torch.int64) if self._words else torch.zeros((page_size + 1, 0))
         self._unread_of = unread_of.to(device=dev, dtype=torch.long)
-        self._unread = self._unread_of[0].repeat(n, 1)
+        # An append() whose writes were not all plain appends, settled by the next operation:
+        # (pages, writers, slots, which ones still need the general write rules, any of them)
+        self._unsettled: tuple[Tensor, Tensor | int, Tensor | int, Tensor, Tensor] | None = None
         # torch.device("cuda") has no index; the tensors' device does.
         self.device: torch.device = self._valid_for.device
         # 1..page_size: a slot's rank, to find the last slot a slot mask marks
@@ -272,14 +282,17 @@ class PageLedger:
 
     def owner_of(self, pages: PageIds) -> Tensor:
         """Owner request of each page (FREE = -1), an int64 tensor on the ledger's device."""
+        self._settle()
         return self._owner_req.index_select(0, self._index(pages))
 
     def owner_tenant_of(self, pages: PageIds) -> Tensor:
         """Owner tenant of each page (FREE = -1), an int64 tensor on the ledger's device."""
+        self._settle()
         return self._owner_ten.index_select(0, self._index(pages))
 
     def filled_of(self, pages: PageIds) -> Tensor:
         """Leading slots of each page valid for its owner (0..page_size), an int64 tensor."""
+        self._settle()
         return self._filled.index_select(0, self._index(pages))
 
     def tenant_of(self, request: int) -> int:
@@ -288,10 +301,12 @@ class PageLedger:
 
     def num_owned(self) -> int:
         """Pages currently allocated (one host sync)."""
+        self._settle()
         return int((self._owner_req >= 0).sum().item())
 
     def snapshot(self) -> dict[str, list[int]]:
         """The whole state as Python lists (for tests and debugging; copies to the host)."""
+        self._settle()
         return {
             "owner_request": self._owner_req.tolist(),
             "owner_tenant": self._owner_ten.tolist(),
@@ -309,6 +324,7 @@ class PageLedger:
 
     def check_invariants(self) -> list[str]:
         """Names of the class invariants that do not hold (empty when all hold)."""
+        self._settle()
         owned = self._owner_req >= 0
         never = self._writer_req == NEVER
         zeroized = self._zeroized != 0
@@ -346,9 +362,6 @@ class PageLedger:
                 )
             ).any(),
             "zeroized flags are 0 or 1": ((flags01 != 0) & (flags01 != 1)).any(),
-            "unread slots follow filled": (
-                self._unread != self._unread_of.index_select(0, self._filled)
-            ).any(),
         }
         flags = torch.stack(list(checks.values())).tolist()
         return [name for name, bad in zip(checks, flags, strict=True) if bad]
@@ -361,6 +374,7 @@ class PageLedger:
         adapter sum a whole step's allocations before syncing once."""
         _check_handle(request, "request")
         _check_handle(tenant, "tenant")
+        self._settle()
         p = self._index(pages)
         writer = self._writer_rows.index_select(0, p)
         zeroized = writer[:, _ZERO] != 0
@@ -418,6 +432,7 @@ class PageLedger:
         ``request``) if given, else, for a single handle, the tenant the ledger remembers for
         it, else UNKNOWN_TENANT.
         """
+        self._settle()
         ps = self._page_size
         p = self._pages(pages)
         shape = p.shape
@@ -472,9 +487,57 @@ class PageLedger:
         self._prev_rows.index_copy_(0, prev_target, written)
         self._set_read_state(p, new_valid, new_filled)
 
+    def append(self, pages: PageIds, request: Tensor | int, slot: Tensor | int) -> None:
+        """``write(pages, request, start=slot, end=slot + 1)``: each writer wrote the one slot
+        ``slot`` of its page (a decode step), for the price of a dozen tensor ops and no host
+        sync.
+
+        The common case, the page's owner appending exactly at the end of its prefix (at
+        slot 0 of a page not written yet), is applied here: the prefix grows by one and the
+        page is valid for its owner, which is all :meth:`write` would do. Any other write (an
+        engine writing into a page it does not own, into its prefix or past it) is applied
+        by the general rules of :meth:`write` when the ledger is next used: the first later
+        operation syncs once on whether there is any, except :meth:`any_stale`, which
+        instead answers True while there is (conservatively; :meth:`read` then settles them
+        and is exact). Pages within one call must be distinct.
+        """
+        self._settle()
+        ps = self._page_size
+        p = self._index(pages)
+        shape = p.shape
+        w = self._handles(request, shape, "request")
+        s = self._slots(slot, shape, "slot", 0, ps - 1)
+        own = self._own.index_select(0, p)
+        rest = (own[:, _REQ] != w).logical_or_(self._filled.index_select(0, p) != s)
+        target = p.masked_fill(rest, self._num_pages)  # all but plain appends: the sink row
+        # The owner's row (request, tenant, generation, 0) is its writer row (invariant 4);
+        # a page already valid for it gets the same values again.
+        self._writer_rows.index_copy_(0, target, own)
+        self._valid_for_sink.index_copy_(0, target, own[:, _REQ])
+        if isinstance(s, int):
+            self._filled_sink.index_fill_(0, target, s + 1)
+        else:
+            self._filled_sink.index_copy_(0, target, s + 1)
+        self._unsettled = (p, w, s, rest, rest.any())
+
+    def _settle(self) -> None:
+        """Apply the writes of the last append() that were not plain appends (see there)."""
+        unsettled = self._unsettled
+        if unsettled is None:
+            return
+        self._unsettled = None
+        p, w, s, rest, anything = unsettled
+        if not bool(anything):
+            return
+        idx = rest.nonzero().squeeze(1)
+        w = w.index_select(0, idx) if isinstance(w, Tensor) else w
+        s = s.index_select(0, idx) if isinstance(s, Tensor) else s
+        self.write(p.index_select(0, idx), w, start=s, end=s + 1)
+
     def free(self, pages: PageIds, zeroized: bool = False) -> None:
         """Pages return to the free list. Their last writer stays (the memory is not
         cleared), unless ``zeroized``: then they are marked zeroized until rewritten."""
+        self._settle()
         p = self._index(pages)
         self._owner_req.index_fill_(0, p, FREE)
         self._owner_ten.index_fill_(0, p, FREE)
@@ -493,12 +556,19 @@ class PageLedger:
         A read is stale unless the page is valid for its reader and every slot read lies
         within the page's ``filled`` prefix.
         """
+        self._settle()
         return self._stale(pages, readers, upto, everywhere=False)
 
     def any_stale(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> Tensor:
         """``stale_mask(pages, readers, upto).any()`` (a 0-d bool tensor, no host sync),
-        cheaper for slot masks: the hot path of an engine's read check."""
-        return self._stale(pages, readers, upto, everywhere=True)
+        cheaper for slot masks: the hot path of an engine's read check.
+
+        Right after an :meth:`append` that was not all plain appends it is conservative (True
+        whatever was read, since those writes are not applied yet); :meth:`read` is exact."""
+        anything = self._stale(pages, readers, upto, everywhere=True)
+        if self._unsettled is not None:
+            return anything | self._unsettled[4]
+        return anything
 
     def read(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> list[StaleRead]:
         """Check a decode gather of ``pages`` by ``readers``, of ``upto`` of each page (see
@@ -530,6 +600,8 @@ class PageLedger:
         names the original writer. The destination's owner and generation are unchanged.
         """
         _check_handle(request, "request")
+        self._settle()
+        dst._settle()
         s = self._index(src_pages)
         d = dst._index(dst_pages)
         if s.numel() != d.numel():
@@ -591,7 +663,8 @@ class PageLedger:
         return torch.as_tensor(pages, dtype=torch.long, device=self.device)
 
     def _index(self, pages: PageIds) -> Tensor:
-        return self._pages(pages).reshape(-1)
+        p = self._pages(pages)
+        return p if p.dim() == 1 else p.reshape(-1)
 
     def _tensor(self, value: Tensor | int) -> Tensor:
         if isinstance(value, Tensor):
@@ -599,20 +672,15 @@ class PageLedger:
         return torch.tensor(value, dtype=torch.long, device=self.device)
 
     def _set_read_state(self, p: Tensor, valid_for: Tensor | int, filled: Tensor | int) -> None:
-        """``valid_for`` and ``filled`` of pages ``p`` (tensors like ``p``, or ints), and the
-        unread-slot words that follow ``filled``."""
+        """``valid_for`` and ``filled`` of pages ``p`` (tensors like ``p``, or ints)."""
         if isinstance(valid_for, int):
             self._valid_for.index_fill_(0, p, valid_for)
         else:
             self._valid_for.index_copy_(0, p, valid_for)
         if isinstance(filled, int):
             self._filled.index_fill_(0, p, filled)
-            if self._words:
-                self._unread.index_copy_(0, p, self._unread_of[filled].expand(p.numel(), -1))
         else:
             self._filled.index_copy_(0, p, filled)
-            if self._words:
-                self._unread.index_copy_(0, p, self._unread_of.index_select(0, filled))
 
     def _stale(
         self, pages: PageIds, readers: Tensor | int, upto: Extent, *, everywhere: bool
@@ -627,13 +695,14 @@ class PageLedger:
         if isinstance(upto, Tensor) and upto.dtype == torch.bool:
             mask = self._slot_mask(upto, shape)
             words = self._slot_words(mask)
-        if words is not None:  # the hot path: two gathers, a compare, an and, two reductions
+        if words is not None:  # the hot path: 3 gathers, a compare, an and, 2 reductions
             if isinstance(r, Tensor) and r.shape != flat.shape:
                 r = torch.broadcast_to(r, shape).reshape(-1)
             foreign = self._valid_for.index_select(0, flat) != r
             if words.dim() != 2:
                 words = words.view(-1, self._words)
-            hit = self._unread.index_select(0, flat).bitwise_and_(words)
+            unread = self._unread_of.index_select(0, self._filled.index_select(0, flat))
+            hit = unread.bitwise_and_(words)
             if everywhere:
                 return foreign.any() | hit.any()
             return (foreign | hit.any(-1)).reshape(shape)

@@ -415,11 +415,10 @@ class RefengineAdapter:
         slots = [r.cache_len % ps for r in reqs]
         first = slots[0] if slots else 0
         if all(s == first for s in slots):
-            st.ledger.write(pages, writers, start=first, end=first + 1)
+            st.ledger.append(pages, writers, first)
         else:
-            ranges = torch.tensor([slots, [s + 1 for s in slots]], dtype=torch.long)
-            ranges = ranges.to(st.ledger.device)
-            st.ledger.write(pages, writers, start=ranges[0], end=ranges[1])
+            at = torch.tensor(slots, dtype=torch.long).to(st.ledger.device)
+            st.ledger.append(pages, writers, at)
 
     def on_kv_transfer(
         self,

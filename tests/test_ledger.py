@@ -798,6 +798,19 @@ class Pair:
         )
         self.model.write(pages, writers, starts, ends, known_tenant=not isinstance(r, list))
 
+    def append(self, pages: list[int], r: int | list[int], slot: int | list[int]) -> None:
+        """``PageLedger.append``: must leave exactly what the one-slot write leaves."""
+        n = len(pages)
+        writers = r if isinstance(r, list) else [r] * n
+        slots = slot if isinstance(slot, list) else [slot] * n
+        self.ledger.append(
+            self.t(pages),
+            self.t(r) if isinstance(r, list) else r,
+            self.t(slot) if isinstance(slot, list) else slot,
+        )
+        ends = [s + 1 for s in slots]
+        self.model.write(pages, writers, slots, ends, known_tenant=not isinstance(r, list))
+
     def free(self, pages: list[int], zeroized: bool) -> None:
         self.ledger.free(self.t(pages), zeroized=zeroized)
         self.model.free(pages, zeroized)
@@ -846,6 +859,8 @@ class Pair:
             args = (self.t(pages), tables[0][0])
         else:
             args = (self.t(pages), self.t(readers))
+        maybe = bool(self.ledger.any_stale(*args, upto))  # conservative before a settle
+        assert maybe or not expected
         got = self.ledger.read(*args, upto)
         assert flatten(got) == expected
         assert bool(self.ledger.any_stale(*args, upto)) == bool(expected)
@@ -976,6 +991,26 @@ class LedgerMachine(RuleBasedStateMachine):
         starts = [pair.model.pages[p].filled for p in pages]
         ends = [rng.randint(s + 1, SLOTS) for s in starts]
         pair.write(pages, r, starts, ends)
+
+    @rule(pool=st.sampled_from(["prefill", "decode"]), data=st.data())
+    def append_batch(self, pool: str, data: st.DataObject) -> None:
+        """``PageLedger.append``, a decode step's writes: one slot per page, mostly each
+        page's owner at the end of its prefix, sometimes anyone anywhere (an engine bug)."""
+        pair = self.pools[pool]
+        rng = random.Random(data.draw(SEEDS))
+        pages = some(data, list(range(pair.model.n)))
+        model = pair.model.pages
+        writers = [
+            model[p].owner if model[p].owner >= 0 and rng.random() < 0.8 else rng.randrange(6)
+            for p in pages
+        ]
+        slots = [
+            min(model[p].filled, SLOTS - 1) if rng.random() < 0.8 else rng.randrange(SLOTS)
+            for p in pages
+        ]
+        one_writer = len(set(writers)) == 1 and rng.random() < 0.5
+        one_slot = len(set(slots)) == 1 and rng.random() < 0.5
+        pair.append(pages, writers[0] if one_writer else writers, slots[0] if one_slot else slots)
 
     @rule(pool=st.sampled_from(["prefill", "decode"]), data=st.data())
     def write_batch(self, pool: str, data: st.DataObject) -> None:
