@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -270,3 +271,205 @@ class AuditEntry(Base):
     detail: Mapped[str] = mapped_column(Text)
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
+
+
+# ---------------------------------------------------------------------- policies and alerts
+
+
+class Verification(Base):
+    """A deployment's verified safe context for a model, as `kvwatch verify` (or an operator)
+    established it, with the engine settings it was measured under: a change to any of them
+    makes it stale."""
+
+    __tablename__ = "verifications"
+    __table_args__ = (Index(None, "deployment_id", "model_id", "verified_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
+    model_id: Mapped[str] = mapped_column(String(NAME_MAX))
+    passed: Mapped[bool] = mapped_column(Boolean)
+    verified_safe_context: Mapped[int | None] = mapped_column(BigInteger)
+    engine_version: Mapped[str | None] = mapped_column(String(64))
+    pool_capacity_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    quantization: Mapped[str | None] = mapped_column(String(64))
+    tp_size: Mapped[int | None] = mapped_column(Integer)
+    cuda_graphs: Mapped[bool | None] = mapped_column(Boolean)
+    verified_at: Mapped[datetime] = mapped_column(UtcMicros)
+    created_at: Mapped[datetime] = mapped_column(UtcMicros)
+    created_by: Mapped[str] = mapped_column(String(NAME_MAX))
+    evidence: Mapped[str] = mapped_column(Text)  # JSON object
+
+
+class DeploymentTenant(Base):
+    """Which tenants a deployment has served (kept on ingest: what a batch adds, never a
+    scan of the requests)."""
+
+    __tablename__ = "deployment_tenants"
+
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    first_seen: Mapped[datetime] = mapped_column(UtcMicros)
+
+
+class Alert(Base):
+    """One alert per fingerprint (the hash of its labels); its state history is in
+    ``alert_transitions``. A resolved alert that fires again is the same row, re-opened."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index(None, "state", "updated_at"), Index(None, "deployment_id"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), unique=True)
+    rule: Mapped[str] = mapped_column(String(NAME_MAX))
+    kind: Mapped[str] = mapped_column(String(64))
+    severity: Mapped[str] = mapped_column(String(16))
+    mode: Mapped[str] = mapped_column(String(16))  # "state" or "event"
+    deployment_id: Mapped[str | None] = mapped_column(String(ID_MAX))
+    labels: Mapped[str] = mapped_column(Text)  # JSON object
+    annotations: Mapped[str] = mapped_column(Text)  # JSON object
+    value: Mapped[float | None] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16))  # pending | firing | resolved
+    active_since: Mapped[datetime] = mapped_column(UtcMicros)
+    fired_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    resolved_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    last_seen_at: Mapped[datetime] = mapped_column(UtcMicros)
+    occurrences: Mapped[int] = mapped_column(BigInteger)
+    last_notified_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    acked_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    acked_by: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    ack_comment: Mapped[str | None] = mapped_column(Text)
+    incident_id: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UtcMicros)
+
+
+class AlertTransition(Base):
+    """Every state change of an alert, and every acknowledgement: the full history."""
+
+    __tablename__ = "alert_transitions"
+    __table_args__ = (Index(None, "alert_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    alert_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("alerts.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(UtcMicros)
+    from_state: Mapped[str | None] = mapped_column(String(16))
+    to_state: Mapped[str] = mapped_column(String(16))
+    value: Mapped[float | None] = mapped_column(Float)
+    actor: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    detail: Mapped[str] = mapped_column(Text)  # JSON object
+
+
+class Silence(Base):
+    """Notifications for alerts whose labels match every matcher are held back until
+    ``ends_at``; the alerts themselves are still evaluated and stored."""
+
+    __tablename__ = "silences"
+    __table_args__ = (Index(None, "ends_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    matchers: Mapped[str] = mapped_column(Text)  # JSON list of {"name", "value", "regex"}
+    starts_at: Mapped[datetime] = mapped_column(UtcMicros)
+    ends_at: Mapped[datetime] = mapped_column(UtcMicros)
+    created_by: Mapped[str] = mapped_column(String(NAME_MAX))
+    comment: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcMicros)
+    expired_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+
+
+class RuleHealth(Base):
+    """The last evaluation of each rule: ok, or the error it raised (which never breaks
+    ingest)."""
+
+    __tablename__ = "rule_health"
+
+    rule: Mapped[str] = mapped_column(String(NAME_MAX), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    health: Mapped[str] = mapped_column(String(16))  # ok | error
+    last_error: Mapped[str | None] = mapped_column(Text)
+    last_error_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    last_evaluated_at: Mapped[datetime] = mapped_column(UtcMicros)
+    errors: Mapped[int] = mapped_column(BigInteger)
+
+
+class Incident(Base):
+    """A suspected personal-data breach: opened by a critical isolation alert, with the
+    moment kvwatch became aware and the GDPR Art. 33 notification deadline (72 hours later);
+    closed only by a person, with a reason."""
+
+    __tablename__ = "incidents"
+    __table_args__ = (Index(None, "state", "deadline_at"), Index(None, "deployment_id"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
+    title: Mapped[str] = mapped_column(String(NAME_MAX))
+    state: Mapped[str] = mapped_column(String(16))  # open | closed
+    cause_rule: Mapped[str] = mapped_column(String(NAME_MAX))
+    first_alert_id: Mapped[int] = mapped_column(BigInteger)
+    opened_at: Mapped[datetime] = mapped_column(UtcMicros)
+    awareness_at: Mapped[datetime] = mapped_column(UtcMicros)
+    deadline_at: Mapped[datetime] = mapped_column(UtcMicros)
+    reminders_sent: Mapped[str] = mapped_column(Text)  # JSON list of seconds-before-deadline
+    closed_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    closed_by: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    close_reason: Mapped[str | None] = mapped_column(Text)
+
+
+# ---------------------------------------------------------------------- notifications
+
+
+class NotifyEndpoint(Base):
+    """Where notifications go. ``kind``: ``webhook`` (signed POSTs; ``format`` ``kvwatch`` or
+    ``alertmanager`` for the Alertmanager webhook v4 body) or ``alertmanager`` (POSTs to an
+    Alertmanager's ``/api/v2/alerts``). ``secret`` signs webhooks (``whsec_`` + base64); it
+    must be kept to sign, so it is stored as is. A receiver answering 410 disables it."""
+
+    __tablename__ = "notify_endpoints"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(ID_MAX), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    url: Mapped[str] = mapped_column(Text)
+    format: Mapped[str] = mapped_column(String(16))
+    secret: Mapped[str | None] = mapped_column(Text)
+    min_severity: Mapped[str] = mapped_column(String(16))
+    enabled: Mapped[bool] = mapped_column(Boolean)
+    disabled_reason: Mapped[str | None] = mapped_column(Text)
+    lease_owner: Mapped[str | None] = mapped_column(String(64))
+    lease_until: Mapped[int | None] = mapped_column(BigInteger)  # µs since the epoch
+    created_at: Mapped[datetime] = mapped_column(UtcMicros)
+
+
+class OutboxMessage(Base):
+    """One notification for one endpoint, written in the transaction that caused it and
+    delivered in id order per endpoint, at least once, always under the same ``msg_id``."""
+
+    __tablename__ = "outbox"
+    __table_args__ = (Index(None, "endpoint_id", "status", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    msg_id: Mapped[str] = mapped_column(String(64), unique=True)
+    endpoint_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("notify_endpoints.id", ondelete="CASCADE")
+    )
+    event_type: Mapped[str] = mapped_column(String(32))
+    data: Mapped[str] = mapped_column(Text)  # JSON: the notification (see collector.notify)
+    created_at: Mapped[datetime] = mapped_column(UtcMicros)
+    status: Mapped[str] = mapped_column(String(16))  # pending | delivered
+    attempts: Mapped[int] = mapped_column(Integer)
+    next_attempt_at: Mapped[int] = mapped_column(BigInteger)  # µs since the epoch
+    delivered_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class DeliveryAttempt(Base):
+    """Every attempt to deliver an outbox message, successful or not."""
+
+    __tablename__ = "delivery_attempts"
+    __table_args__ = (Index(None, "outbox_id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    outbox_id: Mapped[int] = mapped_column(BigInteger, ForeignKey("outbox.id", ondelete="CASCADE"))
+    endpoint_id: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[datetime] = mapped_column(UtcMicros)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[float] = mapped_column(Float)

@@ -37,6 +37,46 @@ class Settings(BaseSettings):
         description="Run Alembic migrations to head when the collector starts.",
     )
 
+    policies_enabled: bool = Field(
+        default=True, description="Evaluate the policy packs on ingest and on a timer."
+    )
+    policy_packs_dir: str | None = Field(
+        default=None,
+        description="A directory of operator rule packs (*.yaml), loaded beside the default "
+        "pack; a pack with a name already loaded replaces it.",
+    )
+    policy_timer_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="How often absence and windowed rules run, and alerts are resolved, "
+        "repeated and incidents reminded.",
+    )
+    notify_enabled: bool = Field(
+        default=True, description="Run the notification dispatcher in the collector."
+    )
+    notify_poll_s: float = Field(
+        default=0.5, gt=0, description="How often the dispatcher looks for due notifications."
+    )
+    notify_timeout_s: float = Field(
+        default=10.0, gt=0, description="HTTP timeout of one delivery attempt."
+    )
+    notify_backoff_base_s: float = Field(
+        default=1.0, gt=0, description="First retry delay; doubles per failed attempt."
+    )
+    notify_backoff_max_s: float = Field(
+        default=600.0, gt=0, description="Longest retry delay (before jitter)."
+    )
+    notify_lease_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a dispatcher holds an endpoint before another replica may take "
+        "it over (a crashed replica's endpoints resume after this).",
+    )
+    public_url: str = Field(
+        default="",
+        description="The collector's URL as people reach it (links in notifications).",
+    )
+
     @field_validator("database_url")
     @classmethod
     def _known_backend(cls, v: str) -> str:

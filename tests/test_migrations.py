@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect
 
 from collector import migrate
@@ -23,4 +25,17 @@ def test_migrations_match_models(db_url: str) -> None:
         engine.dispose()
     assert diff == []
     assert set(Base.metadata.tables) <= tables
+    script = ScriptDirectory.from_config(migrate.alembic_config(db_url))
+    assert migrate.current_heads(db_url) == set(script.get_heads())
+    assert len(script.get_heads()) == 1, "the migrations must form one line"
+
+
+def test_each_migration_downgrades_and_upgrades_again(db_url: str) -> None:
+    """Every revision can be undone and redone (an operator rolling back a release)."""
+    cfg = migrate.alembic_config(db_url)
+    migrate.upgrade(db_url)
+    command.downgrade(cfg, "0001")
     assert migrate.current_heads(db_url) == {"0001"}
+    migrate.upgrade(db_url)
+    script = ScriptDirectory.from_config(cfg)
+    assert migrate.current_heads(db_url) == set(script.get_heads())
