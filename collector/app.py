@@ -16,15 +16,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collector import migrate
+from collector.alerting.service import AlertingService
+from collector.alerting.timer import PolicyTimer
 from collector.api import schemas as s
+from collector.api.alerts import build_router
 from collector.db import Database
 from collector.errors import CollectorError, PayloadTooLarge
 from collector.ingest import IngestService
 from collector.metrics import CollectorMetrics
+from collector.notify.dispatcher import Dispatcher
 from collector.reads import ReadService
 from collector.settings import Settings
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
+from policies import RuleSet, load_ruleset
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": s.ErrorResponse, "description": desc}
@@ -79,8 +84,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
     metrics = CollectorMetrics(db)
     authenticator = Authenticator(db, ttl_s=settings.token_cache_s)
-    ingest = IngestService(db, settings, metrics, authenticator)
+    rules = load_ruleset(settings.policy_packs_dir) if settings.policies_enabled else RuleSet()
+    alerting = AlertingService(db, rules)
+    ingest = IngestService(
+        db, settings, metrics, authenticator, alerting if settings.policies_enabled else None
+    )
     reads = ReadService(db)
+    timer = PolicyTimer(alerting, settings.policy_timer_s) if settings.policies_enabled else None
+    dispatcher = (
+        Dispatcher(db, settings, registry=metrics.registry) if settings.notify_enabled else None
+    )
 
     # SQLite takes one writer at a time anyway: more ingest threads would only fight over
     # the GIL and the write lock. PostgreSQL writers run in parallel (the driver releases
@@ -91,8 +104,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await anyio.to_thread.run_sync(migrate.upgrade, settings.database_url)
-        yield
-        db.dispose()
+        for worker in (timer, dispatcher):
+            if worker is not None:
+                worker.start()
+        try:
+            yield
+        finally:
+            for worker in (timer, dispatcher):
+                if worker is not None:
+                    await anyio.to_thread.run_sync(worker.shutdown, 10.0)
+            db.dispose()
 
     app = FastAPI(
         title="kvwatch collector",
@@ -105,6 +126,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.metrics = metrics
+    app.state.alerting = alerting
+    app.state.policy_timer = timer
+    app.state.dispatcher = dispatcher
 
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
@@ -251,6 +275,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def get_probes(authorization: Auth = None) -> Any:
         who = await principal(authorization)
         return await anyio.to_thread.run_sync(reads.probes, who)
+
+    app.include_router(build_router(alerting, principal))
 
     @app.get("/metrics", include_in_schema=True, response_class=Response)
     async def get_metrics() -> Response:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 
+from sqlalchemy import Connection
+
+from collector.alerting.service import AlertingService
 from collector.db import Database
 from collector.errors import (
     CollectorError,
@@ -18,9 +22,12 @@ from collector.errors import (
 )
 from collector.metrics import CollectorMetrics
 from collector.settings import Settings
-from collector.store import IngestStore, micros, shape_rows
+from collector.store import IngestStore, WriteResult, micros, shape_rows
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
+from policies import NodeConfig, SeqGapFact
+
+log = logging.getLogger("kvwatch.ingest")
 
 _CONFLICT_RETRIES = 3
 _EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
@@ -49,8 +56,10 @@ class IngestService:
         settings: Settings,
         metrics: CollectorMetrics,
         authenticator: Authenticator,
+        alerting: AlertingService | None = None,
     ):
         self.db = db
+        self.alerting = alerting
         self._authenticate = authenticator
         self.settings = settings
         self.metrics = metrics
@@ -79,6 +88,11 @@ class IngestService:
             for attempt in range(_CONFLICT_RETRIES + 1):
                 try:
                     with self.db.write() as conn:
+                        prior = (
+                            self.alerting.prior_configs(conn, events)
+                            if self.alerting is not None
+                            else {}
+                        )
                         res = self.store.write_batch(
                             conn,
                             probe_id=events[0].probe_id,
@@ -87,6 +101,8 @@ class IngestService:
                             now_us=micros(now),
                             rows=rows,
                         )
+                        if self.alerting is not None and (res.new_events or res.new_gaps):
+                            self._evaluate(conn, res, prior, now)
                     break
                 except TransientConflict:
                     # The transaction rolled back whole; a retry sees the winner's rows.
@@ -100,6 +116,30 @@ class IngestService:
         self.metrics.events.labels("duplicate").inc(res.duplicates)
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return IngestResult(res.accepted, res.duplicates, res.new_gaps)
+
+    def _evaluate(
+        self,
+        conn: Connection,
+        res: WriteResult,
+        prior: dict[tuple[str, str], NodeConfig],
+        now: datetime,
+    ) -> None:
+        """Policies over the batch's new events, in its transaction (alerts, incidents and
+        their notifications commit with the events or not at all), behind a savepoint: a
+        failure here is logged and counted, and never fails ingest."""
+        assert self.alerting is not None
+        dep = res.new_events[0].deployment_id if res.new_events else ""
+        probe = res.new_events[0].probe_id if res.new_events else ""
+        gaps = [SeqGapFact(probe, dep, a, b) for a, b in res.new_gaps]
+        try:
+            with conn.begin_nested():
+                outcome = self.alerting.on_batch(conn, res.new_events, prior, gaps, now)
+        except Exception:
+            log.exception("policy evaluation failed; the batch is stored without it")
+            self.metrics.policy_failures.inc()
+            return
+        for h in outcome.errors:
+            self.metrics.rule_errors.labels(h.rule).inc()
 
     def _decode(self, body: bytes, content_type: str) -> list[ev.Event]:
         mime = content_type.split(";", 1)[0].strip().lower()

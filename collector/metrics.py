@@ -48,10 +48,74 @@ class CollectorMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=self.registry,
         )
+        self.policy_failures = Counter(
+            "kvwatch_policy_evaluation_failures",
+            "Batches stored without policy evaluation because it failed (see the logs).",
+            registry=self.registry,
+        )
+        self.rule_errors = Counter(
+            "kvwatch_rule_errors",
+            "Rule evaluations that raised, by rule (the rule is reported unhealthy).",
+            ["rule"],
+            registry=self.registry,
+        )
         # Pre-create the label sets so a scrape shows zeros instead of nothing.
         for r in ("accepted", "duplicate"):
             self.events.labels(r)
         self.registry.register(_DeploymentGauges(db))
+        self.registry.register(_AlertGauges(db))
+
+
+class _AlertGauges(Collector):
+    """Firing alerts by rule and severity, rule health and open incidents, read from the
+    database at scrape time (every replica reports the same)."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        firing = GaugeMetricFamily(
+            "kvwatch_alerts_firing",
+            "Alerts firing now, by rule and severity.",
+            labels=["rule", "severity"],
+        )
+        pending = GaugeMetricFamily(
+            "kvwatch_alerts_pending",
+            "Alerts pending now, by rule and severity.",
+            labels=["rule", "severity"],
+        )
+        health = GaugeMetricFamily(
+            "kvwatch_rule_healthy",
+            "1 if the rule's last evaluation succeeded, else 0.",
+            labels=["rule", "kind"],
+        )
+        incidents = GaugeMetricFamily("kvwatch_incidents_open", "Incidents open now.")
+        try:
+            with self.db.read() as conn:
+                for rule, severity, state, n in conn.execute(
+                    select(m.Alert.rule, m.Alert.severity, m.Alert.state, func.count())
+                    .where(m.Alert.state != "resolved")
+                    .group_by(m.Alert.rule, m.Alert.severity, m.Alert.state)
+                ):
+                    (firing if state == "firing" else pending).add_metric([rule, severity], n)
+                for rule, kind, h in conn.execute(
+                    select(m.RuleHealth.rule, m.RuleHealth.kind, m.RuleHealth.health)
+                ):
+                    health.add_metric([rule, kind], 1 if h == "ok" else 0)
+                incidents.add_metric(
+                    [],
+                    conn.execute(
+                        select(func.count())
+                        .select_from(m.Incident)
+                        .where(m.Incident.state == "open")
+                    ).scalar_one(),
+                )
+        except Unavailable:
+            return
+        yield from (firing, pending, health, incidents)
 
 
 class _DeploymentGauges(Collector):

@@ -101,6 +101,7 @@ class WriteResult:
     new_gaps: list[tuple[int, int]] = field(default_factory=list)
     filled: int = 0
     deployments: set[str] = field(default_factory=set)
+    new_events: list[ev.Event] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -394,7 +395,7 @@ class IngestStore:
                     for a, b in new_gaps
                 ],
             )
-        result = WriteResult(len(new), duplicates, new_gaps, len(filled))
+        result = WriteResult(len(new), duplicates, new_gaps, len(filled), new_events=new)
         if rows is not None:
             self._write_rows(conn, rows, now_us)
             result.deployments = set(rows.deployments)

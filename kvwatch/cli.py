@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvwatch.cli_webhooks import webhooks_app
+
 app = typer.Typer(
     help="kvwatch: KV-cache safety and compliance for multi-tenant LLM inference.",
     no_args_is_help=True,
@@ -20,6 +22,7 @@ engine_app = typer.Typer(help="refengine, the reference paged-KV engine.", no_ar
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
 app.add_typer(engine_app, name="engine")
+app.add_typer(webhooks_app, name="webhooks")
 
 err = Console(stderr=True)
 

@@ -1,0 +1,93 @@
+"""Alerts and incidents as JSON documents: the API's shape and the notification contract's
+(see ``collector.notify``)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from collector.models import from_micros
+
+
+def iso(t: int | datetime | None) -> str | None:
+    """ISO 8601 UTC, from µs since the epoch or an aware datetime (Core selects on the
+    models' tables return datetimes)."""
+    if t is None:
+        return None
+    return (from_micros(t) if isinstance(t, int) else t).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def iso_dt(dt: datetime) -> str:
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def alert_doc(r: Any, *, silenced: bool = False) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "fingerprint": r.fingerprint,
+        "rule": r.rule,
+        "kind": r.kind,
+        "severity": r.severity,
+        "state": r.state,
+        "mode": r.mode,
+        "deployment_id": r.deployment_id,
+        "labels": json.loads(r.labels),
+        "annotations": json.loads(r.annotations),
+        "value": r.value,
+        "occurrences": r.occurrences,
+        "starts_at": iso(r.active_since),
+        "fired_at": iso(r.fired_at),
+        "ends_at": iso(r.resolved_at) if r.state == "resolved" else None,
+        "last_seen_at": iso(r.last_seen_at),
+        "acked": r.acked_at is not None,
+        "acked_by": r.acked_by,
+        "acked_at": iso(r.acked_at),
+        "ack_comment": r.ack_comment,
+        "incident_id": r.incident_id,
+        "silenced": silenced,
+    }
+
+
+def notification_alert(doc: dict[str, Any]) -> dict[str, Any]:
+    """The contract's AlertDoc: the fields a receiver gets."""
+    keys = (
+        "id",
+        "fingerprint",
+        "rule",
+        "kind",
+        "severity",
+        "state",
+        "labels",
+        "annotations",
+        "value",
+        "occurrences",
+        "starts_at",
+        "ends_at",
+        "acked",
+    )
+    return {k: doc[k] for k in keys}
+
+
+def incident_doc(r: Any, remind_before_s: int | None = None) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "deployment_id": r.deployment_id,
+        "title": r.title,
+        "state": r.state,
+        "cause_rule": r.cause_rule,
+        "opened_at": iso(r.opened_at),
+        "awareness_at": iso(r.awareness_at),
+        "deadline_at": iso(r.deadline_at),
+        "reminders_sent": json.loads(r.reminders_sent),
+        "remind_before_s": remind_before_s,
+        "closed_at": iso(r.closed_at),
+        "closed_by": r.closed_by,
+        "close_reason": r.close_reason,
+    }
+
+
+def group_key(labels: dict[str, str], group_by: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """Alertmanager's way of naming a group: ``{a="x",b="y"}`` over the group-by labels."""
+    chosen = {k: labels.get(k, "") for k in group_by}
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(chosen.items())) + "}", chosen

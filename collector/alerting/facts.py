@@ -1,0 +1,169 @@
+"""Loading what the policy engine evaluates over, from the database (repository layer).
+
+Per batch, the cost is a few indexed queries for the deployments the batch touches: never a
+scan of history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, func, select, text
+
+from collector import models as m
+from collector.models import from_micros
+from engine_probe import events as ev
+from policies import DeploymentFacts, NodeConfig, ProbeFact, TimerFacts, VerificationFact
+
+_CONFIG_HISTORY = 64  # per deployment: configs are stored only when they change
+
+
+def _dt(value: int | datetime) -> datetime:
+    return from_micros(value) if isinstance(value, int) else value
+
+
+def _node_config(r: Any) -> NodeConfig:
+    return NodeConfig(
+        deployment_id=r.deployment_id,
+        node=r.node,
+        role=r.role,
+        engine=r.engine,
+        engine_version=r.engine_version,
+        model_id=r.model_id,
+        advertised_context=r.advertised_context,
+        pool_capacity_tokens=r.pool_capacity_tokens,
+        quantization=r.quantization,
+        tp_size=r.tp_size,
+        cuda_graphs=bool(r.cuda_graphs),
+        disaggregated=bool(r.disaggregated),
+        prefix_caching=bool(r.prefix_caching),
+        prefix_cache_salting=bool(r.prefix_cache_salting),
+        ts=_dt(r.ts),
+    )
+
+
+def node_configs(
+    conn: Connection, deployments: Iterable[str] | None
+) -> dict[tuple[str, str], NodeConfig]:
+    """The latest config of every node of these deployments (all deployments: ``None``)."""
+    t = m.DeploymentConfig.__table__
+    out: dict[tuple[str, str], NodeConfig] = {}
+    ids = (
+        sorted(deployments)
+        if deployments is not None
+        else list(conn.execute(select(m.Deployment.id)).scalars())
+    )
+    for dep in ids:
+        rows = conn.execute(
+            select(t)
+            .where(t.c.deployment_id == dep)
+            .order_by(t.c.ts.desc(), t.c.id.desc())
+            .limit(_CONFIG_HISTORY)
+        )
+        for r in rows:
+            out.setdefault((r.deployment_id, r.node), _node_config(r))
+    return out
+
+
+def verifications(
+    conn: Connection, deployments: Iterable[str] | None
+) -> dict[tuple[str, str], VerificationFact]:
+    """The latest verification of each (deployment, model)."""
+    t = m.Verification.__table__
+    q = select(t).order_by(t.c.verified_at.desc(), t.c.id.desc())
+    if deployments is not None:
+        deps = sorted(deployments)
+        if not deps:
+            return {}
+        q = q.where(t.c.deployment_id.in_(deps))
+    out: dict[tuple[str, str], VerificationFact] = {}
+    for r in conn.execute(q):
+        out.setdefault(
+            (r.deployment_id, r.model_id),
+            VerificationFact(
+                deployment_id=r.deployment_id,
+                model_id=r.model_id,
+                passed=bool(r.passed),
+                verified_safe_context=r.verified_safe_context,
+                engine_version=r.engine_version,
+                pool_capacity_tokens=r.pool_capacity_tokens,
+                quantization=r.quantization,
+                tp_size=r.tp_size,
+                cuda_graphs=r.cuda_graphs,
+                verified_at=_dt(r.verified_at),
+            ),
+        )
+    return out
+
+
+def remember_tenants(conn: Connection, events: Sequence[ev.Event], now_us: int) -> None:
+    """Record which tenants each deployment served (what this batch adds)."""
+    pairs = {
+        (e.deployment_id, e.tenant)
+        for e in events
+        if isinstance(e, ev.RequestAdmitted | ev.RequestRejected | ev.RequestFinished)
+    }
+    if not pairs:
+        return
+    mark = "?" if conn.dialect.name == "sqlite" else "%s"
+    conn.exec_driver_sql(
+        "INSERT INTO deployment_tenants (deployment_id, tenant, first_seen) "
+        f"VALUES ({mark}, {mark}, {mark}) ON CONFLICT (deployment_id, tenant) DO NOTHING",
+        [(d, t, now_us) for d, t in sorted(pairs)],
+    )
+
+
+def tenant_counts(conn: Connection, deployments: Iterable[str] | None) -> dict[str, int]:
+    t = m.DeploymentTenant.__table__
+    q = select(t.c.deployment_id, func.count()).group_by(t.c.deployment_id)
+    if deployments is not None:
+        q = q.where(t.c.deployment_id.in_(sorted(deployments)))
+    return {d: n for d, n in conn.execute(q)}
+
+
+def deployment_facts(
+    configs: dict[tuple[str, str], NodeConfig],
+    verified: dict[tuple[str, str], VerificationFact],
+    tenants: dict[str, int],
+    deployments: Iterable[str],
+) -> dict[str, DeploymentFacts]:
+    out = {}
+    for dep in deployments:
+        out[dep] = DeploymentFacts(
+            deployment_id=dep,
+            configs={node: c for (d, node), c in configs.items() if d == dep},
+            verifications={model: v for (d, model), v in verified.items() if d == dep},
+            tenant_count=tenants.get(dep, 0),
+        )
+    return out
+
+
+def fold_configs(
+    prior: dict[tuple[str, str], NodeConfig], events: Sequence[ev.Event]
+) -> dict[tuple[str, str], NodeConfig]:
+    """``prior`` with the batch's engine.config events applied (the latest by time wins, as
+    the store decides what a node's config is)."""
+    out = dict(prior)
+    for e in events:
+        if isinstance(e, ev.EngineConfig):
+            key = (e.deployment_id, e.node)
+            have = out.get(key)
+            if have is None or e.ts >= have.ts:
+                out[key] = NodeConfig.from_event(e)
+    return out
+
+
+def timer_facts(conn: Connection) -> TimerFacts:
+    """Every deployment and every probe (bounded by how many exist, not by history)."""
+    configs = node_configs(conn, None)
+    deps = {d for d, _ in configs} | set(conn.execute(select(m.Deployment.id)).scalars())
+    facts = deployment_facts(configs, verifications(conn, None), tenant_counts(conn, None), deps)
+    probes = [
+        ProbeFact(probe_id=p, deployment_id=d, last_seen=_dt(seen))
+        for p, d, seen in conn.execute(
+            text("SELECT probe_id, deployment_id, last_seen FROM probes ORDER BY probe_id")
+        )
+    ]
+    return TimerFacts(deployments=facts, probes=probes)

@@ -1,0 +1,227 @@
+"""HTTP routes for alerts, silences, incidents, verifications and rules: a thin layer over
+:class:`collector.alerting.service.AlertingService`."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import APIRouter, Header, Query
+from pydantic import BaseModel, Field
+
+from collector.alerting.service import AlertingService
+from collector.api import schemas as s
+from collector.errors import Forbidden, InvalidInput
+from collector.tokens import Principal
+from policies.durations import parse_duration
+
+Auth = Annotated[str | None, Header(include_in_schema=False)]
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": s.ErrorResponse, "description": desc}
+    for code, desc in (
+        (401, "Missing or unknown token"),
+        (403, "The token may not do this"),
+        (404, "No such object"),
+        (409, "Not in a state that allows this"),
+        (422, "Invalid parameters"),
+        (503, "Database unavailable; retry"),
+    )
+}
+Text = Annotated[str, Field(min_length=1, max_length=2000)]
+Who = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+class AckIn(BaseModel):
+    by: Who | None = Field(default=None, description="Who acknowledges (default: the token's name)")
+    comment: Text | None = None
+
+
+class MatcherIn(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+    value: Annotated[str, Field(max_length=1000)]
+    regex: bool = False
+
+
+class SilenceIn(BaseModel):
+    matchers: list[MatcherIn] = Field(min_length=1, max_length=32)
+    starts_at: datetime | None = Field(default=None, description="Default: now")
+    ends_at: datetime | None = Field(default=None, description="Or give `duration`")
+    duration: str | None = Field(default=None, description="e.g. 2h; instead of ends_at")
+    created_by: Who | None = None
+    comment: Text
+
+
+class CloseIn(BaseModel):
+    reason: Text
+    by: Who | None = None
+
+
+class VerificationIn(BaseModel):
+    deployment_id: Annotated[
+        str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
+    ]
+    model_id: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+    passed: bool
+    verified_safe_context: Annotated[int, Field(ge=1, le=2**40)] | None = None
+    engine_version: Annotated[str, Field(max_length=64)] | None = None
+    pool_capacity_tokens: Annotated[int, Field(ge=0, le=2**40)] | None = None
+    quantization: Annotated[str, Field(max_length=64)] | None = None
+    tp_size: Annotated[int, Field(ge=1, le=4096)] | None = None
+    cuda_graphs: bool | None = None
+    verified_at: datetime | None = None
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+def _aware(dt: datetime | None) -> datetime | None:
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+def _operator(who: Principal) -> None:
+    """Alerts and incidents name tenants: operators' data, not a tenant's."""
+    if who.kind == "read" and who.tenant is not None:
+        raise Forbidden("a tenant-scoped read token cannot read alerts or incidents")
+    who.require("admin", "read")
+
+
+def build_router(
+    service: AlertingService, principal: Callable[[str | None], Awaitable[Principal]]
+) -> APIRouter:
+    r = APIRouter()
+    run = anyio.to_thread.run_sync
+
+    @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
+    async def list_alerts(
+        authorization: Auth = None,
+        state: Literal["pending", "firing", "resolved"] | None = None,
+        severity: Literal["info", "warning", "critical"] | None = None,
+        rule: str | None = None,
+        deployment_id: str | None = None,
+        before_id: Annotated[
+            int | None, Query(ge=1, description="Page: alerts older than this id")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[dict[str, Any]]:
+        _operator(await principal(authorization))
+        return await run(
+            lambda: service.list_alerts(
+                state=state,
+                severity=severity,
+                rule=rule,
+                deployment_id=deployment_id,
+                after_id=before_id,
+                limit=limit,
+            )
+        )
+
+    @r.get("/v1/alerts/{alert_id}", responses=_ERRORS, summary="One alert and its history")
+    async def get_alert(alert_id: int, authorization: Auth = None) -> dict[str, Any]:
+        _operator(await principal(authorization))
+        return await run(service.alert, alert_id)
+
+    @r.post("/v1/alerts/{alert_id}/ack", responses=_ERRORS, summary="Acknowledge an alert")
+    async def ack_alert(
+        alert_id: int, body: AckIn | None = None, authorization: Auth = None
+    ) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin")
+        body = body or AckIn()
+        by = body.by or who.label
+        return await run(lambda: service.ack(alert_id, by, body.comment, datetime.now(UTC)))
+
+    @r.get("/v1/silences", responses=_ERRORS, summary="Silences, newest first")
+    async def list_silences(authorization: Auth = None) -> list[dict[str, Any]]:
+        _operator(await principal(authorization))
+        return await run(service.list_silences)
+
+    @r.post(
+        "/v1/silences",
+        responses=_ERRORS,
+        status_code=201,
+        summary="Silence matching alerts' notifications",
+    )
+    async def create_silence(body: SilenceIn, authorization: Auth = None) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin")
+        now = datetime.now(UTC)
+        starts = _aware(body.starts_at) or now
+        if body.ends_at is not None and body.duration is not None:
+            raise InvalidInput("give ends_at or duration, not both", {"field": "duration"})
+        if body.ends_at is not None:
+            ends = _aware(body.ends_at)
+        elif body.duration is not None:
+            try:
+                ends = starts + timedelta(seconds=parse_duration(body.duration))
+            except ValueError as exc:
+                raise InvalidInput(f"duration: {exc}", {"field": "duration"}) from None
+        else:
+            raise InvalidInput("a silence needs ends_at or duration", {"field": "ends_at"})
+        assert ends is not None
+        matchers = [m.model_dump() for m in body.matchers]
+        by = body.created_by or who.label
+        return await run(lambda: service.silence(matchers, starts, ends, by, body.comment, now))
+
+    @r.delete("/v1/silences/{silence_id}", responses=_ERRORS, summary="Expire a silence now")
+    async def expire_silence(silence_id: int, authorization: Auth = None) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin")
+        return await run(lambda: service.expire_silence(silence_id, who.label, datetime.now(UTC)))
+
+    @r.get("/v1/incidents", responses=_ERRORS, summary="Incidents, newest first")
+    async def list_incidents(
+        authorization: Auth = None,
+        state: Literal["open", "closed"] | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[dict[str, Any]]:
+        _operator(await principal(authorization))
+        return await run(lambda: service.list_incidents(state, limit))
+
+    @r.get("/v1/incidents/{incident_id}", responses=_ERRORS, summary="One incident and its alerts")
+    async def get_incident(incident_id: int, authorization: Auth = None) -> dict[str, Any]:
+        _operator(await principal(authorization))
+        return await run(service.incident, incident_id)
+
+    @r.post(
+        "/v1/incidents/{incident_id}/close",
+        responses=_ERRORS,
+        summary="Close an incident (a person, with a reason)",
+    )
+    async def close_incident(
+        incident_id: int, body: CloseIn, authorization: Auth = None
+    ) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin")
+        by = body.by or who.label
+        return await run(
+            lambda: service.close_incident(incident_id, by, body.reason, datetime.now(UTC))
+        )
+
+    @r.get("/v1/verifications", responses=_ERRORS, summary="Verifications, newest first")
+    async def list_verifications(
+        authorization: Auth = None,
+        deployment_id: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[dict[str, Any]]:
+        who = await principal(authorization)
+        who.require("admin", "read", "ingest")
+        return await run(lambda: service.list_verifications(deployment_id, limit))
+
+    @r.post(
+        "/v1/verifications", responses=_ERRORS, status_code=201, summary="Record a verification"
+    )
+    async def add_verification(body: VerificationIn, authorization: Auth = None) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin", "ingest")
+        if who.kind == "ingest" and who.deployment_id not in (None, body.deployment_id):
+            raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
+        values = body.model_dump()
+        values["verified_at"] = _aware(body.verified_at)
+        return await run(lambda: service.add_verification(values, who.label, datetime.now(UTC)))
+
+    @r.get("/v1/rules", responses=_ERRORS, summary="The rules in force and their health")
+    async def list_rules(authorization: Auth = None) -> list[dict[str, Any]]:
+        _operator(await principal(authorization))
+        return await run(service.rules_health)
+
+    return r

@@ -1,0 +1,271 @@
+"""The outbox (notifications waiting for delivery) and the endpoints they go to.
+
+``enqueue`` runs inside the transaction of the alert or incident change that caused the
+notification: either both commit or neither does, so a notification is never lost to a crash
+between the two, nor sent for a change that rolled back. The dispatcher
+(``collector.notify.dispatcher``) delivers the rows afterwards.
+
+Endpoint URLs are operator configuration. Only http(s) is accepted, but any host is: the
+collector will POST to internal addresses (cloud metadata services, admin ports on
+localhost) if told to, so whoever can add endpoints must be trusted like an operator, and a
+deployment that must not reach internal networks should egress through a filtering proxy.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import Connection, delete, func, insert, select, update
+
+from collector import audit
+from collector import models as m
+from collector.errors import Conflict, InvalidInput, NotFound
+from collector.notify import payloads, signing
+from engine_probe.events import is_valid_id
+
+SEVERITIES = ("info", "warning", "critical")
+_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+DOC_TYPES = (
+    "alert.firing",
+    "alert.resolved",
+    "alert.repeat",
+    "incident.opened",
+    "incident.reminder",
+    "incident.closed",
+)
+MIN_SECRET_BYTES = 24  # the Standard Webhooks minimum for HMAC secrets
+
+
+def new_msg_id() -> str:
+    # url-safe base64 never contains '.', which the signed content uses as its separator
+    return "msg_" + secrets.token_urlsafe(18)
+
+
+def enqueue(conn: Connection, doc: dict[str, Any], *, severity: str, now_us: int) -> int:
+    """Queue ``doc`` for every enabled endpoint whose ``min_severity`` is at most
+    ``severity``, in the caller's transaction. Returns the number of rows written."""
+    if severity not in _RANK:
+        raise InvalidInput(f"severity must be one of {', '.join(SEVERITIES)}, not {severity!r}")
+    if doc.get("type") not in DOC_TYPES:
+        raise InvalidInput(f"unknown notification type {doc.get('type')!r}")
+    endpoints = conn.execute(
+        select(m.NotifyEndpoint.id, m.NotifyEndpoint.min_severity).where(
+            m.NotifyEndpoint.enabled.is_(True)
+        )
+    ).all()
+    targets = [e.id for e in endpoints if _RANK.get(e.min_severity, 0) <= _RANK[severity]]
+    if not targets:
+        return 0
+    data = payloads.encode(doc).decode()
+    conn.execute(
+        insert(m.OutboxMessage),
+        [
+            {
+                "msg_id": new_msg_id(),
+                "endpoint_id": endpoint_id,
+                "event_type": doc["type"],
+                "data": data,
+                "created_at": now_us,
+                "status": "pending",
+                "attempts": 0,
+                "next_attempt_at": now_us,
+            }
+            for endpoint_id in targets
+        ],
+    )
+    return len(targets)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointInfo:
+    """An endpoint as operators see it; the secret is never part of it."""
+
+    id: int
+    name: str
+    kind: str
+    url: str
+    format: str
+    min_severity: str
+    enabled: bool
+    disabled_reason: str | None
+    created_at: datetime
+    pending: int
+
+
+def add_endpoint(
+    conn: Connection,
+    name: str,
+    url: str,
+    kind: str = "webhook",
+    format: str | None = None,
+    min_severity: str = "info",
+    secret: str | None = None,
+    *,
+    now_us: int,
+    actor: str = "cli",
+) -> tuple[int, str | None]:
+    """Add an endpoint; returns (id, secret). A webhook gets a new signing secret unless one
+    is given; an Alertmanager endpoint has none (its API takes unsigned alerts).
+
+    ``format`` defaults to ``kvwatch`` for webhooks; Alertmanager endpoints are always
+    ``alertmanager``."""
+    if not is_valid_id(name):
+        raise InvalidInput(
+            f"name: {name!r} is not a valid name (letters, digits, ._:/@+=-; at most 128)",
+            {"field": "name"},
+        )
+    check_url(url)
+    if kind not in payloads.KINDS:
+        raise InvalidInput(
+            f"kind must be one of {', '.join(payloads.KINDS)}, not {kind!r}", {"field": "kind"}
+        )
+    if format is None:
+        format = "alertmanager" if kind == "alertmanager" else "kvwatch"
+    if format not in payloads.FORMATS:
+        raise InvalidInput(
+            f"format must be one of {', '.join(payloads.FORMATS)}, not {format!r}",
+            {"field": "format"},
+        )
+    if kind == "alertmanager" and format != "alertmanager":
+        raise InvalidInput(
+            "format: an alertmanager endpoint takes Alertmanager's API v2 alerts; "
+            "use --kind webhook for a kvwatch-format webhook",
+            {"field": "format"},
+        )
+    if min_severity not in _RANK:
+        raise InvalidInput(
+            f"min_severity must be one of {', '.join(SEVERITIES)}, not {min_severity!r}",
+            {"field": "min_severity"},
+        )
+    if kind == "alertmanager":
+        if secret is not None:
+            raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
+    elif secret is None:
+        secret = signing.new_secret()
+    elif len(signing.secret_key(secret)) < MIN_SECRET_BYTES:
+        raise InvalidInput(
+            f"secret: use at least {MIN_SECRET_BYTES} random bytes", {"field": "secret"}
+        )
+    if conn.execute(select(m.NotifyEndpoint.id).where(m.NotifyEndpoint.name == name)).first():
+        raise Conflict(f"an endpoint named {name!r} exists already")
+    endpoint_id = conn.execute(
+        insert(m.NotifyEndpoint)
+        .values(
+            name=name,
+            kind=kind,
+            url=url,
+            format=format,
+            secret=secret,
+            min_severity=min_severity,
+            enabled=True,
+            disabled_reason=None,
+            lease_owner=None,
+            lease_until=None,
+            created_at=now_us,
+        )
+        .returning(m.NotifyEndpoint.id)
+    ).scalar_one()
+    audit.append(
+        conn,
+        now_us=now_us,
+        actor=actor,
+        action="notify.endpoint.add",
+        subject=f"endpoint:{name}",
+        # Host only: paths and queries of webhook URLs often carry credentials, and the
+        # audit log is append-only.
+        detail={
+            "kind": kind,
+            "format": format,
+            "min_severity": min_severity,
+            "host": urlsplit(url).hostname,
+        },
+    )
+    return endpoint_id, secret
+
+
+def check_url(url: str) -> None:
+    """Refuse anything but an absolute http(s) URL with a host."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError as exc:
+        raise InvalidInput(f"url: not a valid URL: {exc}", {"field": "url"}) from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InvalidInput(
+            f"url: scheme must be http or https, not {parts.scheme or 'none'!r}",
+            {"field": "url"},
+        )
+    if not parts.hostname:
+        raise InvalidInput("url: must name a host (http(s)://host[:port]/path)", {"field": "url"})
+
+
+def list_endpoints(conn: Connection) -> list[EndpointInfo]:
+    pending = (
+        select(m.OutboxMessage.endpoint_id, func.count().label("n"))
+        .where(m.OutboxMessage.status == "pending")
+        .group_by(m.OutboxMessage.endpoint_id)
+        .subquery()
+    )
+    e = m.NotifyEndpoint
+    rows = conn.execute(
+        select(
+            e.id,
+            e.name,
+            e.kind,
+            e.url,
+            e.format,
+            e.min_severity,
+            e.enabled,
+            e.disabled_reason,
+            e.created_at,
+            func.coalesce(pending.c.n, 0).label("pending"),
+        )
+        .outerjoin(pending, pending.c.endpoint_id == e.id)
+        .order_by(e.name)
+    ).all()
+    return [EndpointInfo(*row) for row in rows]
+
+
+def enable_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "cli") -> None:
+    """Enable an endpoint (after a 410, say); its pending messages go out again in order."""
+    done = conn.execute(
+        update(m.NotifyEndpoint)
+        .where(m.NotifyEndpoint.name == name)
+        .values(enabled=True, disabled_reason=None)
+    )
+    if done.rowcount == 0:
+        raise NotFound(f"no endpoint named {name!r}")
+    audit.append(
+        conn,
+        now_us=now_us,
+        actor=actor,
+        action="notify.endpoint.enable",
+        subject=f"endpoint:{name}",
+    )
+
+
+def remove_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "cli") -> int:
+    """Remove an endpoint; its outbox rows and their attempts go with it (FK cascade).
+    Returns how many undelivered messages were dropped with it."""
+    row = conn.execute(select(m.NotifyEndpoint.id).where(m.NotifyEndpoint.name == name)).first()
+    if row is None:
+        raise NotFound(f"no endpoint named {name!r}")
+    dropped = conn.execute(
+        select(func.count()).where(
+            m.OutboxMessage.endpoint_id == row.id, m.OutboxMessage.status == "pending"
+        )
+    ).scalar_one()
+    conn.execute(delete(m.NotifyEndpoint).where(m.NotifyEndpoint.id == row.id))
+    audit.append(
+        conn,
+        now_us=now_us,
+        actor=actor,
+        action="notify.endpoint.remove",
+        subject=f"endpoint:{name}",
+        detail={"pending_dropped": dropped},
+    )
+    return int(dropped)

@@ -1,0 +1,218 @@
+"""Request bodies, rendered from a notification document (see ``collector.notify``).
+
+Pure functions of the document and the endpoint: no clock, no database. A webhook retry must
+be byte-identical to the first try (same ``webhook-id``, same body, a fresh signature), so
+JSON goes out compact with sorted keys.
+
+Three shapes:
+
+* ``kvwatch``: the document itself plus ``"version": 1``.
+* Alertmanager's webhook body, version 4 (what Alertmanager's own ``webhook_config`` sends),
+  for receivers written against Alertmanager.
+* Alertmanager API v2 postable alerts, the list a real Alertmanager takes on
+  ``POST /api/v2/alerts``, so its routing (PagerDuty, Slack, e-mail) applies unchanged.
+
+An incident-only document becomes, in both Alertmanager shapes, one alert labelled
+``alertname="kvwatch_incident"``, ``deployment_id``, ``severity="critical"``, ``incident_id``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import msgspec
+
+KINDS = ("webhook", "alertmanager")
+FORMATS = ("kvwatch", "alertmanager")
+KVWATCH_VERSION = 1
+AM_WEBHOOK_VERSION = "4"
+AM_ZERO_TIME = "0001-01-01T00:00:00Z"  # Go's zero time.Time: "not ended" in Alertmanager
+INCIDENT_ALERTNAME = "kvwatch_incident"
+# Alertmanager resolves an alert by itself once endsAt passes, so a firing alert is posted
+# with endsAt this far ahead and must be re-posted (alert.repeat) before it runs out, as
+# Prometheus does; a collector that dies thus leaves alerts that expire rather than linger.
+AM_FIRING_HORIZON_S = 3600
+
+_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def encode(obj: Any) -> bytes:
+    """Compact JSON with sorted keys: the same object always gives the same bytes."""
+    return _encoder.encode(obj)
+
+
+def render(
+    endpoint_kind: str,
+    endpoint_format: str,
+    doc: dict[str, Any],
+    *,
+    receiver_name: str,
+    external_url: str,
+    now: float | None = None,
+) -> bytes:
+    """The body to POST to an endpoint of this kind and format.
+
+    ``now`` only matters for the Alertmanager API (``kind="alertmanager"``): a firing alert
+    delivered late still gets a full horizon ahead of the send time. Webhook bodies never
+    depend on it, so their retries stay byte-identical.
+    """
+    if endpoint_kind == "alertmanager":
+        return encode(am_postable_alerts(doc, external_url=external_url, now=now))
+    if endpoint_kind != "webhook":
+        raise ValueError(f"unknown endpoint kind {endpoint_kind!r}")
+    if endpoint_format == "kvwatch":
+        return encode({**doc, "version": KVWATCH_VERSION})
+    if endpoint_format == "alertmanager":
+        return encode(am_webhook_v4(doc, receiver_name=receiver_name, external_url=external_url))
+    raise ValueError(f"unknown endpoint format {endpoint_format!r}")
+
+
+def am_webhook_v4(doc: dict[str, Any], *, receiver_name: str, external_url: str) -> dict[str, Any]:
+    """Alertmanager's webhook body (``version: "4"``), field for field."""
+    alerts = _alerts(doc, external_url)
+    group_labels = _group_labels(doc)
+    return {
+        "version": AM_WEBHOOK_VERSION,
+        "groupKey": doc.get("group_key") or _label_string(group_labels),
+        "truncatedAlerts": 0,
+        # As Alertmanager does: the group fires while any of its alerts does.
+        "status": "firing" if any(a["status"] == "firing" for a in alerts) else "resolved",
+        "receiver": receiver_name,
+        "groupLabels": group_labels,
+        "commonLabels": _common([a["labels"] for a in alerts]),
+        "commonAnnotations": _common([a["annotations"] for a in alerts]),
+        "externalURL": external_url,
+        "alerts": [
+            {
+                "status": a["status"],
+                "labels": a["labels"],
+                "annotations": a["annotations"],
+                "startsAt": a["startsAt"],
+                "endsAt": a["endsAt"] or AM_ZERO_TIME,
+                "generatorURL": a["generatorURL"],
+                "fingerprint": a["fingerprint"],
+            }
+            for a in alerts
+        ],
+    }
+
+
+def am_postable_alerts(
+    doc: dict[str, Any], *, external_url: str, now: float | None = None
+) -> list[dict[str, Any]]:
+    """The body of ``POST /api/v2/alerts``: firing alerts end a horizon ahead, resolved
+    alerts at their ``ends_at`` (in the past, which is how Alertmanager learns they ended)."""
+    base = _parse(doc["created_at"])
+    if now is not None:
+        base = max(base, datetime.fromtimestamp(now, UTC))
+    horizon = _iso(base + timedelta(seconds=AM_FIRING_HORIZON_S))
+    out = []
+    for a in _alerts(doc, external_url):
+        alert: dict[str, Any] = {
+            "labels": a["labels"],
+            "annotations": a["annotations"],
+            "startsAt": a["startsAt"],
+            "endsAt": a["endsAt"] if a["status"] == "resolved" and a["endsAt"] else horizon,
+        }
+        if a["generatorURL"]:
+            alert["generatorURL"] = a["generatorURL"]  # the API wants a URI or nothing
+        out.append(alert)
+    return out
+
+
+def am_fingerprint(labels: dict[str, str]) -> str:
+    """Alertmanager's fingerprint of a label set (Prometheus ``LabelSet.Fingerprint``: FNV-1a
+    64 over the sorted names and values, each followed by a 0xff byte), as 16 hex digits. An
+    incident alert has no kvwatch fingerprint; this one matches what Alertmanager shows."""
+    h = 0xCBF29CE484222325
+    for name in sorted(labels):
+        for part in (name, labels[name]):
+            for byte in part.encode() + b"\xff":
+                h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _alerts(doc: dict[str, Any], external_url: str) -> list[dict[str, Any]]:
+    """The document's alerts in Alertmanager's terms (``endsAt`` None while not ended)."""
+    base = external_url.rstrip("/")
+    if doc.get("alerts"):
+        return [
+            {
+                "status": "resolved" if a["state"] == "resolved" else "firing",
+                "labels": {str(k): str(v) for k, v in a["labels"].items()},
+                "annotations": {str(k): str(v) for k, v in a.get("annotations", {}).items()},
+                "startsAt": a["starts_at"],
+                "endsAt": a.get("ends_at"),
+                "generatorURL": f"{base}/v1/alerts/{a['id']}" if base else "",
+                "fingerprint": a.get("fingerprint") or am_fingerprint(a["labels"]),
+            }
+            for a in doc["alerts"]
+        ]
+    inc = doc.get("incident")
+    if not inc:
+        return []
+    labels = _incident_labels(inc)
+    annotations = {
+        "summary": inc["title"],
+        "cause_rule": inc["cause_rule"],
+        "awareness_at": inc["awareness_at"],
+        "deadline_at": inc["deadline_at"],
+    }
+    optional = ("remind_before_s", "closed_by", "close_reason")
+    annotations.update({k: str(inc[k]) for k in optional if inc.get(k) is not None})
+    closed = inc["state"] == "closed"
+    return [
+        {
+            "status": "resolved" if closed else "firing",
+            "labels": labels,
+            "annotations": annotations,
+            "startsAt": inc["opened_at"],
+            "endsAt": inc.get("closed_at") if closed else None,
+            "generatorURL": f"{base}/v1/incidents/{inc['id']}" if base else "",
+            "fingerprint": am_fingerprint(labels),
+        }
+    ]
+
+
+def _incident_labels(inc: dict[str, Any]) -> dict[str, str]:
+    return {
+        "alertname": INCIDENT_ALERTNAME,
+        "deployment_id": str(inc["deployment_id"]),
+        "severity": "critical",
+        "incident_id": str(inc["id"]),
+    }
+
+
+def _group_labels(doc: dict[str, Any]) -> dict[str, str]:
+    if doc.get("alerts") or not doc.get("incident"):
+        return {str(k): str(v) for k, v in (doc.get("group_labels") or {}).items()}
+    labels = _incident_labels(doc["incident"])
+    return {k: labels[k] for k in ("alertname", "deployment_id")}
+
+
+def _label_string(labels: dict[str, str]) -> str:
+    # The shape of the document's group_key: {name="value",...}, names sorted, Go-quoted.
+    pairs = (f"{k}={json.dumps(labels[k], ensure_ascii=False)}" for k in sorted(labels))
+    return "{" + ",".join(pairs) + "}"
+
+
+def _common(maps: list[dict[str, str]]) -> dict[str, str]:
+    """The pairs every map shares (Alertmanager's commonLabels / commonAnnotations)."""
+    if not maps:
+        return {}
+    first, *rest = maps
+    return {k: v for k, v in first.items() if all(m.get(k) == v for m in rest)}
+
+
+def _parse(iso: str) -> datetime:
+    dt = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+def _iso(dt: datetime) -> str:
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

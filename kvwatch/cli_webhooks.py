@@ -1,0 +1,173 @@
+"""``kvwatch webhooks``: notification endpoints, and checking a delivery's signature."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from sqlalchemy import Connection
+
+webhooks_app = typer.Typer(
+    help="Notification endpoints (signed webhooks, Alertmanager) and signature checks.",
+    no_args_is_help=True,
+)
+
+err = Console(stderr=True)
+
+# The same option as kvwatch.cli's: declared here because that module imports this one.
+DbUrl = Annotated[
+    str | None,
+    typer.Option("--database-url", envvar="KVWATCH_DATABASE_URL", help="SQLAlchemy URL."),
+]
+
+
+@contextmanager
+def _db(database_url: str | None, *, write: bool = True) -> Iterator[Connection]:
+    """A transaction on the migrated database; collector errors become exit code 2."""
+    from collector import migrate
+    from collector.db import Database
+    from collector.errors import CollectorError
+    from kvwatch.cli import _settings  # here, not at the top: kvwatch.cli imports this module
+
+    settings = _settings(database_url)
+    migrate.upgrade(settings.database_url)
+    db = Database(settings.database_url)
+    try:
+        with db.write() if write else db.read() as conn:
+            yield conn
+    except CollectorError as exc:
+        err.print(f"[red]error:[/] {exc.message}")
+        raise typer.Exit(2) from None
+    finally:
+        db.dispose()
+
+
+def _now_us() -> int:
+    from collector.models import to_micros
+    from engine_probe.events import utcnow
+
+    return to_micros(utcnow())
+
+
+@webhooks_app.command("add")
+def add(
+    name: Annotated[str, typer.Argument(help="A unique name for the endpoint.")],
+    url: Annotated[str, typer.Argument(help="http(s) URL (Alertmanager: its base URL).")],
+    kind: Annotated[
+        str, typer.Option(help="webhook (signed POSTs) | alertmanager (its /api/v2/alerts).")
+    ] = "webhook",
+    format: Annotated[
+        str | None,
+        typer.Option(
+            "--format", help="Webhook body: kvwatch | alertmanager (webhook v4). [kvwatch]"
+        ),
+    ] = None,
+    min_severity: Annotated[
+        str, typer.Option(help="Least severity sent: info | warning | critical.")
+    ] = "info",
+    secret: Annotated[
+        str | None, typer.Option(help="A whsec_ signing secret to use instead of a new one.")
+    ] = None,
+    database_url: DbUrl = None,
+) -> None:
+    """Add an endpoint; a webhook's new secret is printed once, alone on the last line.
+
+    The collector POSTs to whatever host the URL names, internal ones included: only let
+    trusted operators add endpoints."""
+    from collector.notify.outbox import add_endpoint
+
+    with _db(database_url) as conn:
+        endpoint_id, new_secret = add_endpoint(
+            conn,
+            name,
+            url,
+            kind=kind,
+            format=format,
+            min_severity=min_severity,
+            secret=secret,
+            now_us=_now_us(),
+        )
+    err.print(f"added {kind} endpoint #{endpoint_id} {name!r} -> {url}")
+    if new_secret is not None:
+        err.print("its signing secret is shown once; give it to the receiver now:")
+        print(new_secret)
+
+
+@webhooks_app.command("list")
+def list_(database_url: DbUrl = None) -> None:
+    """List endpoints: state, pending messages, why one is disabled."""
+    from collector.notify.outbox import list_endpoints
+
+    with _db(database_url, write=False) as conn:
+        endpoints = list_endpoints(conn)
+    if not endpoints:
+        err.print("no endpoints")
+    for e in endpoints:
+        state = "enabled" if e.enabled else f"DISABLED ({e.disabled_reason})"
+        print(
+            f"{e.name}\t{e.kind}\t{e.format}\t>={e.min_severity}\t{e.url}\t"
+            f"pending={e.pending}\t{state}"
+        )
+
+
+@webhooks_app.command("remove")
+def remove(name: str, database_url: DbUrl = None) -> None:
+    """Remove an endpoint and its undelivered messages."""
+    from collector.notify.outbox import remove_endpoint
+
+    with _db(database_url) as conn:
+        dropped = remove_endpoint(conn, name, now_us=_now_us())
+    err.print(f"removed {name!r}; {dropped} undelivered message(s) dropped with it")
+
+
+@webhooks_app.command("enable")
+def enable(name: str, database_url: DbUrl = None) -> None:
+    """Enable an endpoint again (after a 410 Gone); its pending messages resume in order."""
+    from collector.notify.outbox import enable_endpoint
+
+    with _db(database_url) as conn:
+        enable_endpoint(conn, name, now_us=_now_us())
+    err.print(f"enabled {name!r}")
+
+
+@webhooks_app.command("verify")
+def verify(
+    secret: Annotated[str, typer.Option(help="The endpoint's whsec_ secret.")],
+    body_file: Annotated[
+        Path, typer.Option("--body-file", help="The raw request body, as received ('-': stdin).")
+    ],
+    id: Annotated[str, typer.Option("--id", help="The webhook-id header.")],
+    timestamp: Annotated[str, typer.Option(help="The webhook-timestamp header.")],
+    signature: Annotated[str, typer.Option(help="The webhook-signature header.")],
+    tolerance: Annotated[
+        float, typer.Option(help="Seconds the timestamp may be off from now.")
+    ] = 300,
+) -> None:
+    """Check a delivery's Standard Webhooks signature.
+
+    Exit 0 if valid, 1 if not (the reason on stderr), 2 if the secret or body is unusable."""
+    import sys
+
+    from collector.errors import InvalidInput
+    from collector.notify.signing import WebhookVerificationError
+    from collector.notify.signing import verify as verify_signature
+
+    try:
+        body = sys.stdin.buffer.read() if str(body_file) == "-" else body_file.read_bytes()
+    except OSError as exc:
+        err.print(f"[red]error:[/] cannot read the body: {exc}")
+        raise typer.Exit(2) from None
+    headers = {"webhook-id": id, "webhook-timestamp": timestamp, "webhook-signature": signature}
+    try:
+        verify_signature(secret, headers, body, tolerance_s=tolerance)
+    except WebhookVerificationError as exc:
+        err.print(f"invalid: {exc.message}")
+        raise typer.Exit(1) from None
+    except InvalidInput as exc:
+        err.print(f"[red]error:[/] {exc.message}")
+        raise typer.Exit(2) from None
+    err.print("valid")

@@ -1,0 +1,142 @@
+"""What rules are evaluated over: a batch of new events, or the state the timer sees, plus
+what is known about the deployments involved. Built by the collector, read-only here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+
+from engine_probe import events as ev
+
+# The engine settings a verification was measured under: a change to any invalidates it,
+# and a change between two engine.config events is drift.
+VERIFIED_SETTINGS = (
+    "engine_version",
+    "pool_capacity_tokens",
+    "quantization",
+    "tp_size",
+    "cuda_graphs",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """The engine configuration one node of a deployment last reported."""
+
+    deployment_id: str
+    node: str
+    role: str
+    engine: str
+    engine_version: str
+    model_id: str
+    advertised_context: int
+    pool_capacity_tokens: int
+    quantization: str | None
+    tp_size: int
+    cuda_graphs: bool
+    disaggregated: bool
+    prefix_caching: bool
+    prefix_cache_salting: bool
+    ts: datetime
+
+    @classmethod
+    def from_event(cls, e: ev.EngineConfig) -> NodeConfig:
+        return cls(**{f.name: getattr(e, f.name) for f in fields(cls)})
+
+    def changed(
+        self, other: NodeConfig, names: Iterable[str] = VERIFIED_SETTINGS
+    ) -> dict[str, tuple[object, object]]:
+        """``{setting: (self's, other's)}`` for the settings that differ."""
+        out = {}
+        for name in names:
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                out[name] = (a, b)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationFact:
+    """The latest verification of one model on one deployment."""
+
+    deployment_id: str
+    model_id: str
+    passed: bool
+    verified_safe_context: int | None
+    engine_version: str | None
+    pool_capacity_tokens: int | None
+    quantization: str | None
+    tp_size: int | None
+    cuda_graphs: bool | None
+    verified_at: datetime
+
+    def stale_against(self, cfg: NodeConfig) -> dict[str, tuple[object, object]]:
+        """Settings that changed since the verification (``{name: (verified, now)}``);
+        settings the verification did not record are not compared."""
+        out = {}
+        for name in VERIFIED_SETTINGS:
+            then = getattr(self, name)
+            now = getattr(cfg, name)
+            if then is not None and then != now:
+                out[name] = (then, now)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentFacts:
+    """One deployment: each node's latest config, the latest verification per model, and
+    how many tenants it has served."""
+
+    deployment_id: str
+    configs: Mapping[str, NodeConfig] = field(default_factory=dict)
+    verifications: Mapping[str, VerificationFact] = field(default_factory=dict)
+    tenant_count: int = 0
+
+    def prefill_pool_tokens(self) -> int | None:
+        """The smallest pool a prompt must fit in: the prefill (or monolithic) nodes'."""
+        pools = [c.pool_capacity_tokens for c in self.configs.values() if c.role != "decode"]
+        return min(pools) if pools else None
+
+    def advertised_context(self, model_id: str | None = None) -> int | None:
+        adv = [
+            c.advertised_context
+            for c in self.configs.values()
+            if model_id is None or c.model_id == model_id
+        ]
+        return min(adv) if adv else None
+
+
+@dataclass(frozen=True, slots=True)
+class SeqGapFact:
+    probe_id: str
+    deployment_id: str
+    first_seq: int
+    last_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFact:
+    probe_id: str
+    deployment_id: str
+    last_seen: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFacts:
+    """A batch's *new* events (duplicates already removed: a re-sent batch changes nothing),
+    the deployments they touch, each node's config as it was before the batch, and the seq
+    gaps the batch revealed."""
+
+    events: Sequence[ev.Event]
+    deployments: Mapping[str, DeploymentFacts] = field(default_factory=dict)
+    prior_configs: Mapping[tuple[str, str], NodeConfig] = field(default_factory=dict)
+    seq_gaps: Sequence[SeqGapFact] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFacts:
+    """What the timer sees: every known deployment and probe."""
+
+    deployments: Mapping[str, DeploymentFacts] = field(default_factory=dict)
+    probes: Sequence[ProbeFact] = ()

@@ -1,0 +1,114 @@
+"""``context_pressure``: prompts near or over the context a deployment can safely hold."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Annotated
+
+import msgspec
+
+from engine_probe import events as ev
+from policies.facts import BatchFacts, DeploymentFacts
+from policies.kinds.base import RuleKind
+from policies.rule import Rule
+from policies.signals import Severity, Signal
+
+Ratio = Annotated[float, msgspec.Meta(gt=0, le=10)]
+
+_REQUEST_EVENTS = (ev.RequestAdmitted, ev.RequestRejected, ev.RequestFinished)
+
+
+class ContextPressureParams(msgspec.Struct, forbid_unknown_fields=True):
+    warn_ratio: Ratio = 0.8
+    critical_ratio: Ratio = 1.0
+
+
+def safe_context(d: DeploymentFacts, model_id: str) -> tuple[int | None, bool]:
+    """(the context prompts are measured against, whether it is verified).
+
+    A passing verification for the model whose settings still match every node serving it
+    gives its verified safe context; otherwise min(advertised context, prefill pool), which
+    is what the incident lacked: nothing compared the two."""
+    v = d.verifications.get(model_id)
+    serving = [c for c in d.configs.values() if c.model_id == model_id] or list(d.configs.values())
+    if (
+        v is not None
+        and v.passed
+        and v.verified_safe_context
+        and not any(v.stale_against(c) for c in serving)
+    ):
+        return v.verified_safe_context, True
+    bounds = [b for b in (d.advertised_context(model_id), d.prefill_pool_tokens()) if b]
+    return (min(bounds) if bounds else None), False
+
+
+class ContextPressure(RuleKind):
+    name = "context_pressure"
+    params = ContextPressureParams
+    default_severity = "warning"
+    mode = "event"
+    default_resolve_after_s = 3600.0
+    description = (
+        "Prompt tokens >= warn_ratio of the verified safe context per model and route "
+        "(critical at >= critical_ratio); unverified deployments are measured against "
+        "min(advertised context, pool capacity) and labelled verified=false."
+    )
+
+    def check(self, params: ContextPressureParams) -> None:
+        if params.critical_ratio < params.warn_ratio:
+            raise ValueError("critical_ratio: must be >= warn_ratio")
+
+    def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
+        p: ContextPressureParams = rule.params
+        # a request's largest prompt count once, whichever of its events carried it
+        prompts: dict[tuple[str, str], tuple[int, str, str | None]] = {}
+        for e in facts.events:
+            if isinstance(e, _REQUEST_EVENTS) and e.prompt_tokens is not None and e.model_id:
+                rid = (e.deployment_id, e.request_id)
+                seen = prompts.get(rid)
+                if seen is None or e.prompt_tokens > seen[0]:
+                    prompts[rid] = (e.prompt_tokens, e.model_id, e.route)
+        groups: dict[tuple[str, str, str, str, Severity], list[int]] = {}
+        bounds: dict[tuple[str, str, str, str, Severity], tuple[int, bool]] = {}
+        for (dep, _request), (tokens, model, route) in prompts.items():
+            d = facts.deployments.get(dep)
+            if d is None:
+                continue
+            safe, verified = safe_context(d, model)
+            if not safe or tokens < p.warn_ratio * safe:
+                continue
+            severity: Severity = "critical" if tokens >= p.critical_ratio * safe else rule.severity
+            key = (dep, model, route or "none", "true" if verified else "false", severity)
+            groups.setdefault(key, []).append(tokens)
+            bounds[key] = (safe, verified)
+        for group, sizes in groups.items():
+            dep, model, route_label, verified_label, severity = group
+            safe, verified = bounds[group]
+            top = max(sizes)
+            what = (
+                "verified safe context"
+                if verified
+                else "unverified bound (min of advertised context and pool)"
+            )
+            yield rule.signal(
+                "event",
+                {
+                    "deployment_id": dep,
+                    "model_id": model,
+                    "route": route_label,
+                    "verified": verified_label,
+                },
+                severity=severity,
+                value=round(top / safe, 4),
+                count=len(sizes),
+                annotations={
+                    "summary": (
+                        f"{len(sizes)} prompt(s) to {model} on route {route_label} reached "
+                        f"{top / safe:.0%} of the {what} of {safe} tokens "
+                        f"(largest {top} tokens)"
+                    ),
+                    "safe_context_tokens": str(safe),
+                    "max_prompt_tokens": str(top),
+                },
+            )

@@ -1,0 +1,214 @@
+"""A real webhook receiver on 127.0.0.1 and notification documents, for the notify tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from collector.notify.signing import WebhookVerificationError, verify
+from kvwatch.embedded import free_port
+
+
+@dataclass
+class Delivery:
+    path: str
+    msg_id: str
+    timestamp: int
+    body: bytes
+    error: str | None  # why verification failed; None if the signature was valid
+
+    @property
+    def doc(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class Receiver:
+    """Records every POST (on arrival, before answering), verifies its Standard Webhooks
+    signature with the public ``verify``, and answers ``status[path]`` (default 200)."""
+
+    secrets: dict[str, str] = field(default_factory=dict)  # path -> whsec_ secret
+    clock: Callable[[], float] = time.time
+    port: int = field(default_factory=free_port)
+    status: dict[str, int] = field(default_factory=dict)
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)  # path -> extra headers
+    delay_s: float = 0.0
+    # hold(path, msg_id) -> an event the handler waits on before answering (at most 30 s)
+    hold: Callable[[str, str], threading.Event | None] = lambda _p, _m: None
+    deliveries: list[Delivery] = field(default_factory=list)
+    max_inflight: Counter[str] = field(default_factory=Counter)
+    _inflight: Counter[str] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _server: ThreadingHTTPServer | None = None
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def by_path(self, path: str) -> list[Delivery]:
+        with self._lock:
+            return [d for d in self.deliveries if d.path == path]
+
+    def wait_for(self, pred: Callable[[list[Delivery]], bool], timeout: float = 30) -> bool:
+        with self.arrived:
+            return self.arrived.wait_for(lambda: pred(list(self.deliveries)), timeout)
+
+    def start(self) -> Receiver:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                error: str | None = None
+                secret = receiver.secrets.get(self.path)
+                if secret is not None:
+                    try:
+                        verify(secret, headers, body, now=receiver.clock())
+                    except WebhookVerificationError as exc:
+                        error = exc.message
+                delivery = Delivery(
+                    self.path,
+                    headers.get("webhook-id", ""),
+                    int(headers.get("webhook-timestamp", 0)),
+                    body,
+                    error,
+                )
+                with receiver._lock:
+                    receiver.deliveries.append(delivery)
+                    receiver._inflight[self.path] += 1
+                    receiver.max_inflight[self.path] = max(
+                        receiver.max_inflight[self.path], receiver._inflight[self.path]
+                    )
+                with receiver.arrived:
+                    receiver.arrived.notify_all()
+                try:
+                    if (event := receiver.hold(self.path, delivery.msg_id)) is not None:
+                        event.wait(30)
+                    if receiver.delay_s:
+                        time.sleep(receiver.delay_s)
+                finally:
+                    with receiver._lock:
+                        receiver._inflight[self.path] -= 1
+                code = 401 if error else receiver.status.get(self.path, 200)
+                try:
+                    self.send_response(code)
+                    for name, value in receiver.headers.get(self.path, {}).items():
+                        self.send_header(name, value)
+                    self.send_header("content-length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"{}")
+                except OSError:
+                    pass  # the sender is gone (killed mid-request)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        server.daemon_threads = True
+        self._server = server
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class FakeClock:
+    """Unix seconds that move only when told to (starts at the real time, so signatures
+    stay within a receiver's tolerance)."""
+
+    def __init__(self, start: float | None = None):
+        self.t = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def alert_doc(
+    alert_id: int,
+    state: str = "firing",
+    *,
+    at: float | None = None,
+    starts_at: float | None = None,
+    alertname: str = "stale_page_read",
+    deployment: str = "d1",
+    severity: str = "critical",
+) -> dict[str, Any]:
+    """A notification document with one alert, as ``collector.notify`` specifies it."""
+    at = time.time() if at is None else at
+    starts = at - 60 if starts_at is None else starts_at
+    labels = {
+        "alertname": alertname,
+        "deployment_id": deployment,
+        "severity": severity,
+        "alert_no": str(alert_id),
+    }
+    group = {"alertname": alertname, "deployment_id": deployment}
+    return {
+        "type": f"alert.{'resolved' if state == 'resolved' else 'firing'}",
+        "created_at": iso(at),
+        "group_key": f'{{alertname="{alertname}",deployment_id="{deployment}"}}',
+        "group_labels": group,
+        "alerts": [
+            {
+                "id": alert_id,
+                "fingerprint": f"{alert_id:016x}",
+                "rule": alertname,
+                "kind": alertname,
+                "severity": severity,
+                "state": state,
+                "labels": labels,
+                "annotations": {"summary": f"alert {alert_id} is {state}"},
+                "value": 1.0,
+                "occurrences": 1,
+                "starts_at": iso(starts),
+                "ends_at": iso(at) if state == "resolved" else None,
+                "acked": False,
+            }
+        ],
+        "incident": None,
+    }
+
+
+def incident_doc(incident_id: int, state: str = "open", *, at: float | None = None) -> Any:
+    at = time.time() if at is None else at
+    return {
+        "type": "incident.closed" if state == "closed" else "incident.opened",
+        "created_at": iso(at),
+        "group_key": None,
+        "group_labels": {},
+        "alerts": [],
+        "incident": {
+            "id": incident_id,
+            "deployment_id": "d1",
+            "title": "cross-tenant KV page read",
+            "state": state,
+            "cause_rule": "stale_page_read",
+            "opened_at": iso(at - 120),
+            "awareness_at": iso(at - 120),
+            "deadline_at": iso(at - 120 + 72 * 3600),
+            "remind_before_s": None,
+            "closed_at": iso(at) if state == "closed" else None,
+            "closed_by": "oncall" if state == "closed" else None,
+            "close_reason": "contained" if state == "closed" else None,
+        },
+    }
