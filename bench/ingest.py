@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -122,9 +122,57 @@ class Workload:
         return [b.body for b in self.interleaved()]
 
 
-def _probe_events(index: int, n_requests: int, seed: int, exp: Expected) -> list[ev.Event]:
+@dataclass(frozen=True, slots=True)
+class PolicyMix:
+    """What a workload adds for the policy engine to chew on (``bench/policy_eval.py``); the
+    ingest benchmark's workload has none of it.
+
+    ``advertised``: each deployment's advertised context (in ``DEPLOYMENTS`` order); the
+    first probe of each deployment opens with an ``engine.config`` reporting it and the
+    deployment's pool. ``near_every``: one request in this many (per probe) gets a prompt of
+    ``near_range`` times min(advertised context, pool), the bound ``context_pressure``
+    measures against while nothing is verified, so that rule fires, at warning and at
+    critical, instead of only evaluating."""
+
+    advertised: tuple[int, ...]
+    near_every: int = 0
+    near_range: tuple[float, float] = (0.7, 1.1)
+    engine: str = "sglang"
+    engine_version: str = "0.5.24"
+
+
+def _engine_config(
+    mix: PolicyMix, index: int, probe_id: str, node: str, ts: datetime
+) -> ev.EngineConfig:
+    dep, model, cap = DEPLOYMENTS[index % len(DEPLOYMENTS)]
+    return ev.EngineConfig(
+        schema_version=1,
+        probe_id=probe_id,
+        seq=1,
+        ts=ts,
+        deployment_id=dep,
+        engine=mix.engine,
+        engine_version=mix.engine_version,
+        model_id=model,
+        node=node,
+        advertised_context=mix.advertised[index % len(DEPLOYMENTS)],
+        pool_capacity_tokens=cap,
+        page_size=16,
+        dtype="bfloat16",
+        tp_size=8,
+        cuda_graphs=True,
+        prefix_caching=True,
+        prefix_cache_salting=True,
+    )
+
+
+def _probe_events(
+    index: int, n_requests: int, seed: int, exp: Expected, mix: PolicyMix | None = None
+) -> list[ev.Event]:
     """One probe's events in seq order: requests admitted then finished a little later
-    (interleaved with others), pool samples and page reuse summaries in between."""
+    (interleaved with others), pool samples and page reuse summaries in between; with
+    ``mix``, an engine.config first (one per deployment) and some near-threshold prompts.
+    Without ``mix`` the events are exactly the ingest benchmark's."""
     rng = random.Random(seed * 1_000_003 + index)
     dep, model, cap = DEPLOYMENTS[index % len(DEPLOYMENTS)]
     probe_id = f"bench-probe-{index:02d}"
@@ -134,6 +182,17 @@ def _probe_events(index: int, n_requests: int, seed: int, exp: Expected) -> list
     statuses = rng.choices(STATUSES, STATUS_WEIGHTS, k=n_requests)
     prompts = [min(cap // 2, 1 + int(rng.lognormvariate(7.0, 1.2))) for _ in range(n_requests)]
     max_tokens = [rng.choice((256, 512, 1024, 4096)) for _ in range(n_requests)]
+    out: list[ev.Event] = []
+    if mix is not None:
+        if index < len(DEPLOYMENTS):
+            out.append(_engine_config(mix, index, probe_id, node, T0))
+        if mix.near_every > 0:
+            # Its own generator: the rest of the workload stays what it is without ``mix``.
+            near = random.Random(seed * 2_000_003 + index)
+            bound = min(mix.advertised[index % len(DEPLOYMENTS)], cap)
+            lo, hi = mix.near_range
+            for i in range(mix.near_every // 2, n_requests, mix.near_every):
+                prompts[i] = int(bound * near.uniform(lo, hi))
 
     # (ts in µs from T0, order within one instant, request index, kind)
     timeline: list[tuple[int, int, int, str]] = []
@@ -150,10 +209,9 @@ def _probe_events(index: int, n_requests: int, seed: int, exp: Expected) -> list
             timeline.append((t, 3, i, "r"))
     timeline.sort()
 
-    out: list[ev.Event] = []
     used = cap // 4
     step = 0
-    for seq, (us, _, i, kind) in enumerate(timeline, start=1):
+    for seq, (us, _, i, kind) in enumerate(timeline, start=len(out) + 1):
         base: dict[str, Any] = {
             "schema_version": 1,
             "probe_id": probe_id,
@@ -228,13 +286,15 @@ def _probe_events(index: int, n_requests: int, seed: int, exp: Expected) -> list
     return out
 
 
-def build_workload(events: int, probes: int, batch: int, seed: int) -> Workload:
+def build_workload(
+    events: int, probes: int, batch: int, seed: int, mix: PolicyMix | None = None
+) -> Workload:
     exp = Expected()
     per_probe_requests = max(1, round(events / (probes * EVENTS_PER_REQUEST)))
     names: list[str] = []
     batches: list[list[Batch]] = []
     for p in range(probes):
-        evs = _probe_events(p, per_probe_requests, seed, exp)
+        evs = _probe_events(p, per_probe_requests, seed, exp, mix)
         names.append(evs[0].probe_id)
         mine: list[Batch] = []
         for k in range(0, len(evs), batch):
@@ -376,15 +436,22 @@ def _cpu_seconds(pid: int) -> float | None:
 
 @contextlib.contextmanager
 def collector(
-    url: str, workdir: Path, wl: Workload, batch: int, workers: int = 1
+    url: str,
+    workdir: Path,
+    wl: Workload,
+    batch: int,
+    workers: int = 1,
+    settings: Mapping[str, str] | None = None,
 ) -> Iterator[tuple[str, int]]:
-    """A ``kvwatch serve`` subprocess on a free port; yields (base URL, pid). Always stopped."""
+    """A ``kvwatch serve`` subprocess on a free port; yields (base URL, pid). Always stopped.
+    ``settings``: more ``KVWATCH_*`` environment (collector settings) for it."""
     largest = max(len(b.body) for bs in wl.batches for b in bs)
     env = os.environ | {
         "KVWATCH_DATABASE_URL": url,
         "KVWATCH_MAX_BATCH_EVENTS": str(max(10_000, batch)),
         "KVWATCH_MAX_BODY_BYTES": str(max(16 << 20, 2 * largest)),
         "KVWATCH_WORKERS": str(workers),
+        **(settings or {}),
     }
     port = _free_port()
     log_path = workdir / f"collector-{port}.log"
@@ -468,6 +535,54 @@ def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
             print(f"  collector profile (py-spy, collapsed stacks): {out}")
 
 
+def ingest_client(base: str, token: str) -> httpx.Client:
+    """An HTTP client for ``POST /v1/events`` with an ingest token."""
+    return httpx.Client(
+        base_url=base,
+        headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+        timeout=httpx.Timeout(300.0),
+    )
+
+
+@dataclass(slots=True)
+class Sender:
+    """Posts batches to a collector from client threads and tallies its answers. Any
+    failure raises ``BenchError`` and stops the other threads sharing this sender."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    latencies: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    abort: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, client: httpx.Client, batches: Sequence[Batch]) -> None:
+        acc = dup = gaps = 0
+        lat: list[float] = []
+        for b in batches:
+            if self.abort.is_set():
+                return
+            t = time.perf_counter()
+            try:
+                r = client.post("/v1/events", content=b.body)
+            except httpx.HTTPError as exc:
+                self.abort.set()
+                raise BenchError(f"POST /v1/events failed: {exc!r}") from exc
+            lat.append(time.perf_counter() - t)
+            if r.status_code != 200:
+                self.abort.set()
+                raise BenchError(f"POST /v1/events -> {r.status_code}: {r.text[:2000]}")
+            body = r.json()
+            acc += body["accepted"]
+            dup += body["duplicates"]
+            gaps += len(body["gaps"])
+        with self.lock:
+            self.accepted += acc
+            self.duplicates += dup
+            self.gaps += gaps
+            self.latencies.extend(lat)
+
+
 def http_ingest(
     url: str,
     workdir: Path,
@@ -481,52 +596,18 @@ def http_ingest(
     with collector(url, workdir, wl, batch, workers) as (base, pid):
         print(f"  collector pid {pid} at {base}", flush=True)
         plan = [wl.interleaved(range(i, len(wl.probes), clients)) for i in range(clients)]
-        totals = {"accepted": 0, "duplicates": 0, "gaps": 0}
-        latencies: list[float] = []
-        lock = threading.Lock()
-        abort = threading.Event()
-        http_clients = [
-            httpx.Client(
-                base_url=base,
-                headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
-                timeout=httpx.Timeout(300.0),
-            )
-            for _ in range(clients)
-        ]
-
-        def send(client: httpx.Client, batches: list[Batch]) -> None:
-            acc = dup = gaps = 0
-            lat: list[float] = []
-            for b in batches:
-                if abort.is_set():
-                    return
-                t = time.perf_counter()
-                try:
-                    r = client.post("/v1/events", content=b.body)
-                except httpx.HTTPError as exc:
-                    abort.set()
-                    raise BenchError(f"POST /v1/events failed: {exc!r}") from exc
-                lat.append(time.perf_counter() - t)
-                if r.status_code != 200:
-                    abort.set()
-                    raise BenchError(f"POST /v1/events -> {r.status_code}: {r.text[:2000]}")
-                body = r.json()
-                acc += body["accepted"]
-                dup += body["duplicates"]
-                gaps += len(body["gaps"])
-            with lock:
-                totals["accepted"] += acc
-                totals["duplicates"] += dup
-                totals["gaps"] += gaps
-                latencies.extend(lat)
-
+        sender = Sender()
+        http_clients = [ingest_client(base, token) for _ in range(clients)]
         try:
             for c in http_clients:  # open every connection before the clock starts
                 c.get("/readyz").raise_for_status()
             with _py_spy(pid, profile):
                 cpu0 = _cpu_seconds(pid)
                 seconds = _run_parallel(
-                    [functools.partial(send, c, p) for c, p in zip(http_clients, plan, strict=True)]
+                    [
+                        functools.partial(sender.send, c, p)
+                        for c, p in zip(http_clients, plan, strict=True)
+                    ]
                 )
                 cpu1 = _cpu_seconds(pid)
         finally:
@@ -534,7 +615,7 @@ def http_ingest(
                 c.close()
     cpu = None if cpu0 is None or cpu1 is None else cpu1 - cpu0
     return HttpResult(
-        seconds, totals["accepted"], totals["duplicates"], totals["gaps"], latencies, cpu
+        seconds, sender.accepted, sender.duplicates, sender.gaps, sender.latencies, cpu
     )
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_webhooks import webhooks_app
 
 app = typer.Typer(
@@ -23,6 +24,10 @@ app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
 app.add_typer(engine_app, name="engine")
 app.add_typer(webhooks_app, name="webhooks")
+app.add_typer(policies_app, name="policies")
+app.add_typer(alerts_app, name="alerts")
+app.add_typer(silences_app, name="silences")
+app.add_typer(incidents_app, name="incidents")
 
 err = Console(stderr=True)
 

@@ -1,0 +1,232 @@
+"""``kvwatch policies``, ``alerts``, ``silences`` and ``incidents``: rule packs, and what
+operators do with what they raise (through the same service as the HTTP API)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvwatch.cli_common import DbUrl, database, err
+
+if TYPE_CHECKING:
+    from collector.alerting.service import AlertingService
+
+policies_app = typer.Typer(help="Rule packs: check and list.", no_args_is_help=True)
+alerts_app = typer.Typer(help="Alerts: list and acknowledge.", no_args_is_help=True)
+silences_app = typer.Typer(help="Silences: hold back notifications.", no_args_is_help=True)
+incidents_app = typer.Typer(help="Incidents: list and close.", no_args_is_help=True)
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+PacksDir = Annotated[
+    Path | None,
+    typer.Option("--packs-dir", envvar="KVWATCH_POLICY_PACKS_DIR", help="Operator rule packs."),
+]
+
+
+def _rules_table(rules: list[object]) -> Table:
+    t = Table("rule", "kind", "severity", "for", "resolve after", "pack", "source")
+    from policies.durations import format_duration
+
+    for r in rules:
+        t.add_row(
+            r.name,  # type: ignore[attr-defined]
+            r.kind,  # type: ignore[attr-defined]
+            r.severity,  # type: ignore[attr-defined]
+            format_duration(r.for_s),  # type: ignore[attr-defined]
+            format_duration(r.resolve_after_s),  # type: ignore[attr-defined]
+            r.pack,  # type: ignore[attr-defined]
+            r.source,  # type: ignore[attr-defined]
+        )
+    return t
+
+
+@policies_app.command("check")
+def policies_check(
+    path: Annotated[Path, typer.Argument(help="A pack file, or a directory of packs.")],
+) -> None:
+    """Validate a pack (or every pack in a directory, together with the default pack).
+    Exit 0 valid, 1 invalid (the error names file, line and field)."""
+    from policies import PackError, RuleSet, default_pack, load_pack, load_ruleset
+
+    try:
+        if path.is_dir():
+            ruleset = load_ruleset(path)
+        else:
+            ruleset = RuleSet.of([default_pack(), load_pack(path)])
+    except PackError as exc:
+        err.print(f"[red]invalid:[/] {exc}")
+        raise typer.Exit(1) from None
+    out.print(_rules_table(list(ruleset.rules)))
+    err.print(f"[green]valid:[/] {len(ruleset.rules)} rules in {len(ruleset.packs)} pack(s)")
+
+
+@policies_app.command("list")
+def policies_list(packs_dir: PacksDir = None) -> None:
+    """The rules in force: the default pack and the operator packs."""
+    from policies import PackError, load_ruleset
+
+    try:
+        ruleset = load_ruleset(packs_dir)
+    except PackError as exc:
+        err.print(f"[red]invalid:[/] {exc}")
+        raise typer.Exit(1) from None
+    out.print(_rules_table(list(ruleset.rules)))
+
+
+def _service(db: object, packs_dir: str | None) -> AlertingService:
+    from collector.alerting.service import AlertingService
+    from policies import load_ruleset
+
+    return AlertingService(db, load_ruleset(packs_dir))  # type: ignore[arg-type]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@alerts_app.command("list")
+def alerts_list(
+    state: Annotated[str | None, typer.Option(help="pending | firing | resolved")] = None,
+    severity: Annotated[str | None, typer.Option(help="info | warning | critical")] = None,
+    limit: int = 100,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    database_url: DbUrl = None,
+) -> None:
+    """Alerts, newest first."""
+    with database(database_url) as (db, s):
+        alerts = _service(db, s.policy_packs_dir).list_alerts(
+            state=state, severity=severity, limit=limit
+        )
+    if as_json:
+        for a in alerts:
+            print(json.dumps(a, sort_keys=True))
+        return
+    t = Table("id", "state", "severity", "rule", "deployment", "since", "acked", "summary")
+    for a in alerts:
+        t.add_row(
+            str(a["id"]),
+            a["state"],
+            a["severity"],
+            a["rule"],
+            a["deployment_id"] or "",
+            a["starts_at"] or "",
+            a["acked_by"] or "",
+            a["annotations"].get("summary", ""),
+        )
+    out.print(t)
+
+
+@alerts_app.command("ack")
+def alerts_ack(
+    alert_id: int,
+    by: Annotated[str, typer.Option(help="Who acknowledges.")],
+    comment: Annotated[str | None, typer.Option(help="Why, or what is being done.")] = None,
+    database_url: DbUrl = None,
+) -> None:
+    """Acknowledge an alert: no repeat notifications until it resolves."""
+    with database(database_url) as (db, s):
+        a = _service(db, s.policy_packs_dir).ack(alert_id, by, comment, _now())
+    err.print(f"alert {a['id']} ({a['rule']}) acknowledged by {a['acked_by']}")
+
+
+@silences_app.command("create")
+def silences_create(
+    match: Annotated[
+        list[str], typer.Option("--match", help="label=value (repeatable); label=~regex")
+    ],
+    duration: Annotated[str, typer.Option("--for", help="How long, e.g. 2h.")],
+    by: Annotated[str, typer.Option(help="Who silences.")],
+    comment: Annotated[str, typer.Option(help="Why.")],
+    database_url: DbUrl = None,
+) -> None:
+    """Hold back notifications of alerts matching every matcher, for a while."""
+    from policies.durations import parse_duration
+
+    matchers = []
+    for m in match:
+        name, sep, value = m.partition("=")
+        if not sep:
+            err.print(f"[red]error:[/] --match {m!r}: expected label=value")
+            raise typer.Exit(2)
+        regex = value.startswith("~")
+        matchers.append({"name": name, "value": value[1:] if regex else value, "regex": regex})
+    try:
+        seconds = parse_duration(duration)
+    except ValueError as exc:
+        err.print(f"[red]error:[/] --for: {exc}")
+        raise typer.Exit(2) from None
+    now = _now()
+    with database(database_url) as (db, s):
+        sil = _service(db, s.policy_packs_dir).silence(
+            matchers, now, now + timedelta(seconds=seconds), by, comment, now
+        )
+    err.print(f"silence {sil['id']} until {sil['ends_at']}")
+    print(sil["id"])
+
+
+@silences_app.command("list")
+def silences_list(database_url: DbUrl = None) -> None:
+    with database(database_url) as (db, s):
+        silences = _service(db, s.policy_packs_dir).list_silences()
+    t = Table("id", "active", "matchers", "ends", "by", "comment")
+    for x in silences:
+        t.add_row(
+            str(x["id"]),
+            "yes" if x["active"] else "no",
+            ",".join(
+                f"{m['name']}{'=~' if m['regex'] else '='}{m['value']}" for m in x["matchers"]
+            ),
+            x["ends_at"],
+            x["created_by"],
+            x["comment"],
+        )
+    out.print(t)
+
+
+@silences_app.command("expire")
+def silences_expire(
+    silence_id: int, by: Annotated[str, typer.Option(help="Who.")], database_url: DbUrl = None
+) -> None:
+    with database(database_url) as (db, s):
+        _service(db, s.policy_packs_dir).expire_silence(silence_id, by, _now())
+    err.print(f"silence {silence_id} expired")
+
+
+@incidents_app.command("list")
+def incidents_list(
+    state: Annotated[str | None, typer.Option(help="open | closed")] = None,
+    database_url: DbUrl = None,
+) -> None:
+    with database(database_url) as (db, s):
+        incidents = _service(db, s.policy_packs_dir).list_incidents(state)
+    t = Table("id", "state", "deployment", "aware since", "Art. 33 deadline", "title")
+    for i in incidents:
+        t.add_row(
+            str(i["id"]),
+            i["state"],
+            i["deployment_id"],
+            i["awareness_at"],
+            i["deadline_at"],
+            i["title"],
+        )
+    out.print(t)
+
+
+@incidents_app.command("close")
+def incidents_close(
+    incident_id: int,
+    by: Annotated[str, typer.Option(help="The person closing it.")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the audit log).")],
+    database_url: DbUrl = None,
+) -> None:
+    """Close an incident: a person, with a reason."""
+    with database(database_url) as (db, s):
+        _service(db, s.policy_packs_dir).close_incident(incident_id, by, reason, _now())
+    err.print(f"incident {incident_id} closed by {by}")

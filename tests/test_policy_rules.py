@@ -1,0 +1,257 @@
+"""Every rule kind of the default pack, firing and not firing, on events sent through the real
+ingest path (HTTP, collector, database), and the timer's pass through the service."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from collector.alerting.service import AlertingService
+from collector.db import Database
+from engine_probe import events as ev
+from policies import load_ruleset
+from tests import factories as f
+from tests.conftest import Collector
+
+
+class Env:
+    def __init__(self, c: Collector):
+        self.c = c
+        self.admin = c.client(c.admin)
+        self.ingest = c.client(c.ingest)
+        self.db = Database(c.db_url)
+        self.service = AlertingService(self.db, load_ruleset())
+        self.seq = 0
+        self.probe = "probe-rules"
+
+    def send(self, *events: ev.Event) -> None:
+        body = [f.as_json(e) for e in events]
+        r = self.ingest.post("/v1/events", json=body)
+        assert r.status_code == 200, r.text
+
+    def next(self, n: int = 1) -> int:
+        self.seq += n
+        return self.seq
+
+    def alerts(self, rule: str, state: str | None = None) -> list[dict[str, Any]]:
+        params = {"rule": rule, **({"state": state} if state else {})}
+        r = self.admin.get("/v1/alerts", params=params)
+        assert r.status_code == 200, r.text
+        return list(r.json())
+
+    def tick(self, after: timedelta = timedelta(0)) -> None:
+        self.service.tick(datetime.now(UTC) + after)
+
+
+@pytest.fixture
+def env(collector: Collector) -> Iterator[Env]:
+    e = Env(collector)
+    yield e
+    e.admin.close()
+    e.ingest.close()
+    e.db.dispose()
+
+
+def cfg(env: Env, **kw: Any) -> ev.Event:
+    return f.config(env.next(), probe=env.probe, **kw)
+
+
+def test_context_pressure_against_the_unverified_bound_then_the_verified_one(env: Env) -> None:
+    env.send(cfg(env))  # pool 681,280 under an advertised 1,048,576: the bound is the pool
+    env.send(f.admitted(env.next(), "r-small", prompt=100_000, probe=env.probe))
+    assert env.alerts("context_pressure") == []
+    env.send(f.admitted(env.next(), "r-near", prompt=600_000, probe=env.probe))  # 88%
+    env.send(f.rejected(env.next(), "r-over", prompt=700_000, probe=env.probe))  # 103%
+    got = {(a["severity"], a["labels"]["verified"]): a for a in env.alerts("context_pressure")}
+    assert set(got) == {("warning", "false"), ("critical", "false")}
+    warn = got[("warning", "false")]
+    assert warn["state"] == "firing"
+    assert warn["labels"]["model_id"] == "glm-5.3"
+    assert warn["labels"]["route"] == "/v1/chat/completions"
+    assert warn["value"] == pytest.approx(600_000 / 681_280, abs=1e-4)
+    assert "681280" in warn["annotations"]["summary"]
+
+    # A verification measured under these settings sets the bound instead.
+    r = env.ingest.post(
+        "/v1/verifications",
+        json={
+            "deployment_id": "glm-prod",
+            "model_id": "glm-5.3",
+            "passed": True,
+            "verified_safe_context": 500_000,
+            "engine_version": "0.5.21",
+            "pool_capacity_tokens": 681_280,
+        },
+    )
+    assert r.status_code == 201, r.text
+    env.send(f.admitted(env.next(), "r-verified", prompt=450_000, probe=env.probe))  # 90%
+    verified = [a for a in env.alerts("context_pressure") if a["labels"]["verified"] == "true"]
+    assert [a["severity"] for a in verified] == ["warning"]
+    assert verified[0]["value"] == pytest.approx(0.9)
+
+
+def test_pool_rules_fire_and_resolve_with_the_config(env: Env) -> None:
+    env.send(cfg(env))  # the incident's pool: 681,280 < 1,048,576
+    (below,) = env.alerts("pool_below_advertised")
+    assert below["state"] == "firing" and below["severity"] == "critical"
+    assert below["labels"]["node"] == "prefill-0"
+    assert env.alerts("pool_headroom", "firing") == []  # below is the critical rule's
+
+    env.send(cfg(env, pool_tokens=1_500_000))  # fits once, not twice
+    assert env.alerts("pool_below_advertised")[0]["state"] == "resolved"
+    (head,) = env.alerts("pool_headroom")
+    assert head["state"] == "firing" and head["severity"] == "warning"
+
+    env.send(cfg(env, pool_tokens=2_200_000))
+    assert env.alerts("pool_headroom")[0]["state"] == "resolved"
+    history = env.admin.get(f"/v1/alerts/{head['id']}").json()["history"]
+    assert [h["to"] for h in history] == ["firing", "resolved"]
+
+
+def test_verification_missing_pends_fires_and_resolves_and_drift_makes_it_stale(env: Env) -> None:
+    env.send(cfg(env, pool_tokens=2_200_000))
+    (a,) = env.alerts("verification_missing_or_stale")
+    assert a["state"] == "pending"  # the default pack waits 10 minutes
+    env.tick(timedelta(minutes=11))
+    assert env.alerts("verification_missing_or_stale")[0]["state"] == "firing"
+
+    r = env.admin.post(
+        "/v1/verifications",
+        json={
+            "deployment_id": "glm-prod",
+            "model_id": "glm-5.3",
+            "passed": True,
+            "verified_safe_context": 900_000,
+            "engine_version": "0.5.21",
+            "pool_capacity_tokens": 2_200_000,
+            "quantization": None,
+        },
+    )
+    assert r.status_code == 201, r.text
+    env.tick()
+    assert env.alerts("verification_missing_or_stale")[0]["state"] == "resolved"
+
+    # the engine is upgraded: the verification no longer holds, and that is drift too
+    env.send(cfg(env, pool_tokens=2_200_000, engine_version="0.5.22"))
+    (again,) = env.alerts("verification_missing_or_stale")
+    assert again["state"] == "pending"
+    assert "engine_version: 0.5.21 -> 0.5.22" in again["annotations"]["summary"]
+    (drift,) = env.alerts("config_drift")
+    assert drift["state"] == "firing"
+    assert drift["annotations"]["changed"] == "engine_version"
+
+
+def test_config_drift_not_on_an_unchanged_config(env: Env) -> None:
+    env.send(cfg(env), cfg(env))
+    env.send(cfg(env, dtype="fp8"))
+    assert env.alerts("config_drift") == []
+    env.send(cfg(env, quantization="awq", tp_size=8))
+    (drift,) = env.alerts("config_drift")
+    assert drift["annotations"]["changed"] == "quantization,tp_size"
+
+
+def test_cross_tenant_stale_read_fires_critical_and_opens_one_incident(env: Env) -> None:
+    env.send(f.stale_read(env.next(), probe=env.probe))
+    env.send(f.stale_read(env.next(), probe=env.probe, page_ids=[9]))  # same pair: same alert
+    (a,) = env.alerts("stale_page_read")
+    assert a["state"] == "firing" and a["severity"] == "critical"
+    assert a["labels"]["cross_tenant"] == "true"
+    assert (a["labels"]["reader_tenant"], a["labels"]["previous_tenant"]) == ("globex", "acme")
+    assert a["occurrences"] == 2
+    (inc,) = env.admin.get("/v1/incidents").json()
+    assert inc["state"] == "open"
+    aware = datetime.fromisoformat(inc["awareness_at"])
+    assert datetime.fromisoformat(inc["deadline_at"]) - aware == timedelta(hours=72)
+    detail = env.admin.get(f"/v1/incidents/{inc['id']}").json()
+    assert [x["id"] for x in detail["alerts"]] == [a["id"]]
+
+    # another tenant pair on the same deployment joins the open incident
+    env.send(f.stale_read(env.next(), probe=env.probe, reader_tenant="initech"))
+    assert len(env.admin.get("/v1/incidents").json()) == 1
+    assert len(env.alerts("stale_page_read")) == 2
+
+
+def test_same_tenant_or_zeroized_stale_reads_open_no_incident(env: Env) -> None:
+    env.send(f.stale_read(env.next(), probe=env.probe, previous_tenant="globex"))
+    env.send(f.stale_read(env.next(), probe=env.probe, reader_tenant="initech", zeroized=True))
+    alerts = env.alerts("stale_page_read")
+    assert sorted(a["labels"]["cross_tenant"] for a in alerts) == ["false", "false"]
+    assert all(a["state"] == "firing" for a in alerts)  # still a defect worth paging on
+    assert env.admin.get("/v1/incidents").json() == []
+
+
+def test_rejected_prefill_transfer(env: Env) -> None:
+    def transfer(rejected: bool, rid: str) -> ev.Event:
+        return ev.KvTransfer(
+            **f.base(env.next(), probe=env.probe),
+            request_id=rid,
+            tenant="acme",
+            from_node="prefill-0",
+            to_node="decode-0",
+            pages=4,
+            prefill_rejected=rejected,
+        )
+
+    env.send(transfer(False, "r-ok"))
+    assert env.alerts("rejected_prefill_kv_transfer") == []
+    env.send(transfer(True, "r-bad"))
+    (a,) = env.alerts("rejected_prefill_kv_transfer")
+    assert a["severity"] == "critical" and a["labels"]["from_node"] == "prefill-0"
+
+
+def test_engine_version_advisory_needs_the_version_and_the_condition(env: Env) -> None:
+    env.send(cfg(env, pool_tokens=2_200_000, disaggregated=False))  # 0.5.21, monolithic
+    assert env.alerts("engine_version_advisory", "firing") == []
+    env.send(cfg(env, pool_tokens=2_200_000))  # 0.5.21, disaggregated: affected
+    (a,) = env.alerts("engine_version_advisory")
+    assert a["state"] == "firing" and a["severity"] == "critical"
+    assert a["labels"]["advisory"] == "sglang-disagg-rejected-prefill-transfer"
+    assert "sglang/pull/34208" in a["annotations"]["references"]
+    env.send(cfg(env, pool_tokens=2_200_000, engine_version="0.5.22"))
+    assert env.alerts("engine_version_advisory")[0]["state"] == "resolved"
+
+
+def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:
+    env.send(cfg(env, prefix_caching=True))
+    env.send(f.admitted(env.next(), "r-1", tenant="acme", prompt=10, probe=env.probe))
+    env.tick()
+    assert env.alerts("prefix_cache_unsalted", "firing") == []  # one tenant: nothing shared
+    env.send(f.admitted(env.next(), "r-2", tenant="globex", prompt=10, probe=env.probe))
+    env.tick()
+    (a,) = env.alerts("prefix_cache_unsalted")
+    assert a["state"] == "firing" and a["value"] == 2
+    env.send(cfg(env, prefix_caching=True, prefix_cache_salting=True))
+    assert env.alerts("prefix_cache_unsalted")[0]["state"] == "resolved"
+
+
+def test_telemetry_gaps_missing_fields_and_silent_probes(env: Env) -> None:
+    env.send(f.admitted(env.next(), "r-1", probe=env.probe))
+    assert env.alerts("telemetry_gap") == []
+    env.seq += 3  # three events lost
+    env.send(
+        f.admitted(env.next(), "r-2", probe=env.probe, prompt=None),  # type: ignore[arg-type]
+        f.admitted(env.next(), "r-3", probe=env.probe, model_id=None),
+    )
+    problems = {a["labels"]["problem"]: a for a in env.alerts("telemetry_gap")}
+    assert set(problems) == {"seq_gap", "missing_token_counts", "missing_model_id"}
+    assert problems["seq_gap"]["value"] == 3
+    env.tick(timedelta(minutes=10))
+    silent = [a for a in env.alerts("telemetry_gap") if a["labels"]["problem"] == "silent"]
+    assert [a["state"] for a in silent] == ["firing"]
+    assert silent[0]["labels"]["probe_id"] == env.probe
+    # event alerts resolve after an hour without an occurrence
+    env.tick(timedelta(hours=2))
+    assert env.alerts("telemetry_gap", "firing")[0]["labels"]["problem"] == "silent"
+    assert problems["seq_gap"]["id"] in [a["id"] for a in env.alerts("telemetry_gap", "resolved")]
+
+
+def test_a_resent_batch_raises_nothing_twice(env: Env) -> None:
+    batch = [f.stale_read(env.next(), probe=env.probe)]
+    env.send(*batch)
+    env.send(*batch)  # the probe retried: duplicates are not evaluated again
+    (a,) = env.alerts("stale_page_read")
+    assert a["occurrences"] == 1
+    assert len(env.admin.get("/v1/incidents").json()) == 1
