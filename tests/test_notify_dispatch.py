@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import select
 from typer.testing import CliRunner
 
@@ -220,7 +221,8 @@ def test_410_disables_the_endpoint_and_stops_sending_until_enabled(db: Database)
     receiver.secrets["/gone"] = _add(db, "gone", receiver.url + "/gone") or ""
     receiver.secrets["/ok"] = _add(db, "ok", receiver.url + "/ok") or ""
     assert _enqueue(db, alert_doc(1), alert_doc(2), at=clock()) == 4
-    dispatcher = Dispatcher(db, _settings(db), clock=clock)
+    registry = CollectorRegistry()
+    dispatcher = Dispatcher(db, _settings(db), clock=clock, registry=registry)
     try:
         assert dispatcher.run_once() == 3  # one 410, two delivered
         ep = _endpoint(db, "gone")
@@ -250,6 +252,31 @@ def test_410_disables_the_endpoint_and_stops_sending_until_enabled(db: Database)
     assert [d.msg_id for d in got] == [rows[0].msg_id, rows[0].msg_id, rows[1].msg_id]
     assert all(d.error is None for d in got)
     assert _endpoint(db, "gone").disabled_reason is None
+    count = registry.get_sample_value
+    assert count("kvwatch_notify_deliveries_total", {"endpoint": "gone", "result": "gone"}) == 1
+    assert (
+        count("kvwatch_notify_deliveries_total", {"endpoint": "gone", "result": "delivered"}) == 2
+    )
+    assert count("kvwatch_notify_deliveries_total", {"endpoint": "ok", "result": "delivered"}) == 3
+
+
+def test_a_document_that_cannot_be_rendered_is_retried_not_dropped(db: Database) -> None:
+    _add(db, "am", "http://127.0.0.1:9", kind="alertmanager")
+    broken = {k: v for k, v in alert_doc(1).items() if k != "created_at"}
+    clock = FakeClock()
+    _enqueue(db, broken, alert_doc(2), at=clock())
+    dispatcher = Dispatcher(db, _settings(db), clock=clock)
+    try:
+        assert dispatcher.run_once() == 1
+    finally:
+        dispatcher.shutdown()
+    head, second = _outbox(db, "am")
+    assert head.status == "pending" and head.attempts == 1
+    assert head.last_error.startswith("cannot render the notification: KeyError")
+    assert head.next_attempt_at > clock() * US
+    assert second.attempts == 0  # still behind it: order holds even for a bad message
+    (attempt,) = _attempts(db, "am")
+    assert attempt.status_code is None and "cannot render" in attempt.error
 
 
 def test_two_dispatchers_never_send_to_one_endpoint_at_once(db: Database, db_url: str) -> None:

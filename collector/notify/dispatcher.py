@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter
-from sqlalchemy import Connection, insert, or_, select, update
+from sqlalchemy import Connection, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import aliased
 
@@ -163,11 +163,16 @@ class Dispatcher:
         """Stop the loop and wait up to ``timeout`` for an attempt in flight. A message cut
         off here stays pending and goes out again (same id) after its lease runs out."""
         self._stop.set()
+        in_flight = False
         if self._thread is not None:
             self._thread.join(timeout)
+            in_flight = self._thread.is_alive()
             self._thread = None
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
+        if not in_flight:
+            # Closing the client under a request in flight would fail it for nothing: the
+            # daemon thread ends with the process.
+            self._http.close()
 
     def force_flush(self, timeout: float = 10.0) -> bool:
         """Run passes until nothing is due or ``timeout`` seconds passed; True if nothing is
@@ -291,16 +296,23 @@ class Dispatcher:
         self, endpoint: _Endpoint, head: _Head, now_us: int, lease_us: int
     ) -> tuple[bool, bool]:
         """Send the head message and record the outcome. Returns (delivered, lease kept)."""
-        doc = json.loads(head.data)
         now_s = now_us / US
-        body = payloads.render(
-            endpoint.kind,
-            endpoint.format,
-            doc,
-            receiver_name=endpoint.name,
-            external_url=self.settings.public_url,
-            now=now_s,
-        )
+        try:
+            body = payloads.render(
+                endpoint.kind,
+                endpoint.format,
+                json.loads(head.data),
+                receiver_name=endpoint.name,
+                external_url=self.settings.public_url,
+                now=now_s,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # A document that cannot be rendered is a bug upstream. It is recorded and
+            # retried like any failure (never dropped, visible in last_error) instead of
+            # raising on every pass.
+            error = f"cannot render the notification: {type(exc).__name__}: {exc}"
+            failed = _Outcome(None, error[:_ERROR_MAX], 0.0)
+            return False, self._record(endpoint, head, failed, False, now_us, lease_us)
         timestamp = int(now_s)
         headers = {
             "content-type": "application/json",
@@ -355,7 +367,8 @@ class Dispatcher:
                 if outcome.ok:
                     values: dict[str, Any] = {
                         "status": "delivered",
-                        "delivered_at": now_us,
+                        # first delivery wins if a replica that lost its lease got there too
+                        "delivered_at": func.coalesce(o.delivered_at, now_us),
                         "last_error": None,
                     }
                     where = [o.id == head.id]

@@ -1,0 +1,278 @@
+"""Operators and receivers: acknowledging, silencing, closing incidents, repeats and reminders,
+and the signed webhooks an alert sends, through the real collector."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from collector import audit
+from collector import models as m
+from collector.alerting.service import AlertingService
+from collector.db import Database
+from collector.models import to_micros
+from collector.notify.outbox import add_endpoint
+from collector.notify.signing import verify
+from policies import load_ruleset
+from tests import factories as f
+from tests.conftest import Collector
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1 that checks every signature."""
+
+    def __init__(self, secret: str | None = None):
+        self.secret = secret
+        self.got: list[dict[str, Any]] = []
+        self.bad: list[str] = []
+        self.cond = threading.Condition()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                if outer.secret is not None:
+                    try:
+                        verify(outer.secret, dict(self.headers.items()), body)
+                    except Exception as exc:
+                        outer.bad.append(str(exc))
+                with outer.cond:
+                    outer.got.append({"id": self.headers.get("webhook-id"), **json.loads(body)})
+                    outer.cond.notify_all()
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, pred: Any, timeout: float = 20.0) -> list[dict[str, Any]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: pred(self.got), timeout), self.got
+            return list(self.got)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Env:
+    def __init__(self, c: Collector):
+        self.c = c
+        self.admin = c.client(c.admin)
+        self.ingest = c.client(c.ingest)
+        self.db = Database(c.db_url)
+        self.service = AlertingService(self.db, load_ruleset())
+        self.seq = 0
+
+    def send(self, *events: Any) -> None:
+        r = self.ingest.post("/v1/events", json=[f.as_json(e) for e in events])
+        assert r.status_code == 200, r.text
+
+    def stale(self, **kw: Any) -> None:
+        self.seq += 1
+        self.send(f.stale_read(self.seq, probe="probe-ops", **kw))
+
+    def alert(self, rule: str = "stale_page_read") -> dict[str, Any]:
+        (a,) = self.admin.get("/v1/alerts", params={"rule": rule}).json()
+        return dict(a)
+
+
+@pytest.fixture
+def env(collector: Collector) -> Iterator[Env]:
+    e = Env(collector)
+    yield e
+    e.admin.close()
+    e.ingest.close()
+    e.db.dispose()
+
+
+def test_firing_alert_and_incident_arrive_signed_at_a_webhook(env: Env) -> None:
+    with env.db.write() as conn:
+        add_endpoint(
+            conn, "ops", "http://127.0.0.1:9/unused", now_us=to_micros(datetime.now(UTC))
+        )
+    # the real receiver: registered after a dead one, to show each endpoint gets its own copy
+    rx = Receiver()
+    with env.db.write() as conn:
+        _, rx.secret = add_endpoint(conn, "sec", rx.url, now_us=to_micros(datetime.now(UTC)))
+    try:
+        env.stale()
+        got = rx.wait(lambda g: {x["type"] for x in g} >= {"alert.firing", "incident.opened"})
+        assert rx.bad == []
+        firing = next(x for x in got if x["type"] == "alert.firing")
+        assert firing["alerts"][0]["rule"] == "stale_page_read"
+        assert firing["alerts"][0]["labels"]["cross_tenant"] == "true"
+        assert firing["group_labels"] == {
+            "alertname": "stale_page_read",
+            "deployment_id": "glm-prod",
+        }
+        opened = next(x for x in got if x["type"] == "incident.opened")
+        assert opened["incident"]["deadline_at"] > opened["incident"]["awareness_at"]
+        assert len({x["id"] for x in got}) == len(got)  # one id per notification
+    finally:
+        rx.close()
+
+
+def test_ack_stops_repeats_and_is_audited(env: Env) -> None:
+    env.stale()
+    a = env.alert()
+    later = datetime.now(UTC) + timedelta(hours=5)  # past the 4h repeat interval
+    with env.db.read() as conn:
+        before = conn.execute(select(m.OutboxMessage.event_type)).scalars().all()
+    rx_endpoint_needed = before == []  # no endpoint: outbox rows only exist with one
+    with env.db.write() as conn:
+        add_endpoint(conn, "ops", "http://127.0.0.1:9/x", now_us=to_micros(datetime.now(UTC)))
+    result = env.service.tick(later)
+    assert result is not None and result.notifications >= 1  # the repeat
+    r = env.admin.post(f"/v1/alerts/{a['id']}/ack", json={"comment": "on it"})
+    assert r.status_code == 200, r.text
+    assert r.json()["acked"] is True and r.json()["ack_comment"] == "on it"
+    again = env.service.tick(later + timedelta(hours=5))
+    with env.db.read() as conn:
+        docs = [json.loads(d) for d in conn.execute(select(m.OutboxMessage.data)).scalars()]
+        assert audit.verify(conn).ok
+        actions = conn.execute(select(m.AuditEntry.action)).scalars().all()
+    assert again is not None
+    # (the probe went silent meanwhile: telemetry_gap alerts come and repeat too)
+    repeats = [
+        d
+        for d in docs
+        if d["type"] == "alert.repeat" and d["alerts"][0]["rule"] == "stale_page_read"
+    ]
+    assert len(repeats) == 1, docs
+    assert "alert.ack" in actions and "incident.opened" in actions
+    assert rx_endpoint_needed
+    history = env.admin.get(f"/v1/alerts/{a['id']}").json()["history"]
+    assert history[-1]["actor"] and history[-1]["detail"]["ack"] is True
+
+
+def test_silence_holds_back_notifications_but_not_the_alert(env: Env) -> None:
+    with env.db.write() as conn:
+        add_endpoint(conn, "ops", "http://127.0.0.1:9/x", now_us=to_micros(datetime.now(UTC)))
+    r = env.admin.post(
+        "/v1/silences",
+        json={
+            "matchers": [{"name": "alertname", "value": "stale_page_read"}],
+            "duration": "2h",
+            "comment": "maintenance",
+        },
+    )
+    assert r.status_code == 201, r.text
+    env.stale(previous_tenant="globex", reader_tenant="globex")  # same tenant: no incident
+    assert env.alert()["state"] == "firing"
+    assert env.alert()["silenced"] is True
+    with env.db.read() as conn:
+        assert conn.execute(select(m.OutboxMessage.event_type)).scalars().all() == []
+    sid = r.json()["id"]
+    assert env.admin.delete(f"/v1/silences/{sid}").json()["active"] is False
+    env.stale(previous_tenant="initech", reader_tenant="initech")
+    with env.db.read() as conn:
+        assert conn.execute(select(m.OutboxMessage.event_type)).scalars().all() == ["alert.firing"]
+
+
+def test_incident_reminders_then_a_person_closes_it(env: Env) -> None:
+    env.stale()
+    (inc,) = env.admin.get("/v1/incidents").json()
+    deadline = datetime.fromisoformat(inc["deadline_at"])
+    with env.db.write() as conn:
+        add_endpoint(conn, "ops", "http://127.0.0.1:9/x", now_us=to_micros(datetime.now(UTC)))
+    env.service.tick(deadline - timedelta(hours=30))  # the 48h reminder is due
+    env.service.tick(deadline - timedelta(hours=30))  # and not twice
+    env.service.tick(deadline - timedelta(minutes=30))  # 24h, 6h, 1h at once: one reminder
+    detail = env.admin.get(f"/v1/incidents/{inc['id']}").json()
+    assert detail["reminders_sent"] == [172800, 86400, 21600, 3600]
+    with env.db.read() as conn:
+        sent = conn.execute(select(m.OutboxMessage.data)).scalars().all()
+    reminders = [json.loads(d) for d in sent if '"incident.reminder"' in d]
+    assert [x["incident"]["remind_before_s"] for x in reminders] == [172800, 3600]
+
+    bad = env.admin.post(f"/v1/incidents/{inc['id']}/close", json={"reason": ""})
+    assert bad.status_code == 422
+    ok = env.admin.post(f"/v1/incidents/{inc['id']}/close", json={"reason": "false positive: test"})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["state"] == "closed" and ok.json()["close_reason"] == "false positive: test"
+    twice = env.admin.post(f"/v1/incidents/{inc['id']}/close", json={"reason": "again"})
+    assert twice.status_code == 409
+    # new cross-tenant reads after closing open a new incident
+    env.stale(reader_tenant="umbrella")
+    assert [i["state"] for i in env.admin.get("/v1/incidents").json()] == ["open", "closed"]
+
+
+def test_tokens_and_bad_input(env: Env) -> None:
+    env.stale()
+    a = env.alert()
+    tenant = env.c.client(env.c.token("read", tenant="acme"))
+    reader = env.c.client(env.c.token("read"))
+    try:
+        assert tenant.get("/v1/alerts").status_code == 403
+        assert tenant.get("/v1/incidents").status_code == 403
+        assert reader.get("/v1/alerts").status_code == 200
+        assert reader.post(f"/v1/alerts/{a['id']}/ack").status_code == 403
+        assert env.ingest.post(f"/v1/alerts/{a['id']}/ack").status_code == 403
+        assert env.c.client(None).get("/v1/alerts").status_code == 401
+    finally:
+        tenant.close()
+        reader.close()
+    cases = [
+        ("post", "/v1/alerts/999999/ack", {}, 404),
+        ("post", "/v1/silences", {"matchers": [], "duration": "1h", "comment": "x"}, 422),
+        ("post", "/v1/silences", {"matchers": [{"name": "a", "value": "("}], "comment": "x"}, 422),
+        (
+            "post",
+            "/v1/silences",
+            {
+                "matchers": [{"name": "a", "value": "(", "regex": True}],
+                "duration": "1h",
+                "comment": "x",
+            },
+            422,
+        ),
+        (
+            "post",
+            "/v1/silences",
+            {"matchers": [{"name": "a", "value": "b"}], "duration": "soon", "comment": "x"},
+            422,
+        ),
+        (
+            "post",
+            "/v1/silences",
+            {"matchers": [{"name": "9a", "value": "b"}], "duration": "1h", "comment": "x"},
+            422,
+        ),
+        ("delete", "/v1/silences/424242", None, 404),
+        ("post", "/v1/incidents/424242/close", {"reason": "x"}, 404),
+        ("post", "/v1/verifications", {"deployment_id": "d", "model_id": "m"}, 422),
+        (
+            "post",
+            "/v1/verifications",
+            {"deployment_id": "d", "model_id": "m", "passed": True, "verified_safe_context": -1},
+            422,
+        ),
+        ("get", "/v1/alerts?state=burning", None, 422),
+    ]
+    for method, path, body, want in cases:
+        kw = {"json": body} if body is not None else {}
+        r = env.admin.request(method.upper(), path, **kw)
+        assert r.status_code == want, (path, body, r.status_code, r.text)
+        assert "error" in r.json() and r.json()["error"]["message"]
+    with env.db.read() as conn:
+        assert conn.execute(select(m.Silence.id)).scalars().all() == []
+        assert conn.execute(select(m.Verification.id)).scalars().all() == []
+
+
+def test_metrics_show_firing_alerts_by_rule_and_severity(env: Env) -> None:
+    env.stale()
+    text = env.c.client(None).get("/metrics").text
+    assert 'kvwatch_alerts_firing{rule="stale_page_read",severity="critical"} 1.0' in text
+    assert "kvwatch_incidents_open 1.0" in text
