@@ -99,9 +99,7 @@ def env(collector: Collector) -> Iterator[Env]:
 
 def test_firing_alert_and_incident_arrive_signed_at_a_webhook(env: Env) -> None:
     with env.db.write() as conn:
-        add_endpoint(
-            conn, "ops", "http://127.0.0.1:9/unused", now_us=to_micros(datetime.now(UTC))
-        )
+        add_endpoint(conn, "ops", "http://127.0.0.1:9/unused", now_us=to_micros(datetime.now(UTC)))
     # the real receiver: registered after a dead one, to show each endpoint gets its own copy
     rx = Receiver()
     with env.db.write() as conn:
