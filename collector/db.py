@@ -115,7 +115,7 @@ class Database:
             if (mapped := _translated(exc.orig, exc)) is None:
                 raise
             raise mapped from exc
-        except _DRIVER_ERRORS as exc:
+        except DRIVER_ERRORS as exc:
             if (mapped := _translated(exc, None)) is None:
                 raise
             raise mapped from exc
@@ -129,7 +129,7 @@ def _psycopg_errors() -> tuple[type[Exception], ...]:
     return (psycopg.Error,)
 
 
-_DRIVER_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, *_psycopg_errors())
+DRIVER_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, *_psycopg_errors())
 _RETRYABLE_SQLSTATES = {"40001", "40P01"}  # serialization failure, deadlock detected
 
 

@@ -9,9 +9,10 @@ from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from collector.alerting.service import AlertingService
-from collector.db import Database
+from collector.db import DRIVER_ERRORS, Database
 from collector.errors import (
     CollectorError,
     Forbidden,
@@ -30,6 +31,7 @@ from policies import NodeConfig, SeqGapFact
 log = logging.getLogger("kvwatch.ingest")
 
 _CONFLICT_RETRIES = 3
+_DB_ERRORS: tuple[type[Exception], ...] = (DBAPIError, *DRIVER_ERRORS)
 _EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 JSON_TYPES = ("application/json", "")
 NDJSON_TYPES = ("application/x-ndjson", "application/ndjson", "application/jsonl")
@@ -134,6 +136,12 @@ class IngestService:
         try:
             with conn.begin_nested():
                 outcome = self.alerting.on_batch(conn, res.new_events, prior, gaps, now)
+        except IntegrityError as exc:
+            # another replica created the same alert or incident first: retrying the whole
+            # batch sees its row (dropping the evaluation would lose the occurrence)
+            raise TransientConflict(f"concurrent alert update, retry: {exc.orig}") from exc
+        except _DB_ERRORS:
+            raise  # an outage or a conflict: the whole batch fails and is retried
         except Exception:
             log.exception("policy evaluation failed; the batch is stored without it")
             self.metrics.policy_failures.inc()
