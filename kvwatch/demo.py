@@ -186,6 +186,8 @@ def _report(
             .json()["items"]
         )
         probes = c.get("/v1/probes").raise_for_status().json()
+        alerts = c.get("/v1/alerts", params={"limit": 1000}).raise_for_status().json()
+        incidents = c.get("/v1/incidents").raise_for_status().json()
     requests = requests["items"]
 
     t = Table(title="Engines: advertised context against each KV pool")
@@ -235,6 +237,22 @@ def _report(
     for (dep, rid, reader, exposed, prev), pages in sorted(by_pair.items()):
         t.add_row(dep, rid, reader, f"[red]{exposed}[/]", prev, str(pages))
     console.print(t)
+    t = Table(title="Alerts the default rule pack raised")
+    for col in ("deployment", "rule", "severity", "state", "summary"):
+        t.add_column(col)
+    for a in sorted(alerts, key=lambda a: (a["deployment_id"] or "", a["rule"])):
+        style = "red" if a["severity"] == "critical" else "yellow"
+        t.add_row(
+            a["deployment_id"] or "", a["rule"], f"[{style}]{a['severity']}[/]", a["state"],
+            a["annotations"].get("summary", "")[:90],
+        )  # fmt: skip
+    console.print(t)
+    for inc in incidents:
+        console.print(
+            f"[bold red]incident {inc['id']}[/] on {inc['deployment_id']}: {inc['title']}; "
+            f"aware {inc['awareness_at']}, GDPR Art. 33 notification due by "
+            f"[bold]{inc['deadline_at']}[/]"
+        )
     drops = sum(stats["dropped"].values())
     console.print(
         f"probe: {stats['emitted']} events emitted, {stats['sent']} delivered, {drops} dropped, "
@@ -243,7 +261,16 @@ def _report(
     per_dep: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in stale:
         per_dep[s["deployment_id"]].append(s)
+    firing: dict[str, list[str]] = defaultdict(list)
+    for a in alerts:
+        if a["state"] == "firing":
+            firing[a["deployment_id"] or ""].append(a["rule"])
     return {
+        "alerts_firing": {dep: sorted(set(rules)) for dep, rules in sorted(firing.items())},
+        "incidents": [
+            {k: inc[k] for k in ("id", "deployment_id", "state", "awareness_at", "deadline_at")}
+            for inc in incidents
+        ],
         "events_emitted": stats["emitted"],
         "events_delivered": stats["sent"],
         "events_dropped": drops,

@@ -45,6 +45,16 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     assert "maximum context length" in hardened["long_prompt_outcome"]
     assert hardened["answer_carried_text_of"] == [] and hardened["stale_reads"] == 0
     assert legacy["own_answers_exact"] and hardened["own_answers_exact"]
+    # the default rule pack saw the chain on legacy, and only the small pool on hardened
+    fired = summary["alerts_firing"]
+    assert {"stale_page_read", "rejected_prefill_kv_transfer", "pool_below_advertised"} <= set(
+        fired[legacy["deployment"]]
+    )
+    assert not {"stale_page_read", "rejected_prefill_kv_transfer"} & set(
+        fired.get(hardened["deployment"], [])
+    )
+    (incident,) = summary["incidents"]
+    assert incident["deployment_id"] == legacy["deployment"] and incident["state"] == "open"
     assert Path(summary["artefacts"]["database"]) == out / "kvwatch.db"
     with sqlite3.connect(out / "kvwatch.db") as conn:
         (stale,) = conn.execute(
