@@ -280,15 +280,18 @@ def test_a_document_that_cannot_be_rendered_is_retried_not_dropped(db: Database)
 
 
 def test_two_dispatchers_never_send_to_one_endpoint_at_once(db: Database, db_url: str) -> None:
-    receiver = Receiver(delay_s=0.02).start()
+    """Two replicas (separate engines on one database) poll flat out while messages keep
+    arriving, so their claims on the same endpoints race all along. The receiver counts
+    requests in flight per endpoint: never two at once; every id once, in order."""
+    receiver = Receiver(delay_s=0.01).start()
     names = ["e1", "e2", "e3"]
     for n in names:
         receiver.secrets[f"/{n}"] = _add(db, n, f"{receiver.url}/{n}") or ""
-    _enqueue(db, *[alert_doc(i) for i in range(8)])
-    replicas = [Database(db_url), Database(db_url)]  # separate pools: like two processes
+    replicas = [Database(db_url), Database(db_url)]
+    registries = [CollectorRegistry(), CollectorRegistry()]
     dispatchers = [
-        Dispatcher(r, _settings(r), owner=f"replica-{i}", max_workers=3)
-        for i, r in enumerate(replicas)
+        Dispatcher(r, _settings(r), owner=f"replica-{i}", registry=g, max_workers=3)
+        for i, (r, g) in enumerate(zip(replicas, registries, strict=True))
     ]
     done = threading.Event()
     errors: list[BaseException] = []
@@ -303,8 +306,12 @@ def test_two_dispatchers_never_send_to_one_endpoint_at_once(db: Database, db_url
     threads = [threading.Thread(target=work, args=(d,)) for d in dispatchers]
     for t in threads:
         t.start()
+    rounds = 10
     try:
-        assert receiver.wait_for(lambda got: len(got) >= 24, timeout=60)
+        for i in range(rounds):
+            _enqueue(db, alert_doc(i))
+            time.sleep(0.03)
+        assert receiver.wait_for(lambda got: len(got) >= rounds * len(names), timeout=60)
     finally:
         done.set()
         for t in threads:
@@ -318,10 +325,20 @@ def test_two_dispatchers_never_send_to_one_endpoint_at_once(db: Database, db_url
     for n in names:
         assert receiver.max_inflight[f"/{n}"] == 1
         _assert_in_order_once(receiver.by_path(f"/{n}"), [r.msg_id for r in _outbox(db, n)])
-    # every lease was released once the work was done
+    sent = [
+        sum(
+            g.get_sample_value(
+                "kvwatch_notify_deliveries_total", {"endpoint": n, "result": "delivered"}
+            )
+            or 0
+            for n in names
+        )
+        for g in registries
+    ]
+    assert sum(sent) == rounds * len(names)
     with db.read() as conn:
         leases = conn.execute(select(m.NotifyEndpoint.lease_owner)).scalars().all()
-    assert leases == [None, None, None]  # released after the work
+    assert leases == [None, None, None]  # every lease released once the work was done
 
 
 _CHILD = """

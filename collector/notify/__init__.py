@@ -33,4 +33,24 @@ written in the same transaction as the alert or incident change that caused it::
 
 Every document is rendered per endpoint at send time, deterministically (a retry sends the
 same body under the same ``webhook-id``).
+
+The package:
+
+* ``outbox``: ``enqueue(conn, doc, severity=..., now_us=...)`` writes one row per enabled
+  endpoint whose ``min_severity`` (info < warning < critical) is at most ``severity``;
+  endpoint management (``add_endpoint``, ``list_endpoints``, ``enable_endpoint``,
+  ``remove_endpoint``).
+* ``payloads``: the bodies. ``kvwatch`` format: the document plus ``"version": 1``.
+  Alertmanager webhook v4 format, and Alertmanager API v2 alerts for ``alertmanager``
+  endpoints; there an incident-only document is one alert labelled
+  ``alertname="kvwatch_incident"``, ``deployment_id``, ``severity="critical"``,
+  ``incident_id``. A firing alert is posted with ``endsAt`` an hour ahead
+  (``payloads.AM_FIRING_HORIZON_S``): the alerting side must send ``alert.repeat`` more often
+  than that to Alertmanager endpoints, or Alertmanager resolves the alert by itself.
+* ``signing``: Standard Webhooks (``webhook-id``, ``webhook-timestamp``,
+  ``webhook-signature: v1,<base64 HMAC-SHA256 of id.timestamp.body>``); ``verify`` is the
+  public function for receivers (also ``kvwatch webhooks verify``).
+* ``dispatcher``: delivery, in outbox order per endpoint, at least once, retried with
+  exponential backoff and jitter; a 410 disables the endpoint; every attempt is recorded in
+  ``delivery_attempts``.
 """
