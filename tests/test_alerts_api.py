@@ -274,3 +274,27 @@ def test_metrics_show_firing_alerts_by_rule_and_severity(env: Env) -> None:
     text = env.c.client(None).get("/metrics").text
     assert 'kvwatch_alerts_firing{rule="stale_page_read",severity="critical"} 1.0' in text
     assert "kvwatch_incidents_open 1.0" in text
+
+
+def test_alertmanager_endpoints_get_firing_alerts_again_every_minute(env: Env) -> None:
+    """Alertmanager drops an alert at its endsAt unless re-sent: kvwatch re-sends firing
+    alerts to Alertmanager endpoints (only) long before."""
+    now = datetime.now(UTC)
+    with env.db.write() as conn:
+        add_endpoint(conn, "hook", "http://127.0.0.1:9/x", now_us=to_micros(now))
+        add_endpoint(conn, "am", "http://127.0.0.1:9", kind="alertmanager", now_us=to_micros(now))
+    env.stale()
+    env.service.tick(now + timedelta(seconds=61))
+    env.service.tick(now + timedelta(seconds=62))  # not yet again
+    env.service.tick(now + timedelta(seconds=125))
+    with env.db.read() as conn:
+        rows = conn.execute(
+            select(m.NotifyEndpoint.name, m.OutboxMessage.event_type, m.OutboxMessage.data)
+            .join(m.NotifyEndpoint, m.NotifyEndpoint.id == m.OutboxMessage.endpoint_id)
+            .order_by(m.OutboxMessage.id)
+        ).all()
+    resent = [json.loads(d) for name, t, d in rows if name == "am" and t == "alert.repeat"]
+    assert len(resent) == 2
+    assert {a["rule"] for a in resent[0]["alerts"]} >= {"stale_page_read"}
+    assert all(a["state"] == "firing" for a in resent[0]["alerts"])
+    assert [t for name, t, _ in rows if name == "hook" and t == "alert.repeat"] == []

@@ -92,10 +92,17 @@ def _us(dt: datetime | None) -> int | None:
     return None if dt is None else to_micros(dt)
 
 
+# Alertmanager ends an alert at its endsAt unless it is sent again (the sender sets endsAt an
+# hour ahead): every firing alert is re-sent to Alertmanager endpoints this often, as
+# Prometheus re-sends every minute.
+ALERTMANAGER_RESEND_S = 60.0
+
+
 class AlertingService:
     def __init__(self, db: Database, rules: RuleSet):
         self.db = db
         self.rules = rules
+        self._am_resent_us = 0
 
     # ------------------------------------------------------------------ the ingest path
 
@@ -173,6 +180,7 @@ class AlertingService:
             result.notifications += self._notify(conn, tick_changes, now_us)
             result.notifications += self._repeat(conn, now_us)
             result.notifications += self._remind(conn, now_us)
+            result.notifications += self._resend_to_alertmanager(conn, now_us)
             return result
 
     def _orphan(self, r: Any) -> Rule:
@@ -329,6 +337,31 @@ class AlertingService:
             key, chosen = docs.group_key(labels, rule.group_by)
             groups.setdefault(("alert.repeat", key), (chosen, []))[1].append(a)
         return self._send_groups(conn, groups, now_us)
+
+    def _resend_to_alertmanager(self, conn: Connection, now_us: int) -> int:
+        """Every firing, unsilenced alert again, to Alertmanager endpoints only (their own
+        repeat and grouping apply there; acknowledging is a kvwatch notion)."""
+        if now_us - self._am_resent_us < ALERTMANAGER_RESEND_S * 1e6:
+            return 0
+        self._am_resent_us = now_us
+        silences = repo.active_silences(conn, now_us)
+        firing = [
+            a
+            for a in repo.active_alerts(conn)
+            if a.state == "firing" and not repo.silenced(json.loads(a.labels), silences)
+        ]
+        if not firing:
+            return 0
+        doc: dict[str, Any] = {
+            "type": "alert.repeat",
+            "created_at": docs.iso(now_us),
+            "group_key": None,
+            "group_labels": {},
+            "alerts": [docs.notification_alert(docs.alert_doc(a)) for a in firing],
+            "incident": None,
+        }
+        severity = max((a.severity for a in firing), key=severity_rank)
+        return enqueue(conn, doc, severity=severity, now_us=now_us, kinds=("alertmanager",))
 
     # ------------------------------------------------------------------ incidents
 

@@ -45,19 +45,31 @@ def new_msg_id() -> str:
     return "msg_" + secrets.token_urlsafe(18)
 
 
-def enqueue(conn: Connection, doc: dict[str, Any], *, severity: str, now_us: int) -> int:
+def enqueue(
+    conn: Connection,
+    doc: dict[str, Any],
+    *,
+    severity: str,
+    now_us: int,
+    kinds: tuple[str, ...] | None = None,
+) -> int:
     """Queue ``doc`` for every enabled endpoint whose ``min_severity`` is at most
-    ``severity``, in the caller's transaction. Returns the number of rows written."""
+    ``severity`` (and whose kind is in ``kinds``, when given), in the caller's transaction.
+    Returns the number of rows written."""
     if severity not in _RANK:
         raise InvalidInput(f"severity must be one of {', '.join(SEVERITIES)}, not {severity!r}")
     if doc.get("type") not in DOC_TYPES:
         raise InvalidInput(f"unknown notification type {doc.get('type')!r}")
     endpoints = conn.execute(
-        select(m.NotifyEndpoint.id, m.NotifyEndpoint.min_severity).where(
+        select(m.NotifyEndpoint.id, m.NotifyEndpoint.min_severity, m.NotifyEndpoint.kind).where(
             m.NotifyEndpoint.enabled.is_(True)
         )
     ).all()
-    targets = [e.id for e in endpoints if _RANK.get(e.min_severity, 0) <= _RANK[severity]]
+    targets = [
+        e.id
+        for e in endpoints
+        if _RANK.get(e.min_severity, 0) <= _RANK[severity] and (kinds is None or e.kind in kinds)
+    ]
     if not targets:
         return 0
     data = payloads.encode(doc).decode()
