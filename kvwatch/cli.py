@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
+from kvwatch.cli_common import DbUrl, err, settings
 from kvwatch.cli_webhooks import webhooks_app
 
 app = typer.Typer(
@@ -29,27 +29,8 @@ app.add_typer(alerts_app, name="alerts")
 app.add_typer(silences_app, name="silences")
 app.add_typer(incidents_app, name="incidents")
 
-err = Console(stderr=True)
-
-
-def _settings(database_url: str | None = None):  # type: ignore[no-untyped-def]
-    from pydantic import ValidationError
-
-    from collector.settings import Settings
-
-    try:
-        return Settings(database_url=database_url) if database_url else Settings()
-    except ValidationError as exc:
-        for e in exc.errors():
-            name = "KVWATCH_" + "_".join(str(p) for p in e["loc"]).upper()
-            err.print(f"[red]error:[/] {name}: {e['msg']}")
-        raise typer.Exit(2) from None
-
-
-DbUrl = Annotated[
-    str | None,
-    typer.Option("--database-url", envvar="KVWATCH_DATABASE_URL", help="SQLAlchemy URL."),
-]
+# kept under its old name: the commands here call it
+_settings = settings
 
 
 @app.command()

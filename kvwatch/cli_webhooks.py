@@ -8,42 +8,21 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from sqlalchemy import Connection
+
+from kvwatch.cli_common import DbUrl, database, err
 
 webhooks_app = typer.Typer(
     help="Notification endpoints (signed webhooks, Alertmanager) and signature checks.",
     no_args_is_help=True,
 )
 
-err = Console(stderr=True)
-
-# The same option as kvwatch.cli's: declared here because that module imports this one.
-DbUrl = Annotated[
-    str | None,
-    typer.Option("--database-url", envvar="KVWATCH_DATABASE_URL", help="SQLAlchemy URL."),
-]
-
 
 @contextmanager
 def _db(database_url: str | None, *, write: bool = True) -> Iterator[Connection]:
     """A transaction on the migrated database; collector errors become exit code 2."""
-    from collector import migrate
-    from collector.db import Database
-    from collector.errors import CollectorError
-    from kvwatch.cli import _settings  # here, not at the top: kvwatch.cli imports this module
-
-    settings = _settings(database_url)
-    migrate.upgrade(settings.database_url)
-    db = Database(settings.database_url)
-    try:
-        with db.write() if write else db.read() as conn:
-            yield conn
-    except CollectorError as exc:
-        err.print(f"[red]error:[/] {exc.message}")
-        raise typer.Exit(2) from None
-    finally:
-        db.dispose()
+    with database(database_url) as (db, _), db.write() if write else db.read() as conn:
+        yield conn
 
 
 def _now_us() -> int:
