@@ -6,8 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
+from functools import cached_property
+from typing import TypeVar
 
 from engine_probe import events as ev
+
+E = TypeVar("E", bound=ev.Event)
 
 # The engine settings a verification was measured under: a change to any invalidates it,
 # and a change between two engine.config events is drift.
@@ -122,16 +126,37 @@ class ProbeFact:
     last_seen: datetime
 
 
-@dataclass(frozen=True, slots=True)
+def index_by_type(events: Iterable[ev.Event]) -> dict[type, list[ev.Event]]:
+    """Events grouped by their type, each group in the order given."""
+    index: dict[type, list[ev.Event]] = {}
+    for e in events:
+        index.setdefault(type(e), []).append(e)
+    return index
+
+
+@dataclass(frozen=True)
 class BatchFacts:
     """A batch's *new* events (duplicates already removed: a re-sent batch changes nothing),
     the deployments they touch, each node's config as it was before the batch, and the seq
-    gaps the batch revealed."""
+    gaps the batch revealed. ``of(EventType, ...)`` gives the batch's events of those types
+    in batch order, indexed once per batch (rules ask for theirs instead of each scanning
+    the whole batch)."""
 
     events: Sequence[ev.Event]
     deployments: Mapping[str, DeploymentFacts] = field(default_factory=dict)
     prior_configs: Mapping[tuple[str, str], NodeConfig] = field(default_factory=dict)
     seq_gaps: Sequence[SeqGapFact] = ()
+    by_type: Mapping[type, list[ev.Event]] | None = None  # index_by_type(events), if known
+
+    @cached_property
+    def _by_type(self) -> Mapping[type, list[ev.Event]]:
+        return self.by_type if self.by_type is not None else index_by_type(self.events)
+
+    def of(self, *types: type[E]) -> list[E]:
+        """The batch's events of these types: grouped by type, each group in batch order."""
+        if len(types) == 1:
+            return self._by_type.get(types[0], [])  # type: ignore[return-value]
+        return [e for t in types for e in self._by_type.get(t, [])]  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True)

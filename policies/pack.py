@@ -27,7 +27,7 @@ import importlib.resources
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -82,7 +82,7 @@ class RulePack:
     rules: tuple[Rule, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RuleSet:
     """The rules in force: every loaded pack's, names unique."""
 
@@ -115,7 +115,11 @@ class RuleSet:
         return (r for r in self.rules if r.enabled)
 
     def rule(self, name: str) -> Rule | None:
-        return next((r for r in self.rules if r.name == name), None)
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, Rule]:
+        return {r.name: r for r in self.rules}
 
 
 def _seconds(doc: YamlDoc, at: tuple[str | int, ...], value: Duration) -> float:

@@ -6,7 +6,7 @@ scan of history.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -98,13 +98,17 @@ def verifications(
     return out
 
 
-def remember_tenants(conn: Connection, events: Sequence[ev.Event], now_us: int) -> None:
-    """Record which tenants each deployment served (what this batch adds)."""
-    pairs = {
-        (e.deployment_id, e.tenant)
-        for e in events
-        if isinstance(e, ev.RequestAdmitted | ev.RequestRejected | ev.RequestFinished)
+def tenant_pairs(by_type: Mapping[type, list[ev.Event]]) -> set[tuple[str, str]]:
+    """(deployment, tenant) of every request event."""
+    return {
+        (e.deployment_id, e.tenant)  # type: ignore[attr-defined]
+        for t in (ev.RequestAdmitted, ev.RequestRejected, ev.RequestFinished)
+        for e in by_type.get(t, ())
     }
+
+
+def remember_tenants(conn: Connection, pairs: set[tuple[str, str]], now_us: int) -> None:
+    """Record which tenants each deployment served."""
     if not pairs:
         return
     mark = "?" if conn.dialect.name == "sqlite" else "%s"

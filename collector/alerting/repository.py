@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Table, and_, insert, select, text, update
+from sqlalchemy import Connection, Table, and_, bindparam, insert, select, update
 
 from collector import models as m
 
@@ -18,28 +18,30 @@ INC: Table = m.Incident.__table__  # type: ignore[assignment]
 H: Table = m.RuleHealth.__table__  # type: ignore[assignment]
 
 
-def lock_fingerprints(conn: Connection, fingerprints: Iterable[str]) -> None:
-    """Serialise evaluation of the same alerts across collector replicas (PostgreSQL; SQLite
-    has one writer). Sorted, so two transactions never wait on each other in a cycle."""
-    if conn.dialect.name != "postgresql":
-        return
-    keys = sorted({int(fp[:15], 16) for fp in fingerprints})
-    if keys:
-        conn.execute(
-            text("SELECT pg_advisory_xact_lock(k) FROM unnest(CAST(:keys AS bigint[])) AS k"),
-            {"keys": keys},
-        )
-
-
-def alerts_by_fingerprint(conn: Connection, fingerprints: Sequence[str]) -> dict[str, Any]:
-    if not fingerprints:
-        return {}
+def alerts_by_fingerprint(
+    conn: Connection, fingerprints: Sequence[str], *, lock: bool = False
+) -> dict[str, Any]:
+    """The stored alerts of these fingerprints; ``lock``: row-locked for the transaction
+    (PostgreSQL; SQLite has one writer), in fingerprint order so that two transactions never
+    wait on each other in a cycle."""
+    wanted = sorted(set(fingerprints))
     out = {}
-    for chunk in range(0, len(fingerprints), 500):
-        part = list(fingerprints[chunk : chunk + 500])
-        for r in conn.execute(select(A).where(A.c.fingerprint.in_(part))):
+    for chunk in range(0, len(wanted), 500):
+        q = select(A).where(A.c.fingerprint.in_(wanted[chunk : chunk + 500]))
+        if lock and conn.dialect.name == "postgresql":
+            q = q.order_by(A.c.fingerprint).with_for_update()
+        for r in conn.execute(q):
             out[r.fingerprint] = r
     return out
+
+
+def update_alerts(conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    """Several alerts' updates in one statement (every dict has the same keys and ``_id``)."""
+    if not rows:
+        return
+    keys = [k for k in rows[0] if k != "_id"]
+    stmt = update(A).where(A.c.id == bindparam("_id")).values({k: bindparam(k) for k in keys})
+    conn.execute(stmt, list(rows))
 
 
 def insert_alert(conn: Connection, values: dict[str, Any]) -> int:

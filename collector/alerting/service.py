@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Connection, text
@@ -43,6 +46,7 @@ from policies import (
     severity_rank,
 )
 from policies.evaluate import RuleHealth
+from policies.facts import index_by_type
 
 log = logging.getLogger("kvwatch.alerting")
 _TIMER_LOCK = 0x6B7677_0002  # pg advisory lock: one timer pass at a time across replicas
@@ -98,19 +102,80 @@ def _us(dt: datetime | None) -> int | None:
 ALERTMANAGER_RESEND_S = 60.0
 
 
+# How long a deployment's configs and verifications are reused between batches without
+# reading them again. A batch carrying an engine.config always reads them fresh (drift is
+# judged against what is stored); what another replica stored, or a verification posted
+# elsewhere, is seen within this long (and by the timer's pass in any case).
+FACTS_TTL_S = 5.0
+_KNOWN_TENANTS_MAX = 100_000
+
+
 class AlertingService:
-    def __init__(self, db: Database, rules: RuleSet):
+    def __init__(self, db: Database, rules: RuleSet, *, facts_ttl_s: float = FACTS_TTL_S):
         self.db = db
         self.rules = rules
+        self.facts_ttl_s = facts_ttl_s
         self._am_resent_us = 0
+        # deployment -> (loaded at, its node configs, its verifications)
+        self._facts: dict[
+            str,
+            tuple[float, dict[tuple[str, str], NodeConfig], dict[tuple[str, str], Any]],
+        ] = {}
+        self._known_tenants: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the ingest path
 
     def prior_configs(
         self, conn: Connection, events: Sequence[ev.Event]
     ) -> dict[tuple[str, str], NodeConfig]:
-        """Each touched deployment's node configs before the batch (call before storing it)."""
-        return F.node_configs(conn, {e.deployment_id for e in events})
+        """Each touched deployment's node configs before the batch (call before storing it):
+        read fresh when the batch reports a config, else reused for ``facts_ttl_s``."""
+        deps = {e.deployment_id for e in events}
+        fresh = any(isinstance(e, ev.EngineConfig) for e in events)
+        out: dict[tuple[str, str], NodeConfig] = {}
+        stale = set()
+        now = time.monotonic()
+        with self._lock:
+            for d in deps:
+                hit = self._facts.get(d)
+                if fresh or hit is None or now - hit[0] > self.facts_ttl_s:
+                    stale.add(d)
+                else:
+                    out.update(hit[1])
+        if stale:
+            loaded = F.node_configs(conn, stale)
+            verified = F.verifications(conn, stale)
+            with self._lock:
+                for d in stale:
+                    mine = {k: v for k, v in loaded.items() if k[0] == d}
+                    self._facts[d] = (now, mine, {k: v for k, v in verified.items() if k[0] == d})
+            out.update(loaded)
+        return out
+
+    def _cached_verifications(self, deps: set[str]) -> dict[tuple[str, str], Any]:
+        with self._lock:
+            out: dict[tuple[str, str], Any] = {}
+            for d in deps:
+                hit = self._facts.get(d)
+                if hit is not None:
+                    out.update(hit[2])
+            return out
+
+    def _remember_configs(self, configs: dict[tuple[str, str], NodeConfig]) -> None:
+        with self._lock:
+            for (d, node), cfg in configs.items():
+                hit = self._facts.get(d)
+                if hit is not None:
+                    hit[1][(d, node)] = cfg
+
+    def forget_facts(self, deployment_id: str | None = None) -> None:
+        """Drop cached facts (all, or one deployment's): the next batch reads them again."""
+        with self._lock:
+            if deployment_id is None:
+                self._facts.clear()
+            else:
+                self._facts.pop(deployment_id, None)
 
     def on_batch(
         self,
@@ -123,12 +188,26 @@ class AlertingService:
         """Evaluate a batch's new events (already stored in ``conn``'s transaction)."""
         now_us = to_micros(now)
         deps = {e.deployment_id for e in events}
-        F.remember_tenants(conn, events, now_us)
-        configs = F.fold_configs(prior, events)
+        by_type = index_by_type(events)
+        new_tenants = F.tenant_pairs(by_type) - self._known_tenants
+        if new_tenants:
+            F.remember_tenants(conn, new_tenants, now_us)
+            if len(self._known_tenants) > _KNOWN_TENANTS_MAX:
+                self._known_tenants.clear()
+            # (added only once this transaction commits would be exact; a rolled-back batch
+            # is retried and inserts again, harmlessly: the insert ignores conflicts)
+            self._known_tenants |= new_tenants
+        config_events = by_type.get(ev.EngineConfig, [])
+        configs = F.fold_configs(prior, config_events)
+        if config_events:
+            self._remember_configs(configs)
+        # tenant counts matter only to rules that look at configs: read them when some came
+        tenants = F.tenant_counts(conn, deps) if config_events else {}
         facts = BatchFacts(
+            by_type=by_type,
             events=events,
             deployments=F.deployment_facts(
-                configs, F.verifications(conn, deps), F.tenant_counts(conn, deps), deps
+                configs, self._cached_verifications(deps), tenants, deps
             ),
             prior_configs=prior,
             seq_gaps=gaps,
@@ -194,9 +273,11 @@ class AlertingService:
         if not signals:
             return result
         now_us = to_micros(now)
-        fps = [s.fingerprint for s in signals]
-        repo.lock_fingerprints(conn, fps)
-        rows = repo.alerts_by_fingerprint(conn, fps)
+        # Existing alerts are locked for this transaction (replicas and the timer wait for
+        # each other); two inserting the same new alert collide on its unique fingerprint,
+        # and the loser's batch is retried, seeing the winner's row.
+        rows = repo.alerts_by_fingerprint(conn, [s.fingerprint for s in signals], lock=True)
+        quiet: list[dict[str, Any]] = []  # updates that change no state: written at once
         changes: list[Change] = []
         incident_asks: list[tuple[Any, Signal, Rule]] = []
         for s in signals:
@@ -207,11 +288,12 @@ class AlertingService:
             step = on_signal(None if row is None else _state(row), s, rule, now)
             if step is None:
                 continue
-            after = self._store_step(conn, row, s.fingerprint, step, now_us, s)
+            after = self._store_step(conn, row, s.fingerprint, step, now_us, s, quiet)
             if step.transition is not None:
                 changes.append(Change(after, step.transition, rule))
             if s.opens_incident and s.firing and after.state == "firing":
                 incident_asks.append((after, s, rule))
+        repo.update_alerts(conn, quiet)
         result.changes = changes
         result.notifications = self._notify(conn, changes, now_us)
         for alert, s, rule in incident_asks:
@@ -228,7 +310,10 @@ class AlertingService:
         step: Step,
         now_us: int,
         s: Signal | None,
+        quiet: list[dict[str, Any]] | None = None,
     ) -> Any:
+        """Store one step of an alert; updates without a transition go to ``quiet`` (when
+        given) for the caller to write together."""
         a = step.alert
         values: dict[str, Any] = {
             "state": a.state,
@@ -261,9 +346,14 @@ class AlertingService:
                 occurrences=a.occurrences,
             )
             alert_id = repo.insert_alert(conn, values)
+            before: dict[str, Any] = {c.name: None for c in repo.A.columns}
         else:
             alert_id = row.id
-            repo.update_alert(conn, alert_id, values)
+            if quiet is not None and step.transition is None:
+                quiet.append({**values, "_id": alert_id})
+            else:
+                repo.update_alert(conn, alert_id, values)
+            before = dict(row._mapping)
         if step.transition is not None:
             repo.add_transition(
                 conn,
@@ -274,7 +364,9 @@ class AlertingService:
                 a.value,
                 detail={"occurrences": a.occurrences},
             )
-        return repo.get_alert(conn, alert_id)
+        # the row as stored now, without reading it back (times as µs or datetimes: every
+        # reader of it takes both)
+        return SimpleNamespace(**{**before, **values, "id": alert_id})
 
     # ------------------------------------------------------------------ notifications
 
@@ -658,6 +750,7 @@ class AlertingService:
         row["verified_at"] = to_micros(row.get("verified_at") or now)
         row["evidence"] = json.dumps(row.get("evidence") or {}, sort_keys=True)
         row.update(created_at=now_us, created_by=by)
+        self.forget_facts(row["deployment_id"])
         with self.db.write() as conn:
             vid = repo.insert_verification(conn, row)
             audit.append(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Annotated
+from math import inf
+from typing import Annotated, cast
 
 import msgspec
 
@@ -17,6 +18,7 @@ from policies.signals import Severity, Signal
 Ratio = Annotated[float, msgspec.Meta(gt=0, le=10)]
 
 _REQUEST_EVENTS = (ev.RequestAdmitted, ev.RequestRejected, ev.RequestFinished)
+RequestEvent = ev.RequestAdmitted | ev.RequestRejected | ev.RequestFinished
 
 
 class ContextPressureParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -61,30 +63,35 @@ class ContextPressure(RuleKind):
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         p: ContextPressureParams = rule.params
-        # a request's largest prompt count once, whichever of its events carried it
-        prompts: dict[tuple[str, str], tuple[int, str, str | None]] = {}
-        for e in facts.events:
-            if isinstance(e, _REQUEST_EVENTS) and e.prompt_tokens is not None and e.model_id:
-                rid = (e.deployment_id, e.request_id)
-                seen = prompts.get(rid)
-                if seen is None or e.prompt_tokens > seen[0]:
-                    prompts[rid] = (e.prompt_tokens, e.model_id, e.route)
+        # Most prompts are far below any bound: compare each with its (deployment, model)'s
+        # threshold, worked out once, before doing anything else with it.
+        bounds: dict[tuple[str, str], tuple[float, int, bool]] = {}
+        worst: dict[tuple[str, str], tuple[int, str, str | None]] = {}
+        for e in cast(list[RequestEvent], facts.of(*_REQUEST_EVENTS)):
+            tokens, model = e.prompt_tokens, e.model_id
+            if tokens is None or not model:
+                continue
+            key = (e.deployment_id, model)
+            b = bounds.get(key)
+            if b is None:
+                d = facts.deployments.get(e.deployment_id)
+                safe, verified = safe_context(d, model) if d is not None else (None, False)
+                b = bounds[key] = (p.warn_ratio * safe, safe, verified) if safe else (inf, 0, False)
+            if tokens < b[0]:
+                continue
+            rid = (e.deployment_id, e.request_id)  # a request counts once, at its largest
+            seen = worst.get(rid)
+            if seen is None or tokens > seen[0]:
+                worst[rid] = (tokens, model, e.route)
         groups: dict[tuple[str, str, str, str, Severity], list[int]] = {}
-        bounds: dict[tuple[str, str, str, str, Severity], tuple[int, bool]] = {}
-        for (dep, _request), (tokens, model, route) in prompts.items():
-            d = facts.deployments.get(dep)
-            if d is None:
-                continue
-            safe, verified = safe_context(d, model)
-            if not safe or tokens < p.warn_ratio * safe:
-                continue
+        for (dep, _request), (tokens, model, route) in worst.items():
+            _, safe, verified = bounds[(dep, model)]
             severity: Severity = "critical" if tokens >= p.critical_ratio * safe else rule.severity
-            key = (dep, model, route or "none", "true" if verified else "false", severity)
-            groups.setdefault(key, []).append(tokens)
-            bounds[key] = (safe, verified)
+            key5 = (dep, model, route or "none", "true" if verified else "false", severity)
+            groups.setdefault(key5, []).append(tokens)
         for group, sizes in groups.items():
             dep, model, route_label, verified_label, severity = group
-            safe, verified = bounds[group]
+            _, safe, verified = bounds[(dep, model)]
             top = max(sizes)
             what = (
                 "verified safe context"

@@ -39,13 +39,14 @@ class StalePageRead(RuleKind):
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         p: StaleReadParams = rule.params
         found: dict[tuple[str, str, str, str, str], list[int]] = {}
-        for e in facts.events:
+        kinds = (ev.PageStaleRead, ev.CanaryHit) if p.include_canary else (ev.PageStaleRead,)
+        for e in facts.of(*kinds):
             if isinstance(e, ev.PageStaleRead):
                 prev = e.previous_tenant
                 crossed = prev is not None and not e.zeroized and prev != e.reader_tenant
                 key = (e.deployment_id, e.node, e.reader_tenant, prev or "none", _flag(crossed))
                 found.setdefault(key, []).append(len(e.page_ids))
-            elif p.include_canary and isinstance(e, ev.CanaryHit):
+            elif isinstance(e, ev.CanaryHit):
                 prev = e.canary_tenant
                 crossed = prev is None or prev != e.reader_tenant
                 key = (e.deployment_id, e.node, e.reader_tenant, prev or "unknown", _flag(crossed))
@@ -88,8 +89,8 @@ class RejectedPrefillKvTransfer(RuleKind):
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         found: dict[tuple[str, str, str], list[ev.KvTransfer]] = {}
-        for e in facts.events:
-            if isinstance(e, ev.KvTransfer) and e.prefill_rejected:
+        for e in facts.of(ev.KvTransfer):
+            if e.prefill_rejected:
                 found.setdefault((e.deployment_id, e.from_node, e.to_node), []).append(e)
         for (dep, src, dst), transfers in found.items():
             tenants = sorted({t.tenant for t in transfers})

@@ -19,8 +19,8 @@ from policies.signals import Signal
 def touched_configs(facts: BatchFacts) -> Iterator[NodeConfig]:
     """The current config of every node an engine.config event in the batch reported."""
     seen = set()
-    for e in facts.events:
-        if isinstance(e, ev.EngineConfig) and (e.deployment_id, e.node) not in seen:
+    for e in facts.of(ev.EngineConfig):
+        if (e.deployment_id, e.node) not in seen:
             seen.add((e.deployment_id, e.node))
             d = facts.deployments.get(e.deployment_id)
             cfg = d.configs.get(e.node) if d else None

@@ -73,7 +73,7 @@ class TelemetryGap(RuleKind):
         if not p.missing_fields:
             return
         missing: dict[tuple[str, str], set[str]] = {}
-        for e in facts.events:
+        for e in facts.of(ev.RequestAdmitted, ev.RequestFinished):
             problems = []
             if isinstance(e, ev.RequestAdmitted):
                 if e.prompt_tokens is None:

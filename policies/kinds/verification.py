@@ -64,7 +64,7 @@ class VerificationMissingOrStale(RuleKind):
                 )
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
-        touched = {e.deployment_id for e in facts.events if isinstance(e, ev.EngineConfig)}
+        touched = {e.deployment_id for e in facts.of(ev.EngineConfig)}
         return self._eval(
             rule, (facts.deployments[d] for d in sorted(touched) if d in facts.deployments)
         )
@@ -98,9 +98,7 @@ class ConfigDrift(RuleKind):
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         current: dict[tuple[str, str], NodeConfig] = dict(facts.prior_configs)
         settings = rule.params.settings
-        for e in sorted(
-            (e for e in facts.events if isinstance(e, ev.EngineConfig)), key=lambda e: (e.ts, e.seq)
-        ):
+        for e in sorted(facts.of(ev.EngineConfig), key=lambda e: (e.ts, e.seq)):
             cfg = NodeConfig.from_event(e)
             key = (e.deployment_id, e.node)
             before = current.get(key)
