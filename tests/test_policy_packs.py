@@ -221,3 +221,16 @@ def test_cli_check_and_list(tmp_path: Path) -> None:
         [*run, "list", "--packs-dir", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert listed.returncode == 0 and "acme_pressure" in listed.stdout
+
+
+def test_group_keys_quote_label_values() -> None:
+    """Free-form label values (routes, model ids) cannot make two groups' keys collide."""
+    from collector.alerting.docs import group_key
+
+    a, _ = group_key({"model_id": 'x",route="y', "route": ""}, ("model_id", "route"))
+    b, _ = group_key({"model_id": "x", "route": 'y",route="'}, ("model_id", "route"))
+    assert a != b
+    assert (
+        group_key({"alertname": "r", "deployment_id": "d"}, ("alertname", "deployment_id"))[0]
+        == '{alertname="r",deployment_id="d"}'
+    )

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from collector.models import from_micros
+from collector.notify.payloads import label_string
 
 
 def iso(t: int | datetime | None) -> str | None:
@@ -90,4 +91,4 @@ def incident_doc(r: Any, remind_before_s: int | None = None) -> dict[str, Any]:
 def group_key(labels: dict[str, str], group_by: tuple[str, ...]) -> tuple[str, dict[str, str]]:
     """Alertmanager's way of naming a group: ``{a="x",b="y"}`` over the group-by labels."""
     chosen = {k: labels.get(k, "") for k in group_by}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(chosen.items())) + "}", chosen
+    return label_string(chosen), chosen

@@ -75,7 +75,7 @@ def am_webhook_v4(doc: dict[str, Any], *, receiver_name: str, external_url: str)
     group_labels = _group_labels(doc)
     return {
         "version": AM_WEBHOOK_VERSION,
-        "groupKey": doc.get("group_key") or _label_string(group_labels),
+        "groupKey": doc.get("group_key") or label_string(group_labels),
         "truncatedAlerts": 0,
         # As Alertmanager does: the group fires while any of its alerts does.
         "status": "firing" if any(a["status"] == "firing" for a in alerts) else "resolved",
@@ -195,7 +195,7 @@ def _group_labels(doc: dict[str, Any]) -> dict[str, str]:
     return {k: labels[k] for k in ("alertname", "deployment_id")}
 
 
-def _label_string(labels: dict[str, str]) -> str:
+def label_string(labels: dict[str, str]) -> str:
     # The shape of the document's group_key: {name="value",...}, names sorted, Go-quoted.
     pairs = (f"{k}={json.dumps(labels[k], ensure_ascii=False)}" for k in sorted(labels))
     return "{" + ",".join(pairs) + "}"
