@@ -255,3 +255,30 @@ def test_a_resent_batch_raises_nothing_twice(env: Env) -> None:
     (a,) = env.alerts("stale_page_read")
     assert a["occurrences"] == 1
     assert len(env.admin.get("/v1/incidents").json()) == 1
+
+
+def test_a_verification_is_tied_to_the_current_config_and_clamped_to_the_pool(env: Env) -> None:
+    env.send(cfg(env, quantization="fp8", tp_size=4))  # pool 681,280
+    r = env.ingest.post(
+        "/v1/verifications",
+        json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
+              "verified_safe_context": 900_000, "evidence": {"tool": "test"}},
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    v = r.json()
+    assert (v["engine_version"], v["pool_capacity_tokens"], v["quantization"], v["tp_size"]) == (
+        "0.5.21", 681_280, "fp8", 4,
+    )  # fmt: skip
+    assert v["verified_safe_context"] == 681_280
+    assert v["evidence"]["clamped_to_pool"] == {
+        "measured": 900_000,
+        "pool_capacity_tokens": 681_280,
+    }
+    assert v["evidence"]["tool"] == "test"
+    # an ingest token bound to another deployment may not record one here
+    other = env.c.client(env.c.token("ingest", deployment_id="elsewhere"))
+    try:
+        body = {"deployment_id": "glm-prod", "model_id": "m", "passed": False}
+        assert other.post("/v1/verifications", json=body).status_code == 403
+    finally:
+        other.close()

@@ -46,7 +46,7 @@ from policies import (
     severity_rank,
 )
 from policies.evaluate import RuleHealth
-from policies.facts import index_by_type
+from policies.facts import VERIFIED_SETTINGS, index_by_type
 
 log = logging.getLogger("kvwatch.alerting")
 _TIMER_LOCK = 0x6B7677_0002  # pg advisory lock: one timer pass at a time across replicas
@@ -744,14 +744,39 @@ class AlertingService:
 
     def add_verification(self, values: dict[str, Any], by: str, now: datetime) -> dict[str, Any]:
         """Record a verification (from ``kvwatch verify`` or an operator). The timer's next
-        pass re-evaluates verification and context rules against it."""
+        pass re-evaluates verification and context rules against it.
+
+        A verification that does not say which engine settings it was measured under is tied
+        to the deployment's current config of the nodes serving the model (a sweep against an
+        endpoint cannot see them; the probes have reported them). Its safe context is clamped
+        to the smallest prefill pool: a prompt longer than the pool is never safe, whatever a
+        sweep saw (the evidence records the clamp)."""
         now_us = to_micros(now)
         row = dict(values)
         row["verified_at"] = to_micros(row.get("verified_at") or now)
-        row["evidence"] = json.dumps(row.get("evidence") or {}, sort_keys=True)
+        evidence = dict(row.get("evidence") or {})
         row.update(created_at=now_us, created_by=by)
         self.forget_facts(row["deployment_id"])
         with self.db.write() as conn:
+            configs = [
+                c
+                for (d, _), c in F.node_configs(conn, {row["deployment_id"]}).items()
+                if c.model_id == row["model_id"]
+            ]
+            if configs and all(row.get(k) is None for k in VERIFIED_SETTINGS):
+                prefill = [c for c in configs if c.role != "decode"] or configs
+                first = min(prefill, key=lambda c: c.pool_capacity_tokens)
+                for k in VERIFIED_SETTINGS:
+                    row[k] = getattr(first, k)
+                evidence["settings_from"] = (
+                    f"engine.config of node {first.node} at {docs.iso_dt(first.ts)}"
+                )
+            pools = [c.pool_capacity_tokens for c in configs if c.role != "decode"]
+            safe = row.get("verified_safe_context")
+            if safe is not None and pools and safe > min(pools):
+                evidence["clamped_to_pool"] = {"measured": safe, "pool_capacity_tokens": min(pools)}
+                row["verified_safe_context"] = min(pools)
+            row["evidence"] = json.dumps(evidence, sort_keys=True)
             vid = repo.insert_verification(conn, row)
             audit.append(
                 conn,
