@@ -11,7 +11,7 @@ from itertools import pairwise
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from collector.alerting.service import AlertingService
+from collector.alerting.service import AlertingService, PassResult
 from collector.db import DRIVER_ERRORS, Database
 from collector.errors import (
     CollectorError,
@@ -103,8 +103,13 @@ class IngestService:
                             now_us=micros(now),
                             rows=rows,
                         )
-                        if self.alerting is not None and (res.new_events or res.new_gaps):
+                        outcome = (
                             self._evaluate(conn, res, prior, now)
+                            if self.alerting is not None and (res.new_events or res.new_gaps)
+                            else None
+                        )
+                    if outcome is not None and self.alerting is not None:
+                        self.alerting.committed(outcome)
                     break
                 except TransientConflict:
                     # The transaction rolled back whole; a retry sees the winner's rows.
@@ -125,7 +130,7 @@ class IngestService:
         res: WriteResult,
         prior: dict[tuple[str, str], NodeConfig],
         now: datetime,
-    ) -> None:
+    ) -> PassResult | None:
         """Policies over the batch's new events, in its transaction (alerts, incidents and
         their notifications commit with the events or not at all), behind a savepoint: a
         failure here is logged and counted, and never fails ingest."""
@@ -145,9 +150,10 @@ class IngestService:
         except Exception:
             log.exception("policy evaluation failed; the batch is stored without it")
             self.metrics.policy_failures.inc()
-            return
+            return None
         for h in outcome.errors:
             self.metrics.rule_errors.labels(h.rule).inc()
+        return outcome
 
     def _decode(self, body: bytes, content_type: str) -> list[ev.Event]:
         mime = content_type.split(";", 1)[0].strip().lower()

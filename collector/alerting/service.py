@@ -67,6 +67,9 @@ class PassResult:
     notifications: int = 0
     incidents_opened: list[int] = field(default_factory=list)
     errors: list[RuleHealth] = field(default_factory=list)
+    # what a batch stored that the service remembers once it commits (see committed())
+    new_tenants: set[tuple[str, str]] = field(default_factory=set)
+    configs: dict[tuple[str, str], NodeConfig] = field(default_factory=dict)
 
 
 def _dt(value: int | datetime) -> datetime:
@@ -169,6 +172,16 @@ class AlertingService:
                 if hit is not None:
                     hit[1][(d, node)] = cfg
 
+    def committed(self, result: PassResult) -> None:
+        """The batch ``result`` came from has committed: remember what it stored (before
+        that, a rolled-back and retried batch would find it remembered and skip it)."""
+        with self._lock:
+            if len(self._known_tenants) > _KNOWN_TENANTS_MAX:
+                self._known_tenants.clear()
+            self._known_tenants |= result.new_tenants
+        if result.configs:
+            self._remember_configs(result.configs)
+
     def forget_facts(self, deployment_id: str | None = None) -> None:
         """Drop cached facts (all, or one deployment's): the next batch reads them again."""
         with self._lock:
@@ -189,18 +202,12 @@ class AlertingService:
         now_us = to_micros(now)
         deps = {e.deployment_id for e in events}
         by_type = index_by_type(events)
-        new_tenants = F.tenant_pairs(by_type) - self._known_tenants
-        if new_tenants:
-            F.remember_tenants(conn, new_tenants, now_us)
-            if len(self._known_tenants) > _KNOWN_TENANTS_MAX:
-                self._known_tenants.clear()
-            # (added only once this transaction commits would be exact; a rolled-back batch
-            # is retried and inserts again, harmlessly: the insert ignores conflicts)
-            self._known_tenants |= new_tenants
+        pairs = F.tenant_pairs(by_type)
+        with self._lock:  # committed() adds to it from other ingest threads
+            new_tenants = pairs - self._known_tenants
+        F.remember_tenants(conn, new_tenants, now_us)
         config_events = by_type.get(ev.EngineConfig, [])
         configs = F.fold_configs(prior, config_events)
-        if config_events:
-            self._remember_configs(configs)
         # tenant counts matter only to rules that look at configs: read them when some came
         tenants = F.tenant_counts(conn, deps) if config_events else {}
         facts = BatchFacts(
@@ -214,6 +221,8 @@ class AlertingService:
         )
         evaluation = evaluate_batch(self.rules, facts, now)
         result = self._apply(conn, evaluation.signals, now)
+        result.new_tenants = new_tenants
+        result.configs = configs if config_events else {}
         result.errors = [h for h in evaluation.health if not h.ok]
         if result.errors:
             repo.record_health(
