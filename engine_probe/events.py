@@ -69,6 +69,11 @@ RejectReason = Literal[
     "other",
 ]
 FinishStatus = Literal["completed", "length", "error", "aborted"]
+# How a producer counted a prompt itself before admitting it (the gateway's safe-context
+# guard): the upstream engine's tokenizer endpoint, a configured tokenizer ("bytes": one
+# token per UTF-8 byte), or a conservative over-estimate.
+PromptCountMethod = Literal["tokenize_endpoint", "bytes", "estimate"]
+LatencyMs = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
 ReadKind = Literal["decode", "prefill", "transfer"]
 CanaryDetector = Literal["paint", "text"]
 DropReason = Literal[
@@ -123,7 +128,8 @@ class RequestAdmitted(Event, tag="request.admitted", kw_only=True, frozen=True):
 
 
 class RequestRejected(Event, tag="request.rejected", kw_only=True, frozen=True):
-    """A request refused; ``limit_tokens`` is the limit it crossed."""
+    """A request refused; ``limit_tokens`` is the limit it crossed. ``prompt_count_method``
+    and ``latency_ms`` as in :class:`RequestFinished`."""
 
     request_id: Id
     tenant: Id
@@ -134,10 +140,17 @@ class RequestRejected(Event, tag="request.rejected", kw_only=True, frozen=True):
     limit_tokens: Tokens | None = None
     node: Id | None = None
     data_categories: Categories = []
+    prompt_count_method: PromptCountMethod | None = None
+    latency_ms: LatencyMs | None = None
 
 
 class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
-    """A request that produced an answer (or failed while producing one)."""
+    """A request that produced an answer (or failed while producing one).
+
+    ``prompt_count_method``: how the producer counted the prompt itself before sending it on
+    (None when it did not); ``prompt_tokens`` is still the engine's own count when it reported
+    one. ``latency_ms``: from receipt to the answer's last byte, where the producer sees both.
+    """
 
     request_id: Id
     tenant: Id
@@ -147,6 +160,8 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     completion_tokens: Tokens | None
     status: FinishStatus
     node: Id | None = None
+    prompt_count_method: PromptCountMethod | None = None
+    latency_ms: LatencyMs | None = None
 
 
 class PoolSample(Event, tag="pool.sample", kw_only=True, frozen=True):

@@ -10,6 +10,8 @@ import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_common import DbUrl, err, settings
+from kvwatch.cli_gateway import gateway
+from kvwatch.cli_verify import verify
 from kvwatch.cli_webhooks import webhooks_app
 
 app = typer.Typer(
@@ -28,6 +30,8 @@ app.add_typer(policies_app, name="policies")
 app.add_typer(alerts_app, name="alerts")
 app.add_typer(silences_app, name="silences")
 app.add_typer(incidents_app, name="incidents")
+app.command()(verify)
+app.command("gateway")(gateway)
 
 # kept under its old name: the commands here call it
 _settings = settings

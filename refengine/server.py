@@ -6,8 +6,11 @@ Endpoints
 ``POST /v1/chat/completions`` (``messages``), both non-streaming and SSE streaming
 (``"stream": true``: ``data: {chunk}\\n\\n`` lines ending with ``data: [DONE]\\n\\n``; with
 ``"stream_options": {"include_usage": true}`` a last chunk with empty ``choices`` carries
-``usage``), ``GET /v1/models`` and ``GET /v1/models/{id}``, and ``GET /health`` (no auth: 200
-while the engine thread runs, 503 once it has stopped or failed).
+``usage``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``POST /tokenize`` (vLLM's shape:
+``prompt`` or chat ``messages`` in, ``{"count", "max_model_len", "tokens", "token_strs"}`` out;
+the byte tokenizer and the chat template below, so ``count`` equals the ``prompt_tokens`` the
+same prompt would be charged; nothing is queued or allocated), and ``GET /health`` (no auth:
+200 while the engine thread runs, 503 once it has stopped or failed).
 
 Shapes follow OpenAI's: ``id`` (the engine's request id, see below), ``object``, ``created``,
 ``model``, ``choices[0]`` with ``finish_reason`` (``stop`` on end of text, ``length`` on the
@@ -176,6 +179,20 @@ class ChatCompletionRequest(_Body):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): ``prompt``, or chat ``messages`` rendered with the
+    chat template. ``add_generation_prompt`` and ``add_special_tokens`` are accepted and change
+    nothing (the template has no generation prompt; no special token is ever added)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
 
 
 def chat_prompt(messages: list[ChatMessage]) -> str:
@@ -649,6 +666,29 @@ def create_app(
             "chat", tenant, prompt, max_tokens, bool(body.stream), _include_usage(body)
         )
 
+    @app.post(
+        "/tokenize",
+        summary="Tokenize a prompt or chat messages (vLLM-compatible)",
+        openapi_extra=_body_schema("TokenizeRequest"),
+    )
+    async def tokenize(request: Request) -> dict[str, Any]:
+        tenant_of(request)
+        body = _parse(TokenizeRequest, await read_body(request))
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "Send exactly one of 'prompt' and 'messages'.", param="prompt")
+        text = body.prompt if body.prompt is not None else chat_prompt(body.messages or [])
+        tokens = engine.tokenizer.encode(text)
+        strs = None
+        if body.return_token_strs:
+            strs = [bytes([t]).decode("utf-8", errors="replace") for t in tokens]
+        return {
+            "count": len(tokens),
+            "max_model_len": engine.config.advertised_context,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
     @app.get("/v1/models", summary="The served model")
     async def models(request: Request) -> dict[str, Any]:
         tenant_of(request)
@@ -696,7 +736,11 @@ def _include_usage(body: _Body) -> bool:
 
 
 _, _DEFS = models_json_schema(
-    [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+    [
+        (CompletionRequest, "validation"),
+        (ChatCompletionRequest, "validation"),
+        (TokenizeRequest, "validation"),
+    ],
     ref_template="#/components/schemas/{model}",
 )
 _SCHEMAS: dict[str, Any] = _DEFS.get("$defs", {})

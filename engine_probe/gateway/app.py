@@ -1,0 +1,130 @@
+"""The gateway's HTTP routes: a thin layer over :class:`ProxyService`.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not), ``GET /v1/models``
+and ``GET /v1/models/{id}`` need ``Authorization: Bearer KEY`` (a tenant's key); ``GET
+/healthz`` does not. Every error is answered in OpenAI's shape, a 500 included.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from engine_probe.gateway.auth import TenantKeys
+from engine_probe.gateway.counting import PromptCounter
+from engine_probe.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, NotFound
+from engine_probe.gateway.limits import SafeContexts, VerificationSource
+from engine_probe.gateway.records import Recorder
+from engine_probe.gateway.service import ProxyService
+from engine_probe.gateway.settings import GatewaySettings
+from engine_probe.gateway.upstream import Upstream
+from engine_probe.probe import BaseProbe
+
+log = logging.getLogger("engine_probe.gateway")
+
+
+def _error_response(exc: GatewayError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> FastAPI:
+    """The gateway for ``settings``. Records go to ``probe`` (default: the process's probe,
+    see :func:`engine_probe.configure_probe`). Connections to the upstream and the reading of
+    verifications start and stop with the app's lifespan."""
+    keys = TenantKeys(settings.gateway_tenant_keys)
+    limits = SafeContexts(settings.gateway_safe_contexts)
+    upstream = Upstream(settings)
+    service = ProxyService(upstream, PromptCounter(settings, upstream), limits, Recorder(probe))
+    source = VerificationSource(settings, limits) if settings.reads_verifications else None
+    max_body = settings.gateway_max_body_bytes
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        collector = httpx.AsyncClient(timeout=10, trust_env=False, follow_redirects=False)
+        try:
+            if source is not None:
+                await source.start(collector)
+            yield
+        finally:
+            if source is not None:
+                await source.stop()
+            await collector.aclose()
+            await upstream.aclose()
+
+    app = FastAPI(
+        title="kvwatch gateway",
+        version="1",
+        description="OpenAI-compatible proxy that records every request's token counts and "
+        "refuses prompts above the model's verified safe context.",
+        lifespan=lifespan,
+    )
+    app.state.limits = limits
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error_response(NotFound(f"Invalid URL ({request.method} {request.url.path})"))
+        error = InvalidRequest(str(exc.detail), headers=exc.headers)
+        error.status = exc.status_code
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(InvalidRequest(f"Invalid request: {exc.errors()[0]['msg']}"))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error in the gateway", exc_info=exc)
+        error = GatewayError("The gateway had an error processing the request.")
+        return _error_response(error)
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise BodyTooLarge(f"The request body exceeds {max_body} bytes.")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise BodyTooLarge(f"The request body exceeds {max_body} bytes.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.post("/v1/completions", summary="Text completion, proxied and recorded")
+    async def completions(request: Request) -> Response:
+        caller = keys.authenticate(request.headers.get("authorization"))
+        return await service.generate("completion", caller, await read_body(request))
+
+    @app.post("/v1/chat/completions", summary="Chat completion, proxied and recorded")
+    async def chat_completions(request: Request) -> Response:
+        caller = keys.authenticate(request.headers.get("authorization"))
+        return await service.generate("chat", caller, await read_body(request))
+
+    @app.get("/v1/models", summary="The upstream's models")
+    async def models(request: Request) -> Response:
+        caller = keys.authenticate(request.headers.get("authorization"))
+        return await service.passthrough_get("/v1/models", caller)
+
+    @app.get("/v1/models/{model:path}", summary="One of the upstream's models")
+    async def model(model: str, request: Request) -> Response:
+        caller = keys.authenticate(request.headers.get("authorization"))
+        return await service.passthrough_get(f"/v1/models/{model}", caller)
+
+    @app.get("/healthz", summary="Liveness of the gateway (no auth)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,195 @@
+"""Counting a prompt's tokens before it is sent on, and saying how it was counted.
+
+In order: the upstream's own tokenizer (``POST /tokenize``, vLLM's and SGLang's shape) where
+it has one; else the configured tokenizer (``bytes``: one token per UTF-8 byte, chat rendered
+as refengine's ``"role: content\\n"`` lines); else a conservative estimate that is never below
+the real count for byte-level BPE or SentencePiece tokenizers: UTF-8 bytes plus a margin for
+special tokens, and for chat the UTF-8 bytes of the messages' JSON (which holds every role,
+content and tool call plus room for the template's tokens). Prompts given as token ids count
+as their length.
+
+An upstream without ``/tokenize`` is asked again only every ``ENDPOINT_RECHECK_S``; a request
+the endpoint cannot count (an unknown model, a timeout) is counted locally on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from engine_probe.events import PromptCountMethod
+from engine_probe.gateway.auth import Caller
+from engine_probe.gateway.settings import GatewaySettings
+from engine_probe.gateway.upstream import NoTokenizeEndpoint, Upstream
+
+log = logging.getLogger("engine_probe.gateway")
+
+Kind = Literal["completion", "chat"]
+
+# How long a missing tokenize endpoint is taken as missing before it is asked for again.
+ENDPOINT_RECHECK_S: Final = 300
+# Room for special tokens (BOS, EOS, a generation prompt) in an estimate.
+ESTIMATE_MARGIN: Final = 16
+# Fields of a chat request that the upstream's chat template also renders.
+_CHAT_TEMPLATE_FIELDS: Final = ("tools", "chat_template_kwargs", "continue_final_message")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    tokens: int
+    method: PromptCountMethod
+
+
+def _json_size(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completion request: a string, a token-id list, or a list of either."""
+    if isinstance(prompt, list) and prompt and not _is_token_ids(prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def _text_of(content: Any) -> str | None:
+    """A message's text: a string, or the concatenated ``text`` parts (None: other parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                return None
+            text = part.get("text")
+            if not isinstance(text, str):
+                return None
+            texts.append(text)
+        return "".join(texts)
+    return None
+
+
+def count_bytes(kind: Kind, body: dict[str, Any]) -> int | None:
+    """The byte tokenizer's count (None when the body holds something it cannot render)."""
+    if kind == "completion":
+        counts = []
+        for p in _prompts(body.get("prompt")):
+            if isinstance(p, str):
+                counts.append(len(p.encode()))
+            elif _is_token_ids(p):
+                counts.append(len(p))
+            else:
+                return None
+        return max(counts)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    total = 0
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return None
+        text = _text_of(m.get("content"))
+        if text is None:
+            return None
+        total += len(f"{m['role']}: {text}\n".encode())
+    return total
+
+
+def estimate(kind: Kind, body: dict[str, Any]) -> int:
+    """An over-estimate of any byte-level tokenizer's count: never fails."""
+    if kind == "completion":
+        counts = []
+        for p in _prompts(body.get("prompt")):
+            if isinstance(p, str):
+                counts.append(len(p.encode()) + ESTIMATE_MARGIN)
+            elif _is_token_ids(p):
+                counts.append(len(p) + ESTIMATE_MARGIN)
+            else:
+                counts.append(_json_size(p) + ESTIMATE_MARGIN)
+        return max(counts)
+    size = _json_size(body.get("messages"))
+    for field in _CHAT_TEMPLATE_FIELDS:
+        if field in body:
+            size += _json_size(body[field])
+    return size + ESTIMATE_MARGIN
+
+
+class PromptCounter:
+    """Counts prompts for the guard. The only state it keeps is whether the upstream has a
+    tokenize endpoint at all."""
+
+    def __init__(self, settings: GatewaySettings, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self._use_endpoint = settings.gateway_tokenize_endpoint
+        self._tokenizer = settings.gateway_tokenizer
+        # When the endpoint was found missing: it is asked for again after a while (an
+        # upstream being redeployed can answer 404 for a moment).
+        self._absent_since: float | None = None
+
+    def _endpoint_usable(self) -> bool:
+        if not self._use_endpoint:
+            return False
+        since = self._absent_since
+        return since is None or time.monotonic() - since > ENDPOINT_RECHECK_S
+
+    async def count(
+        self, kind: Kind, body: dict[str, Any], caller: Caller, request_id: str
+    ) -> PromptCount:
+        if self._endpoint_usable():
+            n = await self._via_endpoint(kind, body, caller, request_id)
+            if n is not None:
+                return PromptCount(n, "tokenize_endpoint")
+        if self._tokenizer == "bytes":
+            n = count_bytes(kind, body)
+            if n is not None:
+                return PromptCount(n, "bytes")
+        return PromptCount(estimate(kind, body), "estimate")
+
+    async def _via_endpoint(
+        self, kind: Kind, body: dict[str, Any], caller: Caller, request_id: str
+    ) -> int | None:
+        requests: list[dict[str, Any]] = []
+        model = body.get("model")
+        base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
+        if kind == "completion":
+            for p in _prompts(body.get("prompt")):
+                if not isinstance(p, str):
+                    return None  # token ids (counted locally, exactly) or something odd
+                requests.append(base | {"prompt": p})
+        else:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            extra = {f: body[f] for f in _CHAT_TEMPLATE_FIELDS if f in body}
+            requests.append(base | {"messages": messages, "add_generation_prompt": True} | extra)
+        counts = []
+        for req in requests:
+            try:
+                n = await self._upstream.tokenize(req, caller, request_id)
+            except NoTokenizeEndpoint:
+                if self._absent_since is None:
+                    log.warning(
+                        "the upstream has no POST /tokenize; counting prompts with %s "
+                        "(asking again every %d s)",
+                        "the byte tokenizer" if self._tokenizer == "bytes" else "an over-estimate",
+                        ENDPOINT_RECHECK_S,
+                    )
+                self._absent_since = time.monotonic()
+                return None
+            if n is None:
+                return None
+            if self._absent_since is not None:
+                log.info("the upstream's POST /tokenize answers again")
+                self._absent_since = None
+            counts.append(n)
+        return max(counts) if counts else None

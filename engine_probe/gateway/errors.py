@@ -1,0 +1,150 @@
+"""The gateway's exceptions, each answered in OpenAI's error shape at the boundary:
+``{"error": {"message", "type", "param", "code"}}``.
+
+Each also says how the request is recorded (``outcome``): refused (a ``request.rejected``
+with its reason) or failed (a ``request.finished`` with status ``error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from engine_probe.events import RejectReason
+
+Outcome = Literal["rejected", "error"]
+
+
+class GatewayError(Exception):
+    """An error answered to the client with ``status`` and OpenAI's error body."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+    outcome: Outcome = "error"
+    reason: RejectReason = "other"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class AuthenticationFailed(GatewayError):
+    """A missing or unknown bearer key (never recorded: no tenant is known)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    outcome: Outcome = "rejected"
+    reason: RejectReason = "invalid_request"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    outcome: Outcome = "rejected"
+    reason: RejectReason = "invalid_request"
+
+
+class BodyTooLarge(InvalidRequest):
+    status = 413
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt above the model's verified safe context, refused before the upstream saw it."""
+
+    code = "context_length_exceeded"
+    reason: RejectReason = "context_length_exceeded"
+
+    def __init__(self, *, prompt_tokens: int, limit_tokens: int, method: str, param: str) -> None:
+        what = "your messages resulted in" if param == "messages" else "your prompt has"
+        super().__init__(
+            f"This model's verified safe context is {limit_tokens} tokens. However, {what} "
+            f"{prompt_tokens} tokens (counted by {method.replace('_', ' ')}). Please reduce "
+            f"the length of the {param}.",
+            param=param,
+        )
+        self.prompt_tokens = prompt_tokens
+        self.limit_tokens = limit_tokens
+
+
+class UpstreamUnavailable(GatewayError):
+    """The upstream could not be reached (connection refused, reset, DNS, TLS)."""
+
+    status = 502
+    code = "upstream_unavailable"
+
+
+class BadUpstreamResponse(GatewayError):
+    """The upstream answered 2xx with something that is not an OpenAI-shaped answer."""
+
+    status = 502
+    code = "bad_upstream_response"
+
+
+class UpstreamTimeout(GatewayError):
+    """The upstream did not answer (or send its next chunk) within the timeout."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamError(GatewayError):
+    """An error the upstream answered, passed through with its status. ``upstream_body`` is
+    its own OpenAI-shaped body when it sent one, else the gateway's wrapping of it."""
+
+    def __init__(self, status: int, body: dict[str, Any] | None) -> None:
+        self.status = status
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            self.upstream_body: dict[str, Any] | None = body
+            code = err.get("code")
+            self.code = code if isinstance(code, str) else None
+            message = err["message"]
+        else:
+            self.upstream_body = None
+            self.code = "upstream_error"
+            message = f"The upstream answered HTTP {status} without an OpenAI-shaped error."
+        self.type = "server_error" if status >= 500 else "invalid_request_error"
+        if status >= 500:
+            self.outcome = "error"
+        else:
+            self.outcome = "rejected"
+            if self.code == "context_length_exceeded":
+                self.reason = "context_length_exceeded"
+            elif status == 429:
+                self.reason = "rate_limited"
+            elif status in (401, 403):
+                self.reason = "other"
+            else:
+                self.reason = "invalid_request"
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        return self.upstream_body if self.upstream_body is not None else super().body()

@@ -1,0 +1,212 @@
+"""What the gateway does with one request: guard, forward, relay, record.
+
+Per request: parse the body (only to read ``model``, the prompt and the stream flags), check
+the prompt against the model's safe context (counting it only when the model has one),
+forward the body (unchanged, unless a stream needs ``stream_options.include_usage``), pass
+the answer back, and emit the request's one record. Nothing outlives the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import anyio
+import httpx
+import msgspec
+from starlette.responses import Response, StreamingResponse
+
+from engine_probe.gateway.auth import Caller
+from engine_probe.gateway.counting import Kind, PromptCounter
+from engine_probe.gateway.errors import (
+    BadUpstreamResponse,
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequest,
+    UpstreamError,
+)
+from engine_probe.gateway.limits import SafeContexts
+from engine_probe.gateway.records import Flight, Recorder, finish_status
+from engine_probe.gateway.sse import SseScanner
+from engine_probe.gateway.upstream import Upstream
+
+log = logging.getLogger("engine_probe.gateway")
+
+ROUTES: Final[dict[Kind, str]] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+_JSON: Final = "application/json"
+
+
+def _decode(content: bytes) -> Any:
+    try:
+        return msgspec.json.decode(content)
+    except msgspec.DecodeError:
+        return None
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+def _learn_model(flight: Flight, served: Any) -> None:
+    """A request that named no model is recorded under the one the upstream says served it."""
+    if flight.model is None and isinstance(served, str):
+        flight.model = served
+
+
+def _first_finish_reason(data: dict[str, Any]) -> Any:
+    choices = data.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("finish_reason")
+    return None
+
+
+class ProxyService:
+    def __init__(
+        self,
+        upstream: Upstream,
+        counter: PromptCounter,
+        limits: SafeContexts,
+        recorder: Recorder,
+    ) -> None:
+        self.upstream = upstream
+        self.counter = counter
+        self.limits = limits
+        self.recorder = recorder
+
+    # -- /v1/models -----------------------------------------------------------------------
+
+    async def passthrough_get(self, path: str, caller: Caller) -> Response:
+        """A read-only route (``/v1/models``): forwarded, not recorded."""
+        rid = f"gw-{uuid.uuid4().hex[:24]}"
+        r = await self.upstream.send("GET", path, caller, rid)
+        if r.status_code >= 400:
+            raise UpstreamError(r.status_code, _decode(r.content))
+        return Response(r.content, r.status_code, media_type=_JSON, headers={"X-Request-Id": rid})
+
+    # -- completions ----------------------------------------------------------------------
+
+    async def generate(self, kind: Kind, caller: Caller, raw: bytes) -> Response:
+        flight = Flight(f"gw-{uuid.uuid4().hex[:24]}", caller.tenant, ROUTES[kind])
+        try:
+            return await self._generate(kind, caller, raw, flight)
+        except GatewayError as exc:
+            self.recorder.failed(flight, exc)
+            exc.headers.setdefault("X-Request-Id", flight.request_id)
+            raise
+        except Exception:
+            self.recorder.finished(flight, "error", completion_tokens=0)
+            raise
+
+    async def _generate(self, kind: Kind, caller: Caller, raw: bytes, flight: Flight) -> Response:
+        body = _parse_body(raw)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string.", param="model")
+        flight.model = model
+        limit = self.limits.limit(model)
+        if limit is not None:
+            count = await self.counter.count(kind, body, caller, flight.request_id)
+            flight.count = count
+            if count.tokens > limit:
+                raise ContextLengthExceeded(
+                    prompt_tokens=count.tokens,
+                    limit_tokens=limit,
+                    method=count.method,
+                    param="prompt" if kind == "completion" else "messages",
+                )
+        if body.get("stream") is True:
+            return await self._stream(kind, body, caller, flight)
+        r = await self.upstream.send("POST", ROUTES[kind], caller, flight.request_id, raw)
+        data = _decode(r.content)
+        if r.status_code >= 400:
+            raise UpstreamError(r.status_code, data)
+        if not isinstance(data, dict):
+            raise BadUpstreamResponse("The upstream answered with something other than JSON.")
+        _learn_model(flight, data.get("model"))
+        self.recorder.finished(flight, finish_status(_first_finish_reason(data)), data.get("usage"))
+        return Response(
+            r.content, r.status_code, media_type=_JSON, headers={"X-Request-Id": flight.request_id}
+        )
+
+    async def _stream(
+        self, kind: Kind, body: dict[str, Any], caller: Caller, flight: Flight
+    ) -> Response:
+        options = body.get("stream_options")
+        options = dict(options) if isinstance(options, dict) else {}
+        wanted = options.get("include_usage") is True
+        content = msgspec.json.encode(body | {"stream_options": options | {"include_usage": True}})
+        r = await self.upstream.send(
+            "POST", ROUTES[kind], caller, flight.request_id, content, stream=True
+        )
+        if r.status_code >= 400 or not r.headers.get("content-type", "").startswith(
+            "text/event-stream"
+        ):
+            try:
+                answer = await r.aread()
+            except httpx.HTTPError as exc:
+                raise self.upstream.translate(exc) from None
+            finally:
+                await r.aclose()
+            data = _decode(answer)
+            if r.status_code >= 400:
+                raise UpstreamError(r.status_code, data)
+            if not isinstance(data, dict):
+                raise BadUpstreamResponse("The upstream answered with something other than JSON.")
+            # The upstream answered the stream request in one piece: pass that on as it is.
+            _learn_model(flight, data.get("model"))
+            status = finish_status(_first_finish_reason(data))
+            self.recorder.finished(flight, status, data.get("usage"))
+            return Response(
+                answer, r.status_code, media_type=_JSON, headers={"X-Request-Id": flight.request_id}
+            )
+        return StreamingResponse(
+            self._relay(r, flight, SseScanner(strip_usage_chunk=not wanted)),
+            media_type="text/event-stream",
+            headers={
+                "X-Request-Id": flight.request_id,
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            },
+        )
+
+    async def _relay(
+        self, r: httpx.Response, flight: Flight, sse: SseScanner
+    ) -> AsyncIterator[bytes]:
+        """The upstream's events as they arrive; the record once the stream ends, fails, or
+        the client goes away (``aborted``)."""
+        outcome = "aborted"
+        try:
+            try:
+                async for chunk in r.aiter_bytes():
+                    for event in sse.feed(chunk):
+                        yield event
+                if tail := sse.close():
+                    yield tail
+                outcome = "ended"
+            except httpx.HTTPError as exc:
+                # Headers and 200 are already sent: the error goes down the stream, in
+                # OpenAI's shape, as an upstream's own mid-stream error would.
+                outcome = "failed"
+                error = self.upstream.translate(exc)
+                yield b"data: " + msgspec.json.encode(error.body()) + b"\n\n"
+            except Exception:
+                outcome = "failed"
+                raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await r.aclose()
+            _learn_model(flight, sse.model)
+            if outcome == "ended" and sse.ended_cleanly:
+                self.recorder.finished(flight, finish_status(sse.finish_reason), sse.usage)
+            elif outcome == "aborted":
+                self.recorder.finished(flight, "aborted", sse.usage)
+            else:
+                self.recorder.finished(flight, "error", sse.usage)

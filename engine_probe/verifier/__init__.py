@@ -1,0 +1,30 @@
+"""``kvwatch verify``: establish an OpenAI-compatible endpoint's verified safe context.
+
+A bounded number of requests of synthetic text only: prompts grow geometrically to the
+rejection point and are bisected there; every refusal must be clean (a 4xx in OpenAI's
+error shape, no completion text); then each tenant plants random canaries while the others
+send prompts near and over the limit under background load, and any canary in another
+tenant's answer is a leak. See DESIGN.md, "Verifier".
+
+Modules: ``canaries`` (prompt text, canaries, leak matcher), ``client`` (HTTP and outcome
+classification), ``session`` (budget, records, findings, calibration), ``sweep`` (growth
+and bisection), ``crosstenant`` (the canary phase), ``report`` (JSON, evidence, summary),
+``upload`` (the collector), ``run`` (one verification end to end).
+"""
+
+from engine_probe.verifier.report import Report
+from engine_probe.verifier.run import DEFAULT_BUDGET, VerifyOptions, minimum_budget, verify
+from engine_probe.verifier.session import Progress
+from engine_probe.verifier.upload import UploadResult, VerifierSettings, upload
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "Progress",
+    "Report",
+    "UploadResult",
+    "VerifierSettings",
+    "VerifyOptions",
+    "minimum_budget",
+    "upload",
+    "verify",
+]

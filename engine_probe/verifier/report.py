@@ -1,0 +1,233 @@
+"""The verification's result: the JSON report, the evidence sent to the collector, and the
+short human summary.
+
+The report names tenants, never their keys; the endpoint without credentials; and never
+the text of an answer (a leaking endpoint may return other people's data): only which
+canary fragment was found where.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from engine_probe.verifier.session import Finding, Leak, ProbeRecord
+from engine_probe.verifier.sweep import SWEEP_MAX_TOKENS, SweepResult
+
+Result = Literal["pass", "fail", "error"]
+REPORT_VERSION = 1
+_SHOWN = 5
+
+
+@dataclass
+class Report:
+    endpoint: str
+    model: str
+    route: str
+    tenants: list[str]
+    canaries: dict[str, str]
+    budget: int
+    max_context: int | None
+    canary_min_fragment: int
+    timeout_s: float
+    started_at: datetime
+    finished_at: datetime | None = None
+    requests: int = 0
+    durations_s: dict[str, float] = field(default_factory=dict)
+    sweep: SweepResult | None = None
+    cross_tenant_checked: bool = False
+    records: list[ProbeRecord] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    leaks: list[Leak] = field(default_factory=list)
+    calibration: tuple[float, float, int] | None = None
+    error: str | None = None
+
+    # -- verdict ------------------------------------------------------------------------
+
+    @property
+    def result(self) -> Result:
+        if self.findings or self.leaks:
+            return "fail"
+        if self.error is not None or self.sweep is None or not self.cross_tenant_checked:
+            return "error"
+        return "pass"
+
+    @property
+    def passed(self) -> bool:
+        return self.result == "pass"
+
+    @property
+    def largest_accepted_tokens(self) -> int | None:
+        return None if self.sweep is None else self.sweep.largest_accepted_tokens
+
+    @property
+    def rejection_point(self) -> int | None:
+        return None if self.sweep is None else self.sweep.rejection_tokens
+
+    @property
+    def verified_safe_context(self) -> int | None:
+        """The largest prompt verified clean with no leak: the largest accepted, never at or
+        above the rejection point nor above --max-context; None unless the run passed."""
+        if not self.passed or self.sweep is None:
+            return None
+        safe = self.sweep.largest_accepted_tokens
+        if self.rejection_point is not None:
+            safe = min(safe, self.rejection_point - 1)
+        if self.max_context is not None:
+            safe = min(safe, self.max_context)
+        return safe if safe >= 1 else None
+
+    @property
+    def smallest_leaking_prompt(self) -> int | None:
+        lengths = [x.reader_prompt_tokens for x in self.leaks if x.reader_prompt_tokens]
+        return min(lengths) if lengths else None
+
+    # -- outputs ------------------------------------------------------------------------
+
+    def _rejection(self) -> dict[str, Any] | None:
+        rec = None if self.sweep is None else self.sweep.rejected
+        if rec is None:
+            return None
+        return {
+            "prompt_tokens": self.rejection_point,
+            "prompt_bytes": rec.prompt_bytes,
+            "status": rec.status,
+            "outcome": rec.outcome.value,
+            "error_code": rec.error_code,
+            "error_message": rec.error_message,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.sweep
+        duration = sum(self.durations_s.values())
+        return {
+            "report_version": REPORT_VERSION,
+            "tool": "kvwatch verify",
+            "result": self.result,
+            "passed": self.passed,
+            "error": self.error,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "route": self.route,
+            "tenants": list(self.tenants),
+            "canaries": dict(self.canaries),
+            "canary_min_fragment": self.canary_min_fragment,
+            "budget": self.budget,
+            "requests": self.requests,
+            "max_context": self.max_context,
+            "timeout_s": self.timeout_s,
+            "sweep_max_tokens": SWEEP_MAX_TOKENS,
+            "started_at": self.started_at.isoformat(),
+            "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
+            "duration_s": round(duration, 3),
+            "durations_s": {k: round(v, 3) for k, v in self.durations_s.items()},
+            "largest_accepted_tokens": self.largest_accepted_tokens,
+            "largest_accepted_bytes": None if s is None else s.largest_accepted_bytes,
+            "rejection_point": self.rejection_point,
+            "rejection": self._rejection(),
+            "reported_limit": None if s is None else s.reported_limit,
+            "sweep_stopped_by": None if s is None else s.ceiling,
+            "bisection_complete": None if s is None else s.complete,
+            "cross_tenant_checked": self.cross_tenant_checked,
+            "verified_safe_context": self.verified_safe_context,
+            "smallest_leaking_prompt_tokens": self.smallest_leaking_prompt,
+            "calibration": None
+            if self.calibration is None
+            else {
+                "tokens_per_byte": round(self.calibration[0], 6),
+                "overhead_tokens": round(self.calibration[1], 3),
+                "points": self.calibration[2],
+            },
+            "findings": [f.to_json() for f in self.findings],
+            "leaks": [x.to_json() for x in self.leaks],
+            "probes": [r.to_json() for r in self.records],
+        }
+
+    def evidence(self) -> dict[str, Any]:
+        """The report's key figures, for the collector's verification record."""
+        s = self.sweep
+        return {
+            "tool": "kvwatch verify",
+            "report_version": REPORT_VERSION,
+            "result": self.result,
+            "endpoint": self.endpoint,
+            "route": self.route,
+            "tenants": list(self.tenants),
+            "requests": self.requests,
+            "budget": self.budget,
+            "duration_s": round(sum(self.durations_s.values()), 3),
+            "max_context": self.max_context,
+            "sweep_max_tokens": SWEEP_MAX_TOKENS,
+            "largest_accepted_tokens": self.largest_accepted_tokens,
+            "rejection_point": self.rejection_point,
+            "rejection": self._rejection(),
+            "reported_limit": None if s is None else s.reported_limit,
+            "bisection_complete": None if s is None else s.complete,
+            "measured_safe_context": self.verified_safe_context,
+            "canary_min_fragment": self.canary_min_fragment,
+            "findings": len(self.findings),
+            "findings_by_kind": dict(Counter(f.kind for f in self.findings)),
+            "leaks": len(self.leaks),
+            "leak_pairs": sorted({f"{x.owner}->{x.reader}" for x in self.leaks}),
+            "smallest_leaking_prompt_tokens": self.smallest_leaking_prompt,
+            "first_leaks": [
+                {k: v for k, v in x.to_json().items() if k != "fragment"} for x in self.leaks[:10]
+            ],
+            "first_findings": [f.to_json() for f in self.findings[:10]],
+        }
+
+    def summary_lines(self) -> list[str]:
+        verdict = {"pass": "PASS", "fail": "FAIL", "error": "COULD NOT RUN"}[self.result]
+        head = f"kvwatch verify: {verdict}"
+        if self.result == "fail":
+            head += f" ({_n(len(self.leaks), 'leak')}, {_n(len(self.findings), 'other finding')})"
+        lines = [head]
+
+        def row(name: str, value: str) -> None:
+            lines.append(f"  {name:<22} {value}")
+
+        row("endpoint", f"{self.endpoint} ({self.route}), model {self.model}")
+        row("tenants", ", ".join(self.tenants))
+        if self.error is not None:
+            row("error", self.error)
+        s = self.sweep
+        if s is not None:
+            row("largest accepted", f"{s.largest_accepted_tokens} prompt tokens")
+            rej = s.rejected
+            if rej is not None:
+                what = f"HTTP {rej.status}" + (f" {rej.error_code}" if rej.error_code else "")
+                row("rejection point", f"{self.rejection_point} prompt tokens ({what})")
+            else:
+                row("rejection point", f"none seen (sweep stopped by {s.ceiling})")
+            if not s.complete:
+                row("bisection", "not finished within the budget: the limit may be higher")
+        safe = self.verified_safe_context
+        if safe is not None:
+            row("verified safe context", f"{safe} prompt tokens")
+        else:
+            row("verified safe context", "none (the run did not pass)")
+        if self.smallest_leaking_prompt is not None:
+            row("smallest leaking", f"{self.smallest_leaking_prompt} prompt tokens")
+        for x in self.leaks[:_SHOWN]:
+            size = f"{x.reader_prompt_tokens}-token" if x.reader_prompt_tokens else "a"
+            row(
+                "LEAK",
+                f"{x.owner}'s canary {x.canary} in {x.reader}'s answer to a {size} prompt "
+                f"(request {x.request_id or '?'}, {len(x.fragment)} characters matched)",
+            )
+        if len(self.leaks) > _SHOWN:
+            row("", f"... and {len(self.leaks) - _SHOWN} more leaks (see --json)")
+        for f in self.findings[:_SHOWN]:
+            size = f"{f.prompt_tokens} tokens" if f.prompt_tokens else f"{f.prompt_bytes} bytes"
+            row("FINDING", f"{f.kind} at {size} ({f.phase}, tenant {f.tenant}): {f.detail}")
+        if len(self.findings) > _SHOWN:
+            row("", f"... and {len(self.findings) - _SHOWN} more findings (see --json)")
+        duration = sum(self.durations_s.values())
+        row("requests", f"{self.requests} of a {self.budget} budget, {duration:.1f} s")
+        return lines
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"

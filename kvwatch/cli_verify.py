@@ -1,0 +1,247 @@
+"""``kvwatch verify``: the sweep against any OpenAI-compatible endpoint (see
+``engine_probe.verifier``). Exit 0 pass, 1 a leak or another finding, 2 could not run."""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+
+from kvwatch.cli_common import err
+
+if TYPE_CHECKING:
+    from engine_probe.verifier import Progress as VerifyProgress
+    from engine_probe.verifier import Report, UploadResult, VerifierSettings, VerifyOptions
+
+EXIT_PASS, EXIT_FINDING, EXIT_COULD_NOT_RUN = 0, 1, 2
+
+
+class RouteChoice(StrEnum):
+    chat = "chat"
+    completions = "completions"
+
+
+def _keys(values: list[str]) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for value in values:
+        name, sep, key = value.partition("=")
+        name, key = name.strip(), key.strip()
+        if not sep or not name or not key:
+            err.print("[red]error:[/] --tenant-key takes NAME=KEY (the key is never printed)")
+            raise typer.Exit(EXIT_COULD_NOT_RUN)
+        if name in keys:
+            err.print(f"[red]error:[/] tenant {escape(repr(name))} is given twice")
+            raise typer.Exit(EXIT_COULD_NOT_RUN)
+        keys[name] = key
+    return keys
+
+
+def _settings(deployment: str | None) -> VerifierSettings:
+    from pydantic import ValidationError
+
+    from engine_probe.verifier import VerifierSettings
+
+    try:
+        return VerifierSettings(deployment_id=deployment) if deployment else VerifierSettings()
+    except ValidationError as exc:
+        for e in exc.errors():
+            name = "KVWATCH_" + "_".join(str(p) for p in e["loc"]).upper()
+            if name == "KVWATCH_DEPLOYMENT_ID" and deployment:
+                name = "--deployment"
+            err.print(f"[red]error:[/] {name}: {escape(str(e['msg']))}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN) from None
+
+
+def verify(
+    endpoint: Annotated[
+        str,
+        typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1."),
+    ],
+    model: Annotated[str, typer.Option(help="The model to verify (as the endpoint names it).")],
+    tenant_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tenant-key",
+            envvar="KVWATCH_VERIFY_TENANT_KEYS",
+            show_envvar=False,
+            help="NAME=KEY of one tenant, repeated: at least two tenants with their own keys "
+            "(also KVWATCH_VERIFY_TENANT_KEYS, space-separated, to keep keys out of `ps`). "
+            "Reports name tenants, never keys.",
+        ),
+    ] = None,
+    max_context: Annotated[
+        int | None,
+        typer.Option(
+            help="Stop growing prompts at this many tokens (as the endpoint counts them); "
+            "the verified safe context never exceeds it."
+        ),
+    ] = None,
+    budget: Annotated[
+        int, typer.Option(min=1, help="The most requests sent, retries included.")
+    ] = 200,
+    json_file: Annotated[
+        Path | None, typer.Option("--json", help="Write the full JSON report here.")
+    ] = None,
+    deployment: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVWATCH_DEPLOYMENT_ID",
+            help="The deployment the verification is recorded for (default: 'default').",
+        ),
+    ] = None,
+    canary_min_fragment: Annotated[
+        int,
+        typer.Option(
+            help="Characters of a canary that count as a leak when another tenant gets them back."
+        ),
+    ] = 12,
+    timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds to wait for each answer.")
+    ] = 120.0,
+    route: Annotated[
+        RouteChoice, typer.Option(help="Which API to send prompts to.")
+    ] = RouteChoice.chat,
+    no_upload: Annotated[
+        bool,
+        typer.Option(
+            "--no-upload",
+            help="Do not send the result to the collector (KVWATCH_COLLECTOR_URL, "
+            "KVWATCH_INGEST_TOKEN).",
+        ),
+    ] = False,
+) -> None:
+    """Find an endpoint's verified safe context: prompts grown to the rejection point and
+    bisected, clean-refusal checks, cross-tenant canaries under load. Only synthetic text,
+    at most --budget requests. Exit 0 pass, 1 leak or finding, 2 could not run."""
+    from engine_probe.verifier import VerifyOptions
+    from engine_probe.verifier.client import redact_url
+    from engine_probe.verifier.crosstenant import (
+        BACKGROUND_PARALLEL,
+        READ_PARALLEL,
+        reader_max_tokens,
+    )
+
+    keys = _keys(tenant_key or [])
+    if json_file is not None and not json_file.parent.is_dir():
+        err.print(f"[red]error:[/] --json {escape(str(json_file))}: no such directory")
+        raise typer.Exit(EXIT_COULD_NOT_RUN)
+    settings = _settings(deployment)
+    uploading = not no_upload and settings.collector_url is not None
+    if uploading and settings.ingest_token is None:
+        err.print(
+            "[red]error:[/] KVWATCH_COLLECTOR_URL is set but KVWATCH_INGEST_TOKEN is not "
+            "(set it, or pass --no-upload)"
+        )
+        raise typer.Exit(EXIT_COULD_NOT_RUN)
+    options = VerifyOptions(
+        endpoint=endpoint,
+        model=model,
+        tenant_keys=keys,
+        max_context=max_context,
+        budget=budget,
+        canary_min_fragment=canary_min_fragment,
+        timeout_s=timeout,
+        route=route.value,
+    )
+    try:
+        options.check()
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN) from None
+
+    answer = reader_max_tokens(canary_min_fragment)
+    parallel = READ_PARALLEL + BACKGROUND_PARALLEL
+    limit = f"{max_context} tokens" if max_context else "the endpoint's own limit"
+    err.print(
+        f"kvwatch verify: [bold]{escape(redact_url(endpoint))}[/], model {escape(model)}, "
+        f"tenants {escape(', '.join(keys))}.\nIt sends only synthetic text (random canaries, "
+        f"no real data) and at most [bold]{budget} requests[/] (retries included): prompts up "
+        f"to {limit}, answers of at most {answer} tokens, at most {parallel} requests in "
+        "flight at once.",
+        highlight=False,
+    )
+    if not uploading:
+        why = "--no-upload" if no_upload else "KVWATCH_COLLECTOR_URL is not set"
+        err.print(f"The result stays here ({why}).")
+
+    report = _run_with_progress(options)
+
+    for line in report.summary_lines():
+        typer.echo(line)
+    upload_result: UploadResult | None = None
+    if uploading and report.result != "error":
+        from engine_probe.verifier import upload
+
+        upload_result = upload(report, settings)
+        if upload_result.ok:
+            err.print(
+                f"uploaded: {escape(upload_result.detail)} (deployment {settings.deployment_id})"
+            )
+        else:
+            err.print(f"[red]upload failed:[/] {escape(upload_result.detail)}")
+    if json_file is not None:
+        _write_json(json_file, report, upload_result, settings.deployment_id, uploading)
+
+    if report.result == "fail":
+        raise typer.Exit(EXIT_FINDING)
+    if report.result == "error" or (upload_result is not None and not upload_result.ok):
+        raise typer.Exit(EXIT_COULD_NOT_RUN)
+    raise typer.Exit(EXIT_PASS)
+
+
+def _run_with_progress(options: VerifyOptions) -> Report:
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
+
+    from engine_probe.verifier import verify as run_verification
+
+    bar = Bar(
+        TextColumn("{task.description:<34}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    )
+    task = bar.add_task("preflight", total=options.budget)
+
+    def on_progress(p: VerifyProgress) -> None:
+        size = f" {p.prompt_tokens} tokens" if p.prompt_tokens is not None else ""
+        bar.update(task, completed=p.sent, description=f"{p.phase}{size}: {p.outcome.value}")
+
+    with bar:
+        return run_verification(options, on_progress)
+
+
+def _write_json(
+    path: Path,
+    report: Report,
+    upload_result: UploadResult | None,
+    deployment_id: str,
+    uploading: bool,
+) -> None:
+    doc = report.to_json()
+    doc["upload"] = (
+        None
+        if not uploading
+        else {
+            "deployment_id": deployment_id,
+            "ok": None if upload_result is None else upload_result.ok,
+            "detail": "not sent: the run did not complete"
+            if upload_result is None
+            else upload_result.detail,
+            "verification_id": None
+            if upload_result is None or upload_result.record is None
+            else upload_result.record.get("id"),
+        }
+    )
+    try:
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+    except OSError as exc:
+        err.print(f"[red]error:[/] cannot write {escape(str(path))}: {escape(str(exc))}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN) from None
