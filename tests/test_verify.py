@@ -290,6 +290,8 @@ def fake_upstream(answer: Callable[[int, int], Answer]) -> Iterator[tuple[str, F
             if delay:
                 time.sleep(delay)
             data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+            # an upstream that echoes the caller's credentials back
+            data = data.replace(ECHO_AUTH.encode(), self.headers.get("Authorization", "").encode())
             kind = "text/plain" if isinstance(payload, str) else "application/json"
             try:
                 self.send_response(status)
@@ -305,18 +307,51 @@ def fake_upstream(answer: Callable[[int, int], Answer]) -> Iterator[tuple[str, F
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with serve_handler(Handler) as url:
+        yield f"{url}/v1", fake
+
+
+@contextmanager
+def serve_handler(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", fake
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
 
 
+@contextmanager
+def fake_collector(status: int = 201, answer: str = '{"id": "v-1"}') -> Iterator[tuple[str, list]]:
+    """A collector that records every POSTed body and answers ``status`` with ``answer``."""
+    received: list[Any] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        wbufsize = -1
+
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            data = answer.encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    with serve_handler(Handler) as url:
+        yield url, received
+
+
 LIMIT = 300  # the fake's prompt limit in bytes (= its tokens)
+#: The fake upstream replaces this in its answers with the request's Authorization header.
+ECHO_AUTH = "<echo-authorization>"
 
 
 def server_error(n: int, max_tokens: int) -> Answer:
@@ -412,6 +447,83 @@ def test_rate_limits_are_retried_within_the_budget_and_are_no_finding(tmp_path: 
     assert rep is not None and rep["verified_safe_context"] == LIMIT and rep["findings"] == []
     assert [p["outcome"] for p in rep["probes"]].count("throttled") == 2
     assert rep["requests"] == fake.calls <= 50
+
+
+def echoing(n: int, max_tokens: int) -> Answer:
+    """Echoes the caller's key in a clean 400 just over the limit and in a plain-text 400
+    further up (an unclean refusal: a finding, so the run is uploaded)."""
+    if n <= LIMIT:
+        return ok(n)
+    if n <= 400:
+        err = {"message": f"too long for {ECHO_AUTH}", "type": "invalid_request_error"}
+        return 400, {"error": err | {"code": "context_length_exceeded"}}, 0.0
+    return 400, f"bad request from {ECHO_AUTH}", 0.0
+
+
+def test_keys_echoed_by_the_endpoint_reach_no_output_and_no_upload(tmp_path: Path) -> None:
+    keys = {k: KEYS[k] for k in ("acme", "globex")}
+    env = {"KVWATCH_INGEST_TOKEN": "kvw_x"}
+    with fake_collector() as (collector_url, uploads):
+        env["KVWATCH_COLLECTOR_URL"] = collector_url
+        with fake_upstream(echoing) as (url, _):
+            ran = kvwatch_verify(url, keys, "--budget", "40", tmp_path=tmp_path, env=env)
+        refused = (401, {"error": {"message": f"bad key {ECHO_AUTH}", "type": "auth"}}, 0.0)
+        with fake_upstream(lambda n, m: refused) as (url, _):
+            denied = kvwatch_verify(url, keys, "--budget", "40", tmp_path=tmp_path, env=env)
+    assert ran.code == 1, ran.stdout + ran.stderr
+    rep = ran.report
+    assert rep is not None and rep["rejection_point"] == LIMIT + 1
+    assert rep["rejection"]["error_message"] == "too long for Bearer ***"
+    (unclean,) = {f["detail"] for f in rep["findings"] if f["kind"] == "unclean_rejection"}
+    assert "text/plain" in unclean and "bad request" not in unclean  # no body snippet
+    assert_no_keys(ran, keys)
+    (uploaded,) = uploads
+    assert "error_message" not in json.dumps(uploaded)
+    assert denied.code == 2 and "refused tenant 'acme'" in denied.stdout
+    assert "Bearer ***" in denied.stdout
+    assert_no_keys(denied, keys)
+    for key in keys.values():
+        assert key not in json.dumps(uploads)
+
+
+def test_an_endpoint_without_usage_cannot_pass(tmp_path: Path) -> None:
+    """Without ``usage.prompt_tokens`` byte counts would stand in for tokens."""
+    keys = {k: KEYS[k] for k in ("acme", "globex")}
+
+    def no_usage(n: int, max_tokens: int) -> Answer:
+        if n > LIMIT:
+            return refusal(n)
+        status, body, delay = ok(n)
+        assert isinstance(body, dict)
+        return status, {k: v for k, v in body.items() if k != "usage"}, delay
+
+    with fake_collector() as (collector_url, uploads), fake_upstream(no_usage) as (url, _):
+        env = {"KVWATCH_COLLECTOR_URL": collector_url, "KVWATCH_INGEST_TOKEN": "kvw_x"}
+        ran = kvwatch_verify(url, keys, "--budget", "40", tmp_path=tmp_path, env=env)
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert "COULD NOT RUN" in ran.stdout and "usage.prompt_tokens" in ran.stdout
+    assert f"largest accepted       {LIMIT} bytes (tokens unknown)" in ran.stdout
+    rep = ran.report
+    assert rep is not None and rep["result"] == "error" and rep["passed"] is False
+    assert rep["verified_safe_context"] is None and "usage.prompt_tokens" in rep["error"]
+    assert uploads == []
+
+
+@pytest.mark.parametrize("answer", ["created", "[1, 2]", '"v-1"'])
+def test_a_201_that_is_not_a_json_object_is_an_upload_failure(answer: str, tmp_path: Path) -> None:
+    keys = {k: KEYS[k] for k in ("acme", "globex")}
+
+    def plain(n: int, max_tokens: int) -> Answer:
+        return ok(n) if n <= LIMIT else refusal(n)
+
+    with fake_collector(201, answer) as (collector_url, uploads), fake_upstream(plain) as (url, _):
+        env = {"KVWATCH_COLLECTOR_URL": collector_url, "KVWATCH_INGEST_TOKEN": "kvw_x"}
+        ran = kvwatch_verify(url, keys, "--budget", "40", tmp_path=tmp_path, env=env)
+    assert ran.code == 2, ran.stdout + ran.stderr
+    assert "PASS" in ran.stdout and "upload failed" in ran.stderr and "201" in ran.stderr
+    assert len(uploads) == 1
+    assert ran.report is not None and ran.report["upload"]["ok"] is False
+    assert ran.report["upload"]["verification_id"] is None
 
 
 # -- the collector ----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -69,6 +70,36 @@ class Reply:
         line = " ".join(parts)
         why = self.error_message or self.detail
         return f"{line}: {why}" if why else line
+
+
+class KeyRedactor:
+    """Replaces every configured tenant key with ``***`` in text that came from upstream (an
+    endpoint may echo the bearer key in its error messages)."""
+
+    MASK = "***"
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        # longest first, so a key that contains another is masked whole
+        self._keys = sorted({k for k in keys if k}, key=len, reverse=True)
+
+    def __call__(self, text: str | None) -> str | None:
+        if not text:
+            return text
+        for key in self._keys:
+            text = text.replace(key, self.MASK)
+        return text
+
+    def reply(self, reply: Reply) -> Reply:
+        """``reply`` with every kept upstream text redacted (``text``, the completion, is
+        kept for the leak check only and never written anywhere)."""
+        return replace(
+            reply,
+            error_message=self(reply.error_message),
+            error_code=self(reply.error_code),
+            error_type=self(reply.error_type),
+            request_id=self(reply.request_id),
+            detail=self(reply.detail),
+        )
 
 
 # Prompt token counts in context-length messages: refengine/OpenAI ("your prompt has N
@@ -176,12 +207,13 @@ def classify(status: int, headers: httpx.Headers, content: bytes, elapsed_s: flo
                 **common,
             )
         if message is None or "type" not in error or "code" not in error:
-            snippet = content[:120].decode("utf-8", "replace")
+            # what the body is, never what it says (it may echo credentials or other data)
+            kind = headers.get("content-type", "").split(";")[0].strip()[:80]
             return Reply(
                 Outcome.UNCLEAN_REJECTION,
                 detail=f"a {status} refusal not in OpenAI's error shape "
                 '({"error": {"message", "type", "code"}}, or vLLM\'s flat '
-                '{"object": "error", ...}): ' + repr(snippet),
+                f'{{"object": "error", ...}}): {len(content)} bytes of {kind or "no content type"}',
                 **common,
             )
         return Reply(Outcome.REJECTED, **common)
@@ -236,6 +268,7 @@ class EndpointClient:
         self.route = route
         self.path = ROUTES[route]
         self._keys = dict(keys)
+        self.redact = KeyRedactor(self._keys.values())
         parts = urlsplit(self.base)
         url = urlunsplit((parts.scheme, parts.netloc, parts.path + self.path, parts.query, ""))
         self._url = url
@@ -263,6 +296,10 @@ class EndpointClient:
         }
 
     def send(self, tenant: str, text: str, max_tokens: int) -> Reply:
+        """One request; every upstream text the reply keeps has the tenant keys masked."""
+        return self.redact.reply(self._send(tenant, text, max_tokens))
+
+    def _send(self, tenant: str, text: str, max_tokens: int) -> Reply:
         headers = {"Authorization": f"Bearer {self._keys[tenant]}"}
         start = time.monotonic()
         try:

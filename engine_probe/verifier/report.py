@@ -59,6 +59,12 @@ class Report:
         return self.result == "pass"
 
     @property
+    def tokens_measured(self) -> bool:
+        """Some answer stated its ``usage.prompt_tokens``; otherwise every token count is
+        the byte count standing in."""
+        return self.calibration is not None and self.calibration[2] > 0
+
+    @property
     def largest_accepted_tokens(self) -> int | None:
         return None if self.sweep is None else self.sweep.largest_accepted_tokens
 
@@ -86,18 +92,22 @@ class Report:
 
     # -- outputs ------------------------------------------------------------------------
 
-    def _rejection(self) -> dict[str, Any] | None:
+    def _rejection(self, *, message: bool = True) -> dict[str, Any] | None:
+        """The rejection point's request; ``message=False`` leaves out the endpoint's own
+        words (the upload carries none of them)."""
         rec = None if self.sweep is None else self.sweep.rejected
         if rec is None:
             return None
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": self.rejection_point,
             "prompt_bytes": rec.prompt_bytes,
             "status": rec.status,
             "outcome": rec.outcome.value,
             "error_code": rec.error_code,
-            "error_message": rec.error_message,
         }
+        if message:
+            out["error_message"] = rec.error_message
+        return out
 
     def to_json(self) -> dict[str, Any]:
         s = self.sweep
@@ -162,7 +172,7 @@ class Report:
             "sweep_max_tokens": SWEEP_MAX_TOKENS,
             "largest_accepted_tokens": self.largest_accepted_tokens,
             "rejection_point": self.rejection_point,
-            "rejection": self._rejection(),
+            "rejection": self._rejection(message=False),
             "reported_limit": None if s is None else s.reported_limit,
             "bisection_complete": None if s is None else s.complete,
             "measured_safe_context": self.verified_safe_context,
@@ -194,11 +204,15 @@ class Report:
             row("error", self.error)
         s = self.sweep
         if s is not None:
-            row("largest accepted", f"{s.largest_accepted_tokens} prompt tokens")
+            measured = self.tokens_measured
+            largest = s.largest_accepted_tokens if measured else s.largest_accepted_bytes
+            unit = "prompt tokens" if measured else "bytes (tokens unknown)"
+            row("largest accepted", f"{largest} {unit}")
             rej = s.rejected
             if rej is not None:
                 what = f"HTTP {rej.status}" + (f" {rej.error_code}" if rej.error_code else "")
-                row("rejection point", f"{self.rejection_point} prompt tokens ({what})")
+                point = self.rejection_point if measured else rej.prompt_bytes
+                row("rejection point", f"{point} {unit} ({what})")
             else:
                 row("rejection point", f"none seen (sweep stopped by {s.ceiling})")
             if not s.complete:

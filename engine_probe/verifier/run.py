@@ -41,6 +41,9 @@ DEFAULT_BUDGET: Final = 200
 #: The preflight prompt must fit under --max-context, chat template included.
 MIN_MAX_CONTEXT: Final = 64
 MAX_TENANTS: Final = 16
+NO_USAGE: Final = (
+    "the endpoint reports no usage.prompt_tokens, so prompt lengths in tokens are unknown"
+)
 
 
 def minimum_budget(n_tenants: int) -> int:
@@ -155,6 +158,9 @@ def verify(options: VerifyOptions, on_progress: Callable[[Progress], None] | Non
     if report.error is not None:
         phase_done("until_error")
     session.finalize()
+    if report.error is None and not session.calibration.points:
+        # every token count above is the byte count standing in: nothing is verified
+        report.error = NO_USAGE
     report.finished_at = datetime.now(UTC)
     report.requests = session.sent
     report.records = list(session.records)

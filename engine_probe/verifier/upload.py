@@ -100,5 +100,15 @@ def upload(report: Report, settings: VerifierSettings, *, timeout_s: float = 30.
         except (ValueError, KeyError, TypeError):
             message = r.text[:200]
         return UploadResult(False, f"{url} answered {r.status_code}: {message}")
-    record = r.json()
+    try:
+        record: Any = r.json()
+    except ValueError:  # not JSON, or not text at all
+        record = None
+    if not isinstance(record, dict):
+        kind = r.headers.get("content-type") or "no content type"
+        return UploadResult(
+            False,
+            f"{url} answered 201 with a body that is not a JSON object "
+            f"({len(r.content)} bytes of {kind}): the verification may or may not be recorded",
+        )
     return UploadResult(True, f"verification {record.get('id')} recorded at {url}", record)
