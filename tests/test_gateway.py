@@ -56,6 +56,7 @@ class Call:
     path: str
     authorization: str
     body: bytearray
+    raw_path: bytes = b""  # as sent: percent-escapes kept, "?query" appended when there is one
 
 
 @dataclass
@@ -72,7 +73,10 @@ class Tap:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        call = Call(scope["path"], headers.get(b"authorization", b"").decode(), bytearray())
+        raw = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            raw += b"?" + scope["query_string"]
+        call = Call(scope["path"], headers.get(b"authorization", b"").decode(), bytearray(), raw)
         self.calls.append(call)
 
         async def tapped() -> Any:
@@ -154,7 +158,8 @@ class RecordingProbe(BaseProbe):
 
 @contextmanager
 def gateway(upstream_url: str, probe: BaseProbe | None = None, **settings: Any) -> Iterator[str]:
-    config = GatewaySettings(gateway_upstream=upstream_url, gateway_tenant_keys=KEYS, **settings)
+    settings.setdefault("gateway_tenant_keys", KEYS)
+    config = GatewaySettings(gateway_upstream=upstream_url, **settings)
     with serve_in_thread(create_app(config, probe=probe or RecordingProbe())) as url:
         yield url
 
@@ -170,6 +175,10 @@ def marker() -> str:
 def assert_openai_error(body: Any, code: str | None) -> None:
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["message"] and body["error"]["code"] == code
+
+
+def auth(key: str = KEYS["acme"]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 # -- proxying ---------------------------------------------------------------------------------
@@ -727,3 +736,236 @@ def test_gateway_command_checks_its_options(monkeypatch: pytest.MonkeyPatch) -> 
         r = runner.invoke(app, ["gateway", *args])
         assert r.exit_code == 2, (args, r.output)
         assert fragment in r.output and "sk-secret-9" not in r.output, r.output
+
+
+# -- review findings: routes, guard coverage, secrets -----------------------------------------
+
+
+def test_model_ids_cannot_leave_the_models_route(upstream: Upstream, tap: Tap) -> None:
+    """The id goes upstream as one quoted segment: no climbing to /metrics, no query."""
+    with gateway(upstream.url) as url:
+        for raw in ("..%2F..%2Fmetrics", "x%3Fa=b", "a%2F..%2F..%2Ftokenize"):
+            r = httpx.get(f"{url}/v1/models/{raw}", headers=auth())
+            assert r.status_code == 404, (raw, r.text)  # the upstream has no such model (route)
+            assert_openai_error(r.json(), r.json()["error"]["code"])
+        r = httpx.get(f"{url}/v1/models/%2E%2E", headers=auth())
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        r = httpx.get(f"{url}/v1/models/{MODEL}", headers=auth())
+        assert r.status_code == 200 and r.json()["id"] == MODEL
+    assert [c.raw_path for c in tap.calls] == [
+        b"/v1/models/..%2F..%2Fmetrics",
+        b"/v1/models/x%3Fa%3Db",
+        b"/v1/models/a%2F..%2F..%2Ftokenize",
+        f"/v1/models/{MODEL}".encode(),
+    ]
+
+
+def test_a_request_without_a_limit_of_its_own_gets_the_smallest(
+    upstream: Upstream, tap: Tap
+) -> None:
+    limits = SafeContexts({})
+    assert limits.limit(None) is None and limits.limit("x") is None  # nothing known: unguarded
+    limits.set_verified({"a": 20, "b": 50})
+    assert (limits.limit(None), limits.limit("alias"), limits.limit("b")) == (20, 20, 50)
+
+    probe = RecordingProbe()
+    m = marker()
+    long_prompt = f"{m} " + "x" * 200
+    with gateway(upstream.url, probe, gateway_safe_contexts={MODEL: 128}) as url:
+        for body in ({"prompt": long_prompt}, {"model": "an-alias", "prompt": long_prompt}):
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=auth())
+            assert r.status_code == 400, r.text
+            assert_openai_error(r.json(), "context_length_exceeded")
+            assert "128 tokens" in r.json()["error"]["message"]
+    assert [c.path for c in tap.with_marker(m) if c.path.startswith("/v1/")] == []
+    assert [(r.reason, r.limit_tokens) for r in probe.events] == [
+        ("context_length_exceeded", 128)
+    ] * 2
+
+
+@contextmanager
+def echoing_upstream() -> Iterator[str]:
+    """A tiny upstream that refuses everything with a 401 quoting the key it was sent."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _refuse(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            sent = self.headers.get("Authorization", "")
+            error = {
+                "message": f"Incorrect API key provided: {sent}",
+                "type": "invalid_request_error",
+                "param": sent.removeprefix("Bearer "),
+                "code": "invalid_api_key",
+            }
+            body = json.dumps({"error": error, sent: [sent]}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _refuse
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_upstream_error_bodies_never_echo_a_key() -> None:
+    with echoing_upstream() as echo:
+        for extra in ({"gateway_upstream_key": PLATFORM_KEY}, {}):
+            with gateway(echo, **extra) as url:
+                answers = [
+                    httpx.post(
+                        f"{url}/v1/completions",
+                        json={"model": MODEL, "prompt": "hi"},
+                        headers=auth(),
+                    ),
+                    httpx.post(f"{url}/v1/chat/completions", json={"stream": True}, headers=auth()),
+                    httpx.get(f"{url}/v1/models", headers=auth()),
+                    httpx.get(f"{url}/v1/models/{MODEL}", headers=auth()),
+                ]
+            for r in answers:
+                assert r.status_code == 401
+                assert PLATFORM_KEY not in r.text and all(k not in r.text for k in KEYS.values())
+                assert r.json()["error"]["message"] == "Incorrect API key provided: Bearer ***"
+                assert r.json()["error"]["param"] == "***" and "Bearer ***" in r.json()
+
+
+def test_a_stream_flag_that_is_not_a_boolean_is_refused(upstream: Upstream, tap: Tap) -> None:
+    m = marker()
+    with gateway(upstream.url) as url:
+        for flag in (1, "yes", 0):
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": MODEL, "prompt": m, "stream": flag},
+                headers=auth(),
+            )
+            assert r.status_code == 400, r.text
+            assert_openai_error(r.json(), None)
+            assert r.json()["error"]["param"] == "stream"
+    assert tap.with_marker(m) == []
+
+
+def test_input_the_guard_cannot_count_is_refused_when_guarded(upstream: Upstream, tap: Tap) -> None:
+    m = marker()
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": m}, image]}],
+    }
+    embeds = {"model": MODEL, "prompt": m, "prompt_embeds": "AAAA"}
+    probe = RecordingProbe()
+    with gateway(upstream.url, probe, gateway_safe_contexts={MODEL: 1000}) as url:
+        for route, body, param in [
+            ("chat/completions", chat, "messages.0.content.1"),
+            ("completions", embeds, "prompt_embeds"),
+        ]:
+            r = httpx.post(f"{url}/v1/{route}", json=body, headers=auth())
+            assert r.status_code == 400, r.text
+            assert_openai_error(r.json(), "unsupported_content")
+            assert r.json()["error"]["param"] == param
+            assert "cannot count non-text input" in r.json()["error"]["message"]
+    assert tap.with_marker(m) == []
+    assert [r.reason for r in probe.events] == ["invalid_request"] * 2
+    # Unguarded, they go upstream as before (refengine refuses images itself).
+    with gateway(upstream.url) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=auth())
+        assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+    assert [c.path for c in tap.with_marker(m)] == ["/v1/chat/completions"]
+
+
+def test_token_id_prompts_count_as_their_length(upstream: Upstream, tap: Tap) -> None:
+    probe = RecordingProbe()
+    with gateway(upstream.url, probe, gateway_safe_contexts={"*": 64}) as url:
+        for prompt in ([7] * 64, [[7] * 10, [7] * 64], [7] * 65):
+            r = httpx.post(
+                f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt}, headers=auth()
+            )
+            assert r.status_code == 400  # refengine takes text only; the guard lets 64 pass
+    codes = [getattr(r, "reason", None) for r in probe.events]
+    assert codes == ["invalid_request", "invalid_request", "context_length_exceeded"]
+    assert [r.prompt_tokens for r in probe.events] == [64, 64, 65]
+    assert [c.path for c in tap.calls] == ["/v1/completions"] * 2  # no /tokenize needed
+
+
+@pytest.mark.parametrize(
+    ("n", "calls", "method"), [(16, 16, "tokenize_endpoint"), (17, 0, "estimate")]
+)
+def test_a_large_batch_is_counted_without_one_tokenize_call_each(
+    upstream: Upstream, tap: Tap, n: int, calls: int, method: str
+) -> None:
+    probe = RecordingProbe()
+    m = marker()
+    prompts = [f"{m} {i}" for i in range(n - 1)] + [f"{m} " + "x" * 2000]
+    with gateway(upstream.url, probe, gateway_safe_contexts={"*": 1000}) as url:
+        r = httpx.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": prompts}, headers=auth()
+        )
+        assert r.status_code == 400
+        assert_openai_error(r.json(), "context_length_exceeded")
+    assert len([c for c in tap.with_marker(m) if c.path == "/tokenize"]) == calls
+    assert probe.one().prompt_count_method == method
+
+
+def test_keys_the_upstream_refuses_are_no_tenants_without_tenant_keys(
+    upstream: Upstream, tap: Tap
+) -> None:
+    probe = RecordingProbe()
+    m = marker()
+    with gateway(
+        upstream.url, probe, gateway_tenant_keys={}, gateway_safe_contexts={"*": 64}
+    ) as url:
+        for _ in range(3):
+            stranger = client(url, f"sk-random-{uuid.uuid4().hex}")
+            with pytest.raises(openai.AuthenticationError):
+                stranger.completions.create(model=MODEL, prompt=f"{m} short", max_tokens=2)
+            with pytest.raises(openai.AuthenticationError):  # refused at /tokenize already
+                stranger.completions.create(model=MODEL, prompt=f"{m} " + "y" * 100)
+            with pytest.raises(openai.AuthenticationError):
+                list(
+                    stranger.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": m}], stream=True
+                    )
+                )
+        client(url).completions.create(model=MODEL, prompt=f"{m} short", max_tokens=2)
+    record = probe.one()  # only the real key's request
+    assert record.tenant.startswith("key-") and record.status in ("completed", "length")
+    assert not [c for c in tap.with_marker(m) if b"y" * 100 in c.body and c.path != "/tokenize"]
+
+
+def test_chat_template_fields_reach_tokenize_and_the_estimate(upstream: Upstream, tap: Tap) -> None:
+    m = marker()
+    fields = {
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+        "documents": [{"title": "t", "text": "d" * 50}],
+        "add_special_tokens": False,
+    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": m}], "max_tokens": 2}
+    with gateway(upstream.url, gateway_safe_contexts={MODEL: 4000}) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body | fields, headers=auth())
+        assert r.status_code == 200, r.text
+    (tokenized,) = [c for c in tap.with_marker(m) if c.path == "/tokenize"]
+    sent = json.loads(bytes(tokenized.body))
+    assert {k: sent.get(k) for k in fields} == fields
+
+    probe = RecordingProbe()
+    big = fields | {"documents": [{"title": "t", "text": "d" * 300}]}
+    with gateway(
+        upstream.url, probe, gateway_safe_contexts={MODEL: 200}, gateway_tokenize_endpoint=False
+    ) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body | big, headers=auth())
+        assert r.status_code == 400
+        assert_openai_error(r.json(), "context_length_exceeded")
+    assert probe.one().prompt_tokens > 300 and probe.one().prompt_count_method == "estimate"

@@ -42,7 +42,13 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     keys = TenantKeys(settings.gateway_tenant_keys)
     limits = SafeContexts(settings.gateway_safe_contexts)
     upstream = Upstream(settings)
-    service = ProxyService(upstream, PromptCounter(settings, upstream), limits, Recorder(probe))
+    service = ProxyService(
+        upstream,
+        PromptCounter(settings, upstream),
+        limits,
+        Recorder(probe),
+        secrets=[*settings.gateway_tenant_keys.values(), settings.gateway_upstream_key or ""],
+    )
     source = VerificationSource(settings, limits) if settings.reads_verifications else None
     max_body = settings.gateway_max_body_bytes
 
@@ -121,7 +127,7 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     @app.get("/v1/models/{model:path}", summary="One of the upstream's models")
     async def model(model: str, request: Request) -> Response:
         caller = keys.authenticate(request.headers.get("authorization"))
-        return await service.passthrough_get(f"/v1/models/{model}", caller)
+        return await service.model(model, caller)
 
     @app.get("/healthz", summary="Liveness of the gateway (no auth)")
     async def healthz() -> dict[str, str]:

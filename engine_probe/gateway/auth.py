@@ -13,10 +13,13 @@ from engine_probe.gateway.errors import AuthenticationFailed
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who sent a request: the tenant, and the key it presented (to pass upstream)."""
+    """Who sent a request: the tenant, and the key it presented (to pass upstream).
+    ``unverified``: no tenant keys are configured, so only the upstream can tell whether the
+    key is real (a request it refuses with 401/403 is not recorded: no tenant is known)."""
 
     tenant: str
     key: str
+    unverified: bool = False
 
     def __repr__(self) -> str:  # never the key, in a traceback or a log line
         return f"Caller(tenant={self.tenant!r})"
@@ -58,4 +61,4 @@ class TenantKeys:
         tenant = self.resolve(key)
         if tenant is None:
             raise AuthenticationFailed("Incorrect API key provided.")
-        return Caller(tenant, key)
+        return Caller(tenant, key, unverified=self.open)

@@ -5,8 +5,13 @@ it has one; else the configured tokenizer (``bytes``: one token per UTF-8 byte, 
 as refengine's ``"role: content\\n"`` lines); else a conservative estimate that is never below
 the real count for byte-level BPE or SentencePiece tokenizers: UTF-8 bytes plus a margin for
 special tokens, and for chat the UTF-8 bytes of the messages' JSON (which holds every role,
-content and tool call plus room for the template's tokens). Prompts given as token ids count
-as their length.
+content and tool call plus room for the template's tokens, and of the request's own template
+fields: ``chat_template``, ``documents``, ``tools``...). Prompts given as token ids count as
+their length, exactly, whatever the method; a batch of more than ``MAX_TOKENIZE_CALLS`` text
+prompts is counted locally rather than with one upstream call per prompt.
+
+Input the counter cannot count (chat content parts other than text, ``prompt_embeds``) is
+named by :func:`uncountable`; the guard refuses it.
 
 An upstream without ``/tokenize`` is asked again only every ``ENDPOINT_RECHECK_S``; a request
 the endpoint cannot count (an unknown model, a timeout) is counted locally on its own.
@@ -33,8 +38,18 @@ Kind = Literal["completion", "chat"]
 ENDPOINT_RECHECK_S: Final = 300
 # Room for special tokens (BOS, EOS, a generation prompt) in an estimate.
 ESTIMATE_MARGIN: Final = 16
-# Fields of a chat request that the upstream's chat template also renders.
-_CHAT_TEMPLATE_FIELDS: Final = ("tools", "chat_template_kwargs", "continue_final_message")
+# Most upstream /tokenize calls for one request; a larger batch is counted locally.
+MAX_TOKENIZE_CALLS: Final = 16
+# Fields of a chat request that shape what the upstream's chat template renders: passed to
+# /tokenize with the messages, and added to the estimate.
+_CHAT_TEMPLATE_FIELDS: Final = (
+    "tools",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_special_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +94,30 @@ def _text_of(content: Any) -> str | None:
     return None
 
 
+def uncountable(kind: Kind, body: dict[str, Any]) -> str | None:
+    """Where ``body`` holds input no method can count (the ``param`` to name), else None."""
+    if body.get("prompt_embeds") is not None:
+        return "prompt_embeds"
+    if kind == "chat" and isinstance(messages := body.get("messages"), list):
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        return f"messages.{i}.content.{j}"
+    return None
+
+
+def token_ids_only(kind: Kind, body: dict[str, Any]) -> int | None:
+    """The exact count of a completion request whose prompts are all token ids, else None."""
+    if kind != "completion":
+        return None
+    prompts = _prompts(body.get("prompt"))
+    if not all(_is_token_ids(p) for p in prompts):
+        return None
+    return max(len(p) for p in prompts)
+
+
 def count_bytes(kind: Kind, body: dict[str, Any]) -> int | None:
     """The byte tokenizer's count (None when the body holds something it cannot render)."""
     if kind == "completion":
@@ -113,7 +152,7 @@ def estimate(kind: Kind, body: dict[str, Any]) -> int:
             if isinstance(p, str):
                 counts.append(len(p.encode()) + ESTIMATE_MARGIN)
             elif _is_token_ids(p):
-                counts.append(len(p) + ESTIMATE_MARGIN)
+                counts.append(len(p))  # exact: token ids are tokens
             else:
                 counts.append(_json_size(p) + ESTIMATE_MARGIN)
         return max(counts)
@@ -145,6 +184,10 @@ class PromptCounter:
     async def count(
         self, kind: Kind, body: dict[str, Any], caller: Caller, request_id: str
     ) -> PromptCount:
+        ids = token_ids_only(kind, body)
+        if ids is not None:
+            # Exact whatever the method; the record names the local one (no upstream call).
+            return PromptCount(ids, "bytes" if self._tokenizer == "bytes" else "estimate")
         if self._endpoint_usable():
             n = await self._via_endpoint(kind, body, caller, request_id)
             if n is not None:
@@ -159,20 +202,26 @@ class PromptCounter:
         self, kind: Kind, body: dict[str, Any], caller: Caller, request_id: str
     ) -> int | None:
         requests: list[dict[str, Any]] = []
+        counts: list[int] = []
         model = body.get("model")
         base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
         if kind == "completion":
             for p in _prompts(body.get("prompt")):
-                if not isinstance(p, str):
-                    return None  # token ids (counted locally, exactly) or something odd
-                requests.append(base | {"prompt": p})
+                if isinstance(p, str):
+                    requests.append(base | {"prompt": p})
+                elif _is_token_ids(p):
+                    counts.append(len(p))  # exact without asking
+                else:
+                    return None  # something odd: counted locally
+            if len(requests) > MAX_TOKENIZE_CALLS:
+                log.debug("a batch of %d prompts: counted locally", len(requests))
+                return None
         else:
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return None
             extra = {f: body[f] for f in _CHAT_TEMPLATE_FIELDS if f in body}
             requests.append(base | {"messages": messages, "add_generation_prompt": True} | extra)
-        counts = []
         for req in requests:
             try:
                 n = await self._upstream.tokenize(req, caller, request_id)

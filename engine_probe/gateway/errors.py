@@ -7,7 +7,7 @@ with its reason) or failed (a ``request.finished`` with status ``error``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from engine_probe.events import RejectReason
@@ -94,6 +94,20 @@ class ContextLengthExceeded(InvalidRequest):
         self.limit_tokens = limit_tokens
 
 
+class UnsupportedContent(InvalidRequest):
+    """Input the safe-context guard cannot count (images, audio, prompt embeddings), sent to a
+    guarded model: refused rather than let through uncounted."""
+
+    code = "unsupported_content"
+
+    def __init__(self, param: str) -> None:
+        super().__init__(
+            f"The safe-context guard cannot count non-text input ({param}) for this model; "
+            "send text (or token ids) only.",
+            param=param,
+        )
+
+
 class UpstreamUnavailable(GatewayError):
     """The upstream could not be reached (connection refused, reset, DNS, TLS)."""
 
@@ -115,12 +129,39 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+REDACTED = "***"
+
+
+def redact(value: Any, secrets: Iterable[str]) -> Any:
+    """``value`` (a decoded JSON body) with every occurrence of each secret replaced by
+    ``***``, in every string, keys included."""
+    ordered = sorted({s for s in secrets if s}, key=len, reverse=True)  # longest first
+    if not ordered:
+        return value
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, str):
+            for secret in ordered:
+                v = v.replace(secret, REDACTED)
+            return v
+        if isinstance(v, list):
+            return [walk(item) for item in v]
+        if isinstance(v, dict):
+            return {walk(k): walk(item) for k, item in v.items()}
+        return v
+
+    return walk(value)
+
+
 class UpstreamError(GatewayError):
     """An error the upstream answered, passed through with its status. ``upstream_body`` is
-    its own OpenAI-shaped body when it sent one, else the gateway's wrapping of it."""
+    its own OpenAI-shaped body when it sent one (with every key in ``secrets`` replaced by
+    ``***``: an upstream may echo the credentials it was sent), else the gateway's wrapping
+    of it."""
 
-    def __init__(self, status: int, body: dict[str, Any] | None) -> None:
+    def __init__(self, status: int, body: Any, *, secrets: Iterable[str] = ()) -> None:
         self.status = status
+        body = redact(body, secrets)
         err = body.get("error") if isinstance(body, dict) else None
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             self.upstream_body: dict[str, Any] | None = body

@@ -1,10 +1,13 @@
 """The safe context of each model: configured, and read from the collector's verifications.
 
 A model's limit is the smaller of its configured safe context (``MODEL=N``, or ``*=N`` for
-every model) and its latest passing verification for the deployment. Verifications are read
-with the ingest token from ``GET /v1/verifications?deployment_id=D`` at start and then every
-``gateway_verification_refresh_s``; while the collector cannot be read the last known values
-stay in force, and the log says so.
+every model) and its latest passing verification for the deployment. Once any limit is known,
+a request whose model has none (an alias, an unverified model, no ``model`` at all) gets the
+smallest known one: the guard is never bypassed by naming another model or none.
+
+Verifications are read with the ingest token from ``GET /v1/verifications?deployment_id=D``
+at start and then every ``gateway_verification_refresh_s``; while the collector cannot be
+read the last known values stay in force, and the log says so.
 """
 
 from __future__ import annotations
@@ -64,7 +67,11 @@ class SafeContexts:
             bounds.append(configured)
         if model is not None and model in self._verified:
             bounds.append(self._verified[model])
-        return min(bounds) if bounds else None
+        if bounds:
+            return min(bounds)
+        # No limit of its own (or no model named): the smallest known one, if any is known.
+        known = [*self._configured.values(), *self._verified.values()]
+        return min(known) if known else None
 
     def snapshot(self) -> dict[str, Any]:
         return {"configured": dict(self._configured), "verified": dict(self._verified)}

@@ -1,17 +1,19 @@
 """What the gateway does with one request: guard, forward, relay, record.
 
 Per request: parse the body (only to read ``model``, the prompt and the stream flags), check
-the prompt against the model's safe context (counting it only when the model has one),
-forward the body (unchanged, unless a stream needs ``stream_options.include_usage``), pass
-the answer back, and emit the request's one record. Nothing outlives the request.
+the prompt against the model's safe context (counting it only when a limit applies; input
+that cannot be counted is then refused), forward the body (unchanged, unless a stream needs
+``stream_options.include_usage``), pass the answer back (an error body with every configured
+key replaced by ``***``), and emit the request's one record. Nothing outlives the request.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Final
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -19,12 +21,13 @@ import msgspec
 from starlette.responses import Response, StreamingResponse
 
 from engine_probe.gateway.auth import Caller
-from engine_probe.gateway.counting import Kind, PromptCounter
+from engine_probe.gateway.counting import Kind, PromptCounter, uncountable
 from engine_probe.gateway.errors import (
     BadUpstreamResponse,
     ContextLengthExceeded,
     GatewayError,
     InvalidRequest,
+    UnsupportedContent,
     UpstreamError,
 )
 from engine_probe.gateway.limits import SafeContexts
@@ -75,11 +78,18 @@ class ProxyService:
         counter: PromptCounter,
         limits: SafeContexts,
         recorder: Recorder,
+        *,
+        secrets: Iterable[str] = (),
     ) -> None:
         self.upstream = upstream
         self.counter = counter
         self.limits = limits
         self.recorder = recorder
+        # Keys never relayed back: the upstream key and every tenant's (plus the caller's).
+        self._secrets = tuple(s for s in secrets if s)
+
+    def _upstream_error(self, status: int, body: Any, caller: Caller) -> UpstreamError:
+        return UpstreamError(status, body, secrets=(*self._secrets, caller.key))
 
     # -- /v1/models -----------------------------------------------------------------------
 
@@ -88,8 +98,15 @@ class ProxyService:
         rid = f"gw-{uuid.uuid4().hex[:24]}"
         r = await self.upstream.send("GET", path, caller, rid)
         if r.status_code >= 400:
-            raise UpstreamError(r.status_code, _decode(r.content))
+            raise self._upstream_error(r.status_code, _decode(r.content), caller)
         return Response(r.content, r.status_code, media_type=_JSON, headers={"X-Request-Id": rid})
+
+    async def model(self, model: str, caller: Caller) -> Response:
+        """``GET /v1/models/{model}``: the id goes upstream as one quoted path segment, so it
+        can neither climb out of ``/v1/models/`` nor add a query."""
+        if model in ("", ".", ".."):
+            raise InvalidRequest(f"Invalid model id {model!r}.", param="model")
+        return await self.passthrough_get(f"/v1/models/{quote(model, safe='')}", caller)
 
     # -- completions ----------------------------------------------------------------------
 
@@ -98,6 +115,10 @@ class ProxyService:
         try:
             return await self._generate(kind, caller, raw, flight)
         except GatewayError as exc:
+            if caller.unverified and isinstance(exc, UpstreamError) and exc.status in (401, 403):
+                # No tenant keys: the upstream refused the key, so no tenant is known (a
+                # record would make every random key a tenant).
+                flight.recorded = True
             self.recorder.failed(flight, exc)
             exc.headers.setdefault("X-Request-Id", flight.request_id)
             raise
@@ -111,8 +132,13 @@ class ProxyService:
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("'model' must be a string.", param="model")
         flight.model = model
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean (true or false).", param="stream")
         limit = self.limits.limit(model)
         if limit is not None:
+            if (where := uncountable(kind, body)) is not None:
+                raise UnsupportedContent(where)
             count = await self.counter.count(kind, body, caller, flight.request_id)
             flight.count = count
             if count.tokens > limit:
@@ -122,12 +148,12 @@ class ProxyService:
                     method=count.method,
                     param="prompt" if kind == "completion" else "messages",
                 )
-        if body.get("stream") is True:
+        if stream is True:
             return await self._stream(kind, body, caller, flight)
         r = await self.upstream.send("POST", ROUTES[kind], caller, flight.request_id, raw)
         data = _decode(r.content)
         if r.status_code >= 400:
-            raise UpstreamError(r.status_code, data)
+            raise self._upstream_error(r.status_code, data, caller)
         if not isinstance(data, dict):
             raise BadUpstreamResponse("The upstream answered with something other than JSON.")
         _learn_model(flight, data.get("model"))
@@ -157,7 +183,7 @@ class ProxyService:
                 await r.aclose()
             data = _decode(answer)
             if r.status_code >= 400:
-                raise UpstreamError(r.status_code, data)
+                raise self._upstream_error(r.status_code, data, caller)
             if not isinstance(data, dict):
                 raise BadUpstreamResponse("The upstream answered with something other than JSON.")
             # The upstream answered the stream request in one piece: pass that on as it is.

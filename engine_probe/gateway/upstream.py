@@ -17,7 +17,12 @@ import httpx
 import msgspec
 
 from engine_probe.gateway.auth import Caller
-from engine_probe.gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
+from engine_probe.gateway.errors import (
+    GatewayError,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from engine_probe.gateway.settings import GatewaySettings
 
 log = logging.getLogger("engine_probe.gateway")
@@ -126,7 +131,9 @@ class Upstream:
     async def tokenize(self, body: dict[str, Any], caller: Caller, request_id: str) -> int | None:
         """The upstream's token count for ``body`` (vLLM's and SGLang's ``POST /tokenize``):
         None when it could not say for this request (it refused the body, failed or timed
-        out). Raises :class:`NoTokenizeEndpoint` when it has no such endpoint."""
+        out). Raises :class:`NoTokenizeEndpoint` when it has no such endpoint, and
+        :class:`UpstreamError` when it refuses an unverified caller's key (401/403): that key
+        is no tenant's, and its request goes no further."""
         try:
             r = await self._client.post(
                 "/tokenize",
@@ -139,6 +146,12 @@ class Upstream:
             return None
         if r.status_code in (405, 501) or (r.status_code == 404 and not _names_model(r.content)):
             raise NoTokenizeEndpoint
+        if r.status_code in (401, 403) and caller.unverified:
+            try:
+                refusal = msgspec.json.decode(r.content)
+            except msgspec.DecodeError:
+                refusal = None
+            raise UpstreamError(r.status_code, refusal, secrets=(caller.key,))
         if r.status_code != 200:
             log.debug("upstream /tokenize answered %s; counting locally", r.status_code)
             return None
