@@ -87,6 +87,15 @@ class VerificationFact:
         return out
 
 
+def verified_nodes(configs: Iterable[NodeConfig], model_id: str) -> list[NodeConfig]:
+    """The nodes a verification of ``model_id`` is compared with: those serving it that a
+    prompt must fit in (prefill or monolithic). A decode node's pool is sized separately in a
+    disaggregated deployment, so comparing the verified pool with it would call every
+    verification stale at once."""
+    serving = [c for c in configs if c.model_id == model_id]
+    return [c for c in serving if c.role != "decode"] or serving
+
+
 @dataclass(frozen=True, slots=True)
 class DeploymentFacts:
     """One deployment: each node's latest config, the latest verification per model, and

@@ -282,3 +282,22 @@ def test_a_verification_is_tied_to_the_current_config_and_clamped_to_the_pool(en
         assert other.post("/v1/verifications", json=body).status_code == 403
     finally:
         other.close()
+
+
+def test_a_verification_is_not_stale_against_a_differently_sized_decode_pool(env: Env) -> None:
+    """Disaggregated: the verification measured the prefill pool; the decode pool is sized
+    separately and must not make it stale."""
+    env.send(cfg(env, pool_tokens=2_200_000))  # prefill-0
+    env.send(cfg(env, pool_tokens=4_400_000, role="decode", node="decode-0"))
+    r = env.admin.post(
+        "/v1/verifications",
+        json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
+              "verified_safe_context": 900_000},
+    )  # fmt: skip
+    assert r.status_code == 201 and r.json()["pool_capacity_tokens"] == 2_200_000
+    env.tick()
+    states = {a["state"] for a in env.alerts("verification_missing_or_stale")}
+    assert states <= {"resolved", "pending"} and "firing" not in states
+    env.send(f.admitted(env.next(), "r-v", prompt=800_000, probe=env.probe))  # 89% of 900k
+    (a,) = env.alerts("context_pressure")
+    assert a["labels"]["verified"] == "true"

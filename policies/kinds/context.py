@@ -10,7 +10,7 @@ from typing import Annotated, cast
 import msgspec
 
 from engine_probe import events as ev
-from policies.facts import BatchFacts, DeploymentFacts
+from policies.facts import BatchFacts, DeploymentFacts, verified_nodes
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
 from policies.signals import Severity, Signal
@@ -33,7 +33,7 @@ def safe_context(d: DeploymentFacts, model_id: str) -> tuple[int | None, bool]:
     gives its verified safe context; otherwise min(advertised context, prefill pool), which
     is what the incident lacked: nothing compared the two."""
     v = d.verifications.get(model_id)
-    serving = [c for c in d.configs.values() if c.model_id == model_id] or list(d.configs.values())
+    serving = verified_nodes(d.configs.values(), model_id) or list(d.configs.values())
     if (
         v is not None
         and v.passed

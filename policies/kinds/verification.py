@@ -9,7 +9,14 @@ from datetime import datetime
 import msgspec
 
 from engine_probe import events as ev
-from policies.facts import VERIFIED_SETTINGS, BatchFacts, DeploymentFacts, NodeConfig, TimerFacts
+from policies.facts import (
+    VERIFIED_SETTINGS,
+    BatchFacts,
+    DeploymentFacts,
+    NodeConfig,
+    TimerFacts,
+    verified_nodes,
+)
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
 from policies.signals import Signal
@@ -49,9 +56,8 @@ class VerificationMissingOrStale(RuleKind):
                     problem = "the latest verification did not pass"
                 else:
                     changed: dict[str, tuple[object, object]] = {}
-                    for c in d.configs.values():
-                        if c.model_id == model:
-                            changed.update(v.stale_against(c))
+                    for c in verified_nodes(d.configs.values(), model):
+                        changed.update(v.stale_against(c))
                     problem = f"changed since verification ({_changes(changed)})" if changed else ""
                 yield rule.signal(
                     "state",
