@@ -18,14 +18,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from collector import migrate
 from collector.alerting.service import AlertingService
 from collector.alerting.timer import PolicyTimer
+from collector.api import breach as breach_api
 from collector.api import schemas as s
 from collector.api.alerts import build_router
+from collector.api.reports import build_router as build_reports_router
 from collector.db import Database
 from collector.errors import CollectorError, PayloadTooLarge
 from collector.ingest import IngestService
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
 from collector.reads import ReadService
+from collector.reports.breach import BreachService
 from collector.settings import Settings
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
@@ -277,6 +280,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return await anyio.to_thread.run_sync(reads.probes, who)
 
     app.include_router(build_router(alerting, principal))
+    app.include_router(breach_api.build_router(BreachService(db, settings), principal))
+    app.include_router(build_reports_router(db, principal))
 
     @app.get("/metrics", include_in_schema=True, response_class=Response)
     async def get_metrics() -> Response:

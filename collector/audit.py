@@ -2,7 +2,10 @@
 
 Invariant: for consecutive entries a, b (by id): ``b.prev_hash == a.hash`` and every
 ``hash == sha256(prev_hash + canonical_json(ts, actor, action, subject, detail))``; the first
-entry's ``prev_hash`` is 64 zeros. Any edit, deletion or reordering breaks the chain.
+entry's ``prev_hash`` is 64 zeros. Any edit, deletion, insertion or reordering inside the
+chain breaks it, and :func:`verify` names the first entry where it breaks. (Without an anchor
+kept elsewhere, removing entries from the very end, or appending correctly chained ones, cannot
+be told from history: that is what publishing the head hash is for.)
 """
 
 from __future__ import annotations
@@ -64,10 +67,16 @@ class ChainCheck:
     entries: int
     first_bad_id: int | None = None
     problem: str | None = None
+    head: str | None = None  # the last entry's hash when intact: an anchor to keep elsewhere
 
 
 def verify(conn: Connection) -> ChainCheck:
+    """Walk the chain in id order; the first entry whose content does not match its hash
+    (edited, or forged) or whose ``prev_hash`` is not the previous entry's hash (an entry
+    deleted, inserted or moved before it) is named."""
     prev = GENESIS
+    prev_id: int | None = None
+    seen: set[str] = set()
     n = 0
     for row in conn.execute(
         select(
@@ -83,9 +92,20 @@ def verify(conn: Connection) -> ChainCheck:
     ):
         n += 1
         ts = row.ts if isinstance(row.ts, int) else m.to_micros(row.ts)
+        if _digest(row.prev_hash, ts, row.actor, row.action, row.subject, row.detail) != row.hash:
+            return ChainCheck(
+                False, n, row.id, "entry content does not match its hash (edited or forged)"
+            )
         if row.prev_hash != prev:
-            return ChainCheck(False, n, row.id, "prev_hash does not match the previous entry")
-        if _digest(prev, ts, row.actor, row.action, row.subject, row.detail) != row.hash:
-            return ChainCheck(False, n, row.id, "entry content does not match its hash")
+            after = f"entry {prev_id}" if prev_id is not None else "the start of the log"
+            if row.prev_hash in seen:
+                why = "entries were reordered or one was inserted before it"
+            elif prev_id is None:
+                why = "entries before it were deleted, or it was inserted"
+            else:
+                why = "an entry between them was deleted, or this one was inserted or moved"
+            return ChainCheck(False, n, row.id, f"not chained to {after}: {why}")
+        seen.add(row.hash)
         prev = row.hash
-    return ChainCheck(True, n)
+        prev_id = row.id
+    return ChainCheck(True, n, head=prev if n else None)

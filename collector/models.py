@@ -473,3 +473,23 @@ class DeliveryAttempt(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     duration_ms: Mapped[float] = mapped_column(Float)
+
+
+# ---------------------------------------------------------------------- reports
+
+
+class Report(Base):
+    """A generated report (a breach assessment), kept as its JSON body with the SHA-256 of
+    its evidence set so it can be reproduced and checked later."""
+
+    __tablename__ = "reports"
+    __table_args__ = (Index(None, "kind", "created_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    report_id: Mapped[str] = mapped_column(String(64), unique=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    scope: Mapped[str] = mapped_column(Text)  # JSON object
+    created_at: Mapped[datetime] = mapped_column(UtcMicros)
+    created_by: Mapped[str] = mapped_column(String(NAME_MAX))
+    sha256: Mapped[str] = mapped_column(String(64))
+    body: Mapped[str] = mapped_column(Text)  # JSON object: the whole report

@@ -72,6 +72,11 @@ class Settings(BaseSettings):
         description="How long a dispatcher holds an endpoint before another replica may take "
         "it over (a crashed replica's endpoints resume after this).",
     )
+    dpo_contact: str = Field(
+        default="",
+        description="The data protection officer's (or other contact point's) name and "
+        "details, for GDPR Art. 33(3)(b) in breach reports; empty: a person must fill it in.",
+    )
     public_url: str = Field(
         default="",
         description="The collector's URL as people reach it (links in notifications).",

@@ -9,8 +9,10 @@ from typing import Annotated
 import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
+from kvwatch.cli_breach import breach
 from kvwatch.cli_common import DbUrl, err, settings
 from kvwatch.cli_gateway import gateway
+from kvwatch.cli_reports import audit_app, report_app
 from kvwatch.cli_verify import verify
 from kvwatch.cli_webhooks import webhooks_app
 
@@ -30,6 +32,9 @@ app.add_typer(policies_app, name="policies")
 app.add_typer(alerts_app, name="alerts")
 app.add_typer(silences_app, name="silences")
 app.add_typer(incidents_app, name="incidents")
+app.add_typer(report_app, name="report")
+report_app.command("breach")(breach)
+app.add_typer(audit_app, name="audit")
 app.command()(verify)
 app.command("gateway")(gateway)
 

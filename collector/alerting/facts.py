@@ -68,11 +68,14 @@ def node_configs(
 
 
 def verifications(
-    conn: Connection, deployments: Iterable[str] | None
+    conn: Connection, deployments: Iterable[str] | None, *, passed_only: bool = False
 ) -> dict[tuple[str, str], VerificationFact]:
-    """The latest verification of each (deployment, model)."""
+    """The latest verification of each (deployment, model); ``passed_only``: the latest
+    passing one."""
     t = m.Verification.__table__
     q = select(t).order_by(t.c.verified_at.desc(), t.c.id.desc())
+    if passed_only:
+        q = q.where(t.c.passed.is_(True))
     if deployments is not None:
         deps = sorted(deployments)
         if not deps:

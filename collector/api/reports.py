@@ -1,0 +1,124 @@
+"""HTTP routes for reports: the inventory, limits cards and the audit-log check; a thin layer
+over :mod:`collector.reports` and :func:`collector.audit.verify`."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import PlainTextResponse
+
+from collector import audit
+from collector.api import schemas as s
+from collector.db import Database
+from collector.errors import InvalidInput
+from collector.reports.inventory import InventoryQuery, InventoryService
+from collector.reports.limits import LimitsService, to_markdown
+from collector.tokens import Principal
+
+Auth = Annotated[str | None, Header(include_in_schema=False)]
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": s.ErrorResponse, "description": desc}
+    for code, desc in (
+        (401, "Missing or unknown token"),
+        (403, "The token may not do this"),
+        (404, "No such object"),
+        (422, "Invalid parameters"),
+        (503, "Database unavailable; retry"),
+    )
+}
+_INVENTORY_PARAMS = {"model_id", "since", "until", "min_prompt_tokens", "deployment_id"}
+
+
+def _aware(dt: datetime) -> datetime:
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def _known_params(request: Request, known: set[str]) -> None:
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        raise InvalidInput(
+            f"unknown parameter {unknown[0]!r}; expected one of {', '.join(sorted(known))}",
+            [{"field": u, "message": "unknown parameter"} for u in unknown],
+        )
+
+
+def build_router(
+    db: Database, principal: Callable[[str | None], Awaitable[Principal]]
+) -> APIRouter:
+    r = APIRouter()
+    run = anyio.to_thread.run_sync
+    inventory = InventoryService(db)
+    limits = LimitsService(db)
+
+    @r.get(
+        "/v1/inventory",
+        responses=_ERRORS,
+        summary="Requests to a model in a window, per tenant and route",
+        description="Per (tenant, route): requests whose first event lies in [since, until), "
+        "how many had at least min_prompt_tokens prompt tokens, the largest prompt, first and "
+        "last seen. A tenant-scoped read token sees only its own tenant's rows.",
+    )
+    async def get_inventory(
+        request: Request,
+        model_id: Annotated[str, Query(min_length=1, max_length=256)],
+        since: datetime,
+        until: datetime,
+        min_prompt_tokens: Annotated[int | None, Query(ge=0, le=2**62)] = None,
+        deployment_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+        authorization: Auth = None,
+    ) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin", "read")
+        _known_params(request, _INVENTORY_PARAMS)
+        q = InventoryQuery(
+            model_id=model_id,
+            since=_aware(since),
+            until=_aware(until),
+            min_prompt_tokens=min_prompt_tokens,
+            deployment_id=deployment_id,
+            tenant=who.tenant_filter(None),
+        )
+        return await run(inventory.inventory, q)
+
+    @r.get(
+        "/v1/deployments/{deployment_id}/limits-card",
+        responses={**_ERRORS, 200: {"content": {"text/markdown": {}}}},
+        summary="The deployment's limits card (JSON or Markdown)",
+    )
+    async def get_limits_card(
+        request: Request,
+        deployment_id: str,
+        format: Literal["json", "md"] = "json",
+        authorization: Auth = None,
+    ) -> Any:
+        who = await principal(authorization)
+        who.require("admin", "read")
+        _known_params(request, {"format"})
+        card = await run(lambda: limits.card(deployment_id, datetime.now(UTC)))
+        if format == "md":
+            return PlainTextResponse(to_markdown(card), media_type="text/markdown")
+        return card
+
+    @r.get("/v1/audit/verify", responses=_ERRORS, summary="Check the audit log's hash chain")
+    async def verify_audit(authorization: Auth = None) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin")
+
+        def check() -> dict[str, Any]:
+            with db.read() as conn:
+                c = audit.verify(conn)
+            return {
+                "ok": c.ok,
+                "entries": c.entries,
+                "first_bad_id": c.first_bad_id,
+                "problem": c.problem,
+                "head": c.head,
+            }
+
+        return await run(check)
+
+    return r

@@ -1,0 +1,1 @@
+"""Reports built from the collector database: inventory, limits cards, breach assessments."""

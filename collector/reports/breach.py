@@ -1,0 +1,904 @@
+"""Breach assessment: which requests, which tenants, what data, what deadline.
+
+A report covers an incident (the stale reads of the incident's deployment since its previous
+incident was closed, up to this one's close or now) or a window (one model's requests in
+``[since, until)`` with prompts of at least ``min_prompt_tokens``). Requests are streamed
+through pandas in chunks: aggregates stay bounded whatever the window holds, and at most
+``MAX_LISTED`` requests are listed (``affected_requests.count`` is always the full count).
+
+The evidence set (the sections named in ``EVIDENCE_KEYS``) is serialised canonically (sorted
+keys, compact separators, UTF-8) and hashed with SHA-256: ``evidence_sha256``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import secrets
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pandas as pd
+import sqlalchemy as sa
+from sqlalchemy import BigInteger, Connection, select, type_coerce
+
+from collector import audit
+from collector import models as m
+from collector.db import Database
+from collector.errors import InvalidInput, NotFound
+from collector.settings import Settings
+
+CHUNK_ROWS = 50_000
+MAX_LISTED = 100_000
+BUCKETS = 48
+HIGH_RISK_SUBJECTS = 100
+# GDPR Art. 9(1) special categories and Art. 10 criminal-offence data, as request tags.
+SPECIAL_CATEGORIES = frozenset(
+    {
+        "special",
+        "health",
+        "medical",
+        "biometric",
+        "genetic",
+        "racial_or_ethnic_origin",
+        "ethnic_origin",
+        "political_opinions",
+        "religious_beliefs",
+        "philosophical_beliefs",
+        "trade_union",
+        "sex_life",
+        "sexual_orientation",
+        "criminal",
+    }
+)
+EVIDENCE_KEYS = (
+    "scope",
+    "affected_requests",
+    "tenants",
+    "data_categories",
+    "stale_reads",
+    "deployments",
+)
+CSV_COLUMNS = (
+    "deployment_id",
+    "request_id",
+    "tenant",
+    "route",
+    "model_id",
+    "prompt_tokens",
+    "completion_tokens",
+    "status",
+    "reject_reason",
+    "data_categories",
+    "first_ts",
+    "last_ts",
+    "role",
+)
+NEEDS_PERSON = "needs a person"
+
+
+@dataclass(frozen=True, slots=True)
+class BreachScope:
+    incident_id: int | None = None
+    model_id: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    min_prompt_tokens: int | None = None
+    deployment_id: str | None = None
+
+    def validate(self) -> None:
+        for name in ("since", "until"):
+            v = getattr(self, name)
+            if v is not None and v.tzinfo is None:
+                raise InvalidInput(f"{name} must be a UTC instant (with a timezone)")
+        if self.incident_id is None:
+            missing = [n for n in ("model_id", "since", "until") if getattr(self, n) is None]
+            if missing:
+                raise InvalidInput(
+                    "a breach report needs incident_id, or model_id, since and until; missing: "
+                    + ", ".join(missing),
+                    {"missing": missing},
+                )
+        if self.since is not None and self.until is not None and self.since >= self.until:
+            raise InvalidInput(
+                f"inverted window: since ({_iso(self.since)}) must be before until "
+                f"({_iso(self.until)})",
+                {"since": _iso(self.since), "until": _iso(self.until)},
+            )
+        if self.min_prompt_tokens is not None and self.min_prompt_tokens < 0:
+            raise InvalidInput("min_prompt_tokens must be >= 0")
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["since"] = _iso(self.since)
+        d["until"] = _iso(self.until)
+        return d
+
+
+def _iso(v: datetime | int | None) -> str | None:
+    if v is None:
+        return None
+    dt = m.from_micros(v) if isinstance(v, int) else v
+    return dt.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def evidence_digest(report: dict[str, Any]) -> str:
+    """SHA-256 of the report's evidence set (recomputable from a stored report)."""
+    return hashlib.sha256(canonical({k: report[k] for k in EVIDENCE_KEYS})).hexdigest()
+
+
+def _cats(raw: Any) -> list[str]:
+    if raw is None or (isinstance(raw, float) and pd.isna(raw)):
+        return []
+    try:
+        v = json.loads(raw)
+    except (TypeError, ValueError):
+        return []
+    return [str(c) for c in v] if isinstance(v, list) else []
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None or pd.isna(v) else int(v)
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
+
+
+class _Buckets:
+    """Max (or sum) of a value per time bucket over ``[lo, hi)``: bounded memory."""
+
+    def __init__(self, lo: int, hi: int, how: str):
+        self.lo, self.hi, self.how = lo, max(hi, lo + 1), how
+        self.vals: list[float | None] = [None] * BUCKETS
+
+    def add(self, ts: pd.Series, values: pd.Series) -> None:
+        if ts.empty:
+            return
+        idx = ((ts - self.lo) * BUCKETS // (self.hi - self.lo)).clip(0, BUCKETS - 1)
+        grouped = values.groupby(idx.to_numpy())
+        agg = grouped.max() if self.how == "max" else grouped.sum()
+        for i, v in agg.items():
+            cur = self.vals[int(i)]
+            fv = float(v)
+            if cur is None:
+                self.vals[int(i)] = fv
+            else:
+                self.vals[int(i)] = max(cur, fv) if self.how == "max" else cur + fv
+
+    def points(self) -> list[dict[str, Any]]:
+        width = (self.hi - self.lo) / BUCKETS
+        return [
+            {"ts": _iso(int(self.lo + i * width)), "value": v}
+            for i, v in enumerate(self.vals)
+            if v is not None
+        ]
+
+
+class _RequestAgg:
+    """Streams request chunks: counts, tenants, categories, a capped listing."""
+
+    def __init__(self, roles: dict[tuple[str, str], str] | None = None):
+        self.count = 0
+        self.listed: list[dict[str, Any]] = []
+        self.tenants: Counter[str] = Counter()
+        self.categories: Counter[str] = Counter()
+        self.max_prompt: int | None = None
+        self.first_ts: int | None = None
+        self.last_ts: int | None = None
+        self.deployments: set[str] = set()
+        self.roles = roles or {}
+
+    def add(self, df: pd.DataFrame) -> None:
+        if df.empty:
+            return
+        self.count += len(df)
+        self.tenants.update(df["tenant"].astype(str).value_counts().to_dict())
+        self.deployments.update(df["deployment_id"].astype(str).unique().tolist())
+        for raw, n in df["data_categories"].dropna().value_counts().items():
+            for c in _cats(raw):
+                self.categories[c] += int(n)
+        pt = df["prompt_tokens"].dropna()
+        if not pt.empty:
+            mx = int(pt.max())
+            self.max_prompt = mx if self.max_prompt is None else max(self.max_prompt, mx)
+        lo, hi = int(df["first_ts"].min()), int(df["last_ts"].max())
+        self.first_ts = lo if self.first_ts is None else min(self.first_ts, lo)
+        self.last_ts = hi if self.last_ts is None else max(self.last_ts, hi)
+        room = MAX_LISTED - len(self.listed)
+        if room > 0:
+            for r in df.head(room).itertuples(index=False):
+                self.listed.append(
+                    {
+                        "deployment_id": r.deployment_id,
+                        "request_id": r.request_id,
+                        "tenant": r.tenant,
+                        "route": _str(r.route),
+                        "model_id": _str(r.model_id),
+                        "prompt_tokens": _int(r.prompt_tokens),
+                        "completion_tokens": _int(r.completion_tokens),
+                        "status": r.status,
+                        "reject_reason": _str(r.reject_reason),
+                        "data_categories": _cats(r.data_categories),
+                        "first_ts": _iso(int(r.first_ts)),
+                        "last_ts": _iso(int(r.last_ts)),
+                        "role": self.roles.get((r.deployment_id, r.request_id), "in_window"),
+                    }
+                )
+
+
+def _request_cols() -> list[Any]:
+    r = m.Request
+    return [
+        r.deployment_id,
+        r.request_id,
+        r.tenant,
+        r.route,
+        r.model_id,
+        r.prompt_tokens,
+        r.completion_tokens,
+        r.status,
+        r.reject_reason,
+        r.data_categories,
+        type_coerce(r.first_ts, BigInteger).label("first_ts"),
+        type_coerce(r.last_ts, BigInteger).label("last_ts"),
+    ]
+
+
+def _chunks(conn: Connection, stmt: Any) -> Iterator[pd.DataFrame]:
+    yield from pd.read_sql(stmt, conn, chunksize=CHUNK_ROWS)
+
+
+class BreachService:
+    def __init__(self, db: Database, settings: Settings):
+        self.db = db
+        self.settings = settings
+
+    # ------------------------------------------------------------------ public
+
+    def create(
+        self,
+        scope: BreachScope,
+        *,
+        created_by: str,
+        now: datetime | None = None,
+        late_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """Build the report, store it and record it in the audit log; returns the report."""
+        now = now or datetime.now(UTC)
+        report = self.build(scope, now=now, late_reason=late_reason)
+        now_us = m.to_micros(now)
+        with self.db.write() as conn:
+            conn.execute(
+                sa.insert(m.Report).values(
+                    report_id=report["report_id"],
+                    kind="breach",
+                    scope=json.dumps(report["scope"], sort_keys=True),
+                    created_at=now_us,
+                    created_by=created_by,
+                    sha256=report["evidence_sha256"],
+                    body=json.dumps(report, sort_keys=True, ensure_ascii=False),
+                )
+            )
+            audit.append(
+                conn,
+                now_us=now_us,
+                actor=created_by,
+                action="report.generate",
+                subject=f"report:{report['report_id']}",
+                detail={
+                    "kind": "breach",
+                    "scope": report["scope"],
+                    "sha256": report["evidence_sha256"],
+                },
+            )
+        return report
+
+    def get(self, report_id: str) -> dict[str, Any]:
+        with self.db.read() as conn:
+            body = conn.execute(
+                select(m.Report.body).where(m.Report.report_id == report_id)
+            ).scalar()
+        if body is None:
+            raise NotFound(f"no report {report_id!r}")
+        report: dict[str, Any] = json.loads(body)
+        return report
+
+    def build(
+        self, scope: BreachScope, *, now: datetime, late_reason: str | None = None
+    ) -> dict[str, Any]:
+        scope.validate()
+        with self.db.read() as conn:
+            if scope.incident_id is not None:
+                body = self._incident(conn, scope, now)
+            else:
+                body = self._window(conn, scope, now)
+        body["report_id"] = "rpt_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
+        body["kind"] = "breach"
+        body["generated_at"] = _iso(now)
+        body["schema_version"] = 1
+        tl = body["timeline"]
+        if tl["deadline_at"] is not None and m.to_micros(now) > tl["deadline_us"]:
+            tl["late"] = True
+            tl["late_reason"] = late_reason or (
+                f"{NEEDS_PERSON}: generated after the 72-hour deadline; Art. 33(1) requires "
+                "the reasons for the delay"
+            )
+        else:
+            tl["late"] = False
+            tl["late_reason"] = None
+        del tl["deadline_us"]
+        body["checklist"] = self._checklist(body)
+        body["art34"] = _art34(body)
+        body["evidence_sha256"] = evidence_digest(body)
+        return body
+
+    # ------------------------------------------------------------------ scopes
+
+    def _incident(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
+        inc = conn.execute(
+            select(
+                m.Incident.id,
+                m.Incident.deployment_id,
+                m.Incident.title,
+                m.Incident.state,
+                m.Incident.cause_rule,
+                type_coerce(m.Incident.opened_at, BigInteger).label("opened_at"),
+                type_coerce(m.Incident.awareness_at, BigInteger).label("awareness_at"),
+                type_coerce(m.Incident.deadline_at, BigInteger).label("deadline_at"),
+                type_coerce(m.Incident.closed_at, BigInteger).label("closed_at"),
+            ).where(m.Incident.id == scope.incident_id)
+        ).one_or_none()
+        if inc is None:
+            raise NotFound(f"no incident {scope.incident_id}")
+        # The incident window: since the deployment's previous incident closed (or ever),
+        # up to this one's close (or now), unless the caller narrowed it.
+        prev_close = conn.execute(
+            select(sa.func.max(type_coerce(m.Incident.closed_at, BigInteger))).where(
+                m.Incident.deployment_id == inc.deployment_id,
+                m.Incident.id < inc.id,
+            )
+        ).scalar()
+        lo = m.to_micros(scope.since) if scope.since else (prev_close or 0)
+        hi = m.to_micros(scope.until) if scope.until else (inc.closed_at or m.to_micros(now) + 1)
+        deps = [inc.deployment_id]
+        reads = self._stale_reads(conn, deps, lo, hi)
+        roles: dict[tuple[str, str], str] = {}
+        for s in reads:
+            if s["reader_request_id"]:
+                roles.setdefault((s["deployment_id"], s["reader_request_id"]), "reader")
+            if s["previous_request_id"]:
+                key = (s["deployment_id"], s["previous_request_id"])
+                roles[key] = "previous_writer" if roles.get(key) != "reader" else "both"
+        agg = _RequestAgg(roles)
+        ids = sorted({rid for _, rid in roles})
+        for i in range(0, len(ids), 500):
+            stmt = (
+                select(*_request_cols())
+                .where(
+                    m.Request.deployment_id == inc.deployment_id,
+                    m.Request.request_id.in_(ids[i : i + 500]),
+                )
+                .order_by(m.Request.first_ts, m.Request.id)
+            )
+            for df in _chunks(conn, stmt):
+                agg.add(df)
+        model_ids = sorted({r["model_id"] for r in agg.listed if r["model_id"]})
+        incident = {
+            "id": inc.id,
+            "deployment_id": inc.deployment_id,
+            "title": inc.title,
+            "state": inc.state,
+            "cause_rule": inc.cause_rule,
+            "opened_at": _iso(inc.opened_at),
+            "closed_at": _iso(inc.closed_at),
+        }
+        # Charts: an hour before the first stale read to a minute after the last.
+        series_lo, series_hi = lo, min(hi, m.to_micros(now) + 1)
+        if reads:
+            series_lo = max(lo, _us(reads[0]["ts"]) - 3600 * 10**6)
+            series_hi = min(hi, _us(reads[-1]["ts"]) + 60 * 10**6)
+        series = self._series(conn, deps, model_ids, series_lo, max(series_hi, series_lo + 1))
+        return self._assemble(
+            conn,
+            scope_json={**scope.as_json(), "since": _iso(lo), "until": _iso(hi)},
+            agg=agg,
+            reads=reads,
+            deps=deps,
+            model_ids=model_ids,
+            incident=incident,
+            awareness_us=inc.awareness_at,
+            deadline_us=inc.deadline_at,
+            series=series,
+            mode="incident",
+        )
+
+    def _window(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
+        assert scope.since is not None and scope.until is not None and scope.model_id
+        lo, hi = m.to_micros(scope.since), m.to_micros(scope.until)
+        r = m.Request
+        conds = [r.model_id == scope.model_id, r.first_ts >= lo, r.first_ts < hi]
+        if scope.min_prompt_tokens is not None:
+            conds.append(r.prompt_tokens >= scope.min_prompt_tokens)
+        if scope.deployment_id is not None:
+            conds.append(r.deployment_id == scope.deployment_id)
+        agg = _RequestAgg()
+        prompt = _Buckets(lo, hi, "max")
+        stmt = select(*_request_cols()).where(*conds).order_by(r.first_ts, r.id)
+        for df in _chunks(conn, stmt):
+            agg.add(df)
+            pt = df.dropna(subset=["prompt_tokens"])
+            prompt.add(pt["first_ts"].astype("int64"), pt["prompt_tokens"].astype("int64"))
+        deps = sorted(agg.deployments | ({scope.deployment_id} if scope.deployment_id else set()))
+        reads = self._stale_reads(conn, deps, lo, hi)
+        series = self._series(conn, deps, [scope.model_id], lo, hi, prompt=prompt)
+        return self._assemble(
+            conn,
+            scope_json=scope.as_json(),
+            agg=agg,
+            reads=reads,
+            deps=deps,
+            model_ids=[scope.model_id],
+            incident=None,
+            awareness_us=None,
+            deadline_us=None,
+            series=series,
+            mode="window",
+        )
+
+    # ------------------------------------------------------------------ sections
+
+    def _stale_reads(
+        self, conn: Connection, deps: list[str], lo: int, hi: int
+    ) -> list[dict[str, Any]]:
+        if not deps:
+            return []
+        p = m.PageEvent
+        rows = conn.execute(
+            select(
+                p.deployment_id,
+                type_coerce(p.ts, BigInteger).label("ts"),
+                p.node,
+                p.request_id,
+                p.tenant,
+                p.other_request_id,
+                p.other_tenant,
+                p.page_count,
+                p.cross_tenant,
+                p.detail,
+            )
+            .where(
+                p.kind == "page.stale_read",
+                p.deployment_id.in_(deps),
+                type_coerce(p.ts, BigInteger) >= lo,
+                type_coerce(p.ts, BigInteger) < hi,
+            )
+            .order_by(p.ts, p.id)
+        )
+        out = []
+        for row in rows:
+            detail = json.loads(row.detail or "{}")
+            out.append(
+                {
+                    "ts": _iso(row.ts),
+                    "deployment_id": row.deployment_id,
+                    "node": row.node,
+                    "reader_request_id": row.request_id,
+                    "reader_tenant": row.tenant,
+                    "previous_request_id": row.other_request_id,
+                    "previous_tenant": row.other_tenant,
+                    "page_count": int(row.page_count),
+                    "pages": detail.get("page_ids", []),
+                    "read_kind": detail.get("read_kind"),
+                    "cross_tenant": bool(row.cross_tenant),
+                }
+            )
+        return out
+
+    def _series(
+        self,
+        conn: Connection,
+        deps: list[str],
+        model_ids: list[str],
+        lo: int,
+        hi: int,
+        prompt: _Buckets | None = None,
+    ) -> dict[str, Any]:
+        if prompt is None:
+            prompt = _Buckets(lo, hi, "max")
+            if deps and model_ids:
+                r = m.Request
+                ts = type_coerce(r.first_ts, BigInteger)
+                stmt = select(ts.label("ts"), r.prompt_tokens).where(
+                    r.deployment_id.in_(deps),
+                    r.model_id.in_(model_ids),
+                    ts >= lo,
+                    ts < hi,
+                    r.prompt_tokens.is_not(None),
+                )
+                for df in _chunks(conn, stmt):
+                    prompt.add(df["ts"].astype("int64"), df["prompt_tokens"].astype("int64"))
+        pool = _Buckets(lo, hi, "max")
+        stale = _Buckets(lo, hi, "sum")
+        if deps:
+            ps = m.PoolSample
+            ts = type_coerce(ps.ts, BigInteger)
+            pool_stmt: Any = select(
+                ts.label("ts"),
+                (ps.used_tokens * 1.0 / sa.func.nullif(ps.capacity_tokens, 0)).label("occ"),
+            ).where(ps.deployment_id.in_(deps), ts >= lo, ts < hi)
+            for df in _chunks(conn, pool_stmt):
+                df = df.dropna()
+                pool.add(df["ts"].astype("int64"), df["occ"].astype("float64"))
+            pe = m.PageEvent
+            ts = type_coerce(pe.ts, BigInteger)
+            stale_stmt: Any = select(ts.label("ts")).where(
+                pe.kind == "page.stale_read", pe.deployment_id.in_(deps), ts >= lo, ts < hi
+            )
+            for df in _chunks(conn, stale_stmt):
+                stale.add(df["ts"].astype("int64"), pd.Series(1, index=df.index))
+        return {
+            "since": _iso(lo),
+            "until": _iso(hi),
+            "prompt_tokens_max": prompt.points(),
+            "pool_occupancy_max": pool.points(),
+            "stale_reads": stale.points(),
+        }
+
+    def _deployments(
+        self, conn: Connection, deps: list[str], model_ids: list[str]
+    ) -> list[dict[str, Any]]:
+        out = []
+        for dep in deps:
+            c = m.DeploymentConfig
+            configs = [
+                {
+                    "ts": _iso(row.ts),
+                    "node": row.node,
+                    "role": row.role,
+                    "engine": row.engine,
+                    "engine_version": row.engine_version,
+                    "model_id": row.model_id,
+                    "advertised_context": int(row.advertised_context),
+                    "pool_capacity_tokens": int(row.pool_capacity_tokens),
+                    "page_size": int(row.page_size),
+                    "dtype": row.dtype,
+                    "quantization": row.quantization,
+                    "tp_size": int(row.tp_size),
+                    "cuda_graphs": bool(row.cuda_graphs),
+                    "disaggregated": bool(row.disaggregated),
+                    "config_hash": row.config_hash,
+                }
+                for row in conn.execute(
+                    select(
+                        type_coerce(c.ts, BigInteger).label("ts"),
+                        c.node,
+                        c.role,
+                        c.engine,
+                        c.engine_version,
+                        c.model_id,
+                        c.advertised_context,
+                        c.pool_capacity_tokens,
+                        c.page_size,
+                        c.dtype,
+                        c.quantization,
+                        c.tp_size,
+                        c.cuda_graphs,
+                        c.disaggregated,
+                        c.config_hash,
+                    )
+                    .where(c.deployment_id == dep)
+                    .order_by(c.ts, c.id)
+                )
+            ]
+            v = m.Verification
+            verifications = [
+                {
+                    "model_id": row.model_id,
+                    "passed": bool(row.passed),
+                    "verified_safe_context": _int(row.verified_safe_context),
+                    "engine_version": row.engine_version,
+                    "pool_capacity_tokens": _int(row.pool_capacity_tokens),
+                    "verified_at": _iso(row.verified_at),
+                    "created_by": row.created_by,
+                }
+                for row in conn.execute(
+                    select(
+                        v.model_id,
+                        v.passed,
+                        v.verified_safe_context,
+                        v.engine_version,
+                        v.pool_capacity_tokens,
+                        type_coerce(v.verified_at, BigInteger).label("verified_at"),
+                        v.created_by,
+                    )
+                    .where(v.deployment_id == dep)
+                    .order_by(v.verified_at, v.id)
+                )
+            ]
+            passed = [
+                x
+                for x in verifications
+                if x["passed"] and x["verified_safe_context"] and x["model_id"] in model_ids
+            ]
+            pools = [x["pool_capacity_tokens"] for x in configs if x["role"] in ("prefill", "both")]
+            if passed:
+                safe, source = passed[-1]["verified_safe_context"], "verification"
+            elif pools:
+                safe, source = min(pools), "smallest prefill pool (no passed verification)"
+            else:
+                safe, source = None, None
+            out.append(
+                {
+                    "deployment_id": dep,
+                    "configs": configs,
+                    "verifications": verifications,
+                    "safe_context": safe,
+                    "safe_context_source": source,
+                    "advertised_context": max(
+                        (x["advertised_context"] for x in configs), default=None
+                    ),
+                    "min_pool_capacity_tokens": min(pools) if pools else None,
+                }
+            )
+        return out
+
+    def _assemble(
+        self,
+        conn: Connection,
+        *,
+        scope_json: dict[str, Any],
+        agg: _RequestAgg,
+        reads: list[dict[str, Any]],
+        deps: list[str],
+        model_ids: list[str],
+        incident: dict[str, Any] | None,
+        awareness_us: int | None,
+        deadline_us: int | None,
+        series: dict[str, Any],
+        mode: str,
+    ) -> dict[str, Any]:
+        cross = [s for s in reads if s["cross_tenant"]]
+        exposed: dict[str, dict[str, Any]] = {}
+        victims: dict[str, dict[str, Any]] = {}
+        for s in cross:
+            if s["previous_tenant"]:
+                e = exposed.setdefault(
+                    s["previous_tenant"], {"stale_reads": 0, "requests": set(), "readers": set()}
+                )
+                e["stale_reads"] += 1
+                e["requests"].add(s["previous_request_id"])
+                e["readers"].add(s["reader_tenant"])
+            if s["reader_tenant"]:
+                v = victims.setdefault(
+                    s["reader_tenant"], {"stale_reads": 0, "requests": set(), "sources": set()}
+                )
+                v["stale_reads"] += 1
+                v["requests"].add(s["reader_request_id"])
+                v["sources"].add(s["previous_tenant"])
+
+        def rows(d: dict[str, dict[str, Any]], other: str) -> list[dict[str, Any]]:
+            return [
+                {
+                    "tenant": t,
+                    "stale_reads": x["stale_reads"],
+                    "requests": len({r for r in x["requests"] if r}),
+                    other: sorted(o for o in x[other] if o),
+                }
+                for t, x in sorted(d.items())
+            ]
+
+        # What leaked: the categories of the exposed (previous-writer) requests.
+        exposed_keys = {(s["deployment_id"], s["previous_request_id"]) for s in cross}
+        exposed_cats: Counter[str] = Counter()
+        for r in agg.listed:
+            if (r["deployment_id"], r["request_id"]) in exposed_keys:
+                exposed_cats.update(r["data_categories"])
+        times = [_us(s["ts"]) for s in reads]
+        if agg.first_ts is not None:
+            times += [agg.first_ts]
+        if agg.last_ts is not None:
+            times += [agg.last_ts]
+        timeline = {
+            "first_event_at": _iso(min(times)) if times else None,
+            "last_event_at": _iso(max(times)) if times else None,
+            "first_stale_read_at": reads[0]["ts"] if reads else None,
+            "last_stale_read_at": reads[-1]["ts"] if reads else None,
+            "awareness_at": _iso(awareness_us),
+            "deadline_at": _iso(deadline_us),
+            "deadline_us": deadline_us,
+            "deadline_rule": "GDPR Art. 33(1): 72 hours from awareness",
+        }
+        return {
+            "mode": mode,
+            "scope": scope_json,
+            "incident": incident,
+            "model_ids": model_ids,
+            "affected_requests": {
+                "count": agg.count,
+                "listed": len(agg.listed),
+                "truncated": agg.count > len(agg.listed),
+                "max_prompt_tokens": agg.max_prompt,
+                "by_tenant": dict(sorted(agg.tenants.items())),
+                "items": agg.listed,
+            },
+            "tenants": {
+                "exposed": rows(exposed, "readers"),
+                "victims": rows(victims, "sources"),
+                "exposed_count": len(exposed),
+                "victim_count": len(victims),
+                "involved_count": len(set(exposed) | set(victims)),
+            },
+            "data_categories": {
+                "affected": dict(sorted(agg.categories.items())),
+                "exposed": dict(sorted(exposed_cats.items())),
+                "special": sorted(
+                    c for c in set(agg.categories) | set(exposed_cats) if c in SPECIAL_CATEGORIES
+                ),
+            },
+            "stale_reads": {
+                "count": len(reads),
+                "cross_tenant": len(cross),
+                "pages": sum(s["page_count"] for s in reads),
+                "items": reads,
+            },
+            "deployments": self._deployments(conn, deps, model_ids),
+            "timeline": timeline,
+            "series": series,
+        }
+
+    def _checklist(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        t = body["tenants"]
+        sr = body["stale_reads"]
+        ar = body["affected_requests"]
+        cats = body["data_categories"]
+        dpo = self.settings.dpo_contact.strip()
+        nature = (
+            f"Confidentiality breach: {sr['cross_tenant']} cross-tenant stale KV-cache page "
+            f"reads ({sr['count']} stale reads, {sr['pages']} pages) on "
+            f"{', '.join(d['deployment_id'] for d in body['deployments']) or 'no deployment'}: "
+            "responses carried fragments of other tenants' prompts."
+            if sr["cross_tenant"]
+            else f"No cross-tenant stale read recorded; {ar['count']} requests in scope are at "
+            "risk (prompts in the scope's range)."
+        )
+        cat_names = sorted(set(cats["affected"]) | set(cats["exposed"]))
+        items = [
+            _item(
+                "nature",
+                "33(3)(a)",
+                "Nature of the personal data breach",
+                nature,
+                "data",
+            ),
+            _item(
+                "categories",
+                "33(3)(a)",
+                "Categories of data subjects and of personal data records",
+                (
+                    "Data subjects: tenants (and their end users); data: "
+                    + (", ".join(cat_names) if cat_names else "no category tags on the requests")
+                ),
+                "data" if cat_names else "person",
+                None if cat_names else "requests carry no data_categories tags: classify",
+            ),
+            _item(
+                "subjects",
+                "33(3)(a)",
+                "Approximate number of data subjects concerned",
+                f"{t['involved_count']} tenants ({t['exposed_count']} exposed, "
+                f"{t['victim_count']} received another tenant's data)",
+                "data",
+                "end users behind each tenant must be counted by the tenants",
+            ),
+            _item(
+                "records",
+                "33(3)(a)",
+                "Approximate number of personal data records concerned",
+                f"{ar['count']} requests",
+                "data",
+            ),
+            _item(
+                "contact",
+                "33(3)(b)",
+                "Name and contact details of the DPO or other contact point",
+                dpo or NEEDS_PERSON,
+                "data" if dpo else "person",
+                None if dpo else "set KVWATCH_DPO_CONTACT",
+            ),
+            _item(
+                "consequences",
+                "33(3)(c)",
+                "Likely consequences of the breach",
+                "Disclosure of prompt contents of the exposed tenants to the receiving tenants"
+                + (
+                    f"; special categories involved: {', '.join(cats['special'])}"
+                    if cats["special"]
+                    else ""
+                )
+                + ".",
+                "partial",
+                "a person must assess the harm to the data subjects",
+            ),
+            _item(
+                "measures",
+                "33(3)(d)",
+                "Measures taken or proposed to address the breach and mitigate its effects",
+                "Proposed: cap the served context at the verified safe context (kvwatch verify); "
+                "switch to clean rejection (no KV transfer for rejected prefills); zero or "
+                "salt reused pages; inform the exposed and receiving tenants.",
+                "partial",
+                "a person must record the measures actually taken",
+            ),
+        ]
+        return items
+
+
+def _item(
+    key: str, article: str, title: str, value: str, source: str, note: str | None = None
+) -> dict[str, Any]:
+    return {
+        "key": key,
+        "article": f"Art. {article}",
+        "title": title,
+        "value": value,
+        "filled_by": source,  # data | partial | person
+        "needs_person": source != "data",
+        "note": note,
+    }
+
+
+def _art34(body: dict[str, Any]) -> dict[str, Any]:
+    t = body["tenants"]
+    special = body["data_categories"]["special"]
+    reasons: list[str] = []
+    cross = body["stale_reads"]["cross_tenant"] > 0
+    if cross and special:
+        reasons.append(
+            f"cross-tenant exposure of special-category data ({', '.join(special)}): Art. 9/10"
+        )
+    if t["involved_count"] > HIGH_RISK_SUBJECTS:
+        reasons.append(f"{t['involved_count']} data subjects (tenants), over {HIGH_RISK_SUBJECTS}")
+    high = bool(reasons)
+    if not high:
+        reasons.append(
+            "no special-category data exposed across tenants and at most "
+            f"{HIGH_RISK_SUBJECTS} data subjects: not high risk by these rules"
+            + ("; cross-tenant exposure did occur" if cross else "")
+        )
+    return {
+        "high_risk": high,
+        "communicate_to_subjects": high,
+        "reasons": reasons,
+        "rule": f"high risk if cross-tenant exposure with special categories, or > "
+        f"{HIGH_RISK_SUBJECTS} data subjects",
+        "needs_person": True,
+        "note": "decision support only: a person decides under Art. 34(1) and (3)",
+    }
+
+
+def _us(iso: str) -> int:
+    return m.to_micros(datetime.fromisoformat(iso.replace("Z", "+00:00")))
+
+
+def to_csv(report: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r in report["affected_requests"]["items"]:
+        w.writerow(
+            [
+                ";".join(r[c]) if c == "data_categories" else ("" if r[c] is None else r[c])
+                for c in CSV_COLUMNS
+            ]
+        )
+    return buf.getvalue()

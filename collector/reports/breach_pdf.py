@@ -1,0 +1,335 @@
+"""The audit PDF of a breach report: cover (report id, generation time, scope, evidence
+SHA-256), summary figures, charts (matplotlib, Agg, PNG in memory), tables, the Art. 33(3)
+checklist and Art. 34 decision support; every page's footer names the report and the page."""
+
+from __future__ import annotations
+
+import io
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.dates as mdates
+import matplotlib.pyplot as plt
+from fpdf import FPDF
+
+MAX_TABLE_ROWS = 200
+_FONT_DIR = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+
+
+class _Pdf(FPDF):
+    def __init__(self, report_id: str):
+        super().__init__(format="A4")
+        self.report_id = report_id
+        self.add_font("DejaVu", "", str(_FONT_DIR / "DejaVuSans.ttf"))
+        self.add_font("DejaVu", "B", str(_FONT_DIR / "DejaVuSans-Bold.ttf"))
+        self.add_font("DejaVuMono", "", str(_FONT_DIR / "DejaVuSansMono.ttf"))
+        self.set_auto_page_break(auto=True, margin=18)
+        self.set_title(f"Breach assessment {report_id}")
+        self.set_creator("kvwatch")
+
+    def footer(self) -> None:
+        self.set_y(-12)
+        self.set_font("DejaVu", "", 8)
+        self.set_text_color(90, 90, 90)
+        self.cell(0, 6, f"kvwatch breach assessment {self.report_id}", align="L")
+        self.set_x(self.l_margin)
+        self.cell(0, 6, f"page {self.page_no()} of {{nb}}", align="R")
+        self.set_text_color(0, 0, 0)
+
+    def h1(self, text: str) -> None:
+        self.set_font("DejaVu", "B", 14)
+        self.cell(0, 9, text, new_x="LMARGIN", new_y="NEXT")
+        self.set_font("DejaVu", "", 9)
+
+    def para(self, text: str, size: int = 9) -> None:
+        self.set_font("DejaVu", "", size)
+        self.multi_cell(0, 5, text, new_x="LMARGIN", new_y="NEXT")
+
+    def kv(self, rows: list[tuple[str, Any]]) -> None:
+        for k, v in rows:
+            self.set_font("DejaVu", "B", 9)
+            self.cell(55, 6, k)
+            self.set_font("DejaVu", "", 9)
+            self.multi_cell(0, 6, "-" if v is None else str(v), new_x="LMARGIN", new_y="NEXT")
+
+    def grid(self, headings: list[str], rows: list[list[Any]], widths: list[int]) -> None:
+        self.set_font("DejaVu", "", 7)
+        with self.table(col_widths=widths, text_align="LEFT", line_height=4.5) as t:
+            head = t.row()
+            for h in headings:
+                head.cell(h)
+            for r in rows:
+                row = t.row()
+                for v in r:
+                    row.cell("-" if v is None or v == "" else str(v))
+        self.ln(2)
+        self.set_font("DejaVu", "", 9)
+
+
+def _when(iso: str) -> datetime:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
+def _chart(
+    series: list[dict[str, Any]],
+    title: str,
+    ylabel: str,
+    lines: list[tuple[float, str]],
+    kind: str = "line",
+) -> bytes | None:
+    if not series:
+        return None
+    x: Any = [_when(p["ts"]) for p in series]
+    y = [p["value"] for p in series]
+    fig, ax = plt.subplots(figsize=(7.5, 2.6), dpi=110)
+    try:
+        if kind == "bar":
+            ax.bar(
+                x,
+                y,
+                width=0.8 * ((x[-1] - x[0]) / max(len(x), 1)).total_seconds() / 86400
+                if len(x) > 1
+                else 0.01,
+                color="#c0392b",
+            )
+        else:
+            ax.plot(x, y, marker="o", markersize=3, color="#2c3e50", label=ylabel)
+        for value, label in lines:
+            ax.axhline(value, linestyle="--", linewidth=1, color="#e67e22", label=label)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+        if lines:
+            ax.legend(fontsize=7, loc="upper left")
+        fig.autofmt_xdate()
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def render_pdf(report: dict[str, Any]) -> bytes:
+    rid = report["report_id"]
+    pdf = _Pdf(rid)
+    ar, tn, sr = report["affected_requests"], report["tenants"], report["stale_reads"]
+    tl, cats = report["timeline"], report["data_categories"]
+
+    # ---- cover
+    pdf.add_page()
+    pdf.set_font("DejaVu", "B", 20)
+    pdf.cell(0, 14, "Breach assessment", new_x="LMARGIN", new_y="NEXT")
+    pdf.set_font("DejaVu", "", 10)
+    pdf.cell(0, 6, "GDPR Art. 33 / Art. 34 - kvwatch", new_x="LMARGIN", new_y="NEXT")
+    pdf.ln(4)
+    scope = report["scope"]
+    scope_text = ", ".join(f"{k}={v}" for k, v in sorted(scope.items()) if v is not None)
+    pdf.kv(
+        [
+            ("Report ID", rid),
+            ("Generated at", report["generated_at"]),
+            ("Mode", report["mode"]),
+            ("Scope", scope_text),
+        ]
+    )
+    if report.get("incident"):
+        inc = report["incident"]
+        pdf.kv([("Incident", f"#{inc['id']} {inc['title']} ({inc['state']})")])
+    pdf.set_font("DejaVu", "B", 9)
+    pdf.cell(55, 6, "Evidence SHA-256")
+    pdf.set_font("DejaVuMono", "", 8)
+    pdf.multi_cell(0, 6, report["evidence_sha256"], new_x="LMARGIN", new_y="NEXT")
+    pdf.ln(4)
+    pdf.h1("Summary")
+    pdf.kv(
+        [
+            ("Affected requests", ar["count"]),
+            ("Largest prompt (tokens)", ar["max_prompt_tokens"]),
+            (
+                "Stale reads",
+                f"{sr['count']} ({sr['cross_tenant']} cross-tenant, {sr['pages']} pages)",
+            ),
+            ("Exposed tenants", tn["exposed_count"]),
+            ("Victim tenants", tn["victim_count"]),
+            ("Special categories", ", ".join(cats["special"]) or "none"),
+            ("First event", tl["first_event_at"]),
+            ("Last event", tl["last_event_at"]),
+            ("Awareness", tl["awareness_at"]),
+            ("Art. 33 deadline", tl["deadline_at"]),
+            ("Late", "yes" if tl["late"] else "no"),
+            ("Late reason", tl["late_reason"]),
+            ("Art. 34 high risk", "yes" if report["art34"]["high_risk"] else "no"),
+        ]
+    )
+    pdf.para(
+        "The evidence SHA-256 is computed over the canonical JSON (sorted keys, compact) of the "
+        "sections scope, affected_requests, tenants, data_categories, stale_reads and "
+        "deployments of the JSON report."
+    )
+
+    # ---- charts
+    pdf.add_page()
+    pdf.h1("Charts")
+    safe = [d["safe_context"] for d in report["deployments"] if d["safe_context"]]
+    lines = []
+    if safe:
+        lines = [
+            (0.8 * min(safe), f"80% of safe context ({int(0.8 * min(safe))})"),
+            (float(min(safe)), f"safe context ({min(safe)})"),
+        ]
+    series = report["series"]
+    charts = [
+        _chart(series["prompt_tokens_max"], "Prompt tokens (max per bucket)", "tokens", lines),
+        _chart(
+            series["pool_occupancy_max"],
+            "Pool occupancy (max per bucket)",
+            "used/capacity",
+            [(1.0, "full")],
+        ),
+        _chart(series["stale_reads"], "Stale reads per bucket", "stale reads", [], kind="bar"),
+    ]
+    for title, png in zip(("Prompt tokens", "Pool occupancy", "Stale reads"), charts, strict=True):
+        if png is None:
+            pdf.para(f"{title}: no data in scope.")
+        else:
+            pdf.image(io.BytesIO(png), w=pdf.epw)
+
+    # ---- tables
+    pdf.add_page()
+    pdf.h1("Tenants")
+    pdf.grid(
+        ["exposed tenant", "stale reads", "requests", "read by"],
+        [
+            [t["tenant"], t["stale_reads"], t["requests"], ", ".join(t["readers"])]
+            for t in tn["exposed"]
+        ],
+        [40, 25, 25, 90],
+    )
+    pdf.grid(
+        ["victim tenant", "stale reads", "requests", "received data of"],
+        [
+            [t["tenant"], t["stale_reads"], t["requests"], ", ".join(t["sources"])]
+            for t in tn["victims"]
+        ],
+        [40, 25, 25, 90],
+    )
+    pdf.h1("Data categories")
+    pdf.grid(
+        ["category", "affected requests", "exposed requests"],
+        [
+            [c, cats["affected"].get(c, 0), cats["exposed"].get(c, 0)]
+            for c in sorted(set(cats["affected"]) | set(cats["exposed"]))
+        ]
+        or [["none", 0, 0]],
+        [60, 60, 60],
+    )
+    pdf.h1("Stale-read evidence")
+    items = sr["items"][:MAX_TABLE_ROWS]
+    pdf.grid(
+        ["when", "reader request", "reader tenant", "previous request", "previous tenant", "pages"],
+        [
+            [
+                s["ts"],
+                s["reader_request_id"],
+                s["reader_tenant"],
+                s["previous_request_id"],
+                s["previous_tenant"],
+                ",".join(str(p) for p in s["pages"]),
+            ]
+            for s in items
+        ]
+        or [["none", "", "", "", "", ""]],
+        [38, 30, 25, 30, 25, 32],
+    )
+    if sr["count"] > len(items):
+        pdf.para(f"{len(items)} of {sr['count']} stale reads shown; all are in the JSON report.")
+    pdf.h1("Affected requests")
+    reqs = ar["items"][:MAX_TABLE_ROWS]
+    pdf.grid(
+        ["request", "tenant", "deployment", "prompt", "status", "role", "first seen"],
+        [
+            [
+                r["request_id"],
+                r["tenant"],
+                r["deployment_id"],
+                r["prompt_tokens"],
+                r["status"],
+                r["role"],
+                r["first_ts"],
+            ]
+            for r in reqs
+        ]
+        or [["none", "", "", "", "", "", ""]],
+        [28, 22, 28, 18, 20, 26, 38],
+    )
+    if ar["count"] > len(reqs):
+        pdf.para(
+            f"{len(reqs)} of {ar['count']} affected requests shown; the CSV export lists "
+            f"{ar['listed']}."
+        )
+    pdf.h1("Deployments")
+    for d in report["deployments"]:
+        pdf.para(
+            f"{d['deployment_id']}: advertised context {d['advertised_context']}, smallest "
+            f"prefill pool {d['min_pool_capacity_tokens']}, safe context {d['safe_context']} "
+            f"({d['safe_context_source'] or 'unknown'})"
+        )
+        pdf.grid(
+            ["since", "node", "role", "engine", "pool", "advertised", "quant", "tp"],
+            [
+                [
+                    c["ts"],
+                    c["node"],
+                    c["role"],
+                    f"{c['engine']} {c['engine_version']}",
+                    c["pool_capacity_tokens"],
+                    c["advertised_context"],
+                    c["quantization"],
+                    c["tp_size"],
+                ]
+                for c in d["configs"]
+            ]
+            or [["no config recorded", "", "", "", "", "", "", ""]],
+            [36, 22, 16, 30, 22, 22, 16, 10],
+        )
+        pdf.grid(
+            ["verified at", "model", "passed", "safe context", "engine"],
+            [
+                [
+                    v["verified_at"],
+                    v["model_id"],
+                    v["passed"],
+                    v["verified_safe_context"],
+                    v["engine_version"],
+                ]
+                for v in d["verifications"]
+            ]
+            or [["no verification recorded", "", "", "", ""]],
+            [40, 50, 20, 30, 34],
+        )
+
+    # ---- checklist
+    pdf.add_page()
+    pdf.h1("GDPR Art. 33(3) checklist")
+    for it in report["checklist"]:
+        pdf.set_font("DejaVu", "B", 9)
+        mark = "NEEDS A PERSON" if it["needs_person"] else "filled from data"
+        pdf.multi_cell(
+            0, 5, f"{it['article']} {it['title']} [{mark}]", new_x="LMARGIN", new_y="NEXT"
+        )
+        pdf.para(it["value"] + (f" (note: {it['note']})" if it["note"] else ""))
+        pdf.ln(1)
+    a34 = report["art34"]
+    pdf.h1("Art. 34 decision support")
+    pdf.para(f"High risk: {'yes' if a34['high_risk'] else 'no'}. Rule: {a34['rule']}.")
+    for reason in a34["reasons"]:
+        pdf.para(f"- {reason}")
+    pdf.para(a34["note"])
+    return bytes(pdf.output())

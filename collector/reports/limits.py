@@ -1,0 +1,154 @@
+"""The limits card of a deployment, ready to publish: per model, the advertised context, the
+pool capacity of each node, the verified safe context with its date and engine version (the
+latest passing verification), and whether that verification is stale against the config the
+nodes run now. JSON and Markdown."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from collector import models as m
+from collector.alerting import facts as F
+from collector.db import Database
+from collector.errors import NotFound
+from policies.facts import verified_nodes
+
+
+def _iso(dt: datetime | None) -> str | None:
+    return None if dt is None else dt.isoformat().replace("+00:00", "Z")
+
+
+def deployment_exists(conn: Connection, deployment_id: str) -> bool:
+    return (
+        conn.execute(select(m.Deployment.id).where(m.Deployment.id == deployment_id)).first()
+        is not None
+    )
+
+
+class LimitsService:
+    def __init__(self, db: Database):
+        self.db = db
+
+    def card(self, deployment_id: str, now: datetime) -> dict[str, Any]:
+        with self.db.read() as conn:
+            if not deployment_exists(conn, deployment_id):
+                raise NotFound(f"no deployment {deployment_id!r}", {"deployment_id": deployment_id})
+            configs = F.node_configs(conn, {deployment_id})
+            passing = F.verifications(conn, {deployment_id}, passed_only=True)
+            latest = F.verifications(conn, {deployment_id})
+        nodes = sorted(configs.values(), key=lambda c: (c.model_id, c.role, c.node))
+        models = sorted({c.model_id for c in nodes} | {mod for _, mod in passing})
+        out_models = []
+        for model in models:
+            mine = [c for c in nodes if c.model_id == model]
+            v = passing.get((deployment_id, model))
+            last = latest.get((deployment_id, model))
+            compared = verified_nodes(mine, model)
+            stale = {c.node: v.stale_against(c) for c in compared} if v is not None else {}
+            stale = {node: diff for node, diff in stale.items() if diff}
+            prefill = [c.pool_capacity_tokens for c in mine if c.role != "decode"]
+            out_models.append(
+                {
+                    "model_id": model,
+                    "advertised_context": (
+                        min(c.advertised_context for c in mine) if mine else None
+                    ),
+                    "pool_capacity_per_node": {
+                        c.node: {"role": c.role, "capacity_tokens": c.pool_capacity_tokens}
+                        for c in mine
+                    },
+                    "prefill_pool_tokens": min(prefill) if prefill else None,
+                    "verified": None
+                    if v is None
+                    else {
+                        "safe_context": v.verified_safe_context,
+                        "verified_at": _iso(v.verified_at),
+                        "engine_version": v.engine_version,
+                        "pool_capacity_tokens": v.pool_capacity_tokens,
+                        "quantization": v.quantization,
+                        "tp_size": v.tp_size,
+                        "cuda_graphs": v.cuda_graphs,
+                    },
+                    "stale": None if v is None or not mine else bool(stale),
+                    "stale_settings": {
+                        node: {k: {"verified": a, "now": b} for k, (a, b) in diff.items()}
+                        for node, diff in stale.items()
+                    },
+                    "latest_verification_failed": bool(last is not None and not last.passed),
+                }
+            )
+        return {
+            "deployment_id": deployment_id,
+            "generated_at": _iso(now),
+            "nodes": [
+                {
+                    "node": c.node,
+                    "role": c.role,
+                    "model_id": c.model_id,
+                    "engine": c.engine,
+                    "engine_version": c.engine_version,
+                    "advertised_context": c.advertised_context,
+                    "pool_capacity_tokens": c.pool_capacity_tokens,
+                    "config_since": _iso(c.ts),
+                }
+                for c in nodes
+            ],
+            "models": out_models,
+        }
+
+
+def _n(value: int | None) -> str:
+    return "—" if value is None else f"{value:,}"
+
+
+def to_markdown(card: dict[str, Any]) -> str:
+    lines = [
+        f"# Limits card: {card['deployment_id']}",
+        "",
+        f"Generated {card['generated_at']}.",
+        "",
+    ]
+    for mod in card["models"]:
+        v = mod["verified"]
+        lines += [f"## Model `{mod['model_id']}`", ""]
+        lines.append(f"- Advertised context: {_n(mod['advertised_context'])} tokens")
+        if v is None:
+            lines.append("- Verified safe context: **not verified** (no passing verification)")
+        else:
+            lines.append(
+                f"- Verified safe context: **{_n(v['safe_context'])} tokens**, verified "
+                f"{v['verified_at']} on engine version {v['engine_version'] or '—'}"
+            )
+        if mod["stale"]:
+            changed = "; ".join(
+                f"{node}: "
+                + ", ".join(f"{k} {d['verified']} → {d['now']}" for k, d in diff.items())
+                for node, diff in mod["stale_settings"].items()
+            )
+            lines.append(f"- Verification status: **stale** (config changed since: {changed})")
+        elif mod["stale"] is False:
+            lines.append("- Verification status: current")
+        if mod["latest_verification_failed"]:
+            lines.append("- The latest verification attempt **failed**")
+        lines += ["", "| node | role | pool capacity (tokens) |", "| --- | --- | ---: |"]
+        for node, p in mod["pool_capacity_per_node"].items():
+            lines.append(f"| {node} | {p['role']} | {_n(p['capacity_tokens'])} |")
+        lines.append("")
+    if card["nodes"]:
+        lines += [
+            "## Nodes",
+            "",
+            "| node | role | model | engine | advertised context | pool (tokens) | since |",
+            "| --- | --- | --- | --- | ---: | ---: | --- |",
+        ]
+        for c in card["nodes"]:
+            lines.append(
+                f"| {c['node']} | {c['role']} | {c['model_id']} | {c['engine']} "
+                f"{c['engine_version']} | {_n(c['advertised_context'])} | "
+                f"{_n(c['pool_capacity_tokens'])} | {c['config_since']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""``kvwatch report breach``: the breach assessment of an incident or a window, written as
+JSON, CSV (the affected requests) and the audit PDF."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvwatch.cli_common import DbUrl, database, err
+
+
+def _when(value: str | None, name: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        dt = datetime.fromisoformat(value)
+    except ValueError:
+        err.print(f"[red]error:[/] {name}: not an ISO 8601 time: {value!r}")
+        raise typer.Exit(2) from None
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def breach(
+    out: Annotated[Path, typer.Option("--out", help="Directory for the three files.")],
+    incident: Annotated[int | None, typer.Option("--incident", help="Incident id.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model id (window).")] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Window start, ISO 8601 (UTC if naive).")
+    ] = None,
+    until: Annotated[str | None, typer.Option(help="Window end, ISO 8601 (UTC if naive).")] = None,
+    min_prompt_tokens: Annotated[
+        int | None, typer.Option("--min-prompt-tokens", min=0, help="Smallest prompt counted.")
+    ] = None,
+    deployment: Annotated[
+        str | None, typer.Option(help="Limit a window to one deployment.")
+    ] = None,
+    late_reason: Annotated[
+        str | None, typer.Option(help="Why notification is late (past the deadline).")
+    ] = None,
+    by: Annotated[str, typer.Option(help="Who generates it (audit log).")] = "cli",
+    database_url: DbUrl = None,
+) -> None:
+    """Breach assessment of --incident ID, or of --model M --since T --until T: writes
+    breach-<id>.json/.csv/.pdf to --out, records it in the audit log, prints the paths."""
+    import json
+
+    from collector.reports.breach import BreachScope, BreachService, to_csv
+    from collector.reports.breach_pdf import render_pdf
+
+    if incident is not None and model is not None:
+        err.print("[red]error:[/] give --incident, or --model with --since and --until, not both")
+        raise typer.Exit(2)
+    scope = BreachScope(
+        incident_id=incident,
+        model_id=model,
+        since=_when(since, "--since"),
+        until=_when(until, "--until"),
+        min_prompt_tokens=min_prompt_tokens,
+        deployment_id=deployment,
+    )
+    with database(database_url) as (db, s):
+        report = BreachService(db, s).create(scope, created_by=by, late_reason=late_reason)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"breach-{report['report_id']}"
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv"), stem.with_suffix(".pdf")]
+    paths[0].write_text(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    paths[1].write_text(to_csv(report), encoding="utf-8")
+    paths[2].write_bytes(render_pdf(report))
+    for p in paths:
+        typer.echo(str(p))

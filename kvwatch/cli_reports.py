@@ -1,0 +1,162 @@
+"""``kvwatch report`` (inventory, limits card) and ``kvwatch audit`` (the hash chain), through
+the same services as the HTTP API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvwatch.cli_common import DbUrl, database, err
+
+# `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
+# with `report_app.command("breach")(breach)`.
+report_app = typer.Typer(
+    help="Reports: breach assessment, inventory, limits card.", no_args_is_help=True
+)
+audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _when(value: str) -> datetime:
+    """An ISO 8601 instant (naive: UTC); a bad one is a usage error (exit 2)."""
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not an ISO 8601 time") from None
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, datetime):
+        return o.isoformat().replace("+00:00", "Z")
+    raise TypeError(f"cannot serialise {type(o).__name__}")
+
+
+def _dumps(doc: Any) -> str:
+    return json.dumps(doc, indent=2, default=_json_default)
+
+
+def _iso(dt: datetime | None) -> str:
+    return "" if dt is None else dt.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+Since = Annotated[
+    datetime,
+    typer.Option(parser=_when, metavar="TIME", help="Window start (ISO 8601; naive is UTC)."),
+]
+Until = Annotated[
+    datetime, typer.Option(parser=_when, metavar="TIME", help="Window end (exclusive).")
+]
+
+
+@report_app.command("inventory")
+def report_inventory(
+    model: Annotated[str, typer.Option("--model", help="The model id.")],
+    since: Since,
+    until: Until,
+    min_prompt_tokens: Annotated[
+        int | None, typer.Option(min=0, help="Count prompts of at least this many tokens.")
+    ] = None,
+    deployment: Annotated[str | None, typer.Option(help="Only this deployment.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    database_url: DbUrl = None,
+) -> None:
+    """Which tenants and routes called MODEL in [SINCE, UNTIL): requests, prompts of at least
+    N tokens, the largest prompt, first and last seen."""
+    from collector.reports.inventory import InventoryQuery, InventoryService
+
+    q = InventoryQuery(
+        model_id=model,
+        since=since,
+        until=until,
+        min_prompt_tokens=min_prompt_tokens,
+        deployment_id=deployment,
+    )
+    with database(database_url) as (db, _):
+        doc = InventoryService(db).inventory(q)
+    if as_json:
+        print(_dumps(doc))
+        return
+    cols = ["tenant", "route", "requests"]
+    if min_prompt_tokens is not None:
+        cols.append(f"prompt ≥ {min_prompt_tokens}")
+    t = Table(*cols, "max prompt", "first seen", "last seen")
+    for r in doc["rows"]:
+        cells = [r["tenant"], r["route"] or "", str(r["requests"])]
+        if min_prompt_tokens is not None:
+            cells.append(str(r["at_or_above"]))
+        mx = r["max_prompt_tokens"]
+        cells += ["" if mx is None else str(mx), _iso(r["first_seen"]), _iso(r["last_seen"])]
+        t.add_row(*cells)
+    out.print(t)
+    tot = doc["totals"]
+    above = ""
+    if min_prompt_tokens is not None:
+        above = f", {tot['at_or_above']} with prompt >= {min_prompt_tokens}"
+    largest = tot["max_prompt_tokens"] if tot["max_prompt_tokens"] is not None else "-"
+    err.print(
+        f"{tot['requests']} requests to {model} from {tot['tenants']} tenant(s){above}; "
+        f"largest prompt {largest}"
+    )
+
+
+class CardFormat(StrEnum):
+    json = "json"
+    md = "md"
+
+
+@report_app.command("limits")
+def report_limits(
+    deployment: Annotated[str, typer.Option(help="The deployment id.")],
+    format: Annotated[CardFormat, typer.Option("--format", help="json or md.")] = CardFormat.md,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Write limits-<deployment>.<format> into this directory."),
+    ] = None,
+    database_url: DbUrl = None,
+) -> None:
+    """The deployment's limits card: advertised context, pool capacity, verified safe context
+    (date, engine version) and whether the verification is stale."""
+    from collector.reports.limits import LimitsService, to_markdown
+
+    with database(database_url) as (db, _):
+        card = LimitsService(db).card(deployment, datetime.now(UTC))
+    text = to_markdown(card) if format is CardFormat.md else _dumps(card) + "\n"
+    if out_dir is None:
+        sys.stdout.write(text)
+        return
+    safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in deployment)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"limits-{safe}.{format.value}"
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        err.print(f"[red]error:[/] cannot write into {out_dir}: {exc.strerror or exc}")
+        raise typer.Exit(2) from None
+    print(path)
+
+
+@audit_app.command("verify")
+def audit_verify(database_url: DbUrl = None) -> None:
+    """Check the audit log's hash chain. Exit 0 intact; 1 naming the first entry where it
+    breaks (edited, inserted, deleted or reordered)."""
+    from collector import audit
+
+    with database(database_url) as (db, _), db.read() as conn:
+        check = audit.verify(conn)
+    if check.ok:
+        err.print(f"[green]intact:[/] {check.entries} entries; head {check.head or '-'}")
+        return
+    err.print(
+        f"[red]broken at entry {check.first_bad_id}:[/] {check.problem} "
+        f"({check.entries} entries read)"
+    )
+    raise typer.Exit(1)

@@ -1,0 +1,313 @@
+"""Breach assessment, end to end through the real collector (SQLite and PostgreSQL).
+
+Factory events go in through ``POST /v1/events``; the default policy pack opens an incident on
+the cross-tenant stale read; the report is generated through the API and the CLI, and every
+figure is checked against the database: the JSON, the CSV of affected requests, and the audit
+PDF read back (text per page, pages rendered and checked not blank).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pypdf
+import pypdfium2
+import pytest
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from collector import audit
+from collector import models as m
+from collector.db import Database
+from collector.reports.breach import BreachScope, BreachService, evidence_digest
+from collector.settings import Settings
+from kvwatch.cli import app as cli
+from tests import factories as f
+from tests.conftest import Collector
+
+T0 = f.T0
+MODEL = "glm-5.3"
+
+
+@dataclass
+class Env:
+    c: Collector
+    admin: httpx.Client
+    db: Database
+    incident_id: int
+
+
+def _events() -> list[Any]:
+    return [
+        f.config(1),
+        f.config(2, role="decode", node="decode-0", pool_tokens=2_000_000),
+        f.pool(3, used=200_000),
+        f.admitted(4, "r-exposed", tenant="acme", prompt=5_000, data_categories=["health"]),
+        f.finished(5, "r-exposed", tenant="acme"),
+        f.admitted(6, "r-bystander", tenant="initech", prompt=3_000),
+        f.finished(7, "r-bystander", tenant="initech"),
+        f.pool(8, used=681_000),
+        f.rejected(9, "r-victim", tenant="globex", data_categories=["contact"]),
+        f.stale_read(10),  # globex read acme's pages
+        f.pool(11, used=10_000),
+    ]
+
+
+@pytest.fixture
+def env(collector: Collector) -> Iterator[Env]:
+    admin = collector.client(collector.admin)
+    with collector.client(collector.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(e) for e in _events()])
+        assert r.status_code == 200, r.text
+    (inc,) = admin.get("/v1/incidents").json()
+    db = Database(collector.db_url)
+    yield Env(collector, admin, db, inc["id"])
+    admin.close()
+    db.dispose()
+
+
+def _pdf_checks(pdf: bytes, report: dict[str, Any]) -> str:
+    reader = pypdf.PdfReader(io.BytesIO(pdf))
+    texts = [" ".join((p.extract_text() or "").split()) for p in reader.pages]
+    assert len(texts) >= 3
+    for i, t in enumerate(texts, 1):
+        assert report["report_id"] in t, f"page {i} lacks the report id"
+        assert f"page {i} of {len(texts)}" in t
+    assert report["evidence_sha256"] in texts[0]
+    doc = pypdfium2.PdfDocument(pdf)
+    try:
+        for page in doc:
+            img = page.render(scale=0.4).to_pil().convert("L")
+            dark = sum(img.histogram()[:200])
+            assert dark > 200, "a rendered page is blank"
+    finally:
+        doc.close()
+    return " ".join(texts)
+
+
+def test_incident_report_through_the_api(env: Env) -> None:
+    r = env.admin.post("/v1/reports", json={"kind": "breach", "incident_id": env.incident_id})
+    assert r.status_code == 201, r.text
+    rid = r.json()["report_id"]
+    assert rid.startswith("rpt_")
+    report = env.admin.get(f"/v1/reports/{rid}").json()
+
+    # against the database
+    with env.db.read() as conn:
+        reads = conn.execute(
+            select(m.PageEvent.request_id, m.PageEvent.other_request_id).where(
+                m.PageEvent.kind == "page.stale_read"
+            )
+        ).all()
+        named = {x for row in reads for x in row if x}
+        tenants = dict(
+            conn.execute(
+                select(m.Request.request_id, m.Request.tenant).where(
+                    m.Request.request_id.in_(named)
+                )
+            ).all()
+        )
+        stored = conn.execute(
+            select(m.Report.sha256, m.Report.kind).where(m.Report.report_id == rid)
+        ).one()
+        entry = conn.execute(
+            select(m.AuditEntry.action, m.AuditEntry.detail).where(
+                m.AuditEntry.subject == f"report:{rid}"
+            )
+        ).one()
+        assert audit.verify(conn).ok
+    ar = report["affected_requests"]
+    assert ar["count"] == len(named) == 2
+    assert {x["request_id"]: x["tenant"] for x in ar["items"]} == tenants
+    assert {x["request_id"]: x["role"] for x in ar["items"]} == {
+        "r-victim": "reader",
+        "r-exposed": "previous_writer",
+    }
+    assert ar["max_prompt_tokens"] == 700_000
+    t = report["tenants"]
+    assert [(x["tenant"], x["stale_reads"], x["readers"]) for x in t["exposed"]] == [
+        ("acme", 1, ["globex"])
+    ]
+    assert [(x["tenant"], x["requests"], x["sources"]) for x in t["victims"]] == [
+        ("globex", 1, ["acme"])
+    ]
+    assert report["data_categories"] == {
+        "affected": {"contact": 1, "health": 1},
+        "exposed": {"health": 1},
+        "special": ["health"],
+    }
+    (sr,) = report["stale_reads"]["items"]
+    assert (sr["reader_tenant"], sr["previous_tenant"], sr["pages"]) == (
+        "globex",
+        "acme",
+        [3, 4, 5],
+    )
+    assert sr["ts"] == "2026-08-27T12:00:10Z"
+    (dep,) = report["deployments"]
+    assert dep["deployment_id"] == "glm-prod"
+    assert [c["pool_capacity_tokens"] for c in dep["configs"]] == [681_280, 2_000_000]
+    assert dep["safe_context"] == 681_280 and dep["verifications"] == []
+    tl = report["timeline"]
+    assert tl["first_event_at"] == "2026-08-27T12:00:04Z"
+    assert tl["last_event_at"] == "2026-08-27T12:00:10Z"
+    assert tl["late"] is False and tl["late_reason"] is None
+    assert _when(tl["deadline_at"]) - _when(tl["awareness_at"]) == timedelta(hours=72)
+    checklist = {x["key"]: x for x in report["checklist"]}
+    assert checklist["contact"]["needs_person"] is True
+    assert checklist["contact"]["value"] == "needs a person"
+    assert checklist["records"]["value"] == "2 requests"
+    assert checklist["records"]["needs_person"] is False
+    assert report["art34"]["high_risk"] is True
+    assert "health" in report["art34"]["reasons"][0]
+    assert report["series"]["stale_reads"] == [{"ts": _series_ts(report), "value": 1.0}]
+    # the evidence hash, stored and audited
+    assert report["evidence_sha256"] == evidence_digest(report) == stored.sha256
+    assert stored.kind == "breach"
+    assert entry.action == "report.generate"
+    assert json.loads(entry.detail)["sha256"] == stored.sha256
+
+    # CSV: one row per affected request
+    c = env.admin.get(f"/v1/reports/{rid}", params={"format": "csv"})
+    assert c.status_code == 200 and c.headers["content-type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(c.text)))
+    assert {(x["request_id"], x["tenant"]) for x in rows} == set(tenants.items())
+    assert {x["request_id"]: x["data_categories"] for x in rows}["r-exposed"] == "health"
+
+    # PDF
+    p = env.admin.get(f"/v1/reports/{rid}", params={"format": "pdf"})
+    assert p.status_code == 200 and p.headers["content-type"] == "application/pdf"
+    text = _pdf_checks(p.content, report)
+    assert re.search(r"Affected requests\s*2\b", text)
+    assert re.search(r"Largest prompt \(tokens\)\s*700000", text)
+    assert re.search(r"1 cross-tenant, 3 pages", text)
+    assert re.search(r"Exposed tenants\s*1\b", text) and re.search(r"Victim tenants\s*1\b", text)
+    assert tl["deadline_at"] in text
+    assert "NEEDS A PERSON" in text and "r-victim" in text and "r-exposed" in text
+
+
+def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
+    since, until = T0, T0 + timedelta(hours=1)
+    res = CliRunner().invoke(
+        cli,
+        [
+            "report",
+            "breach",
+            "--model",
+            MODEL,
+            "--since",
+            since.isoformat(),
+            "--until",
+            until.isoformat(),
+            "--min-prompt-tokens",
+            "4000",
+            "--out",
+            str(tmp_path),
+            "--database-url",
+            env.c.db_url,
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    paths = [Path(x) for x in res.output.split()]
+    assert [x.suffix for x in paths] == [".json", ".csv", ".pdf"]
+    assert all(x.exists() for x in paths)
+    report = json.loads(paths[0].read_text())
+    with env.db.read() as conn:
+        expected = conn.execute(
+            select(func.count()).where(m.Request.model_id == MODEL, m.Request.prompt_tokens >= 4000)
+        ).scalar()
+        assert (
+            conn.execute(
+                select(func.count()).where(m.Report.report_id == report["report_id"])
+            ).scalar()
+            == 1
+        )
+    assert report["mode"] == "window"
+    assert report["affected_requests"]["count"] == expected == 2
+    assert {x["role"] for x in report["affected_requests"]["items"]} == {"in_window"}
+    assert report["tenants"]["exposed_count"] == 1
+    assert report["timeline"]["deadline_at"] is None
+    assert report["evidence_sha256"] == evidence_digest(report)
+    rows = list(csv.DictReader(io.StringIO(paths[1].read_text())))
+    assert sorted(x["request_id"] for x in rows) == ["r-exposed", "r-victim"]
+    text = _pdf_checks(paths[2].read_bytes(), report)
+    assert re.search(r"Affected requests\s*2\b", text)
+
+    # an inverted window: a clear error, exit 2, nothing written
+    bad = CliRunner().invoke(
+        cli,
+        [
+            "report",
+            "breach",
+            "--model",
+            MODEL,
+            "--since",
+            until.isoformat(),
+            "--until",
+            since.isoformat(),
+            "--out",
+            str(tmp_path / "bad"),
+            "--database-url",
+            env.c.db_url,
+        ],
+    )
+    assert bad.exit_code == 2
+    assert "inverted window" in bad.output
+    assert not (tmp_path / "bad").exists()
+
+
+def test_late_report_asks_for_a_reason(env: Env) -> None:
+    svc = BreachService(env.db, Settings(database_url=env.c.db_url, dpo_contact="dpo@x.example"))
+    with env.db.read() as conn:
+        deadline = conn.execute(select(m.Incident.deadline_at)).scalar_one()
+    late = svc.build(BreachScope(incident_id=env.incident_id), now=deadline + timedelta(hours=1))
+    assert late["timeline"]["late"] is True
+    assert "needs a person" in late["timeline"]["late_reason"]
+    contact = {x["key"]: x for x in late["checklist"]}["contact"]
+    assert (contact["value"], contact["needs_person"]) == ("dpo@x.example", False)
+    given = svc.build(
+        BreachScope(incident_id=env.incident_id),
+        now=deadline + timedelta(hours=1),
+        late_reason="forensics took 80 hours",
+    )
+    assert given["timeline"]["late_reason"] == "forensics took 80 hours"
+    # the generation time is not evidence: the hash depends on the data only
+    assert late["evidence_sha256"] == given["evidence_sha256"]
+
+
+def test_bad_requests_get_clear_errors(env: Env) -> None:
+    def post(body: dict[str, Any], client: httpx.Client | None = None) -> httpx.Response:
+        return (client or env.admin).post("/v1/reports", json={"kind": "breach", **body})
+
+    r = post({"incident_id": 424242})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert "424242" in r.json()["error"]["message"]
+    r = post({"model_id": MODEL, "since": "2026-08-28T00:00:00Z", "until": "2026-08-27T00:00:00Z"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_input"
+    assert "inverted window" in r.json()["error"]["message"]
+    r = post({"model_id": MODEL})
+    assert r.status_code == 422 and "since, until" in r.json()["error"]["message"]
+    assert env.admin.post("/v1/reports", json={"kind": "nope"}).status_code == 422
+    with env.c.client(env.c.ingest) as ingest:
+        assert post({"incident_id": env.incident_id}, ingest).status_code == 403
+    missing = env.admin.get("/v1/reports/rpt_doesnotexist")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    with env.db.read() as conn:
+        assert conn.execute(select(func.count()).select_from(m.Report)).scalar() == 0
+
+
+def _when(iso: str) -> datetime:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(UTC)
+
+
+def _series_ts(report: dict[str, Any]) -> str:
+    (point,) = report["series"]["stale_reads"]
+    return str(point["ts"])
