@@ -109,8 +109,12 @@ def run_demo(out_dir: Path | None) -> int:
         elapsed = time.perf_counter() - started
         stats = probe.stats()
         summary = _report(url, admin_token, stats, replays, elapsed)
+        breach_pdf = _breach_report(url, admin_token, summary["incidents"], out)
     shutil.rmtree(out / "spool", ignore_errors=True)
     summary["artefacts"] = {"database": str(db_path), "admin_token": str(token_file)}
+    if breach_pdf is not None:
+        summary["artefacts"]["breach_report_pdf"] = str(breach_pdf)
+        console.print(f"breach assessment of the replayed incident: [bold]{breach_pdf}[/]")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     console.print(f"\nsummary: {out / 'summary.json'}")
     console.rule("explore the result")
@@ -124,6 +128,19 @@ def run_demo(out_dir: Path | None) -> int:
     print(f"  KVWATCH_DATABASE_URL={db_url} {exe} dashboard   # once the dashboard lands")
     ok = stats["sent"] >= stats["emitted"] and sum(stats["dropped"].values()) == 0
     return 0 if ok else 1
+
+
+def _breach_report(url: str, token: str, incidents: list[dict[str, Any]], out: Path) -> Path | None:
+    """The breach assessment of the replayed incident, as the audit PDF."""
+    if not incidents:
+        return None
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+        created = c.post("/v1/reports", json={"kind": "breach", "incident_id": incidents[0]["id"]})
+        report_id = created.raise_for_status().json()["report_id"]
+        pdf = c.get(f"/v1/reports/{report_id}", params={"format": "pdf"}).raise_for_status()
+    path = out / f"breach-{report_id}.pdf"
+    path.write_bytes(pdf.content)
+    return path
 
 
 def _kvwatch_exe() -> str:

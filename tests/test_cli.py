@@ -55,6 +55,9 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     )
     (incident,) = summary["incidents"]
     assert incident["deployment_id"] == legacy["deployment"] and incident["state"] == "open"
+    pdf = Path(summary["artefacts"]["breach_report_pdf"])
+    assert pdf.parent == out and pdf.read_bytes().startswith(b"%PDF")
+    assert str(pdf) in r.stdout.replace("\n", "")
     assert Path(summary["artefacts"]["database"]) == out / "kvwatch.db"
     with sqlite3.connect(out / "kvwatch.db") as conn:
         (stale,) = conn.execute(

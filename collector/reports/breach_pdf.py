@@ -66,9 +66,17 @@ class _Pdf(FPDF):
             for r in rows:
                 row = t.row()
                 for v in r:
-                    row.cell("-" if v is None or v == "" else str(v))
+                    row.cell(_cell(v))
         self.ln(2)
         self.set_font("DejaVu", "", 9)
+
+
+_CELL_MAX = 160  # characters: a table row must fit on one page (page-id lists can be long)
+
+
+def _cell(v: Any) -> str:
+    text = "-" if v is None or v == "" else str(v)
+    return text if len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"
 
 
 def _when(iso: str) -> datetime:
