@@ -19,7 +19,8 @@ from kvwatch.cli_common import DbUrl, database, err
 # `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
 # with `report_app.command("breach")(breach)`.
 report_app = typer.Typer(
-    help="Reports: breach assessment, inventory, limits card.", no_args_is_help=True
+    help="Reports: breach assessment, inventory, limits card, quarterly review.",
+    no_args_is_help=True,
 )
 audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -160,3 +161,48 @@ def audit_verify(database_url: DbUrl = None) -> None:
         f"({check.entries} entries read)"
     )
     raise typer.Exit(1)
+
+
+@report_app.command("review")
+def report_review(
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Write review-<id>.json/.csv/.pdf into this directory.")
+    ],
+    since: Annotated[
+        datetime | None,
+        typer.Option(parser=_when, metavar="TIME", help="Window start (default: until - 90 days)."),
+    ] = None,
+    until: Annotated[
+        datetime | None,
+        typer.Option(parser=_when, metavar="TIME", help="Window end, exclusive (default: now)."),
+    ] = None,
+    deployment: Annotated[str | None, typer.Option(help="Only this deployment.")] = None,
+    database_url: DbUrl = None,
+) -> None:
+    """The quarterly review: per route and model, request count, max and p99 prompt tokens and
+    their weekly trend against the safe threshold; rows at >= 80% highlighted. Writes JSON, CSV
+    and PDF to --out and prints the paths."""
+    from collector.reports.review import ReviewScope, ReviewService, to_csv
+    from collector.reports.review_pdf import render_pdf
+
+    with database(database_url) as (db, _):
+        doc = ReviewService(db).build(
+            ReviewScope(since=since, until=until, deployment_id=deployment)
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = out_dir / f"review-{doc['report_id']}"
+        paths = [stem.with_suffix(s) for s in (".json", ".csv", ".pdf")]
+        paths[0].write_text(_dumps(doc) + "\n", encoding="utf-8")
+        paths[1].write_text(to_csv(doc), encoding="utf-8")
+        paths[2].write_bytes(render_pdf(doc))
+    except OSError as exc:
+        err.print(f"[red]error:[/] cannot write into {out_dir}: {exc.strerror or exc}")
+        raise typer.Exit(2) from None
+    tot = doc["totals"]
+    err.print(
+        f"{tot['requests']} requests, {tot['routes']} route/model rows, "
+        f"{tot['highlighted']} highlighted"
+    )
+    for p in paths:
+        print(p)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from collector import audit
 from collector.api import schemas as s
@@ -17,6 +17,8 @@ from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.inventory import InventoryQuery, InventoryService
 from collector.reports.limits import LimitsService, to_markdown
+from collector.reports.review import ReviewScope, ReviewService
+from collector.reports.review import to_csv as review_csv
 from collector.tokens import Principal
 
 Auth = Annotated[str | None, Header(include_in_schema=False)]
@@ -53,6 +55,7 @@ def build_router(
     run = anyio.to_thread.run_sync
     inventory = InventoryService(db)
     limits = LimitsService(db)
+    review = ReviewService(db)
 
     @r.get(
         "/v1/inventory",
@@ -102,6 +105,53 @@ def build_router(
         if format == "md":
             return PlainTextResponse(to_markdown(card), media_type="text/markdown")
         return card
+
+    @r.get(
+        "/v1/review",
+        responses={**_ERRORS, 200: {"content": {"text/csv": {}, "application/pdf": {}}}},
+        summary="The quarterly review: max/p99 prompt tokens per route and model vs the safe "
+        "threshold",
+        description="Per deployment, route and model, requests whose first event lies in "
+        "[since, until) (default: the 90 days before now): count, max and exact p99 prompt "
+        "tokens, weekly max/p99 and their slopes, against the verified safe context (else "
+        "min(advertised, prefill pool), unverified); rows at >= 80% are highlighted. JSON, CSV "
+        "(one row per route and model) or PDF.",
+    )
+    async def get_review(
+        request: Request,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        deployment_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+        format: Literal["json", "csv", "pdf"] = "json",
+        authorization: Auth = None,
+    ) -> Any:
+        who = await principal(authorization)
+        who.require("admin", "read")
+        if who.tenant_filter(None) is not None:
+            who.require("admin")  # every tenant's routes: not for a tenant-scoped token
+        _known_params(request, {"since", "until", "deployment_id", "format"})
+        scope = ReviewScope(
+            since=None if since is None else _aware(since),
+            until=None if until is None else _aware(until),
+            deployment_id=deployment_id,
+        )
+        doc = await run(review.build, scope)
+        name = f"review-{doc['report_id']}"
+        if format == "csv":
+            return Response(
+                review_csv(doc),
+                media_type="text/csv; charset=utf-8",
+                headers={"Content-Disposition": f'attachment; filename="{name}.csv"'},
+            )
+        if format == "pdf":
+            from collector.reports.review_pdf import render_pdf
+
+            return Response(
+                await run(render_pdf, doc),
+                media_type="application/pdf",
+                headers={"Content-Disposition": f'attachment; filename="{name}.pdf"'},
+            )
+        return doc
 
     @r.get("/v1/audit/verify", responses=_ERRORS, summary="Check the audit log's hash chain")
     async def verify_audit(authorization: Auth = None) -> dict[str, Any]:

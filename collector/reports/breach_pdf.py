@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -15,68 +14,10 @@ matplotlib.use("Agg")
 
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
-from fpdf import FPDF
+
+from collector.reports.pdf import ReportPdf
 
 MAX_TABLE_ROWS = 200
-_FONT_DIR = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
-
-
-class _Pdf(FPDF):
-    def __init__(self, report_id: str):
-        super().__init__(format="A4")
-        self.report_id = report_id
-        self.add_font("DejaVu", "", str(_FONT_DIR / "DejaVuSans.ttf"))
-        self.add_font("DejaVu", "B", str(_FONT_DIR / "DejaVuSans-Bold.ttf"))
-        self.add_font("DejaVuMono", "", str(_FONT_DIR / "DejaVuSansMono.ttf"))
-        self.set_auto_page_break(auto=True, margin=18)
-        self.set_title(f"Breach assessment {report_id}")
-        self.set_creator("kvwatch")
-
-    def footer(self) -> None:
-        self.set_y(-12)
-        self.set_font("DejaVu", "", 8)
-        self.set_text_color(90, 90, 90)
-        self.cell(0, 6, f"kvwatch breach assessment {self.report_id}", align="L")
-        self.set_x(self.l_margin)
-        self.cell(0, 6, f"page {self.page_no()} of {{nb}}", align="R")
-        self.set_text_color(0, 0, 0)
-
-    def h1(self, text: str) -> None:
-        self.set_font("DejaVu", "B", 14)
-        self.cell(0, 9, text, new_x="LMARGIN", new_y="NEXT")
-        self.set_font("DejaVu", "", 9)
-
-    def para(self, text: str, size: int = 9) -> None:
-        self.set_font("DejaVu", "", size)
-        self.multi_cell(0, 5, text, new_x="LMARGIN", new_y="NEXT")
-
-    def kv(self, rows: list[tuple[str, Any]]) -> None:
-        for k, v in rows:
-            self.set_font("DejaVu", "B", 9)
-            self.cell(55, 6, k)
-            self.set_font("DejaVu", "", 9)
-            self.multi_cell(0, 6, "-" if v is None else str(v), new_x="LMARGIN", new_y="NEXT")
-
-    def grid(self, headings: list[str], rows: list[list[Any]], widths: list[int]) -> None:
-        self.set_font("DejaVu", "", 7)
-        with self.table(col_widths=widths, text_align="LEFT", line_height=4.5) as t:
-            head = t.row()
-            for h in headings:
-                head.cell(h)
-            for r in rows:
-                row = t.row()
-                for v in r:
-                    row.cell(_cell(v))
-        self.ln(2)
-        self.set_font("DejaVu", "", 9)
-
-
-_CELL_MAX = 160  # characters: a table row must fit on one page (page-id lists can be long)
-
-
-def _cell(v: Any) -> str:
-    text = "-" if v is None or v == "" else str(v)
-    return text if len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"
 
 
 def _when(iso: str) -> datetime:
@@ -126,7 +67,7 @@ def _chart(
 
 def render_pdf(report: dict[str, Any]) -> bytes:
     rid = report["report_id"]
-    pdf = _Pdf(rid)
+    pdf = ReportPdf(rid, "breach assessment")
     ar, tn, sr = report["affected_requests"], report["tenants"], report["stale_reads"]
     tl, cats = report["timeline"], report["data_categories"]
 

@@ -1,0 +1,274 @@
+"""The quarterly review: per deployment, route and model, over a window (default the last 90
+days), the request count, the largest and the p99 prompt, and the weekly trend (max and p99
+per week, and the least-squares slope of each in tokens per week), against the safe threshold
+of the deployment and model: the latest passing verification whose settings still match the
+nodes, else min(advertised context, prefill pool), labelled unverified
+(:func:`policies.kinds.context.safe_context` over :mod:`collector.alerting.facts`). A route
+whose max or p99 reaches ``HIGHLIGHT_RATIO`` of its threshold is highlighted.
+
+Bounded memory whatever the window holds: counts and maxima are SQL ``GROUP BY``s, and each
+p99 is exact (nearest rank: the ``ceil(0.99 n)``-th smallest prompt) by one
+``ORDER BY prompt_tokens LIMIT 1 OFFSET k`` query per group and per group-week, so no request
+row is ever loaded here.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import BigInteger, Connection, Table, func, select, type_coerce
+
+from collector import models as m
+from collector.alerting import facts as F
+from collector.db import Database
+from collector.errors import InvalidInput
+from policies.kinds.context import safe_context
+
+R: Table = m.Request.__table__  # type: ignore[assignment]
+DEFAULT_DAYS = 90
+HIGHLIGHT_RATIO = 0.8
+QUANTILE = 0.99
+WEEK_US = 7 * 86_400 * 10**6
+CSV_COLUMNS = (
+    "deployment_id",
+    "route",
+    "model_id",
+    "requests",
+    "max_prompt_tokens",
+    "p99_prompt_tokens",
+    "safe_context",
+    "verified",
+    "max_ratio",
+    "p99_ratio",
+    "highlighted",
+    "max_slope_per_week",
+    "p99_slope_per_week",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReviewScope:
+    since: datetime | None = None
+    until: datetime | None = None
+    deployment_id: str | None = None
+
+    def resolve(self, now: datetime) -> tuple[datetime, datetime]:
+        """The window ``[since, until)``: until defaults to now, since to 90 days before."""
+        for name in ("since", "until"):
+            v = getattr(self, name)
+            if v is not None and v.tzinfo is None:
+                raise InvalidInput(f"{name} must carry a time zone", {"field": name})
+        until = self.until or now
+        since = self.since or until - timedelta(days=DEFAULT_DAYS)
+        if since >= until:
+            raise InvalidInput(
+                f"inverted window: since ({_iso(since)}) must be before until ({_iso(until)})",
+                {"field": "since", "since": _iso(since), "until": _iso(until)},
+            )
+        return since, until
+
+
+def _iso(dt: datetime | None) -> str | None:
+    return None if dt is None else dt.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def nearest_rank(n: int, q: float = QUANTILE) -> int:
+    """The 1-based rank of the q-quantile of n values (nearest-rank method)."""
+    return max(1, math.ceil(q * n))
+
+
+def slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of (week index, value); None with fewer than two weeks."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return round(sum((x - mx) * (y - my) for x, y in points) / den, 2) if den else None
+
+
+class ReviewService:
+    def __init__(self, db: Database):
+        self.db = db
+
+    def build(self, scope: ReviewScope, *, now: datetime | None = None) -> dict[str, Any]:
+        now = now or datetime.now(UTC)
+        since, until = scope.resolve(now)
+        lo, hi = m.to_micros(since), m.to_micros(until)
+        weeks = max(1, math.ceil((hi - lo) / WEEK_US))
+        with self.db.read() as conn:
+            groups = self._groups(conn, lo, hi, scope.deployment_id)
+            weekly = self._weekly(conn, lo, hi, scope.deployment_id)
+            deps = sorted({g[0] for g in groups})
+            facts = F.deployment_facts(
+                F.node_configs(conn, deps),
+                F.verifications(conn, deps, passed_only=True),
+                {},
+                deps,
+            )
+            rows = []
+            for (dep, route, model), (count, n_tokens, mx) in sorted(
+                groups.items(), key=lambda kv: tuple(x or "" for x in kv[0])
+            ):
+                p99 = self._quantile(conn, lo, hi, dep, route, model, n_tokens)
+                series: list[dict[str, Any]] = []
+                for week, (w_n, w_max) in sorted(weekly.get((dep, route, model), {}).items()):
+                    w_lo = lo + week * WEEK_US
+                    w_hi = min(hi, w_lo + WEEK_US)
+                    series.append(
+                        {
+                            "week": week,
+                            "start": _iso(m.from_micros(w_lo)),
+                            "requests": w_n,
+                            "max": w_max,
+                            "p99": self._quantile(conn, w_lo, w_hi, dep, route, model, w_n),
+                        }
+                    )
+                d = facts.get(dep)
+                safe, verified = (
+                    safe_context(d, model) if d is not None and model else (None, False)
+                )
+                max_ratio = round(mx / safe, 4) if safe and mx is not None else None
+                p99_ratio = round(p99 / safe, 4) if safe and p99 is not None else None
+                rows.append(
+                    {
+                        "deployment_id": dep,
+                        "route": route,
+                        "model_id": model,
+                        "requests": count,
+                        "max_prompt_tokens": mx,
+                        "p99_prompt_tokens": p99,
+                        "safe_context": safe,
+                        "verified": verified,
+                        "max_ratio": max_ratio,
+                        "p99_ratio": p99_ratio,
+                        "highlighted": any(
+                            r is not None and r >= HIGHLIGHT_RATIO for r in (max_ratio, p99_ratio)
+                        ),
+                        "trend": {
+                            "weeks": series,
+                            "max_slope_per_week": slope(
+                                [(w["week"], w["max"]) for w in series if w["max"] is not None]
+                            ),
+                            "p99_slope_per_week": slope(
+                                [(w["week"], w["p99"]) for w in series if w["p99"] is not None]
+                            ),
+                        },
+                    }
+                )
+        rid = "rev_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
+        return {
+            "report_id": rid,
+            "kind": "review",
+            "generated_at": _iso(now),
+            "scope": {
+                "since": _iso(since),
+                "until": _iso(until),
+                "deployment_id": scope.deployment_id,
+                "weeks": weeks,
+            },
+            "highlight_ratio": HIGHLIGHT_RATIO,
+            "quantile": QUANTILE,
+            "totals": {
+                "requests": sum(r["requests"] for r in rows),
+                "routes": len(rows),
+                "highlighted": sum(1 for r in rows if r["highlighted"]),
+            },
+            "rows": rows,
+        }
+
+    # ------------------------------------------------------------------ queries
+
+    @staticmethod
+    def _where(lo: int, hi: int, deployment_id: str | None) -> list[Any]:
+        ts = type_coerce(R.c.first_ts, BigInteger)
+        conds = [ts >= lo, ts < hi]
+        if deployment_id is not None:
+            conds.append(R.c.deployment_id == deployment_id)
+        return conds
+
+    def _groups(
+        self, conn: Connection, lo: int, hi: int, deployment_id: str | None
+    ) -> dict[tuple[str, str | None, str | None], tuple[int, int, int | None]]:
+        stmt = (
+            select(
+                R.c.deployment_id,
+                R.c.route,
+                R.c.model_id,
+                func.count(),
+                func.count(R.c.prompt_tokens),
+                func.max(R.c.prompt_tokens),
+            )
+            .where(*self._where(lo, hi, deployment_id))
+            .group_by(R.c.deployment_id, R.c.route, R.c.model_id)
+        )
+        return {
+            (d, r, mod): (int(n), int(nt), None if mx is None else int(mx))
+            for d, r, mod, n, nt, mx in conn.execute(stmt)
+        }
+
+    def _weekly(
+        self, conn: Connection, lo: int, hi: int, deployment_id: str | None
+    ) -> dict[tuple[str, str | None, str | None], dict[int, tuple[int, int | None]]]:
+        week = ((type_coerce(R.c.first_ts, BigInteger) - lo) // WEEK_US).label("week")
+        stmt = (
+            select(
+                R.c.deployment_id,
+                R.c.route,
+                R.c.model_id,
+                week,
+                func.count(R.c.prompt_tokens),
+                func.max(R.c.prompt_tokens),
+            )
+            .where(*self._where(lo, hi, deployment_id), R.c.prompt_tokens.is_not(None))
+            .group_by(R.c.deployment_id, R.c.route, R.c.model_id, week)
+        )
+        out: dict[tuple[str, str | None, str | None], dict[int, tuple[int, int | None]]] = {}
+        for d, r, mod, w, n, mx in conn.execute(stmt):
+            out.setdefault((d, r, mod), {})[int(w)] = (int(n), None if mx is None else int(mx))
+        return out
+
+    def _quantile(
+        self,
+        conn: Connection,
+        lo: int,
+        hi: int,
+        dep: str,
+        route: str | None,
+        model: str | None,
+        n: int,
+    ) -> int | None:
+        """The exact nearest-rank p99 of the group's prompts in ``[lo, hi)`` (n of them)."""
+        if n <= 0:
+            return None
+        stmt = (
+            select(R.c.prompt_tokens)
+            .where(
+                *self._where(lo, hi, dep),
+                R.c.route.is_not_distinct_from(route),
+                R.c.model_id.is_not_distinct_from(model),
+                R.c.prompt_tokens.is_not(None),
+            )
+            .order_by(R.c.prompt_tokens)
+            .limit(1)
+            .offset(nearest_rank(n) - 1)
+        )
+        v = conn.execute(stmt).scalar()
+        return None if v is None else int(v)
+
+
+def to_csv(review: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r in review["rows"]:
+        vals = {**r, **{k: r["trend"][k] for k in ("max_slope_per_week", "p99_slope_per_week")}}
+        w.writerow(["" if vals[c] is None else vals[c] for c in CSV_COLUMNS])
+    return buf.getvalue()
