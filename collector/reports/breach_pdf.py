@@ -5,7 +5,8 @@ checklist and Art. 34 decision support; every page's footer names the report and
 from __future__ import annotations
 
 import io
-from datetime import datetime
+from datetime import datetime, timedelta
+from itertools import pairwise
 from typing import Any
 
 import matplotlib
@@ -35,17 +36,16 @@ def _chart(
         return None
     x: Any = [_when(p["ts"]) for p in series]
     y = [p["value"] for p in series]
+    # A window of one point (or a few close together) still needs a readable time axis:
+    # pad it to at least ten minutes around the data.
+    span = max(x) - min(x)
+    pad = max(span * 0.05, (timedelta(minutes=10) - span) / 2, timedelta(seconds=30))
     fig, ax = plt.subplots(figsize=(7.5, 2.6), dpi=110)
     try:
         if kind == "bar":
-            ax.bar(
-                x,
-                y,
-                width=0.8 * ((x[-1] - x[0]) / max(len(x), 1)).total_seconds() / 86400
-                if len(x) > 1
-                else 0.01,
-                color="#c0392b",
-            )
+            gaps = [b - a for a, b in pairwise(x) if b > a]
+            step = min(gaps) if gaps else timedelta(minutes=1)
+            ax.bar(x, y, width=0.8 * step.total_seconds() / 86400, color="#c0392b")
         else:
             ax.plot(x, y, marker="o", markersize=3, color="#2c3e50", label=ylabel)
         for value, label in lines:
@@ -53,10 +53,12 @@ def _chart(
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+        ax.set_xlim(min(x) - pad, max(x) + pad)
+        locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
         if lines:
             ax.legend(fontsize=7, loc="upper left")
-        fig.autofmt_xdate()
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
