@@ -57,46 +57,19 @@ def _check_id(value: str, env_var: str) -> str:
     return value
 
 
-class ProbeSettings(BaseSettings):
-    """Settings of one in-engine probe. Immutable once built.
-
-    ``collector_url`` None means "do not export": :func:`engine_probe.configure_probe` then
-    keeps the no-op probe (nothing is recorded, so nothing can pile up unsent).
-    ``probe_id`` is the ROOT of the probe ids, not an id: every process (and every forked
-    child, and every ``Probe`` built) uses ``{root}-{pid}-{6 random hex}`` (root cut to fit
-    ``events.ID_MAX``), because the seq counter restarts at 1 with every process and the
-    collector deduplicates on (probe_id, seq). The root defaults to the host name; the same
-    root may be configured for any number of processes and restarts. ``Probe.probe_id`` is
-    the id actually sent.
-
-    ``probe_max_attempts``: how many times one batch may be refused with an HTTP answer
-    that says nothing about the collector being unavailable (a 500 on bad input, a 403,
-    404, ...) before it goes to the dead-letter directory and the next batch gets its turn.
-    Connection errors, timeouts, 401, 429, 502, 503 and 504 are retried forever.
-    """
+class ProducerSettings(BaseSettings):
+    """What every producer reads: where the collector is, the ingest token, and the
+    deployment its events belong to (``KVWATCH_COLLECTOR_URL``, ``KVWATCH_INGEST_TOKEN``,
+    ``KVWATCH_DEPLOYMENT_ID``). The probe's settings extend it; ``kvwatch verify`` uses it
+    as is."""
 
     model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
 
     collector_url: str | None = None
     ingest_token: str | None = Field(default=None, repr=False)
-    probe_id: str | None = Field(
-        default=None,
-        description="Root of this probe's ids (default: the host name). Each process appends "
-        "'-{pid}-{6 random hex}', so one root may serve any number of processes and restarts.",
-    )
     deployment_id: str = "default"
-    probe_spool_dir: Path | None = None
-    probe_buffer_size: int = Field(default=65536, ge=1, le=1 << 26)
-    probe_batch_size: int = Field(default=2000, ge=1)
-    probe_flush_interval_s: float = Field(default=0.5, gt=0, le=3600)
-    probe_max_spool_bytes: int = Field(default=GIB, ge=1)
-    probe_request_timeout_s: float = Field(default=10.0, gt=0, le=3600)
-    probe_backoff_base_s: float = Field(default=0.2, gt=0)
-    probe_backoff_max_s: float = Field(default=30.0, gt=0)
-    probe_max_attempts: int = Field(default=8, ge=1, le=1_000_000)
-    probe_atexit_timeout_s: float = Field(default=2.0, ge=0, le=600)
 
-    @field_validator("collector_url", "ingest_token", "probe_id", "probe_spool_dir", mode="before")
+    @field_validator("collector_url", "ingest_token", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # An exported-but-empty environment variable means "not set", not "the empty string".
@@ -115,15 +88,57 @@ class ProbeSettings(BaseSettings):
             raise ValueError(f"collector_url {value!r} must be an http:// or https:// URL")
         return value
 
-    @field_validator("probe_id")
-    @classmethod
-    def _check_probe_id(cls, value: str | None) -> str | None:
-        return None if value is None else _check_id(value, "KVWATCH_PROBE_ID")
-
     @field_validator("deployment_id")
     @classmethod
     def _check_deployment_id(cls, value: str) -> str:
         return _check_id(value, "KVWATCH_DEPLOYMENT_ID")
+
+
+class ProbeSettings(ProducerSettings):
+    """Settings of one in-engine probe. Immutable once built.
+
+    ``collector_url`` None means "do not export": :func:`engine_probe.configure_probe` then
+    keeps the no-op probe (nothing is recorded, so nothing can pile up unsent).
+    ``probe_id`` is the ROOT of the probe ids, not an id: every process (and every forked
+    child, and every ``Probe`` built) uses ``{root}-{pid}-{6 random hex}`` (root cut to fit
+    ``events.ID_MAX``), because the seq counter restarts at 1 with every process and the
+    collector deduplicates on (probe_id, seq). The root defaults to the host name; the same
+    root may be configured for any number of processes and restarts. ``Probe.probe_id`` is
+    the id actually sent.
+
+    ``probe_max_attempts``: how many times one batch may be refused with an HTTP answer
+    that says nothing about the collector being unavailable (a 500 on bad input, a 403,
+    404, ...) before it goes to the dead-letter directory and the next batch gets its turn.
+    Connection errors, timeouts, 401, 429, 502, 503 and 504 are retried forever.
+    """
+
+    probe_id: str | None = Field(
+        default=None,
+        description="Root of this probe's ids (default: the host name). Each process appends "
+        "'-{pid}-{6 random hex}', so one root may serve any number of processes and restarts.",
+    )
+    probe_spool_dir: Path | None = None
+    probe_buffer_size: int = Field(default=65536, ge=1, le=1 << 26)
+    probe_batch_size: int = Field(default=2000, ge=1)
+    probe_flush_interval_s: float = Field(default=0.5, gt=0, le=3600)
+    probe_max_spool_bytes: int = Field(default=GIB, ge=1)
+    probe_request_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    probe_backoff_base_s: float = Field(default=0.2, gt=0)
+    probe_backoff_max_s: float = Field(default=30.0, gt=0)
+    probe_max_attempts: int = Field(default=8, ge=1, le=1_000_000)
+    probe_atexit_timeout_s: float = Field(default=2.0, ge=0, le=600)
+
+    @field_validator("probe_id", "probe_spool_dir", mode="before")
+    @classmethod
+    def _empty_probe_field_is_unset(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @field_validator("probe_id")
+    @classmethod
+    def _check_probe_id(cls, value: str | None) -> str | None:
+        return None if value is None else _check_id(value, "KVWATCH_PROBE_ID")
 
     @model_validator(mode="after")
     def _check_relations(self) -> Self:

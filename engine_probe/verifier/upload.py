@@ -11,50 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_probe.events import ID_MAX, is_valid_id
+from engine_probe.settings import ProducerSettings
 from engine_probe.verifier.report import Report
 
-
-class VerifierSettings(BaseSettings):
-    """``KVWATCH_COLLECTOR_URL``, ``KVWATCH_INGEST_TOKEN`` and ``KVWATCH_DEPLOYMENT_ID``: the
-    names every producer reads (see ``engine_probe.settings``)."""
-
-    model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
-
-    collector_url: str | None = None
-    ingest_token: str | None = Field(default=None, repr=False)
-    deployment_id: str = "default"
-
-    @field_validator("collector_url", "ingest_token", mode="before")
-    @classmethod
-    def _empty_is_unset(cls, value: object) -> object:
-        if isinstance(value, str) and not value.strip():
-            return None
-        return value
-
-    @field_validator("collector_url")
-    @classmethod
-    def _check_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        value = value.strip().rstrip("/")
-        scheme, sep, rest = value.partition("://")
-        if not sep or scheme.lower() not in ("http", "https") or not rest or rest[0] == "/":
-            raise ValueError(f"{value!r} must be an http:// or https:// URL")
-        return value
-
-    @field_validator("deployment_id")
-    @classmethod
-    def _check_deployment(cls, value: str) -> str:
-        if not is_valid_id(value):
-            raise ValueError(
-                f"{value!r} is not a valid id: 1 to {ID_MAX} characters, starting with a "
-                "letter or digit, then only letters, digits and ._:/@+=-"
-            )
-        return value
+# kvwatch verify reads exactly what every producer reads.
+VerifierSettings = ProducerSettings
 
 
 @dataclass(frozen=True)
