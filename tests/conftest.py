@@ -113,3 +113,16 @@ def collector(db_url: str) -> Iterator[Collector]:
     )
     with serve_in_thread(create_app(settings)) as url:
         yield Collector(url, db_url, make_token(db_url, "admin"), make_token(db_url, "ingest"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Small tensors: intra-op threads only add synchronisation. Modules that run refengine
+    use it (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``); torch is imported
+    here, not at the top, so torch-free test modules never load it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

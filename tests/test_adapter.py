@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,13 +29,7 @@ from tests.conftest import Collector
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small tensors: intra-op threads only add synchronisation (as in test_refengine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class RecordingProbe(BaseProbe):

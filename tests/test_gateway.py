@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 from sqlalchemy import create_engine, inspect, text
 from typer.testing import CliRunner
 
@@ -40,12 +39,7 @@ KEYS = {"acme": "sk-acme-1", "globex": "sk-globex-2"}
 PLATFORM_KEY = "sk-platform-3"  # the upstream's own tenant, for --upstream-key
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- what reaches the upstream ----------------------------------------------------------------

@@ -16,7 +16,7 @@ longer than the pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,13 +42,7 @@ TENANTS = ("acme", "globex", "initech", "umbrella")
 OVER = "y" * 1000  # longer than the 512-token prefill pool, well inside the 4096 context
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small tensors: intra-op threads only add synchronisation (as in test_refengine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def secret(tenant: str, i: int) -> str:

@@ -4,7 +4,7 @@ rejects cleanly when hardened, and reproduces the incident when legacy."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +31,7 @@ from refengine.tokenizer import IncrementalDecoder
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The lab's tensors are small: intra-op threads only add synchronisation, and on a busy
-    CI machine OpenMP spinning makes steps several times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def secret(tenant: str, i: int, repeat: int = 3) -> str:

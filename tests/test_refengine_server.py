@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from kvwatch.embedded import free_port, serve_in_thread
 from refengine import Engine, EngineConfig, EngineObserver, Request
@@ -27,13 +26,7 @@ TENANTS = ("acme", "globex", "initech", "umbrella")
 KEYS = {t: f"sk-{t}-{i}" for i, t in enumerate(TENANTS)} | {"mallory": "sk-mallory"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small tensors: intra-op threads only add synchronisation (as in test_refengine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from engine_probe.probe import Probe
@@ -46,13 +45,7 @@ SIZING: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small tensors: intra-op threads only add synchronisation (as in test_refengine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass
