@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from starlette.convertors import Convertor, register_url_convertor
 
 from collector.api import schemas as s
+from collector.api.files import attachment
 from collector.reports.breach import BreachScope, BreachService, to_csv
 from collector.tokens import Principal
 
@@ -117,20 +118,11 @@ def build_router(
         report = await run(service.get, report_id)
         name = f"breach-{report_id}"
         if format == "csv":
-            return Response(
-                to_csv(report),
-                media_type="text/csv; charset=utf-8",
-                headers={"Content-Disposition": f'attachment; filename="{name}.csv"'},
-            )
+            return attachment(to_csv(report), name, "csv")
         if format == "pdf":
             from collector.reports.breach_pdf import render_pdf
 
-            pdf = await run(render_pdf, report)
-            return Response(
-                pdf,
-                media_type="application/pdf",
-                headers={"Content-Disposition": f'attachment; filename="{name}.pdf"'},
-            )
+            return attachment(await run(render_pdf, report), name, "pdf")
         return JSONResponse(report)
 
     return r

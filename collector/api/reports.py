@@ -9,10 +9,11 @@ from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse
 
 from collector import audit
 from collector.api import schemas as s
+from collector.api.files import attachment
 from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.inventory import InventoryQuery, InventoryService
@@ -138,19 +139,11 @@ def build_router(
         doc = await run(review.build, scope)
         name = f"review-{doc['report_id']}"
         if format == "csv":
-            return Response(
-                review_csv(doc),
-                media_type="text/csv; charset=utf-8",
-                headers={"Content-Disposition": f'attachment; filename="{name}.csv"'},
-            )
+            return attachment(review_csv(doc), name, "csv")
         if format == "pdf":
             from collector.reports.review_pdf import render_pdf
 
-            return Response(
-                await run(render_pdf, doc),
-                media_type="application/pdf",
-                headers={"Content-Disposition": f'attachment; filename="{name}.pdf"'},
-            )
+            return attachment(await run(render_pdf, doc), name, "pdf")
         return doc
 
     @r.get("/v1/audit/verify", responses=_ERRORS, summary="Check the audit log's hash chain")
