@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from refengine import EOS, ContextLengthExceeded, Engine, EngineConfig, Request
+from tests.test_refengine import Recorder
 
-# _one_thread: the module-scoped autouse fixture, imported so that it applies here too.
-from tests.test_refengine import Recorder, _one_thread  # noqa: F401
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ADVERTISED = 300
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
