@@ -1,5 +1,6 @@
 """Breach-report generation over N synthetic requests, SQLite and PostgreSQL: time and peak
-memory (tracemalloc peak and the RSS high-water mark), to show memory stays bounded as N grows.
+memory (the RSS high-water mark; Python's allocation peak too with ``--tracemalloc``), to show
+memory stays bounded as N grows.
 
 Per database and N: a fresh database (temp-dir SQLite file, or a throwaway PostgreSQL
 database, dropped afterwards), migrated; N requests of one model inserted with raw SQL
@@ -9,7 +10,7 @@ is the build's, not the insert's. Last line: one JSON object.
 
     python -m bench.report --quick          # 100,000 requests
     python -m bench.report                  # 1,000,000 and 10,000,000
-    python -m bench.report --sizes 1000000 --skip-postgres
+    python -m bench.report --sizes 1000000 --skip-postgres --tracemalloc
 """
 
 from __future__ import annotations
@@ -86,8 +87,12 @@ def insert_postgres(conninfo: str, n: int) -> None:
         con.commit()
 
 
-def _build(url: str, n: int, q: Any) -> None:
-    """In a fresh process: build the window report; put its figures on ``q``."""
+def _build(url: str, n: int, traced: bool, q: Any) -> None:
+    """In a fresh process: build the window report; put its figures on ``q``.
+
+    tracemalloc slows allocation-heavy code several-fold, so it is on only when asked; the
+    RSS high-water mark is measured either way.
+    """
     from collector.db import Database
     from collector.reports.breach import BreachScope, BreachService
     from collector.settings import Settings
@@ -95,17 +100,18 @@ def _build(url: str, n: int, q: Any) -> None:
     db = Database(url)
     scope = BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(days=31))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tracemalloc.start()
+    if traced:
+        tracemalloc.start()
     t = time.perf_counter()
     report = BreachService(db, Settings(database_url=url)).build(scope, now=datetime.now(UTC))
     secs = time.perf_counter() - t
-    _, peak = tracemalloc.get_traced_memory()
+    peak = tracemalloc.get_traced_memory()[1] if traced else None
     tracemalloc.stop()
     db.dispose()
     q.put(
         {
             "seconds": round(secs, 2),
-            "tracemalloc_peak_mb": round(peak / 2**20, 1),
+            "tracemalloc_peak_mb": None if peak is None else round(peak / 2**20, 1),
             "rss_before_mb": round(rss0 / 1024, 1),
             "rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             "count": report["affected_requests"]["count"],
@@ -114,10 +120,10 @@ def _build(url: str, n: int, q: Any) -> None:
     )
 
 
-def measure(url: str, n: int) -> dict[str, Any]:
+def measure(url: str, n: int, traced: bool) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_build, args=(url, n, q))
+    p = ctx.Process(target=_build, args=(url, n, traced, q))
     p.start()
     try:
         out: dict[str, Any] = q.get(timeout=7200)
@@ -155,14 +161,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         t = time.perf_counter()
                         insert_postgres(conninfo, n)
                     insert_s = time.perf_counter() - t
-                    r = measure(url, n) | {"insert_seconds": round(insert_s, 1)}
+                    r = measure(url, n, args.tracemalloc) | {"insert_seconds": round(insert_s, 1)}
                     if backend == "postgresql":
                         pg.drop_all()
                 results.setdefault(backend, {})[str(n)] = r
                 print(
                     f"{backend:10} N={n:>10,}: build {r['seconds']:7.2f} s "
-                    f"({n / max(r['seconds'], 1e-9):,.0f} req/s), tracemalloc peak "
-                    f"{r['tracemalloc_peak_mb']} MB, RSS peak {r['rss_peak_mb']} MB "
+                    f"({n / max(r['seconds'], 1e-9):,.0f} req/s), RSS peak {r['rss_peak_mb']} MB, "
+                    f"tracemalloc peak {r['tracemalloc_peak_mb']} MB "
                     f"(insert {r['insert_seconds']} s)"
                 )
     finally:
@@ -174,8 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lo, hi = by_n[ns[0]], by_n[ns[-1]]
             ratios[backend] = {
                 "n_ratio": int(ns[-1]) / int(ns[0]),
-                "tracemalloc_peak_ratio": round(
-                    hi["tracemalloc_peak_mb"] / lo["tracemalloc_peak_mb"], 2
+                "tracemalloc_peak_ratio": (
+                    round(hi["tracemalloc_peak_mb"] / lo["tracemalloc_peak_mb"], 2)
+                    if args.tracemalloc
+                    else None
                 ),
                 "rss_peak_ratio": round(hi["rss_peak_mb"] / lo["rss_peak_mb"], 2),
                 "time_ratio": round(hi["seconds"] / max(lo["seconds"], 1e-9), 2),
@@ -188,6 +196,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="100,000 requests only")
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     p.add_argument("--skip-postgres", action="store_true")
+    p.add_argument(
+        "--tracemalloc",
+        action="store_true",
+        help="also record Python's allocation peak (slows the build several-fold)",
+    )
     p.add_argument(
         "--pg-url",
         default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
@@ -150,10 +151,6 @@ def _int(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
 
-def _str(v: Any) -> str | None:
-    return None if v is None or (isinstance(v, float) and pd.isna(v)) else str(v)
-
-
 class _Buckets:
     """Max (or sum) of a value per time bucket over ``[lo, hi)``: bounded memory."""
 
@@ -216,24 +213,54 @@ class _RequestAgg:
         self.last_ts = hi if self.last_ts is None else max(self.last_ts, hi)
         room = MAX_LISTED - len(self.listed)
         if room > 0:
-            for r in df.head(room).itertuples(index=False):
-                self.listed.append(
-                    {
-                        "deployment_id": r.deployment_id,
-                        "request_id": r.request_id,
-                        "tenant": r.tenant,
-                        "route": _str(r.route),
-                        "model_id": _str(r.model_id),
-                        "prompt_tokens": _int(r.prompt_tokens),
-                        "completion_tokens": _int(r.completion_tokens),
-                        "status": r.status,
-                        "reject_reason": _str(r.reject_reason),
-                        "data_categories": _cats(r.data_categories),
-                        "first_ts": _iso(int(r.first_ts)),
-                        "last_ts": _iso(int(r.last_ts)),
-                        "role": self.roles.get((r.deployment_id, r.request_id), "in_window"),
-                    }
-                )
+            self.listed.extend(self._listing(df.head(room)))
+
+    def _listing(self, df: pd.DataFrame) -> list[dict[str, Any]]:
+        # Column-wise conversion: per-row Python work here was most of a report's time.
+        cols = {
+            "deployment_id": df["deployment_id"].astype(object),
+            "request_id": df["request_id"].astype(object),
+            "tenant": df["tenant"].astype(object),
+            "route": _nullable(df["route"]),
+            "model_id": _nullable(df["model_id"]),
+            "prompt_tokens": _nullable_int(df["prompt_tokens"]),
+            "completion_tokens": _nullable_int(df["completion_tokens"]),
+            "status": df["status"].astype(object),
+            "reject_reason": _nullable(df["reject_reason"]),
+            "data_categories": _categories(df["data_categories"]),
+            "first_ts": iso_series(df["first_ts"]),
+            "last_ts": iso_series(df["last_ts"]),
+        }
+        # zip over tolist(): DataFrame.to_dict("records") boxes every cell and was 3x slower.
+        keys = (*cols, "role")
+        roles = [
+            self.roles.get(k, "in_window")
+            for k in zip(df["deployment_id"].tolist(), df["request_id"].tolist(), strict=True)
+        ]
+        columns = [c.tolist() for c in cols.values()]
+        return [dict(zip(keys, vals, strict=True)) for vals in zip(*columns, roles, strict=True)]
+
+
+def iso_series(us: pd.Series) -> pd.Series:
+    """Microseconds since the epoch → the same strings as ``_iso`` (``...Z``, no zero micros)."""
+    text = np.datetime_as_string(us.to_numpy(dtype="int64").astype("datetime64[us]"), unit="us")
+    s = pd.Series(text, index=us.index, dtype=object)
+    return s.str.removesuffix(".000000") + "Z"
+
+
+def _nullable(col: pd.Series) -> pd.Series:
+    return col.astype(object).where(col.notna(), None)
+
+
+def _nullable_int(col: pd.Series) -> pd.Series:
+    ints = col.astype("Int64").astype(object)
+    return ints.where(col.notna(), None)
+
+
+def _categories(col: pd.Series) -> pd.Series:
+    # A window holds few distinct tag sets: parse each once.
+    parsed = {raw: _cats(raw) for raw in col.dropna().unique()}
+    return col.astype(object).map(lambda raw: parsed.get(raw, []))
 
 
 def _request_cols() -> list[Any]:
@@ -255,7 +282,10 @@ def _request_cols() -> list[Any]:
 
 
 def _chunks(conn: Connection, stmt: Any) -> Iterator[pd.DataFrame]:
-    yield from pd.read_sql(stmt, conn, chunksize=CHUNK_ROWS)
+    # A server-side cursor on PostgreSQL: psycopg would otherwise fetch the whole result
+    # before the first chunk (SQLite's cursor already streams).
+    streaming = conn.execution_options(stream_results=True, max_row_buffer=CHUNK_ROWS)
+    yield from pd.read_sql(stmt, streaming, chunksize=CHUNK_ROWS)
 
 
 class BreachService:
