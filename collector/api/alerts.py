@@ -8,27 +8,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
 from collector.alerting.service import AlertingService
-from collector.api import schemas as s
+from collector.api import params
 from collector.errors import Forbidden, InvalidInput
 from collector.tokens import Principal
 from policies.durations import parse_duration
 
-Auth = Annotated[str | None, Header(include_in_schema=False)]
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": s.ErrorResponse, "description": desc}
-    for code, desc in (
-        (401, "Missing or unknown token"),
-        (403, "The token may not do this"),
-        (404, "No such object"),
-        (409, "Not in a state that allows this"),
-        (422, "Invalid parameters"),
-        (503, "Database unavailable; retry"),
-    )
-}
+Auth = params.Auth
+_ERRORS = params.errors(401, 403, 404, 409, 422, 503)
 Text = Annotated[str, Field(min_length=1, max_length=2000)]
 Who = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
@@ -74,8 +64,7 @@ class VerificationIn(BaseModel):
     evidence: dict[str, Any] = Field(default_factory=dict)
 
 
-def _aware(dt: datetime | None) -> datetime | None:
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+_aware = params.aware
 
 
 def _operator(who: Principal) -> None:

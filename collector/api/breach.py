@@ -5,31 +5,30 @@ audit PDF."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.convertors import Convertor, register_url_convertor
 
-from collector.api import schemas as s
+from collector.api import params
 from collector.api.files import attachment
 from collector.reports.breach import BreachScope, BreachService, to_csv
 from collector.tokens import Principal
 
-Auth = Annotated[str | None, Header(include_in_schema=False)]
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": s.ErrorResponse, "description": desc}
-    for code, desc in (
-        (401, "Missing or unknown token"),
-        (403, "The token may not do this"),
-        (404, "No such incident or report"),
-        (422, "Invalid parameters: missing scope, inverted window"),
-        (503, "Database unavailable; retry"),
-    )
-}
+Auth = params.Auth
+_ERRORS = params.errors(
+    401,
+    403,
+    404,
+    422,
+    503,
+    e404="No such incident or report",
+    e422="Invalid parameters: missing scope, inverted window",
+)
 
 
 class _ReportId(Convertor[str]):
@@ -60,8 +59,7 @@ class ReportIn(BaseModel):
     )
 
 
-def _aware(dt: datetime | None) -> datetime | None:
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+_aware = params.aware
 
 
 def build_router(

@@ -8,45 +8,26 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
 from collector import audit
-from collector.api import schemas as s
+from collector.api import params
 from collector.api.files import attachment
 from collector.db import Database
-from collector.errors import InvalidInput
 from collector.reports.inventory import InventoryQuery, InventoryService
 from collector.reports.limits import LimitsService, to_markdown
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
 from collector.tokens import Principal
 
-Auth = Annotated[str | None, Header(include_in_schema=False)]
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": s.ErrorResponse, "description": desc}
-    for code, desc in (
-        (401, "Missing or unknown token"),
-        (403, "The token may not do this"),
-        (404, "No such object"),
-        (422, "Invalid parameters"),
-        (503, "Database unavailable; retry"),
-    )
-}
+Auth = params.Auth
+_ERRORS = params.errors(401, 403, 404, 422, 503)
 _INVENTORY_PARAMS = {"model_id", "since", "until", "min_prompt_tokens", "deployment_id"}
 
 
-def _aware(dt: datetime) -> datetime:
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
-
-
-def _known_params(request: Request, known: set[str]) -> None:
-    unknown = sorted(set(request.query_params) - known)
-    if unknown:
-        raise InvalidInput(
-            f"unknown parameter {unknown[0]!r}; expected one of {', '.join(sorted(known))}",
-            [{"field": u, "message": "unknown parameter"} for u in unknown],
-        )
+_aware = params.aware
+_known_params = params.known_params
 
 
 def build_router(

@@ -1,0 +1,52 @@
+"""What every route module shares: the token header, error responses for the OpenAPI
+document, naive times read as UTC, and refusing unknown query parameters."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, overload
+
+from fastapi import Header, Request
+
+from collector.api import schemas as s
+from collector.errors import InvalidInput
+
+Auth = Annotated[str | None, Header(include_in_schema=False)]
+
+_DESCRIPTIONS = {
+    401: "Missing or unknown token",
+    403: "The token may not do this",
+    404: "No such object",
+    409: "Not in a state that allows this",
+    422: "Invalid parameters",
+    503: "Database unavailable; retry",
+}
+
+
+def errors(*codes: int, **overrides: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these status codes (``e404="..."`` overrides a text)."""
+    return {
+        code: {
+            "model": s.ErrorResponse,
+            "description": overrides.get(f"e{code}", _DESCRIPTIONS[code]),
+        }
+        for code in codes
+    }
+
+
+@overload
+def aware(dt: datetime) -> datetime: ...
+@overload
+def aware(dt: None) -> None: ...
+def aware(dt: datetime | None) -> datetime | None:
+    # Naive query times are read as UTC: what a person typing ?since=2026-08-27 means.
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+def known_params(request: Request, known: set[str]) -> None:
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        raise InvalidInput(
+            f"unknown parameter {unknown[0]!r}; expected one of {', '.join(sorted(known))}",
+            [{"field": u, "message": "unknown parameter"} for u in unknown],
+        )
