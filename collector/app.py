@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import anyio
 import msgspec
-from fastapi import FastAPI, Header, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,8 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from collector import migrate
 from collector.alerting.service import AlertingService
-from collector.alerting.timer import PolicyTimer
 from collector.api import breach as breach_api
+from collector.api import dashboard as dashboard_api
+from collector.api import params
 from collector.api import schemas as s
 from collector.api.alerts import build_router
 from collector.api.reports import build_router as build_reports_router
@@ -27,27 +28,21 @@ from collector.errors import CollectorError, PayloadTooLarge
 from collector.ingest import IngestService
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
+from collector.periodic import Periodic
 from collector.reads import ReadService
 from collector.reports.breach import BreachService
+from collector.rollups.refresh import RollupRefresher
 from collector.settings import Settings
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
 from policies import RuleSet, load_ruleset
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": s.ErrorResponse, "description": desc}
-    for code, desc in (
-        (401, "Missing or unknown token"),
-        (403, "The token may not do this"),
-        (422, "Invalid parameters"),
-        (503, "Database unavailable; retry"),
-    )
-}
+_ERRORS = params.errors(401, 403, 422, 503)
 # The wire contract's JSON Schema, generated from the msgspec types the decoder uses.
 (_EVENTS_SCHEMA,), _EVENT_COMPONENTS = msgspec.json.schema_components(
     [list[ev.AnyEvent]], ref_template="#/components/schemas/{name}"
 )
-Auth = Annotated[str | None, Header(include_in_schema=False)]
+Auth = params.Auth
 MAX_PAGE = 1000
 PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="Rows per page")]
 MinTokens = Annotated[int | None, Query(ge=0, le=2**62)]
@@ -60,9 +55,7 @@ def _error(status: int, code: str, message: str, details: Any = None) -> JSONRes
     )
 
 
-def _aware(dt: datetime | None) -> datetime | None:
-    # Naive query times are read as UTC: what a person typing ?since=2026-08-27 means.
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+_aware = params.aware
 
 
 class _RejectNul:
@@ -93,7 +86,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db, settings, metrics, authenticator, alerting if settings.policies_enabled else None
     )
     reads = ReadService(db)
-    timer = PolicyTimer(alerting, settings.policy_timer_s) if settings.policies_enabled else None
+    timer = (
+        Periodic("policy", settings.policy_timer_s, lambda: alerting.tick(datetime.now(UTC)))
+        if settings.policies_enabled
+        else None
+    )
+    rollups = Periodic("rollups", settings.rollup_interval_s, RollupRefresher(db).refresh)
     dispatcher = (
         Dispatcher(db, settings, registry=metrics.registry) if settings.notify_enabled else None
     )
@@ -107,13 +105,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await anyio.to_thread.run_sync(migrate.upgrade, settings.database_url)
-        for worker in (timer, dispatcher):
+        for worker in (timer, dispatcher, rollups):
             if worker is not None:
                 worker.start()
         try:
             yield
         finally:
-            for worker in (timer, dispatcher):
+            for worker in (timer, dispatcher, rollups):
                 if worker is not None:
                     await anyio.to_thread.run_sync(worker.shutdown, 10.0)
             db.dispose()
@@ -132,6 +130,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.alerting = alerting
     app.state.policy_timer = timer
     app.state.dispatcher = dispatcher
+    app.state.rollups = rollups
 
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
@@ -282,6 +281,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(build_router(alerting, principal))
     app.include_router(breach_api.build_router(BreachService(db, settings), principal))
     app.include_router(build_reports_router(db, principal))
+    app.include_router(dashboard_api.build_router(db, principal))
 
     @app.get("/metrics", include_in_schema=True, response_class=Response)
     async def get_metrics() -> Response:

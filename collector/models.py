@@ -130,6 +130,8 @@ class Request(Base):
         UniqueConstraint("deployment_id", "request_id"),
         Index(None, "first_ts"),
         Index(None, "tenant", "first_ts"),
+        Index(None, "model_id", "first_ts"),
+        Index(None, "model_id", "prompt_tokens"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -163,6 +165,68 @@ class PoolSample(Base):
     capacity_tokens: Mapped[int] = mapped_column(BigInteger)
     used_tokens: Mapped[int] = mapped_column(BigInteger)
     free_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
+class RollupDirty(Base):
+    """A bucket whose rollup rows must be recomputed from the raw rows.
+
+    Ingest inserts a mark (``ON CONFLICT DO NOTHING``) for every bucket a batch touched, in
+    the batch's transaction; the rollup refresher deletes the mark and recomputes the bucket
+    in one transaction. Invariant: a bucket without a mark has rollup rows equal to the
+    aggregate of its raw rows as of the refresher's last pass over it.
+    """
+
+    __tablename__ = "rollup_dirty"
+
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # requests | pool
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class RequestRollup(Base):
+    """Requests per 5-minute bucket (by ``first_ts``), deployment, model, route, tenant and
+    prompt-size bin: what the dashboard charts instead of raw requests.
+
+    ``prompt_bin`` is ``floor(8 * log2(max(prompt_tokens, 1)))`` (bins 9% wide), or -1 when
+    the prompt size is unknown; ``prompt_tokens_max`` is exact.
+    """
+
+    __tablename__ = "request_rollups"
+    __table_args__ = (
+        Index(None, "deployment_id", "bucket_start"),
+        Index(None, "bucket_start"),
+        Index(None, "tenant", "bucket_start"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
+    bucket_start: Mapped[int] = mapped_column(BigInteger)
+    model_id: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    route: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    tenant: Mapped[str] = mapped_column(String(ID_MAX))
+    prompt_bin: Mapped[int] = mapped_column(Integer)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    rejected: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens_max: Mapped[int | None] = mapped_column(BigInteger)
+    prompt_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+
+
+class PoolRollup(Base):
+    """Pool samples per minute, deployment, node and role: long-window occupancy charts."""
+
+    __tablename__ = "pool_rollups"
+    __table_args__ = (Index(None, "deployment_id", "bucket_start"), Index(None, "bucket_start"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
+    bucket_start: Mapped[int] = mapped_column(BigInteger)
+    node: Mapped[str] = mapped_column(String(ID_MAX))
+    role: Mapped[str] = mapped_column(String(16))
+    samples: Mapped[int] = mapped_column(BigInteger)
+    used_sum: Mapped[int] = mapped_column(BigInteger)
+    used_max: Mapped[int] = mapped_column(BigInteger)
+    free_min: Mapped[int] = mapped_column(BigInteger)
+    capacity_max: Mapped[int] = mapped_column(BigInteger)
 
 
 class PageEvent(Base):

@@ -1,36 +1,34 @@
-"""The policy timer: runs :meth:`AlertingService.tick` every ``policy_timer_s`` in a thread."""
+"""A background pass every N seconds in a thread: the policy timer and the rollup refresher.
+
+A pass that fails is logged and the next one runs as usual: a database outage
+(:class:`CollectorError`) skips passes until it is over, a bug is logged with its traceback.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime
 
-from collector.alerting.service import AlertingService
 from collector.errors import CollectorError
 
-log = logging.getLogger("kvwatch.alerting")
+log = logging.getLogger("kvwatch.periodic")
 
 
-class PolicyTimer:
-    def __init__(
-        self,
-        service: AlertingService,
-        interval_s: float,
-        *,
-        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-    ):
-        self.service = service
+class Periodic:
+    def __init__(self, name: str, interval_s: float, run: Callable[[], object]):
+        self.name = name
         self.interval_s = interval_s
-        self.clock = clock
+        self._run = run
         self.passes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kvwatch-policy", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name=f"kvwatch-{self.name}", daemon=True
+            )
             self._thread.start()
 
     def _loop(self) -> None:
@@ -39,12 +37,12 @@ class PolicyTimer:
 
     def run_once(self) -> None:
         try:
-            self.service.tick(self.clock())
+            self._run()
             self.passes += 1
         except CollectorError as exc:  # the database is down: the next pass catches up
-            log.warning("policy timer pass skipped: %s", exc.message)
+            log.warning("%s pass skipped: %s", self.name, exc.message)
         except Exception:
-            log.exception("policy timer pass failed")
+            log.exception("%s pass failed", self.name)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -10,6 +10,10 @@ import msgspec
 from sqlalchemy import Connection, func, select, tuple_
 
 from collector import models as m
+from collector.rollups.buckets import POOL_BUCKET_US, floor_to
+
+# Buckets at least this wide come from the per-minute pool rollups.
+ROLLUP_MIN_WIDTH_US = 5 * 60 * 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,28 +188,54 @@ def pool_samples(
     away.
     """
     width = max(1, -(-(until_us - since_us) // max_points))
-    ts = m.PoolSample.__table__.c.ts
-    bucket = ((ts - since_us) // width).label("bucket")
-    q = (
-        select(
-            m.PoolSample.deployment_id,
-            m.PoolSample.node,
-            m.PoolSample.role,
-            bucket,
-            func.count().label("samples"),
-            func.avg(m.PoolSample.used_tokens).label("used_avg"),
-            func.max(m.PoolSample.used_tokens).label("used_max"),
-            func.min(m.PoolSample.free_tokens).label("free_min"),
-            func.max(m.PoolSample.capacity_tokens).label("capacity"),
+    if width >= ROLLUP_MIN_WIDTH_US:
+        # Long windows read the per-minute rollups: buckets become whole minutes, aligned
+        # to the minute, and the newest may trail ingest by the refresher's interval.
+        width = -(-width // POOL_BUCKET_US) * POOL_BUCKET_US
+        since_us = floor_to(since_us, POOL_BUCKET_US)
+        pr = m.PoolRollup
+        rb = ((pr.bucket_start - since_us) // width).label("bucket")
+        q = (
+            select(
+                pr.deployment_id,
+                pr.node,
+                pr.role,
+                rb,
+                func.sum(pr.samples).label("samples"),
+                (func.sum(pr.used_sum) * 1.0 / func.sum(pr.samples)).label("used_avg"),
+                func.max(pr.used_max).label("used_max"),
+                func.min(pr.free_min).label("free_min"),
+                func.max(pr.capacity_max).label("capacity"),
+            )
+            .where(pr.bucket_start >= since_us, pr.bucket_start < until_us)
+            .group_by(pr.deployment_id, pr.node, pr.role, rb)
+            .order_by(pr.deployment_id, pr.node, pr.role, rb)
         )
-        .where(ts >= since_us, ts < until_us)
-        .group_by(m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role, bucket)
-        .order_by(m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role, bucket)
-    )
+        table: Any = pr
+    else:
+        ts = m.PoolSample.__table__.c.ts
+        bucket = ((ts - since_us) // width).label("bucket")
+        q = (
+            select(
+                m.PoolSample.deployment_id,
+                m.PoolSample.node,
+                m.PoolSample.role,
+                bucket,
+                func.count().label("samples"),
+                func.avg(m.PoolSample.used_tokens).label("used_avg"),
+                func.max(m.PoolSample.used_tokens).label("used_max"),
+                func.min(m.PoolSample.free_tokens).label("free_min"),
+                func.max(m.PoolSample.capacity_tokens).label("capacity"),
+            )
+            .where(ts >= since_us, ts < until_us)
+            .group_by(m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role, bucket)
+            .order_by(m.PoolSample.deployment_id, m.PoolSample.node, m.PoolSample.role, bucket)
+        )
+        table = m.PoolSample
     if deployment_id is not None:
-        q = q.where(m.PoolSample.deployment_id == deployment_id)
+        q = q.where(table.deployment_id == deployment_id)
     if node is not None:
-        q = q.where(m.PoolSample.node == node)
+        q = q.where(table.node == node)
     rows = []
     for r in conn.execute(q):
         rows.append(

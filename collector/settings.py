@@ -51,6 +51,12 @@ class Settings(BaseSettings):
         description="How often absence and windowed rules run, and alerts are resolved, "
         "repeated and incidents reminded.",
     )
+    rollup_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How often the dashboard's rollups are brought up to date with ingested "
+        "requests and pool samples (how far behind the dashboard's long-window charts may be).",
+    )
     notify_enabled: bool = Field(
         default=True, description="Run the notification dispatcher in the collector."
     )

@@ -25,6 +25,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 
 from collector import models as m
 from collector.errors import Forbidden
+from collector.rollups.buckets import POOL_BUCKET_US, floor_to, request_marks
 from engine_probe import events as ev
 
 _json = msgspec.json.Encoder()
@@ -322,7 +323,9 @@ class IngestStore:
             self._pool_sql = _insert_sql("pool_samples", POOL_COLS)
             self._page_sql = _insert_sql("page_events", PAGE_COLS)
             self._drop_sql = _insert_sql("probe_drops", DROP_COLS)
+            self._mark_sql = _MARK_SQL.format("?, ?, ?")
         else:
+            self._mark_sql = _MARK_SQL.format("%s, %s, %s")
             # The staging table makes a whole batch one COPY plus one INSERT ... SELECT.
             self._req_sql = _request_upsert_sql(
                 dialect,
@@ -480,6 +483,8 @@ class IngestStore:
                     cur.executemany(self._drop_sql, rows.drops)
                 if rows.requests:
                     cur.executemany(self._req_sql, list(rows.requests.values()))
+                if marks := rollup_marks(rows):
+                    cur.executemany(self._mark_sql, marks)
                 cur.executemany(self._dep_sql, _spans(rows.deployments))
             finally:
                 cur.close()
@@ -502,6 +507,9 @@ class IngestStore:
                     "requests",
                 )
                 cur.execute(self._req_sql)
+            # Sorted, after the requests and before the deployment: one lock order for all.
+            if marks := rollup_marks(rows):
+                cur.executemany(self._mark_sql, marks)
             # Last: the deployment's row lock is then held only until the commit, so
             # batches of one deployment from different probes barely queue on it.
             cur.executemany(self._dep_sql, _spans(rows.deployments))
@@ -537,6 +545,25 @@ class IngestStore:
                 config_hash=h,
             )
             conn.execute(insert(m.DeploymentConfig).values(**values))
+
+
+_MARK_SQL = (
+    "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start) VALUES ({}) "
+    "ON CONFLICT (kind, deployment_id, bucket_start) DO NOTHING"
+)
+_FIRST_TS = REQ_COLS.index("first_ts")
+_POOL_TS = POOL_COLS.index("ts")
+
+
+def rollup_marks(rows: Rows) -> list[tuple[str, str, int]]:
+    """The rollup buckets a batch's rows touch, sorted (see ``collector.rollups``)."""
+    marks: set[tuple[str, str, int]] = set()
+    for r in rows.requests.values():
+        for b in request_marks((r[_FIRST_TS],)):
+            marks.add(("requests", r[0], b))
+    for p in rows.pool:
+        marks.add(("pool", p[0], floor_to(p[_POOL_TS], POOL_BUCKET_US)))
+    return sorted(marks)
 
 
 def _insert_sql(table: str, cols: Sequence[str]) -> str:

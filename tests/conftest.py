@@ -4,6 +4,7 @@ collector served over HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -109,7 +110,11 @@ def collector(db_url: str) -> Iterator[Collector]:
 
     migrate.upgrade(db_url)
     settings = Settings(
-        database_url=db_url, max_batch_events=1000, max_body_bytes=1024 * 1024, auto_migrate=False
+        database_url=db_url,
+        max_batch_events=1000,
+        max_body_bytes=1024 * 1024,
+        auto_migrate=False,
+        rollup_interval_s=0.2,
     )
     with serve_in_thread(create_app(settings)) as url:
         yield Collector(url, db_url, make_token(db_url, "admin"), make_token(db_url, "ingest"))
@@ -126,3 +131,18 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def wait_rollups(db_url: str, timeout_s: float = 20.0) -> None:
+    """Wait for the collector's rollup refresher to have recomputed every marked bucket."""
+    from collector.db import Database
+    from collector.rollups.refresh import RollupRefresher
+
+    db = Database(db_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while RollupRefresher(db).pending():
+            assert time.monotonic() < deadline, "the rollup refresher did not catch up"
+            time.sleep(0.05)
+    finally:
+        db.dispose()

@@ -98,6 +98,15 @@ def build_router(
             },
         }
 
+    @r.get("/v1/reports", responses=_ERRORS, summary="Stored reports, newest first")
+    async def list_reports(
+        authorization: Auth = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, Any]:
+        who = await principal(authorization)
+        who.require("admin")
+        return {"items": await run(service.stored, limit)}
+
     @r.get(
         "/v1/reports/{report_id:rpt}",
         responses={

@@ -333,6 +333,34 @@ class BreachService:
             )
         return report
 
+    def stored(self, limit: int) -> list[dict[str, Any]]:
+        """Stored reports, newest first: identity, scope and evidence hash (not the body)."""
+        r = m.Report
+        with self.db.read() as conn:
+            rows = conn.execute(
+                select(
+                    r.report_id,
+                    r.kind,
+                    r.scope,
+                    type_coerce(r.created_at, BigInteger).label("created_at"),
+                    r.created_by,
+                    r.sha256,
+                )
+                .order_by(r.created_at.desc(), r.id.desc())
+                .limit(limit)
+            ).all()
+        return [
+            {
+                "report_id": x.report_id,
+                "kind": x.kind,
+                "scope": json.loads(x.scope),
+                "generated_at": _iso(x.created_at),
+                "created_by": x.created_by,
+                "evidence_sha256": x.sha256,
+            }
+            for x in rows
+        ]
+
     def get(self, report_id: str) -> dict[str, Any]:
         with self.db.read() as conn:
             body = conn.execute(

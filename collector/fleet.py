@@ -1,0 +1,109 @@
+"""The fleet: every deployment's limits at a glance, with a status a person can act on.
+
+Status is ``red`` when a pool is smaller than the advertised context (the incident's
+precondition), a verification is stale against the running config or failed, or a critical
+alert fires; ``amber`` when a model has no passing verification or a warning fires;
+``green`` otherwise. ``reasons`` says which.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import select
+
+from collector import models as m
+from collector.db import Database
+from collector.reports.limits import LimitsService
+
+_RANK = {"green": 0, "amber": 1, "red": 2}
+
+
+class FleetService:
+    def __init__(self, db: Database):
+        self.db = db
+        self.limits = LimitsService(db)
+
+    def fleet(self, now: datetime) -> dict[str, Any]:
+        with self.db.read() as conn:
+            deps = list(
+                conn.execute(
+                    select(m.Deployment.id, m.Deployment.last_seen).order_by(m.Deployment.id)
+                )
+            )
+            a = m.Alert
+            firing: dict[tuple[str | None, str], int] = {
+                (dep, sev): int(n)
+                for dep, sev, n in conn.execute(
+                    select(a.deployment_id, a.severity, sa.func.count())
+                    .where(a.state == "firing")
+                    .group_by(a.deployment_id, a.severity)
+                )
+            }
+            i = m.Incident
+            incidents = dict(
+                conn.execute(
+                    select(i.deployment_id, sa.func.count())
+                    .where(i.state == "open")
+                    .group_by(i.deployment_id)
+                ).all()
+            )
+        out = []
+        for dep, last_seen in deps:
+            card = self.limits.card(dep, now)
+            models = []
+            reasons: list[tuple[str, str]] = []
+            for mod in card["models"]:
+                v = mod["verified"]
+                age = None
+                if v is not None:
+                    at = datetime.fromisoformat(v["verified_at"].replace("Z", "+00:00"))
+                    age = round((now - at).total_seconds() / 86400, 1)
+                pool, adv = mod["prefill_pool_tokens"], mod["advertised_context"]
+                models.append(
+                    {
+                        "model_id": mod["model_id"],
+                        "advertised_context": adv,
+                        "pool_capacity_tokens": pool,
+                        "verified_safe_context": None if v is None else v["safe_context"],
+                        "verified_at": None if v is None else v["verified_at"],
+                        "verification_age_days": age,
+                        "engine_version": None if v is None else v["engine_version"],
+                        "verification_stale": bool(mod["stale"]),
+                        "latest_verification_failed": mod["latest_verification_failed"],
+                    }
+                )
+                name = mod["model_id"]
+                if pool is not None and adv is not None and pool < adv:
+                    reasons.append(
+                        ("red", f"{name}: pool {pool:,} tokens < advertised context {adv:,}")
+                    )
+                if mod["stale"]:
+                    reasons.append(("red", f"{name}: verification stale (config changed)"))
+                if mod["latest_verification_failed"]:
+                    reasons.append(("red", f"{name}: the latest verification failed"))
+                if v is None:
+                    reasons.append(("amber", f"{name}: not verified"))
+            crit = firing.get((dep, "critical"), 0)
+            warn = sum(n for (d, sev), n in firing.items() if d == dep and sev != "critical")
+            if crit:
+                reasons.append(("red", f"{crit} critical alert(s) firing"))
+            if warn:
+                reasons.append(("amber", f"{warn} other alert(s) firing"))
+            status = max((lvl for lvl, _ in reasons), key=_RANK.__getitem__, default="green")
+            out.append(
+                {
+                    "deployment_id": dep,
+                    "status": status,
+                    "reasons": [why for _, why in reasons],
+                    "last_seen": last_seen,
+                    "nodes": card["nodes"],
+                    "models": models,
+                    "firing_alerts": crit + warn,
+                    "critical_alerts": crit,
+                    "open_incidents": int(incidents.get(dep, 0)),
+                }
+            )
+        return {"generated_at": now, "deployments": out}

@@ -1,0 +1,52 @@
+"""Bucket widths and prompt-size bins, shared by ingest's marks, the refresher and readers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+REQUEST_BUCKET_US = 300_000_000  # 5 minutes, by a request's first_ts
+POOL_BUCKET_US = 60_000_000  # 1 minute
+BINS_PER_OCTAVE = 8  # bins 2**(1/8) - 1 = 9% wide
+UNKNOWN_BIN = -1
+
+
+def floor_to(ts_us: int, width: int) -> int:
+    return ts_us // width * width
+
+
+def request_marks(first_ts: Iterable[int]) -> set[int]:
+    """The request buckets a batch touches. A request's stored ``first_ts`` can move earlier
+    when an earlier event of it arrives later (a spooled prefill probe): the bucket after
+    also gets a mark, so the one it left is recomputed (requests shorter than a bucket)."""
+    out: set[int] = set()
+    for ts in first_ts:
+        b = floor_to(ts, REQUEST_BUCKET_US)
+        out.add(b)
+        out.add(b + REQUEST_BUCKET_US)
+    return out
+
+
+def prompt_bins(tokens: np.ndarray) -> np.ndarray:
+    """``floor(8 * log2(max(t, 1)))``; NaN (unknown) → -1."""
+    t = np.asarray(tokens, dtype="float64")
+    known = ~np.isnan(t)
+    out = np.full(t.shape, UNKNOWN_BIN, dtype="int64")
+    out[known] = np.floor(BINS_PER_OCTAVE * np.log2(np.maximum(t[known], 1.0)) + 1e-9)
+    return out
+
+
+def bin_low(b: int) -> float:
+    """The smallest prompt size in bin ``b``."""
+    return 0.0 if b <= 0 else 2.0 ** (b / BINS_PER_OCTAVE)
+
+
+def bin_high(b: int) -> float:
+    """The bound above bin ``b`` (exclusive)."""
+    return 2.0 ** ((b + 1) / BINS_PER_OCTAVE)
+
+
+def bin_of(tokens: int) -> int:
+    return math.floor(BINS_PER_OCTAVE * math.log2(max(tokens, 1)) + 1e-9)

@@ -1,0 +1,303 @@
+"""The collector's dashboard endpoints (fleet, prompt-token statistics from rollups, top
+prompts, page-event statistics, pool samples from rollups), against a real collector on
+SQLite and PostgreSQL: every figure checked against what was ingested, tenant scoping, bad
+input, and the rollups kept exact when a request's earliest event arrives late."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+
+from collector import migrate
+from collector.db import Database
+from collector.rollups.buckets import BINS_PER_OCTAVE, bin_high, bin_low, bin_of, prompt_bins
+from collector.rollups.refresh import RollupRefresher
+from tests import factories as f
+from tests.conftest import Collector, wait_rollups
+
+MODEL = "glm-5.3"
+CHAT, EMB = "/v1/chat/completions", "/v1/embeddings"
+WINDOW = {"since": f.T0.isoformat(), "until": (f.T0 + timedelta(hours=2)).isoformat()}
+SAFE = 600_000
+
+
+def send(c: Collector, *events: Any) -> None:
+    with c.client(c.ingest) as h:
+        r = h.post("/v1/events", json=[f.as_json(e) for e in events])
+    assert r.status_code == 200, r.text
+
+
+def get(c: Collector, path: str, token: str | None = None, **params: Any) -> Any:
+    with c.client(token or c.admin) as h:
+        r = h.get(path, params=params)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _seed(c: Collector) -> list[tuple[str, str, int, int]]:
+    """Requests over two 5-minute buckets, two routes and two tenants; returns
+    (tenant, route, prompt, seconds after T0) per request."""
+    send(
+        c,
+        f.config(1, pool_tokens=681_280),
+        f.config(2, pool_tokens=681_280, node="decode-0", role="decode"),
+    )
+    with c.client(c.admin) as h:
+        r = h.post(
+            "/v1/verifications",
+            json={
+                "deployment_id": "glm-prod",
+                "model_id": MODEL,
+                "passed": True,
+                "verified_safe_context": SAFE,
+            },
+        )
+        assert r.status_code == 201, r.text
+    reqs = [
+        ("acme", CHAT, 1_000, 10),
+        ("acme", CHAT, 470_000, 20),  # 78%: below the warn line
+        ("acme", CHAT, 500_000, 30),  # 83%
+        ("acme", EMB, 300, 40),
+        ("globex", CHAT, 610_000, 50),  # over the safe context
+        ("globex", CHAT, 90_000, 400),  # second bucket
+        ("globex", CHAT, 120_000, 410),
+    ]
+    events = [
+        f.admitted(100 + i, f"r{i}", tenant, prompt, route=route, ts=f.T0 + timedelta(seconds=s))
+        for i, (tenant, route, prompt, s) in enumerate(reqs)
+    ]
+    send(c, *events)
+    wait_rollups(c.db_url)
+    return reqs
+
+
+def _exact_at_or_above(prompts: list[int], line: float) -> int:
+    return sum(p >= line for p in prompts)
+
+
+def test_prompt_token_stats_match_the_ingested_requests(collector: Collector) -> None:
+    reqs = _seed(collector)
+    doc = get(collector, "/v1/stats/prompt-tokens", **WINDOW, max_points=24)
+    (line,) = doc["thresholds"]
+    assert line == {
+        "model_id": MODEL,
+        "safe_context": SAFE,
+        "verified": True,
+        "deployment_id": "glm-prod",
+        "warn_line": 480_000,
+        "critical_line": SAFE,
+    }
+    assert doc["bucket_seconds"] == 300
+    routes = {x["route"]: x for x in doc["routes"]}
+    chat = [p for _, route, p, _ in reqs if route == CHAT]
+    c = routes[CHAT]
+    assert c["requests"] == len(chat) and c["rejected"] == 0
+    assert c["max"] == max(chat)
+    assert c["mean"] == pytest.approx(sum(chat) / len(chat), abs=0.1)
+    # Bins are 9% wide: a quantile is an upper bound within one bin of the exact one.
+    exact_p50 = sorted(chat)[math.ceil(0.5 * len(chat)) - 1]
+    assert exact_p50 <= c["p50"] <= exact_p50 * 2 ** (1 / BINS_PER_OCTAVE)
+    assert c["p99"] == max(chat)  # the top bin is clipped to the exact max
+    assert c["at_or_above_warn"] == _exact_at_or_above(chat, 480_000) == 2
+    assert c["at_or_above_critical"] == _exact_at_or_above(chat, SAFE) == 1
+    assert routes[EMB]["requests"] == 1 and routes[EMB]["max"] == 300
+    # Over time: chat's first bucket holds five requests (one is the embedding), the second two.
+    series = [x for x in doc["series"] if x["route"] == CHAT]
+    assert [x["requests"] for x in series] == [4, 2]
+    t0_us = int(f.T0.timestamp() * 10**6)
+    assert [x["bucket_start_us"] for x in series] == [t0_us, t0_us + 300 * 10**6]
+    assert series[1]["max"] == 120_000
+    hist = {(h["bin_low"], h["bin_high"]): h["requests"] for h in doc["histogram"]}
+    assert sum(hist.values()) == len(reqs)
+    b = bin_of(610_000)
+    assert hist[(int(bin_low(b)), int(bin_high(b)))] >= 1
+
+
+def test_a_tenant_token_sees_only_its_tenant(collector: Collector) -> None:
+    reqs = _seed(collector)
+    acme = collector.token("read", tenant="acme")
+    doc = get(collector, "/v1/stats/prompt-tokens", acme, **WINDOW)
+    mine = [p for t, _, p, _ in reqs if t == "acme"]
+    assert sum(x["requests"] for x in doc["routes"]) == len(mine)
+    assert max(x["max"] for x in doc["routes"]) == max(mine)
+    top = get(collector, "/v1/stats/top-prompts", acme, **WINDOW)["items"]
+    assert {x["tenant"] for x in top} == {"acme"}
+    # Asking for another tenant's route filter cannot widen the scope.
+    none = get(collector, "/v1/stats/top-prompts", acme, **WINDOW, route=CHAT, model_id=MODEL)
+    assert all(x["tenant"] == "acme" for x in none["items"])
+
+
+def test_top_prompts_are_the_largest_with_their_ratio(collector: Collector) -> None:
+    reqs = _seed(collector)
+    items = get(collector, "/v1/stats/top-prompts", **WINDOW, limit=3)["items"]
+    want = sorted((p for *_, p, _ in reqs), reverse=True)[:3]
+    assert [x["prompt_tokens"] for x in items] == want
+    assert items[0]["safe_context"] == SAFE
+    assert items[0]["ratio"] == pytest.approx(610_000 / SAFE, abs=1e-4)
+    assert items[0]["tenant"] == "globex" and items[0]["request_id"] == "r4"
+
+
+def test_a_late_earlier_event_moves_a_request_without_counting_it_twice(
+    collector: Collector,
+) -> None:
+    # The decode node reports first (bucket 2); the prefill node's admission, four minutes
+    # earlier and in the bucket before, arrives later: the request moves buckets.
+    late = f.T0 + timedelta(seconds=590)
+    early = f.T0 + timedelta(seconds=290)
+    send(collector, f.finished(1, "x", "acme", ts=late, model_id=MODEL, route=CHAT))
+    wait_rollups(collector.db_url)
+    send(collector, f.admitted(2, "x", "acme", 5_000, probe="probe-b", ts=early, route=CHAT))
+    wait_rollups(collector.db_url)
+    doc = get(collector, "/v1/stats/prompt-tokens", **WINDOW)
+    assert sum(x["requests"] for x in doc["series"]) == 1
+    (only,) = doc["series"]
+    assert only["bucket_start_us"] == int((f.T0.timestamp()) * 10**6)
+    assert only["max"] == 5_000
+
+
+def test_pool_samples_over_a_long_window_come_from_rollups(collector: Collector) -> None:
+    used = [100, 5_000, 640_000, 20, 30_000, 7]
+    send(
+        collector,
+        *(f.pool(10 + i, used=u, ts=f.T0 + timedelta(seconds=45 * i)) for i, u in enumerate(used)),
+    )
+    wait_rollups(collector.db_url)
+    day = {"since": f.T0.isoformat(), "until": (f.T0 + timedelta(days=1)).isoformat()}
+    doc = get(collector, "/v1/pool-samples", **day, max_points=48)
+    assert doc["bucket_seconds"] == 1800
+    (bucket,) = doc["items"]
+    assert bucket["samples"] == len(used)
+    assert bucket["used_max"] == max(used)
+    assert bucket["used_avg"] == pytest.approx(sum(used) / len(used))
+    assert bucket["free_min"] == 681_280 - max(used)
+    # A short window still reads raw samples, at their own resolution.
+    short = get(
+        collector,
+        "/v1/pool-samples",
+        since=f.T0.isoformat(),
+        until=(f.T0 + timedelta(minutes=5)).isoformat(),
+        max_points=10,
+    )
+    assert sum(x["samples"] for x in short["items"]) == len(used)
+    assert len(short["items"]) == len(used)
+
+
+def test_page_event_stats_count_stale_reads_per_bucket(collector: Collector) -> None:
+    send(
+        collector,
+        f.stale_read(1, ts=f.T0 + timedelta(seconds=5)),
+        f.stale_read(2, ts=f.T0 + timedelta(seconds=6), page_ids=[9]),
+        f.stale_read(
+            3, ts=f.T0 + timedelta(minutes=50), reader_tenant="acme", previous_tenant="acme"
+        ),
+    )
+    doc = get(collector, "/v1/stats/page-events", **WINDOW, max_points=4)
+    assert doc["bucket_seconds"] == 1800
+    rows = [(x["kind"], x["events"], x["pages"], x["cross_tenant"]) for x in doc["items"]]
+    assert rows == [("page.stale_read", 2, 4, 2), ("page.stale_read", 1, 3, 0)]
+    # initech is party to none of them.
+    initech = collector.token("read", tenant="initech")
+    assert get(collector, "/v1/stats/page-events", initech, **WINDOW)["items"] == []
+
+
+def test_fleet_is_red_with_its_reasons_and_counts(collector: Collector) -> None:
+    send(collector, f.config(1, pool_tokens=681_280), f.stale_read(2))
+    doc = get(collector, "/v1/fleet")
+    (dep,) = doc["deployments"]
+    assert dep["deployment_id"] == "glm-prod" and dep["status"] == "red"
+    assert any("pool 681,280 tokens < advertised context 1,048,576" in r for r in dep["reasons"])
+    assert any("not verified" in r for r in dep["reasons"])
+    (mod,) = dep["models"]
+    assert (mod["advertised_context"], mod["pool_capacity_tokens"]) == (1_048_576, 681_280)
+    assert mod["verified_safe_context"] is None
+    assert dep["critical_alerts"] >= 1 and dep["open_incidents"] == 1
+
+
+def test_fleet_is_green_when_verified_and_the_pool_covers_the_context(
+    collector: Collector,
+) -> None:
+    # (0.5.22: the release that fixed the rejection path, so no advisory fires)
+    send(
+        collector,
+        f.config(1, pool_tokens=2_000_000, advertised_context=1_000_000, engine_version="0.5.22"),
+    )
+    with collector.client(collector.admin) as h:
+        r = h.post(
+            "/v1/verifications",
+            json={
+                "deployment_id": "glm-prod",
+                "model_id": MODEL,
+                "passed": True,
+                "verified_safe_context": 1_000_000,
+            },
+        )
+        assert r.status_code == 201, r.text
+    (dep,) = get(collector, "/v1/fleet")["deployments"]
+    assert dep["status"] == "green", dep["reasons"]
+    (mod,) = dep["models"]
+    assert mod["verified_safe_context"] == 1_000_000
+    assert mod["verification_age_days"] == pytest.approx(0, abs=0.01)
+    assert mod["engine_version"] == "0.5.22"
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "field"),
+    [
+        ("/v1/stats/prompt-tokens", {"since": "2026-08-28", "until": "2026-08-27"}, "since"),
+        ("/v1/stats/top-prompts", {"limit": 0}, "limit"),
+        ("/v1/stats/page-events", {"max_points": 0}, "max_points"),
+        ("/v1/stats/prompt-tokens", {"model": MODEL}, "model"),
+    ],
+)
+def test_bad_parameters_get_a_clear_422(
+    collector: Collector, path: str, params: dict[str, Any], field: str
+) -> None:
+    with collector.client(collector.admin) as h:
+        r = h.get(path, params=params)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert field in r.text and err["message"]
+
+
+def test_stats_need_a_token(collector: Collector) -> None:
+    for path in ("/v1/fleet", "/v1/stats/prompt-tokens", "/v1/stats/page-events"):
+        with collector.client(None) as h:
+            assert h.get(path).status_code == 401
+        with collector.client(collector.ingest) as h:
+            assert h.get(path).status_code == 403
+
+
+def test_existing_data_is_backfilled_by_the_migration(sqlite_url: str) -> None:
+    migrate.upgrade(sqlite_url, "0004")
+    db = Database(sqlite_url)
+    try:
+        with db.write() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO requests (deployment_id, request_id, tenant, route, model_id, "
+                "prompt_tokens, status, first_ts, last_ts) VALUES "
+                "('d', 'r1', 't', '/x', 'm', 1234, 'completed', 1000000, 1000000), "
+                "('d', 'r2', 't', '/x', 'm', NULL, 'rejected', 2000000, 2000000)"
+            )
+        migrate.upgrade(sqlite_url)
+        assert RollupRefresher(db).refresh().request_buckets == 1
+        with db.read() as conn:
+            rows = conn.exec_driver_sql(
+                "SELECT prompt_bin, requests, rejected, prompt_tokens_max FROM request_rollups "
+                "ORDER BY prompt_bin"
+            ).all()
+        assert [tuple(r) for r in rows] == [(-1, 1, 1, None), (bin_of(1234), 1, 0, 1234)]
+    finally:
+        db.dispose()
+
+
+def test_prompt_bins_are_monotonic_and_nine_percent_wide() -> None:
+    t = np.array([0, 1, 2, 3, 255, 256, 257, 1_048_576, np.nan])
+    bins = prompt_bins(t)
+    assert list(bins[:-1]) == sorted(bins[:-1]) and bins[-1] == -1
+    assert bins[5] == 8 * BINS_PER_OCTAVE and bin_of(256) == 64
+    for b in range(1, 200):
+        assert bin_high(b) / bin_low(b) == pytest.approx(2 ** (1 / BINS_PER_OCTAVE))
