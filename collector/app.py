@@ -31,6 +31,8 @@ from collector.notify.dispatcher import Dispatcher
 from collector.periodic import Periodic
 from collector.reads import ReadService
 from collector.reports.breach import BreachService
+from collector.reports.review import ReviewService
+from collector.reports.stored import ReportStore
 from collector.rollups.refresh import RollupRefresher
 from collector.settings import Settings
 from collector.tokens import Authenticator, Principal
@@ -279,7 +281,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return await anyio.to_thread.run_sync(reads.probes, who)
 
     app.include_router(build_router(alerting, principal))
-    app.include_router(breach_api.build_router(BreachService(db, settings), principal))
+    app.include_router(
+        breach_api.build_router(
+            BreachService(db, settings), ReviewService(db), ReportStore(db), principal
+        )
+    )
     app.include_router(build_reports_router(db, principal))
     app.include_router(dashboard_api.build_router(db, principal))
 

@@ -11,6 +11,7 @@ import typer
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach
 from kvwatch.cli_common import DbUrl, err, settings
+from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
 from kvwatch.cli_reports import audit_app, report_app
 from kvwatch.cli_verify import verify
@@ -37,6 +38,7 @@ report_app.command("breach")(breach)
 app.add_typer(audit_app, name="audit")
 app.command()(verify)
 app.command("gateway")(gateway)
+app.command("dashboard")(dashboard)
 
 # kept under its old name: the commands here call it
 _settings = settings

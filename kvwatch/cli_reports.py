@@ -177,17 +177,19 @@ def report_review(
         typer.Option(parser=_when, metavar="TIME", help="Window end, exclusive (default: now)."),
     ] = None,
     deployment: Annotated[str | None, typer.Option(help="Only this deployment.")] = None,
+    by: Annotated[str, typer.Option(help="Who generates it (audit log).")] = "cli",
     database_url: DbUrl = None,
 ) -> None:
     """The quarterly review: per route and model, request count, max and p99 prompt tokens and
-    their weekly trend against the safe threshold; rows at >= 80% highlighted. Writes JSON, CSV
-    and PDF to --out and prints the paths."""
+    their weekly trend against the safe threshold; rows at >= 80% highlighted. Stored and
+    recorded in the audit log like a breach report; writes JSON, CSV and PDF to --out and
+    prints the paths."""
     from collector.reports.review import ReviewScope, ReviewService, to_csv
     from collector.reports.review_pdf import render_pdf
 
     with database(database_url) as (db, _):
-        doc = ReviewService(db).build(
-            ReviewScope(since=since, until=until, deployment_id=deployment)
+        doc = ReviewService(db).create(
+            ReviewScope(since=since, until=until, deployment_id=deployment), created_by=by
         )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

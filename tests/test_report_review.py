@@ -251,3 +251,42 @@ def test_review_bad_window_and_default(collector: Collector, admin: httpx.Client
     from datetime import datetime
 
     assert datetime.fromisoformat(until) - datetime.fromisoformat(since) == timedelta(days=90)
+
+
+def test_a_review_is_stored_audited_and_served_like_a_breach_report(
+    collector: Collector, admin: httpx.Client
+) -> None:
+    r = admin.post("/v1/reports", json={"kind": "review", **WINDOW})
+    assert r.status_code == 201, r.text
+    made = r.json()
+    rid = made["report_id"]
+    assert rid.startswith("rev_") and made["kind"] == "review"
+    doc = admin.get(f"/v1/reports/{rid}").json()
+    assert doc["totals"] == {"requests": 351, "routes": 3, "highlighted": 2}
+    # The stored evidence hash is recomputable from the stored body.
+    from collector.reports.review import review_digest
+
+    assert review_digest(doc) == made["evidence_sha256"] == doc["evidence_sha256"]
+    rows = list(csv.DictReader(io.StringIO(admin.get(f"/v1/reports/{rid}?format=csv").text)))
+    assert len(rows) == 3
+    pdf = admin.get(f"/v1/reports/{rid}", params={"format": "pdf"})
+    assert pdf.headers["content-type"] == "application/pdf"
+    assert "560,000" in _pdf_text(pdf.content, rid)
+    listed = admin.get("/v1/reports", params={"kind": "review"}).json()["items"]
+    assert [x["report_id"] for x in listed] == [rid]
+    assert listed[0]["evidence_sha256"] == made["evidence_sha256"]
+    audit = admin.get("/v1/audit/verify").json()
+    assert audit["ok"] is True
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            subjects = conn.execute(
+                select(m.AuditEntry.subject).where(m.AuditEntry.action == "report.generate")
+            ).scalars()
+            assert f"report:{rid}" in set(subjects)
+    finally:
+        db.dispose()
+    # A breach-only parameter is refused, naming it; nothing is stored.
+    r = admin.post("/v1/reports", json={"kind": "review", "model_id": MODEL, **WINDOW})
+    assert r.status_code == 422 and "model_id" in r.text
+    assert len(admin.get("/v1/reports").json()["items"]) == 1

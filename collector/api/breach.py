@@ -1,6 +1,7 @@
-"""HTTP routes for breach-assessment reports: ``POST /v1/reports`` builds, stores and audits
-one; ``GET /v1/reports/{report_id}`` returns it as JSON, CSV (the affected requests) or the
-audit PDF."""
+"""HTTP routes for stored reports: ``POST /v1/reports`` builds, stores and audits a breach
+assessment or a quarterly review; ``GET /v1/reports`` lists them; ``GET
+/v1/reports/{report_id}`` returns one as JSON, CSV (a breach's affected requests, a review's
+rows) or its PDF."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from collector.api import params
 from collector.api.files import attachment
+from collector.errors import InvalidInput
 from collector.reports.breach import BreachScope, BreachService, to_csv
+from collector.reports.review import ReviewScope, ReviewService
+from collector.reports.review import to_csv as review_csv
+from collector.reports.stored import ID_PATTERN, ReportStore
 from collector.tokens import Principal
 
 Auth = params.Auth
@@ -32,9 +37,10 @@ _ERRORS = params.errors(
 
 
 class _ReportId(Convertor[str]):
-    """Only ``rpt_…`` ids match, so other ``/v1/reports/<name>`` routes stay reachable."""
+    """Only report ids (``rpt_…``, ``rev_…``) match, so other ``/v1/reports/<name>`` routes
+    stay reachable."""
 
-    regex = "rpt_[A-Za-z0-9]{1,60}"
+    regex = ID_PATTERN
 
     def convert(self, value: str) -> str:
         return value
@@ -47,7 +53,10 @@ register_url_convertor("rpt", _ReportId())
 
 
 class ReportIn(BaseModel):
-    kind: Literal["breach"]
+    kind: Literal["breach", "review"] = Field(
+        description="breach: incident_id, or model_id + since + until; review: since/until "
+        "(default: the 90 days before now) and deployment_id"
+    )
     incident_id: Annotated[int, Field(ge=1)] | None = None
     model_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     deployment_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
@@ -62,21 +71,43 @@ class ReportIn(BaseModel):
 _aware = params.aware
 
 
+_BREACH_ONLY = ("incident_id", "model_id", "min_prompt_tokens", "late_reason")
+
+
 def build_router(
-    service: BreachService, principal: Callable[[str | None], Awaitable[Principal]]
+    service: BreachService,
+    reviews: ReviewService,
+    store: ReportStore,
+    principal: Callable[[str | None], Awaitable[Principal]],
 ) -> APIRouter:
     r = APIRouter()
     run = anyio.to_thread.run_sync
+
+    def _review(body: ReportIn, created_by: str) -> dict[str, Any]:
+        given = [f for f in _BREACH_ONLY if getattr(body, f) is not None]
+        if given:
+            raise InvalidInput(
+                f"a review takes since, until and deployment_id; {given[0]} is for breach reports",
+                [{"field": f, "message": "not a review parameter"} for f in given],
+            )
+        scope = ReviewScope(
+            since=_aware(body.since), until=_aware(body.until), deployment_id=body.deployment_id
+        )
+        return reviews.create(scope, created_by=created_by)
 
     @r.post(
         "/v1/reports",
         status_code=201,
         responses=_ERRORS,
-        summary="Generate a breach-assessment report (stored, and written to the audit log)",
+        summary="Generate a breach assessment or quarterly review (stored, and written to the "
+        "audit log)",
     )
     async def create_report(body: ReportIn, authorization: Auth = None) -> dict[str, Any]:
         who = await principal(authorization)
         who.require("admin")
+        if body.kind == "review":
+            doc = await run(_review, body, who.label)
+            return _created(doc)
         scope = BreachScope(
             incident_id=body.incident_id,
             model_id=body.model_id,
@@ -88,24 +119,17 @@ def build_router(
         report = await run(
             lambda: service.create(scope, created_by=who.label, late_reason=body.late_reason)
         )
-        return {
-            "report_id": report["report_id"],
-            "kind": "breach",
-            "evidence_sha256": report["evidence_sha256"],
-            "generated_at": report["generated_at"],
-            "links": {
-                f: f"/v1/reports/{report['report_id']}?format={f}" for f in ("json", "csv", "pdf")
-            },
-        }
+        return _created(report)
 
     @r.get("/v1/reports", responses=_ERRORS, summary="Stored reports, newest first")
     async def list_reports(
         authorization: Auth = None,
+        kind: Literal["breach", "review"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict[str, Any]:
         who = await principal(authorization)
         who.require("admin")
-        return {"items": await run(service.stored, limit)}
+        return {"items": await run(store.listing, limit, kind)}
 
     @r.get(
         "/v1/reports/{report_id:rpt}",
@@ -113,7 +137,8 @@ def build_router(
             **_ERRORS,
             200: {"content": {"text/csv": {}, "application/pdf": {}}},
         },
-        summary="A stored report: JSON, CSV of the affected requests, or the audit PDF",
+        summary="A stored report: JSON, CSV (a breach's affected requests, a review's rows) or "
+        "its PDF",
     )
     async def get_report(
         report_id: str,
@@ -122,14 +147,28 @@ def build_router(
     ) -> Response:
         who = await principal(authorization)
         who.require("admin")
-        report = await run(service.get, report_id)
-        name = f"breach-{report_id}"
+        report = await run(store.get, report_id)
+        kind = report.get("kind", "breach")
+        name = f"{kind}-{report_id}"
         if format == "csv":
-            return attachment(to_csv(report), name, "csv")
+            return attachment((review_csv if kind == "review" else to_csv)(report), name, "csv")
         if format == "pdf":
-            from collector.reports.breach_pdf import render_pdf
+            from collector.reports.breach_pdf import render_pdf as breach_pdf
+            from collector.reports.review_pdf import render_pdf as review_pdf
 
-            return attachment(await run(render_pdf, report), name, "pdf")
+            render = review_pdf if kind == "review" else breach_pdf
+            return attachment(await run(render, report), name, "pdf")
         return JSONResponse(report)
 
     return r
+
+
+def _created(report: dict[str, Any]) -> dict[str, Any]:
+    rid = report["report_id"]
+    return {
+        "report_id": rid,
+        "kind": report["kind"],
+        "evidence_sha256": report["evidence_sha256"],
+        "generated_at": report["generated_at"],
+        "links": {f: f"/v1/reports/{rid}?format={f}" for f in ("json", "csv", "pdf")},
+    }

@@ -28,10 +28,10 @@ import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
-from collector import audit
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput, NotFound
+from collector.reports.stored import ReportStore, canonical
 from collector.settings import Settings
 
 CHUNK_ROWS = 50_000
@@ -126,10 +126,6 @@ def _iso(v: datetime | int | None) -> str | None:
         return None
     dt = m.from_micros(v) if isinstance(v, int) else v
     return dt.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
-def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def evidence_digest(report: dict[str, Any]) -> str:
@@ -306,69 +302,7 @@ class BreachService:
         """Build the report, store it and record it in the audit log; returns the report."""
         now = now or datetime.now(UTC)
         report = self.build(scope, now=now, late_reason=late_reason)
-        now_us = m.to_micros(now)
-        with self.db.write() as conn:
-            conn.execute(
-                sa.insert(m.Report).values(
-                    report_id=report["report_id"],
-                    kind="breach",
-                    scope=json.dumps(report["scope"], sort_keys=True),
-                    created_at=now_us,
-                    created_by=created_by,
-                    sha256=report["evidence_sha256"],
-                    body=json.dumps(report, sort_keys=True, ensure_ascii=False),
-                )
-            )
-            audit.append(
-                conn,
-                now_us=now_us,
-                actor=created_by,
-                action="report.generate",
-                subject=f"report:{report['report_id']}",
-                detail={
-                    "kind": "breach",
-                    "scope": report["scope"],
-                    "sha256": report["evidence_sha256"],
-                },
-            )
-        return report
-
-    def stored(self, limit: int) -> list[dict[str, Any]]:
-        """Stored reports, newest first: identity, scope and evidence hash (not the body)."""
-        r = m.Report
-        with self.db.read() as conn:
-            rows = conn.execute(
-                select(
-                    r.report_id,
-                    r.kind,
-                    r.scope,
-                    type_coerce(r.created_at, BigInteger).label("created_at"),
-                    r.created_by,
-                    r.sha256,
-                )
-                .order_by(r.created_at.desc(), r.id.desc())
-                .limit(limit)
-            ).all()
-        return [
-            {
-                "report_id": x.report_id,
-                "kind": x.kind,
-                "scope": json.loads(x.scope),
-                "generated_at": _iso(x.created_at),
-                "created_by": x.created_by,
-                "evidence_sha256": x.sha256,
-            }
-            for x in rows
-        ]
-
-    def get(self, report_id: str) -> dict[str, Any]:
-        with self.db.read() as conn:
-            body = conn.execute(
-                select(m.Report.body).where(m.Report.report_id == report_id)
-            ).scalar()
-        if body is None:
-            raise NotFound(f"no report {report_id!r}")
-        report: dict[str, Any] = json.loads(body)
+        ReportStore(self.db).save(report, created_by=created_by, now=now)
         return report
 
     def build(

@@ -15,6 +15,7 @@ row is ever loaded here.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import math
 import secrets
@@ -28,6 +29,7 @@ from collector import models as m
 from collector.alerting import facts as F
 from collector.db import Database
 from collector.errors import InvalidInput
+from collector.reports.stored import ReportStore, canonical
 from policies.kinds.context import safe_context
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
@@ -164,7 +166,7 @@ class ReviewService:
                     }
                 )
         rid = "rev_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
-        return {
+        doc: dict[str, Any] = {
             "report_id": rid,
             "kind": "review",
             "generated_at": _iso(now),
@@ -183,6 +185,17 @@ class ReviewService:
             },
             "rows": rows,
         }
+        doc["evidence_sha256"] = review_digest(doc)
+        return doc
+
+    def create(
+        self, scope: ReviewScope, *, created_by: str, now: datetime | None = None
+    ) -> dict[str, Any]:
+        """Build the review, store it and record it in the audit log; returns it."""
+        now = now or datetime.now(UTC)
+        doc = self.build(scope, now=now)
+        ReportStore(self.db).save(doc, created_by=created_by, now=now)
+        return doc
 
     # ------------------------------------------------------------------ queries
 
@@ -262,6 +275,11 @@ class ReviewService:
         )
         v = conn.execute(stmt).scalar()
         return None if v is None else int(v)
+
+
+def review_digest(doc: dict[str, Any]) -> str:
+    """SHA-256 of a review's evidence: its scope and rows (recomputable from a stored one)."""
+    return hashlib.sha256(canonical({"scope": doc["scope"], "rows": doc["rows"]})).hexdigest()
 
 
 def to_csv(review: dict[str, Any]) -> str:

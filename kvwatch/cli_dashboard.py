@@ -1,0 +1,113 @@
+"""``kvwatch dashboard``: the Streamlit dashboard (``dashboard/app.py``) in its own process.
+
+It talks to the collector over HTTP only, so it needs the collector's address and a read or
+admin token; both travel to the Streamlit process as ``KVWATCH_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvwatch.cli_common import err
+
+if TYPE_CHECKING:
+    from dashboard.settings import DashboardSettings
+
+
+def _entry_script() -> Path:
+    spec = find_spec("dashboard")
+    if spec is None or spec.origin is None:
+        err.print("[red]error:[/] the dashboard package is not installed")
+        raise typer.Exit(2)
+    return Path(spec.origin).parent / "app.py"
+
+
+def _settings(overrides: dict[str, Any]) -> DashboardSettings:
+    """The dashboard's settings from the environment with the options on top; a bad one is
+    named by its environment variable and exits 2 (values are not echoed: one is a token)."""
+    from pydantic import ValidationError
+
+    from dashboard.settings import DashboardSettings
+
+    try:
+        return DashboardSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for e in exc.errors():
+            field = str(e["loc"][0]) if e["loc"] else ""
+            err.print(f"[red]error:[/] KVWATCH_{field.upper()}: {e['msg']}")
+        raise typer.Exit(2) from None
+
+
+def dashboard(
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8501,
+    collector_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The collector's root URL [KVWATCH_COLLECTOR_URL; http://127.0.0.1:8700]."
+        ),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            help="A read or admin token [KVWATCH_DASHBOARD_TOKEN]; prefer the variable: "
+            "options show in the process list. A tenant-scoped read token shows one tenant.",
+            show_default=False,
+        ),
+    ] = None,
+    refresh_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0, help="Auto-refresh period, seconds; 0 = off [KVWATCH_DASHBOARD_REFRESH_S; 30]."
+        ),
+    ] = None,
+) -> None:
+    """Run the dashboard (Streamlit) against a collector's HTTP API."""
+    settings = _settings(
+        {"collector_url": collector_url, "dashboard_token": token, "dashboard_refresh_s": refresh_s}
+    )
+    env = dict(os.environ)
+    env["KVWATCH_COLLECTOR_URL"] = settings.collector_url
+    env["KVWATCH_DASHBOARD_REFRESH_S"] = f"{settings.dashboard_refresh_s:g}"
+    if settings.token is not None:
+        env["KVWATCH_DASHBOARD_TOKEN"] = settings.token
+    else:
+        err.print(
+            "[yellow]warning:[/] KVWATCH_DASHBOARD_TOKEN is not set: each visitor is asked "
+            "for a token"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(_entry_script()),
+        "--server.headless=true",
+        f"--server.address={host}",
+        f"--server.port={port}",
+        "--browser.gatherUsageStats=false",
+        "--server.fileWatcherType=none",
+        "--server.runOnSave=false",
+        "--client.toolbarMode=viewer",
+        "--global.developmentMode=false",
+    ]
+    err.print(f"kvwatch dashboard on http://{host}:{port} reading {settings.collector_url}")
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        # Stopping `kvwatch dashboard` must stop Streamlit too, not orphan it.
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    rc = proc.wait()
+    raise typer.Exit(rc if rc >= 0 else 128 - rc)
