@@ -1,11 +1,18 @@
 """The append-only, hash-chained audit log.
 
 Invariant: for consecutive entries a, b (by id): ``b.prev_hash == a.hash`` and every
-``hash == sha256(prev_hash + canonical_json(ts, actor, action, subject, detail))``; the first
-entry's ``prev_hash`` is 64 zeros. Any edit, deletion, insertion or reordering inside the
-chain breaks it, and :func:`verify` names the first entry where it breaks. (Without an anchor
-kept elsewhere, removing entries from the very end, or appending correctly chained ones, cannot
-be told from history: that is what publishing the head hash is for.)
+``hash == sha256(prev_hash + canonical_json(ts, actor, action, subject, detail_sha256))``
+with ``detail_sha256 == sha256(detail)``; the first entry's ``prev_hash`` is 64 zeros. Any
+edit, deletion, insertion or reordering inside the chain breaks it, and :func:`verify` names
+the first entry where it breaks. (Without an anchor kept elsewhere, removing entries from the
+very end, or appending correctly chained ones, cannot be told from history: that is what
+publishing the head hash is for.)
+
+The chain covers a detail's *digest*, so a detail can be erased (GDPR Art. 17) without
+breaking the chain: :func:`redact` replaces it with a marker naming the erasure entry, and
+:func:`verify` accepts a redacted detail only when that later entry exists and lists it.
+Entries written before the digest column (``detail_sha256`` NULL) hash the detail itself and
+cannot be redacted.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import Connection, insert, select, text
+from sqlalchemy import Connection, insert, select, text, update
 
 from collector import models as m
 
@@ -25,8 +32,18 @@ _enc = msgspec.json.Encoder(order="sorted")
 
 
 def _digest(prev: str, ts: int, actor: str, action: str, subject: str | None, detail: str) -> str:
+    """An entry's hash; ``detail`` is the detail's SHA-256 (or, before it existed, the
+    detail itself)."""
     body = _enc.encode([ts, actor, action, subject, detail])
     return hashlib.sha256(prev.encode() + body).hexdigest()
+
+
+def _sha(detail_json: str) -> str:
+    return hashlib.sha256(detail_json.encode()).hexdigest()
+
+
+def redaction_marker(erasure_entry_id: int) -> str:
+    return _enc.encode({"redacted_by_entry": erasure_entry_id}).decode()
 
 
 def append(
@@ -46,7 +63,8 @@ def append(
     ).scalar()
     prev = prev or GENESIS
     detail_json = _enc.encode(detail or {}).decode()
-    h = _digest(prev, now_us, actor, action, subject, detail_json)
+    detail_sha = _sha(detail_json)
+    h = _digest(prev, now_us, actor, action, subject, detail_sha)
     conn.execute(
         insert(m.AuditEntry).values(
             ts=now_us,
@@ -54,11 +72,30 @@ def append(
             action=action,
             subject=subject,
             detail=detail_json,
+            detail_sha256=detail_sha,
             prev_hash=prev,
             hash=h,
         )
     )
     return h
+
+
+def last_id(conn: Connection) -> int:
+    return int(conn.execute(select(m.AuditEntry.id).order_by(m.AuditEntry.id.desc())).scalar() or 0)
+
+
+def redact(conn: Connection, entry_ids: list[int], erasure_entry_id: int) -> int:
+    """Replace these entries' details with a marker naming the erasure entry (which must list
+    them under ``redacted_entries``); entries without a detail digest are left alone.
+    Returns how many were redacted."""
+    n = 0
+    for i in entry_ids:
+        n += conn.execute(
+            update(m.AuditEntry)
+            .where(m.AuditEntry.id == i, m.AuditEntry.detail_sha256.is_not(None))
+            .values(detail=redaction_marker(erasure_entry_id), redacted_by=erasure_entry_id)
+        ).rowcount
+    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +114,8 @@ def verify(conn: Connection) -> ChainCheck:
     prev = GENESIS
     prev_id: int | None = None
     seen: set[str] = set()
+    redactions: dict[int, int] = {}  # redacted entry id -> the erasure entry that claims it
+    checked: set[int] = set()  # erasure entries reached and found to list their redactions
     n = 0
     for row in conn.execute(
         select(
@@ -86,16 +125,35 @@ def verify(conn: Connection) -> ChainCheck:
             m.AuditEntry.action,
             m.AuditEntry.subject,
             m.AuditEntry.detail,
+            m.AuditEntry.detail_sha256,
+            m.AuditEntry.redacted_by,
             m.AuditEntry.prev_hash,
             m.AuditEntry.hash,
         ).order_by(m.AuditEntry.id)
     ):
         n += 1
         ts = row.ts if isinstance(row.ts, int) else m.to_micros(row.ts)
-        if _digest(row.prev_hash, ts, row.actor, row.action, row.subject, row.detail) != row.hash:
-            return ChainCheck(
-                False, n, row.id, "entry content does not match its hash (edited or forged)"
+        covered = row.detail if row.detail_sha256 is None else row.detail_sha256
+        edited = "entry content does not match its hash (edited or forged)"
+        if _digest(row.prev_hash, ts, row.actor, row.action, row.subject, covered) != row.hash:
+            return ChainCheck(False, n, row.id, edited)
+        if row.detail_sha256 is not None and _sha(row.detail) != row.detail_sha256:
+            marker_ok = (
+                row.redacted_by is not None
+                and row.redacted_by > row.id
+                and row.detail == redaction_marker(row.redacted_by)
             )
+            if not marker_ok:
+                return ChainCheck(False, n, row.id, edited)
+            redactions[row.id] = row.redacted_by
+        if row.id in redactions.values():
+            checked.add(row.id)
+            claimed = set(msgspec.json.decode(row.detail).get("redacted_entries", []))
+            missing = [i for i, by in redactions.items() if by == row.id and i not in claimed]
+            if missing:
+                return ChainCheck(
+                    False, n, missing[0], f"redacted without being listed by erasure {row.id}"
+                )
         if row.prev_hash != prev:
             after = f"entry {prev_id}" if prev_id is not None else "the start of the log"
             if row.prev_hash in seen:
@@ -108,4 +166,7 @@ def verify(conn: Connection) -> ChainCheck:
         seen.add(row.hash)
         prev = row.hash
         prev_id = row.id
+    orphan = [i for i, by in redactions.items() if by not in checked]
+    if orphan:
+        return ChainCheck(False, n, orphan[0], "redacted, but no erasure entry claims it")
     return ChainCheck(True, n, head=prev if n else None)

@@ -84,6 +84,18 @@ class Deployment(Base):
     last_seen: Mapped[datetime] = mapped_column(UtcMicros)
 
 
+class RetentionPolicy(Base):
+    """How long a deployment's request, pool and page data is kept (``kvwatch retention``);
+    deployments without a row keep ``KVWATCH_RETENTION_DAYS`` (unset: forever)."""
+
+    __tablename__ = "retention_policies"
+
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    keep_days: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(UtcMicros)
+    updated_by: Mapped[str] = mapped_column(String(NAME_MAX))
+
+
 class DeploymentConfig(Base):
     """Config history: one row per distinct config of a (deployment, node, role).
 
@@ -323,7 +335,9 @@ class ApiToken(Base):
 
 
 class AuditEntry(Base):
-    """Append-only, hash-chained: ``hash = sha256(prev_hash || canonical(entry))``."""
+    """Append-only, hash-chained: ``hash = sha256(prev_hash || canonical(entry))``, where the
+    entry carries its detail's SHA-256 so an erased detail leaves the chain intact (see
+    :mod:`collector.audit`)."""
 
     __tablename__ = "audit_log"
 
@@ -333,6 +347,9 @@ class AuditEntry(Base):
     action: Mapped[str] = mapped_column(String(64))
     subject: Mapped[str | None] = mapped_column(String(NAME_MAX))
     detail: Mapped[str] = mapped_column(Text)
+    # NULL on entries written before 0006: their hash covers the detail itself.
+    detail_sha256: Mapped[str | None] = mapped_column(String(64))
+    redacted_by: Mapped[int | None] = mapped_column(BigInteger)  # the erasure entry's id
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
 

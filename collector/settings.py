@@ -51,6 +51,13 @@ class Settings(BaseSettings):
         description="How often absence and windowed rules run, and alerts are resolved, "
         "repeated and incidents reminded.",
     )
+    retention_days: int | None = Field(
+        default=None,
+        ge=1,
+        le=36_500,
+        description="Days of request, pool and page data kept for deployments without their "
+        "own policy (kvwatch retention set); unset: kept until deleted.",
+    )
     rollup_interval_s: float = Field(
         default=10.0,
         gt=0,

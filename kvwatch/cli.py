@@ -13,6 +13,7 @@ from kvwatch.cli_breach import breach
 from kvwatch.cli_common import DbUrl, err, settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
+from kvwatch.cli_lifecycle import erase, retention_app
 from kvwatch.cli_reports import audit_app, report_app
 from kvwatch.cli_verify import verify
 from kvwatch.cli_webhooks import webhooks_app
@@ -39,6 +40,8 @@ app.add_typer(audit_app, name="audit")
 app.command()(verify)
 app.command("gateway")(gateway)
 app.command("dashboard")(dashboard)
+app.add_typer(retention_app, name="retention")
+app.command("erase")(erase)
 
 # kept under its old name: the commands here call it
 _settings = settings
