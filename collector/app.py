@@ -81,7 +81,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
     metrics = CollectorMetrics(db)
-    authenticator = Authenticator(db, ttl_s=settings.token_cache_s)
+    authenticator = Authenticator(
+        db, ttl_s=settings.token_cache_s, use_audit_s=settings.token_use_audit_s
+    )
     rules = load_ruleset(settings.policy_packs_dir) if settings.policies_enabled else RuleSet()
     alerting = AlertingService(db, rules)
     ingest = IngestService(

@@ -332,6 +332,8 @@ class ApiToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UtcMicros)
     revoked_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    # when a token.use audit entry was last written for it (at most one per interval)
+    last_used_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class AuditEntry(Base):

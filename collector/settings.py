@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     token_cache_s: float = Field(
         default=5.0, ge=0, description="How long a valid token is remembered (revocation lag)."
     )
+    token_use_audit_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="A token's use is written to the audit log at most once per this many "
+        "seconds (token.use).",
+    )
     workers: int = Field(default=1, ge=1, le=64, description="`kvwatch serve` processes.")
     db_pool_size: int = Field(default=5, ge=1, description="PostgreSQL connection pool size.")
     auto_migrate: bool = Field(

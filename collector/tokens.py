@@ -7,17 +7,21 @@ unique index, so the time a check takes does not depend on how much of a guess m
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Literal
 
-from sqlalchemy import Connection, insert, select
+from sqlalchemy import Connection, insert, or_, select, update
 
 from collector import audit
 from collector import models as m
 from collector.db import Database
-from collector.errors import Forbidden, InvalidInput, Unauthorized
+from collector.errors import CollectorError, Forbidden, InvalidInput, Unauthorized
+
+log = logging.getLogger("kvwatch.tokens")
 
 TokenKind = Literal["ingest", "read", "admin"]
 KINDS: tuple[TokenKind, ...] = ("ingest", "read", "admin")
@@ -114,16 +118,52 @@ def authenticate(conn: Connection, authorization: str | None) -> Principal:
     return Principal(row.id, row.kind, row.tenant, row.deployment_id, row.prefix)
 
 
+def record_use(conn: Connection, principal: Principal, *, now_us: int, every_us: int) -> bool:
+    """Write a ``token.use`` audit entry unless one was written for this token within
+    ``every_us`` (by any replica: the token row is the arbiter). Returns whether it wrote."""
+    t = m.ApiToken
+    claimed = conn.execute(
+        update(t)
+        .where(
+            t.id == principal.token_id,
+            or_(t.last_used_at.is_(None), t.last_used_at <= now_us - every_us),
+        )
+        .values(last_used_at=now_us)
+    ).rowcount
+    if claimed:
+        audit.append(
+            conn,
+            now_us=now_us,
+            actor=principal.label,
+            action="token.use",
+            subject=f"token:{principal.token_id}",
+            detail={"kind": principal.kind},
+        )
+    return bool(claimed)
+
+
 class Authenticator:
     """Resolves bearer tokens, remembering valid ones for ``ttl_s`` seconds so a busy probe
     does not cost a database round trip per batch. Unknown tokens are never cached (a flood
-    of guesses must not grow memory); a revoked token stops working within ``ttl_s``."""
+    of guesses must not grow memory); a revoked token stops working within ``ttl_s``.
 
-    def __init__(self, db: Database, ttl_s: float = 5.0, max_entries: int = 10_000):
+    Use is audited: the first use of a token in every ``use_audit_s`` writes a ``token.use``
+    entry (a busy ingest token would otherwise flood the log). Failing to write it never
+    fails the request."""
+
+    def __init__(
+        self,
+        db: Database,
+        ttl_s: float = 5.0,
+        max_entries: int = 10_000,
+        use_audit_s: float = 3600.0,
+    ):
         self.db = db
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.use_audit_s = use_audit_s
         self._cache: dict[str, tuple[float, Principal]] = {}
+        self._audited: dict[int, float] = {}  # token id -> monotonic time of its last entry
 
     def __call__(self, authorization: str | None) -> Principal:
         now = time.monotonic()
@@ -136,4 +176,23 @@ class Authenticator:
             self._cache.clear()
         assert authorization is not None  # authenticate() refused a missing header
         self._cache[authorization] = (now + self.ttl_s, principal)
+        last = self._audited.get(principal.token_id)
+        if last is None or now - last >= self.use_audit_s:
+            self._audit_use(principal, now)
         return principal
+
+    def _audit_use(self, principal: Principal, now: float) -> None:
+        try:
+            with self.db.write() as conn:
+                record_use(
+                    conn,
+                    principal,
+                    now_us=m.to_micros(datetime.now(UTC)),
+                    every_us=int(self.use_audit_s * 1_000_000),
+                )
+        except CollectorError as exc:  # the database is busy or down: try on a later miss
+            log.warning("token use not audited: %s", exc.message)
+            return
+        if len(self._audited) >= self.max_entries:
+            self._audited.clear()
+        self._audited[principal.token_id] = now

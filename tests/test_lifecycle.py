@@ -250,3 +250,31 @@ def test_a_redaction_nobody_claims_breaks_the_chain(collector: Collector) -> Non
     finally:
         db.dispose()
     assert not check.ok and check.first_bad_id == eid, check
+
+
+def test_token_use_is_audited_once_per_interval(collector: Collector) -> None:
+    reader = collector.token("read")
+    for _ in range(3):
+        with collector.client(reader) as h:
+            assert h.get("/v1/deployments").status_code == 200
+    with collector.client("kvw_read_not-a-real-token") as h:
+        assert h.get("/v1/deployments").status_code == 401
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            rows = conn.execute(
+                select(m.AuditEntry.action, m.AuditEntry.subject, m.AuditEntry.actor).where(
+                    m.AuditEntry.action.in_(("token.create", "token.use"))
+                )
+            ).all()
+            stored = [r for (r,) in conn.execute(select(m.ApiToken.token_hash))]
+    finally:
+        db.dispose()
+    created = {s for a, s, _ in rows if a == "token.create"}
+    used = [s for a, s, _ in rows if a == "token.use"]
+    # the admin token (used by the fixture's calls) and the reader, each once
+    assert len(used) == len(set(used)) and set(used) <= created
+    reader_id = next(s for a, s, _ in reversed(rows) if a == "token.create")
+    assert reader_id in used
+    # stored hashed: neither secret appears, only its SHA-256
+    assert reader not in stored and all(len(h) == 64 for h in stored)

@@ -1,4 +1,5 @@
-"""Data lifecycle: per-deployment retention, and an audit log whose details can be erased.
+"""Data lifecycle: per-deployment retention, an audit log whose details can be erased, and
+when each token was last recorded as used.
 
 The audit chain now covers each detail's SHA-256 (``detail_sha256``), so erasing a tenant
 can replace a detail that names it without breaking the chain; ``redacted_by`` names the
@@ -32,9 +33,13 @@ def upgrade() -> None:
     with op.batch_alter_table("audit_log", schema=None) as batch_op:
         batch_op.add_column(sa.Column("detail_sha256", sa.String(length=64), nullable=True))
         batch_op.add_column(sa.Column("redacted_by", sa.BigInteger(), nullable=True))
+    with op.batch_alter_table("api_tokens", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("last_used_at", sa.BigInteger(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("api_tokens", schema=None) as batch_op:
+        batch_op.drop_column("last_used_at")
     with op.batch_alter_table("audit_log", schema=None) as batch_op:
         batch_op.drop_column("redacted_by")
         batch_op.drop_column("detail_sha256")
