@@ -301,3 +301,26 @@ def test_prompt_bins_are_monotonic_and_nine_percent_wide() -> None:
     assert bins[5] == 8 * BINS_PER_OCTAVE and bin_of(256) == 64
     for b in range(1, 200):
         assert bin_high(b) / bin_low(b) == pytest.approx(2 ** (1 / BINS_PER_OCTAVE))
+
+
+def test_a_bucket_is_rolled_up_once_it_has_closed(sqlite_url: str) -> None:
+    from datetime import UTC, datetime
+
+    migrate.upgrade(sqlite_url)
+    db = Database(sqlite_url)
+    now = datetime(2026, 8, 27, 12, 2, tzinfo=UTC)  # two minutes into a 5-minute bucket
+    try:
+        with db.write() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start) VALUES "
+                f"('requests', 'd', {int(datetime(2026, 8, 27, 12, 0, tzinfo=UTC).timestamp())}"
+                "000000)"
+            )
+        refresher = RollupRefresher(db)
+        assert refresher.pending(now) == 0 and refresher.refresh(now=now).buckets == 0
+        later = now + timedelta(minutes=3, seconds=11)  # closed, and settled
+        assert refresher.pending(later) == 1
+        assert refresher.refresh(now=later).request_buckets == 1
+        assert refresher.pending(later) == 0
+    finally:
+        db.dispose()

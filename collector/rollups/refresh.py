@@ -1,4 +1,8 @@
-"""The rollup refresher: recomputes marked buckets from the raw rows.
+"""The rollup refresher: recomputes marked buckets from the raw rows, once they have closed.
+
+Rollups therefore trail ingest by up to a bucket (5 minutes for requests, 1 minute for pool
+samples) plus ``SETTLE_US`` plus the refresher's interval; the dashboard's short windows read
+raw rows, and alerts never wait for rollups.
 
 Each pass takes up to ``batch`` marks per transaction; on PostgreSQL with ``FOR UPDATE SKIP
 LOCKED``, so replicas refreshing at once share the work instead of queueing on it. Within the
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
 import pandas as pd
 import sqlalchemy as sa
@@ -21,6 +27,7 @@ from collector.db import Database
 from collector.rollups.buckets import POOL_BUCKET_US, REQUEST_BUCKET_US, prompt_bins
 
 log = logging.getLogger("kvwatch.rollups")
+SETTLE_US = 10_000_000  # late events of a just-closed bucket usually land within this
 
 
 @dataclass(slots=True)
@@ -33,29 +40,45 @@ class RefreshResult:
         return self.request_buckets + self.pool_buckets
 
 
+def _due(now_us: int) -> Any:
+    """Marks of buckets that closed at least ``SETTLE_US`` ago. The open bucket is left
+    alone: recomputing it on every pass would read all of its rows again and again (quadratic
+    in its size under steady ingest), and hold its mark while ingest waits to re-mark it."""
+    d = m.RollupDirty
+    return sa.or_(
+        sa.and_(d.kind == "requests", d.bucket_start + REQUEST_BUCKET_US + SETTLE_US <= now_us),
+        sa.and_(d.kind != "requests", d.bucket_start + POOL_BUCKET_US + SETTLE_US <= now_us),
+    )
+
+
 class RollupRefresher:
     def __init__(self, db: Database, *, batch: int = 64):
         self.db = db
         self.batch = batch
 
-    def pending(self) -> int:
+    def pending(self, now: datetime | None = None) -> int:
+        """Marks due for recomputation at ``now`` (default: the clock)."""
+        now_us = m.to_micros(now or datetime.now(UTC))
         with self.db.read() as conn:
-            return int(
-                conn.execute(select(sa.func.count()).select_from(m.RollupDirty)).scalar_one()
-            )
+            q = select(sa.func.count()).select_from(m.RollupDirty).where(_due(now_us))
+            return int(conn.execute(q).scalar_one())
 
-    def refresh(self, *, max_passes: int = 1_000) -> RefreshResult:
-        """Recompute marked buckets until none is left (or ``max_passes`` transactions)."""
+    def refresh(self, *, now: datetime | None = None, max_passes: int = 1_000) -> RefreshResult:
+        """Recompute due buckets until none is left (or ``max_passes`` transactions)."""
         out = RefreshResult()
+        now_us = m.to_micros(now or datetime.now(UTC))
         for _ in range(max_passes):
             # A read first: an idle refresher must not take SQLite's write lock every pass.
             with self.db.read() as conn:
-                if conn.execute(select(m.RollupDirty.kind).limit(1)).first() is None:
+                q0 = select(m.RollupDirty.kind).where(_due(now_us)).limit(1)
+                if conn.execute(q0).first() is None:
                     return out
             with self.db.write() as conn:
                 d = m.RollupDirty
-                q = select(d.kind, d.deployment_id, d.bucket_start).order_by(
-                    d.bucket_start, d.kind, d.deployment_id
+                q = (
+                    select(d.kind, d.deployment_id, d.bucket_start)
+                    .where(_due(now_us))
+                    .order_by(d.bucket_start, d.kind, d.deployment_id)
                 )
                 q = q.limit(self.batch)
                 if not self.db.is_sqlite:
