@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from collector import migrate
+from collector import migrate, partitions
 from collector.alerting.service import AlertingService
 from collector.api import breach as breach_api
 from collector.api import dashboard as dashboard_api
@@ -96,6 +96,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         else None
     )
     rollups = Periodic("rollups", settings.rollup_interval_s, RollupRefresher(db).refresh)
+
+    def ensure_partitions() -> None:
+        with db.write() as conn:
+            partitions.ensure(conn, datetime.now(UTC))
+
+    # Next months' partitions exist well before they are needed (PostgreSQL only).
+    maintainer = None if db.is_sqlite else Periodic("partitions", 3600.0, ensure_partitions)
     dispatcher = (
         Dispatcher(db, settings, registry=metrics.registry) if settings.notify_enabled else None
     )
@@ -109,13 +116,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if settings.auto_migrate:
             await anyio.to_thread.run_sync(migrate.upgrade, settings.database_url)
-        for worker in (timer, dispatcher, rollups):
+        if maintainer is not None:
+            await anyio.to_thread.run_sync(maintainer.run_once)
+        for worker in (timer, dispatcher, rollups, maintainer):
             if worker is not None:
                 worker.start()
         try:
             yield
         finally:
-            for worker in (timer, dispatcher, rollups):
+            for worker in (timer, dispatcher, rollups, maintainer):
                 if worker is not None:
                     await anyio.to_thread.run_sync(worker.shutdown, 10.0)
             db.dispose()

@@ -1,5 +1,6 @@
 """Retention: a deployment's requests, pool samples and page events older than its policy
-are deleted, except what an open incident references.
+are deleted, except what an open incident references. On PostgreSQL, months of the
+partitioned tables that every deployment has let go are dropped whole first.
 
 What an open incident references: the stale reads (and canary hits) of its deployment since
 the previous incident there was closed, the requests they name (readers and exposed writers,
@@ -17,7 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
-from collector import audit
+from collector import audit, partitions
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput, NotFound
@@ -121,12 +122,16 @@ class RetentionService:
         """Delete what each deployment's policy no longer keeps (or count it: ``dry_run``)."""
         results = []
         now_us = m.to_micros(now)
-        for pol in self.policies():
+        pols = self.policies()
+        dropped, floor = self._drop_months(pols, now, dry_run)
+        for pol in pols:
             res = DeploymentResult(pol["deployment_id"], pol["keep_days"])
+            res.pool_samples = dropped.get(("pool_samples", res.deployment_id), 0)
+            res.page_events = dropped.get(("page_events", res.deployment_id), 0)
             if res.keep_days is not None:
                 # One deployment per transaction: a huge deletion never holds every lock.
                 with self.db.write() as conn:
-                    self._apply(conn, res, now, dry_run)
+                    self._apply(conn, res, now, dry_run, floor)
                     if not dry_run:
                         audit.append(
                             conn,
@@ -139,7 +144,47 @@ class RetentionService:
             results.append(res.as_dict())
         return {"generated_at": _iso(now_us), "dry_run": dry_run, "deployments": results}
 
-    def _apply(self, conn: Connection, res: DeploymentResult, now: datetime, dry: bool) -> None:
+    def _drop_months(
+        self, pols: list[dict[str, Any]], now: datetime, dry: bool
+    ) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+        """PostgreSQL: drop whole months of the partitioned tables that every deployment's
+        retention (and every open incident) has let go. Returns rows per (table,
+        deployment) and, per table, the end of the last month dropped (rows before it are
+        gone)."""
+        if self.db.is_sqlite or not pols or any(p["keep_days"] is None for p in pols):
+            return {}, {}
+        with self.db.write() as conn:
+            bound = min(
+                self._incident_holds(
+                    conn,
+                    p["deployment_id"],
+                    m.to_micros(now - timedelta(days=p["keep_days"])),
+                    DeploymentResult(p["deployment_id"], p["keep_days"]),
+                )[0]
+                for p in pols
+            )
+            out: dict[tuple[str, str], int] = {}
+            floor: dict[str, int] = {}
+            for table in partitions.PARTITIONED:
+                ends = [
+                    x.hi
+                    for x in partitions.partitions(conn, table)
+                    if not x.default and x.hi is not None and x.hi <= bound
+                ]
+                if ends:
+                    floor[table] = max(ends)
+                for dep, n in partitions.drop_before(conn, table, bound, dry_run=dry).items():
+                    out[(table, dep)] = n
+        return out, floor
+
+    def _apply(
+        self,
+        conn: Connection,
+        res: DeploymentResult,
+        now: datetime,
+        dry: bool,
+        floor: dict[str, int] | None = None,
+    ) -> None:
         dep = res.deployment_id
         assert res.keep_days is not None
         cutoff = m.to_micros(now - timedelta(days=res.keep_days))
@@ -154,6 +199,11 @@ class RetentionService:
         ]
         pool_cond = [ps.deployment_id == dep, _us(ps.ts) < keep_from]
         page_cond = [pe.deployment_id == dep, _us(pe.ts) < keep_from]
+        if dry and floor:  # those months are counted as dropped already
+            if "pool_samples" in floor:
+                pool_cond.append(_us(ps.ts) >= floor["pool_samples"])
+            if "page_events" in floor:
+                page_cond.append(_us(pe.ts) >= floor["page_events"])
         if dry:
 
             def count(table: Any, cond: list[Any]) -> int:
@@ -161,12 +211,12 @@ class RetentionService:
                 return int(conn.execute(q).scalar_one())
 
             res.requests = count(r, req_cond)
-            res.pool_samples = count(ps, pool_cond)
-            res.page_events = count(pe, page_cond)
+            res.pool_samples += count(ps, pool_cond)
+            res.page_events += count(pe, page_cond)
             return
         res.requests = conn.execute(sa.delete(r).where(*req_cond)).rowcount
-        res.pool_samples = conn.execute(sa.delete(ps).where(*pool_cond)).rowcount
-        res.page_events = conn.execute(sa.delete(pe).where(*page_cond)).rowcount
+        res.pool_samples += conn.execute(sa.delete(ps).where(*pool_cond)).rowcount
+        res.page_events += conn.execute(sa.delete(pe).where(*page_cond)).rowcount
         rr, pr = m.RequestRollup, m.PoolRollup
         conn.execute(
             sa.delete(rr).where(
