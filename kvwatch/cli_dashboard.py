@@ -48,8 +48,13 @@ def _settings(overrides: dict[str, Any]) -> DashboardSettings:
 
 
 def dashboard(
-    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="Port.")] = 8501,
+    host: Annotated[
+        str | None, typer.Option(help="Bind address [KVWATCH_DASHBOARD_HOST; 127.0.0.1].")
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(min=1, max=65535, help="Port [KVWATCH_DASHBOARD_PORT; 8501]."),
+    ] = None,
     collector_url: Annotated[
         str | None,
         typer.Option(
@@ -73,8 +78,15 @@ def dashboard(
 ) -> None:
     """Run the dashboard (Streamlit) against a collector's HTTP API."""
     settings = _settings(
-        {"collector_url": collector_url, "dashboard_token": token, "dashboard_refresh_s": refresh_s}
+        {
+            "collector_url": collector_url,
+            "dashboard_token": token,
+            "dashboard_refresh_s": refresh_s,
+            "dashboard_host": host,
+            "dashboard_port": port,
+        }
     )
+    host, port = settings.dashboard_host, settings.dashboard_port
     env = dict(os.environ)
     env["KVWATCH_COLLECTOR_URL"] = settings.collector_url
     env["KVWATCH_DASHBOARD_REFRESH_S"] = f"{settings.dashboard_refresh_s:g}"

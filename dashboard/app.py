@@ -1,0 +1,90 @@
+"""The dashboard's entry script (``kvwatch dashboard`` runs it with ``streamlit run``): the
+sidebar every page shares, and the pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard import ui
+from dashboard.client import DashboardError
+
+HERE = Path(__file__).parent
+# The page scripts live in views/, not pages/: Streamlit would also read a pages/ folder as
+# old-style pages, which confuses st.navigation's routing (deep links open "Page not found").
+# Each page's URL is its file name (/context, /pool, ...): no custom url_path, so AppTest can
+# open a page directly by its file.
+PAGES = [
+    st.Page(HERE / "views" / "fleet.py", title="Fleet", icon=":material/dns:", default=True),
+    st.Page(
+        HERE / "views" / "context.py",
+        title="Context pressure",
+        icon=":material/stacked_line_chart:",
+    ),
+    st.Page(
+        HERE / "views" / "pool.py",
+        title="Pool and isolation",
+        icon=":material/memory:",
+    ),
+    st.Page(
+        HERE / "views" / "alerts.py",
+        title="Alerts and incidents",
+        icon=":material/notifications_active:",
+    ),
+    st.Page(
+        HERE / "views" / "verifications.py",
+        title="Verifications",
+        icon=":material/verified:",
+    ),
+    st.Page(
+        HERE / "views" / "reports.py",
+        title="Reports",
+        icon=":material/description:",
+    ),
+]
+
+
+def sidebar() -> None:
+    settings = ui.settings()
+    with st.sidebar:
+        st.markdown("### kvwatch")
+        st.caption(f"Collector: `{settings.collector_url}`")
+        if settings.token is None:
+            st.text_input(
+                "Token",
+                type="password",
+                key="typed_token",
+                help="A read or admin token; KVWATCH_DASHBOARD_TOKEN is not set.",
+            )
+        scope = _scope_caption()
+        if scope:
+            st.caption(scope)
+        st.selectbox("Time window", list(ui.WINDOWS), index=2, key="window")
+        period = settings.dashboard_refresh_s
+        if period > 0:
+            st.toggle(f"Auto-refresh every {period:g} s", value=True, key="auto_refresh")
+        else:
+            st.caption("Auto-refresh is off (KVWATCH_DASHBOARD_REFRESH_S=0).")
+        st.button("Refresh now", icon=":material/refresh:")
+
+
+def _scope_caption() -> str | None:
+    if ui.token() is None:
+        return None
+    try:
+        with ui.collector(timeout_s=5) as c:
+            scope = ui.token_scope(c)
+    except DashboardError:
+        return None  # the page says what is wrong, in full
+    return {
+        "admin": "Signed in with an admin token.",
+        "operator": "Signed in with a read token (no acknowledging or reports).",
+        "tenant": "Signed in with a tenant-scoped token: only its tenant's traffic is shown.",
+    }[scope]
+
+
+st.set_page_config(page_title="kvwatch", page_icon=":material/shield:", layout="wide")
+page = st.navigation(PAGES)
+sidebar()
+page.run()

@@ -1,0 +1,318 @@
+"""The dashboard's Altair charts: the ones where a person would rather look than read.
+
+Each takes a small, already-aggregated DataFrame (the collector downsamples) and returns a
+chart; the pages decide where it goes. Threshold lines are always drawn with their labels, so
+a chart read on its own still says what the lines mean.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import altair as alt
+import pandas as pd
+
+# What .properties() and layering give back; st.altair_chart takes any of them.
+AnyChart = alt.Chart | alt.LayerChart | alt.FacetChart
+
+WARN = "#e8a317"  # the 80% line (warning)
+CRIT = "#d62728"  # the 100% line (critical)
+STATUS_COLORS = {"red": CRIT, "amber": WARN, "green": "#2ca02c"}
+MEASURES = {
+    "Advertised context": "#9e9e9e",
+    "Prefill pool": "#1f77b4",
+    "Verified safe context": "#2ca02c",
+}
+KINDS = {
+    "kv.transfer": "#9ecae1",
+    "page.reuse": "#6baed6",
+    "page.stale_read": CRIT,
+    "canary.hit": "#9467bd",
+}
+
+
+Window = tuple[datetime, datetime]
+
+
+def _time_x(window: Window | None, title: str = "time (UTC)") -> alt.X:
+    """Time on a UTC axis, spanning the whole window the page asked for: a gap with no data
+    shows as a gap, and every chart of a page lines up."""
+    domain: Any = alt.Undefined
+    if window is not None:
+        domain = [_datetime(t) for t in window]
+    return alt.X(
+        "time:T",
+        title=title,
+        scale=alt.Scale(type="utc", domain=domain),
+        # 24-hour UTC, as the tables write times (a utc scale formats its ticks in UTC)
+        axis=alt.Axis(format="%b %d %H:%M", labelOverlap=True),
+    )
+
+
+def _datetime(t: datetime) -> alt.DateTime:
+    # Vega-Lite's own UTC date object: a bare epoch number is not read as a time here.
+    u = t.astimezone(UTC)
+    return alt.DateTime(
+        year=u.year,
+        month=u.month,
+        date=u.day,
+        hours=u.hour,
+        minutes=u.minute,
+        seconds=u.second,
+        utc=True,
+    )
+
+
+def _with_when(df: pd.DataFrame, column: str = "time") -> pd.DataFrame:
+    """A UTC label for tooltips (Vega would show the browser's local time)."""
+    return df.assign(when=pd.to_datetime(df[column], utc=True).dt.strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def _lines(warn: int, critical: int, short: bool = False) -> pd.DataFrame:
+    names = _SHORT if short else _LONG
+    return pd.DataFrame({"line": names, "tokens": [warn, critical], "row": [16, 2]})
+
+
+_LONG = ["80% of safe context", "100% of safe context"]
+_SHORT = ["80%", "100%"]
+
+
+def _line_scale() -> alt.Scale:
+    return alt.Scale(domain=[*_LONG, *_SHORT], range=[WARN, CRIT, WARN, CRIT])
+
+
+def fleet_limits(df: pd.DataFrame) -> AnyChart:
+    """Per deployment and model: advertised context, prefill pool and verified safe context
+    side by side, so a pool shorter than the advertised context stands out.
+
+    Columns: ``target`` (deployment · model), ``measure``, ``tokens``."""
+    base = alt.Chart(df).encode(
+        y=alt.Y("target:N", title=None, sort=None, axis=alt.Axis(labelLimit=320)),
+        yOffset=alt.YOffset("measure:N", sort=list(MEASURES)),
+    )
+    bars = base.mark_bar().encode(
+        x=alt.X("tokens:Q", title="tokens", axis=alt.Axis(format="~s")),
+        color=alt.Color(
+            "measure:N",
+            title=None,
+            scale=alt.Scale(domain=list(MEASURES), range=list(MEASURES.values())),
+            legend=alt.Legend(orient="bottom"),
+        ),
+        tooltip=[
+            alt.Tooltip("target:N", title="deployment · model"),
+            alt.Tooltip("measure:N"),
+            alt.Tooltip("tokens:Q", format=","),
+        ],
+    )
+    text = base.mark_text(align="left", dx=3, fontSize=10).encode(
+        x="tokens:Q", text=alt.Text("tokens:Q", format=",")
+    )
+    return alt.layer(bars, text).properties(height=alt.Step(14))
+
+
+def prompt_timeline(
+    df: pd.DataFrame, warn: int | None, critical: int | None, window: Window | None = None
+) -> AnyChart:
+    """Largest and p99 prompt per route and time bucket, against the 80% and 100% lines.
+
+    Columns: ``time``, ``route``, ``stat`` (max | p99), ``tokens``, ``requests``."""
+    lines = (
+        alt.Chart(_with_when(df))
+        .mark_line(point=True, interpolate="step-after")
+        .encode(
+            x=_time_x(window),
+            y=alt.Y("tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s")),
+            color=alt.Color("route:N", title="route", legend=alt.Legend(orient="bottom")),
+            strokeDash=alt.StrokeDash(
+                "stat:N",
+                title=None,
+                scale=alt.Scale(domain=["max", "p99"], range=[[1, 0], [4, 3]]),
+            ),
+            tooltip=[
+                alt.Tooltip("when:N", title="bucket"),
+                "route:N",
+                "stat:N",
+                alt.Tooltip("tokens:Q", format=","),
+                alt.Tooltip("requests:Q", format=","),
+            ],
+        )
+    )
+    layers: list[alt.Chart] = [lines]
+    if warn is not None and critical is not None:
+        layers.extend(_threshold_rules(_lines(warn, critical), "y"))
+    return alt.layer(*layers).resolve_scale(color="independent").properties(height=280)
+
+
+def _threshold_rules(lines: pd.DataFrame, axis: str) -> list[alt.Chart]:
+    enc = {axis: alt.Y("tokens:Q") if axis == "y" else alt.X("tokens:Q")}
+    rule = (
+        alt.Chart(lines)
+        .mark_rule(strokeDash=[6, 4], strokeWidth=2)
+        .encode(
+            color=alt.Color("line:N", title=None, scale=_line_scale(), legend=None),
+            tooltip=["line:N", alt.Tooltip("tokens:Q", format=",")],
+            **enc,
+        )
+    )
+    text = (
+        alt.Chart(lines)
+        .mark_text(align="left", baseline="bottom", dx=4, dy=-2, fontWeight="bold")
+        .encode(
+            text="line:N",
+            color=alt.Color("line:N", scale=_line_scale(), legend=None),
+            **enc,
+        )
+    )
+    if axis == "y":
+        text = text.encode(x=alt.value(0))
+    else:
+        # The two vertical lines are close together: their labels go on two rows.
+        text = text.encode(y=alt.Y("row:Q", scale=None)).mark_text(
+            align="left", baseline="top", dx=4, fontWeight="bold"
+        )
+    return [rule, text]
+
+
+def prompt_histogram(df: pd.DataFrame, warn: int | None, critical: int | None) -> AnyChart:
+    """How many requests fell in each prompt-size bin (log scale: bins are 9% wide), with the
+    lines as vertical rules. Columns: ``bin_low``, ``bin_high``, ``requests``."""
+    bars = (
+        alt.Chart(df)
+        .mark_bar(color="#1f77b4")
+        .encode(
+            x=alt.X(
+                "bin_low:Q",
+                title="prompt tokens (log scale)",
+                scale=alt.Scale(type="log"),
+                axis=alt.Axis(format="~s"),
+            ),
+            x2="bin_high:Q",
+            y2=alt.datum(0),  # bars stand on zero (x2 alone would draw thin ranged ticks)
+            y=alt.Y(
+                "requests:Q",
+                title="requests",
+                scale=alt.Scale(zero=True),
+                axis=alt.Axis(tickMinStep=1, format="d"),
+            ),
+            tooltip=[
+                alt.Tooltip("bin_low:Q", title="from", format=","),
+                alt.Tooltip("bin_high:Q", title="to", format=","),
+                alt.Tooltip("requests:Q", format=","),
+            ],
+        )
+    )
+    layers: list[alt.Chart] = [bars]
+    if warn is not None and critical is not None:
+        layers.extend(_threshold_rules(_lines(warn, critical, short=True), "x"))
+    return alt.layer(*layers).resolve_scale(color="independent").properties(height=280)
+
+
+def pool_occupancy(df: pd.DataFrame, window: Window | None = None) -> AnyChart:
+    """Tokens in use per node over time (bucket max, with the mean in the tooltip), and each
+    node's capacity as a dashed line. Columns: ``time``, ``node``, ``used_max``, ``used_avg``,
+    ``capacity``."""
+    base = alt.Chart(_with_when(df)).encode(
+        x=_time_x(window),
+        color=alt.Color("node:N", title="node (role)", legend=alt.Legend(orient="bottom")),
+    )
+    used = base.mark_line(point=True).encode(
+        y=alt.Y("used_max:Q", title="KV tokens in use", axis=alt.Axis(format="~s")),
+        tooltip=[
+            alt.Tooltip("when:N", title="bucket"),
+            "node:N",
+            alt.Tooltip("used_max:Q", title="used (max)", format=","),
+            alt.Tooltip("used_avg:Q", title="used (mean)", format=",.0f"),
+            alt.Tooltip("capacity:Q", format=","),
+            alt.Tooltip("occupancy:Q", format=".0%"),
+        ],
+    )
+    capacity = base.mark_line(strokeDash=[6, 4], opacity=0.6).encode(
+        y="capacity:Q", tooltip=["node:N", alt.Tooltip("capacity:Q", format=",")]
+    )
+    return alt.layer(capacity, used).properties(height=260)
+
+
+def page_events(df: pd.DataFrame, window: Window | None = None) -> AnyChart:
+    """Page events per time bucket, stacked by kind (stale reads in red), each bar as wide as
+    its bucket. Columns: ``time``, ``end``, ``kind``, ``events``, ``pages``, ``cross_tenant``."""
+    return (
+        alt.Chart(_with_when(df))
+        .mark_bar()
+        .encode(
+            x=_time_x(window),
+            x2="end:T",
+            y=alt.Y("events:Q", title="events", stack=True),
+            color=alt.Color(
+                "kind:N",
+                title=None,
+                scale=alt.Scale(domain=list(KINDS), range=list(KINDS.values())),
+                legend=alt.Legend(orient="bottom"),
+            ),
+            tooltip=[
+                alt.Tooltip("when:N", title="bucket"),
+                "deployment_id:N",
+                "kind:N",
+                alt.Tooltip("events:Q", format=","),
+                alt.Tooltip("pages:Q", format=","),
+                alt.Tooltip("cross_tenant:Q", title="cross-tenant", format=","),
+            ],
+        )
+        .properties(height=220)
+    )
+
+
+def verification_history(df: pd.DataFrame) -> AnyChart:
+    """Verified safe context per deployment and model over time; failed runs as crosses.
+    Columns: ``time``, ``target``, ``safe_context``, ``result``."""
+    return (
+        alt.Chart(_with_when(df))
+        .mark_point(size=90, filled=True)
+        .encode(
+            x=_time_x(None, "verified at (UTC)"),
+            y=alt.Y("safe_context:Q", title="verified safe context", axis=alt.Axis(format="~s")),
+            color=alt.Color("target:N", title="deployment · model"),
+            shape=alt.Shape(
+                "result:N",
+                title=None,
+                scale=alt.Scale(domain=["passed", "failed"], range=["circle", "cross"]),
+            ),
+            tooltip=[
+                alt.Tooltip("when:N", title="verified at"),
+                "target:N",
+                "result:N",
+                alt.Tooltip("safe_context:Q", format=","),
+            ],
+        )
+        .properties(height=240)
+    )
+
+
+def review_ratios(df: pd.DataFrame) -> AnyChart:
+    """The quarterly review at a glance: each route's largest prompt as a share of its safe
+    context, with the 80% and 100% lines. Columns: ``target``, ``max_ratio``."""
+    bars = (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            y=alt.Y("target:N", title=None, sort="-x", axis=alt.Axis(labelLimit=420)),
+            x=alt.X(
+                "max_ratio:Q", title="largest prompt / safe context", axis=alt.Axis(format="%")
+            ),
+            color=alt.when(alt.datum.max_ratio >= 1.0)
+            .then(alt.value(CRIT))
+            .when(alt.datum.max_ratio >= 0.8)
+            .then(alt.value(WARN))
+            .otherwise(alt.value("#1f77b4")),
+            tooltip=["target:N", alt.Tooltip("max_ratio:Q", format=".1%")],
+        )
+    )
+    rules = (
+        alt.Chart(pd.DataFrame({"ratio": [0.8, 1.0], "line": ["80%", "100%"]}))
+        .mark_rule(strokeDash=[6, 4], strokeWidth=2)
+        .encode(
+            x="ratio:Q",
+            color=alt.Color("line:N", scale=alt.Scale(domain=["80%", "100%"], range=[WARN, CRIT])),
+        )
+    )
+    return alt.layer(bars, rules).properties(height=alt.Step(22))

@@ -1,0 +1,251 @@
+"""What every page shares: the settings and token, the collector client, the time window,
+auto-refresh, the error and empty states, and number and time formatting."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import pandas as pd
+import streamlit as st
+from pydantic import ValidationError
+from streamlit.delta_generator import DeltaGenerator
+
+from dashboard.client import (
+    CollectorClient,
+    CollectorDown,
+    DashboardError,
+    TokenRejected,
+)
+from dashboard.settings import DashboardSettings
+
+Scope = Literal["admin", "operator", "tenant"]
+
+WINDOWS: dict[str, timedelta] = {
+    "Last hour": timedelta(hours=1),
+    "Last 6 hours": timedelta(hours=6),
+    "Last 24 hours": timedelta(hours=24),
+    "Last 7 days": timedelta(days=7),
+    "Last 30 days": timedelta(days=30),
+}
+DEFAULT_WINDOW = "Last 24 hours"
+TOKEN_HELP = (
+    "Create one with `kvwatch tokens create --kind admin` (or `--kind read`, optionally "
+    "`--tenant T`) and start the dashboard with `KVWATCH_DASHBOARD_TOKEN=…` or "
+    "`kvwatch dashboard --token …`."
+)
+
+
+def settings() -> DashboardSettings:
+    """The settings from the environment; a bad one stops the page with its variable named."""
+    try:
+        return DashboardSettings()
+    except ValidationError as exc:
+        for e in exc.errors():
+            field = str(e["loc"][0]) if e["loc"] else "settings"
+            st.error(f"KVWATCH_{field.upper()}: {e['msg']}")
+        st.stop()
+        raise  # unreachable: st.stop() raises; keeps the type checker sure
+
+
+def token() -> str | None:
+    """The configured token, else one typed into the sidebar (kept for this session only)."""
+    configured = settings().token
+    if configured:
+        return configured
+    typed = str(st.session_state.get("typed_token") or "").strip()
+    return typed or None
+
+
+@contextmanager
+def collector(timeout_s: float = 30.0) -> Iterator[CollectorClient]:
+    with CollectorClient(settings().collector_url, token(), timeout_s=timeout_s) as c:
+        yield c
+
+
+def token_scope(c: CollectorClient) -> Scope:
+    """What the token may see, found once per session by asking (the API has no "who am I"):
+    reports are admin-only, alerts are closed to tenant-scoped tokens."""
+    key = "scope:" + hashlib.sha256(f"{c.base_url} {token()}".encode()).hexdigest()
+    cached = st.session_state.get(key)
+    if cached in ("admin", "operator", "tenant"):
+        return cached
+    scope: Scope
+    try:
+        c.reports(limit=1)
+        scope = "admin"
+    except TokenRejected as exc:
+        if not exc.forbidden:
+            raise
+        try:
+            c.alerts(limit=1)
+            scope = "operator"
+        except TokenRejected as exc2:
+            if not exc2.forbidden:
+                raise
+            scope = "tenant"
+    st.session_state[key] = scope
+    return scope
+
+
+def show_error(exc: DashboardError) -> None:
+    """A person-readable explanation of why the page has no data; never a traceback."""
+    url = settings().collector_url
+    if isinstance(exc, CollectorDown):
+        st.error(
+            f"**Collector unavailable.** {exc.message}. Check that the collector is running "
+            f"(`kvwatch serve`) and that KVWATCH_COLLECTOR_URL ({url}) points at it; this page "
+            "retries on the next refresh.",
+            icon=":material/cloud_off:",
+        )
+    elif isinstance(exc, TokenRejected) and exc.forbidden:
+        st.warning(
+            f"**Not available to this token.** The collector said: {exc.message}.",
+            icon=":material/lock:",
+        )
+    elif isinstance(exc, TokenRejected):
+        what = "No token is configured" if token() is None else "The token was rejected"
+        st.error(
+            f"**{what}** (HTTP 401: {exc.message}). {TOKEN_HELP}",
+            icon=":material/key_off:",
+        )
+    else:
+        st.error(f"**The collector refused the request:** {exc.message}", icon=":material/error:")
+
+
+def guarded(render: Callable[[CollectorClient], None], *, quiet: bool = False) -> None:
+    """Run a page section against the collector; any failure becomes a clear message (or,
+    ``quiet``, none: for a section below one that has already explained the same failure)."""
+    try:
+        with collector() as c:
+            render(c)
+    except DashboardError as exc:
+        if not quiet:
+            show_error(exc)
+
+
+def require_operator(c: CollectorClient, what: str, *, admin: bool = False) -> Scope | None:
+    """The token's scope if it may see ``what``; else say why not and return None."""
+    scope = token_scope(c)
+    if scope == "tenant":
+        st.info(
+            f"**{what} are not available to a tenant-scoped token.** They name every tenant "
+            "and deployment; ask an operator, or use a read or admin token.",
+            icon=":material/lock:",
+        )
+        return None
+    if admin and scope != "admin":
+        st.info(f"**{what} need an admin token.** This is a read token.", icon=":material/lock:")
+        return None
+    return scope
+
+
+def live(render: Callable[[CollectorClient], None]) -> None:
+    """Run a guarded section as a fragment that reruns on its own every
+    KVWATCH_DASHBOARD_REFRESH_S (unless turned off in the sidebar): a wall screen stays
+    current without reloading, and the rest of the page (forms being filled in) is left alone."""
+    period = settings().dashboard_refresh_s
+    on = period > 0 and bool(st.session_state.get("auto_refresh", True))
+
+    def section() -> None:
+        guarded(render)
+
+    st.fragment(section, run_every=period if on else None)()
+
+
+def window() -> tuple[datetime, datetime]:
+    """The sidebar's window, ending now (recomputed on every refresh, so it slides)."""
+    label = st.session_state.get("window", DEFAULT_WINDOW)
+    until = datetime.now(UTC)
+    return until - WINDOWS.get(label, WINDOWS[DEFAULT_WINDOW]), until
+
+
+def window_label() -> str:
+    label = st.session_state.get("window", DEFAULT_WINDOW)
+    return str(label if label in WINDOWS else DEFAULT_WINDOW).lower()
+
+
+ALL = "All"
+
+
+def choice(
+    options: list[str], key: str, title: str, where: DeltaGenerator | None = None
+) -> str | None:
+    """A filter selectbox (None for All); a remembered choice no longer offered falls back to
+    All instead of raising."""
+    opts = [ALL, *options]
+    if st.session_state.get(key) not in opts:
+        st.session_state[key] = ALL
+    box = st.selectbox if where is None else where.selectbox
+    picked = box(title, opts, key=key)
+    return None if picked == ALL else str(picked)
+
+
+def act(done: str, action: Callable[[CollectorClient], str | None]) -> None:
+    """Run an action (a widget callback: before the page reruns, so the tables drawn next
+    already show its effect) and leave a message for :func:`show_flash`."""
+    try:
+        with collector(timeout_s=120) as c:
+            extra = action(c)
+    except DashboardError as exc:
+        st.session_state["flash"] = ("error", f"{done} failed: {exc.message}")
+        return
+    st.session_state["flash"] = ("success", f"{done}." + (f" {extra}" if extra else ""))
+
+
+def show_flash() -> None:
+    flash = st.session_state.pop("flash", None)
+    if flash:
+        kind, text = flash
+        (st.success if kind == "success" else st.error)(text)
+
+
+def page_header(title: str, caption: str) -> None:
+    st.title(title)
+    st.caption(caption)
+
+
+# ---------------------------------------------------------------------- formatting
+
+
+def tokens(n: int | float | None) -> str:
+    return "—" if n is None else f"{int(n):,}"
+
+
+def percent(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.0%}"
+
+
+def parse_time(value: str | int | None) -> datetime | None:
+    """The collector's ISO strings (``…Z``) and microsecond integers, as aware datetimes."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return datetime.fromtimestamp(value / 1_000_000, UTC)
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def when(value: str | int | None) -> str:
+    dt = parse_time(value)
+    return "—" if dt is None else dt.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def span(delta: timedelta) -> str:
+    """``2 d 23 h 59 min``: to the minute, which is what a deadline needs."""
+    minutes = int(abs(delta).total_seconds() // 60)
+    d, rem = divmod(minutes, 24 * 60)
+    h, m = divmod(rem, 60)
+    parts = ([f"{d} d"] if d else []) + ([f"{h} h"] if d or h else []) + [f"{m} min"]
+    return " ".join(parts)
+
+
+def us_to_time(values: Any) -> Any:
+    """A column of microsecond timestamps as pandas UTC datetimes (for charts)."""
+    return pd.to_datetime(values, unit="us", utc=True)
+
+
+def label(value: str | None, none: str = "(none)") -> str:
+    return none if value is None else value

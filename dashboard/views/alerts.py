@@ -1,0 +1,292 @@
+"""Alerts and incidents: what fires, acknowledging and silencing it, and each incident's
+notification deadline (GDPR Art. 33: 72 hours from awareness) counting down."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import ui
+from dashboard.client import JSON, BadRequest, CollectorClient
+
+ANY = "(any)"
+STATES = {"Firing": "firing", "Pending": "pending", "Resolved": "resolved", "All": None}
+SEVERITIES = {"All": None, "Critical": "critical", "Warning": "warning", "Info": "info"}
+
+
+def _summary(a: JSON) -> str:
+    return str((a.get("annotations") or {}).get("summary", ""))
+
+
+def alerts_frame(alerts: list[JSON]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "id": a["id"],
+                "severity": a["severity"],
+                "state": a["state"],
+                "rule": a["rule"],
+                "deployment": a["deployment_id"],
+                "since": ui.when(a["fired_at"] or a["starts_at"]),
+                "acknowledged": (
+                    f"{a['acked_by']} at {ui.when(a['acked_at'])}" if a["acked"] else "no"
+                ),
+                "silenced": bool(a.get("silenced")),
+                "incident": a["incident_id"],
+                "summary": _summary(a),
+            }
+            for a in alerts
+        ]
+    )
+
+
+def incident_card(inc: JSON, now: datetime) -> None:
+    awareness = ui.parse_time(inc["awareness_at"])
+    deadline = ui.parse_time(inc["deadline_at"])
+    with st.container(border=True):
+        st.markdown(f"**#{inc['id']} {inc['title']}**")
+        st.caption(
+            f"{inc['deployment_id'] or 'no deployment'} · cause `{inc['cause_rule']}` · "
+            f"opened {ui.when(inc['opened_at'])} · aware since {ui.when(inc['awareness_at'])}"
+        )
+        if deadline is None or awareness is None:
+            st.warning("This incident has no notification deadline recorded.")
+            return
+        left = deadline - now
+        a, b = st.columns(2)
+        a.metric("Notification deadline (Art. 33)", ui.when(inc["deadline_at"]))
+        if left > timedelta(0):
+            b.metric("Time left", ui.span(left))
+        else:
+            b.metric("Overdue by", ui.span(left))
+        total = (deadline - awareness).total_seconds()
+        elapsed = min(max((now - awareness).total_seconds() / total, 0.0), 1.0) if total else 1.0
+        st.progress(elapsed, text=f"{elapsed:.0%} of the notification window used")
+        if left <= timedelta(0):
+            st.error(
+                f"**The deadline passed {ui.span(left)} ago.** A late notification must say "
+                "why it is late (the breach report asks for the reason)."
+            )
+        elif left < timedelta(hours=24):
+            st.warning(f"**Less than a day left:** {ui.span(left)}.")
+
+
+def incidents(c: CollectorClient) -> None:
+    st.subheader("Incidents")
+    items = c.incidents(limit=200)
+    open_ = [i for i in items if i["state"] == "open"]
+    if not items:
+        st.success("No incidents.", icon=":material/check_circle:")
+    elif not open_:
+        st.success("No open incidents.", icon=":material/check_circle:")
+    now = datetime.now(UTC)
+    for inc in open_:
+        incident_card(inc, now)
+    closed = [i for i in items if i["state"] != "open"]
+    if closed:
+        with st.expander(f"Closed incidents ({len(closed)})"):
+            st.dataframe(
+                pd.DataFrame(
+                    [
+                        {
+                            "id": i["id"],
+                            "title": i["title"],
+                            "deployment": i["deployment_id"],
+                            "opened": ui.when(i["opened_at"]),
+                            "deadline": ui.when(i["deadline_at"]),
+                            "closed": ui.when(i["closed_at"]),
+                            "closed by": i["closed_by"],
+                            "reason": i["close_reason"],
+                        }
+                        for i in closed
+                    ]
+                ),
+                hide_index=True,
+            )
+
+
+def alerts(c: CollectorClient) -> None:
+    st.subheader("Alerts")
+    f1, f2 = st.columns(2)
+    state = STATES[f1.selectbox("State", list(STATES), key="alert_state")]
+    severity = SEVERITIES[f2.selectbox("Severity", list(SEVERITIES), key="alert_severity")]
+    items = c.alerts(state=state, severity=severity, limit=500)
+    if not items:
+        st.success(
+            f"No {'' if state is None else state + ' '}alerts"
+            f"{'' if severity is None else ' of severity ' + severity}.",
+            icon=":material/check_circle:",
+        )
+        return
+    crit = sum(1 for a in items if a["severity"] == "critical")
+    unacked = sum(1 for a in items if not a["acked"] and a["state"] != "resolved")
+    st.caption(f"{len(items)} alert(s): {crit} critical, {unacked} not acknowledged.")
+    st.dataframe(alerts_frame(items), hide_index=True)
+
+
+def silences(c: CollectorClient) -> None:
+    st.subheader("Silences")
+    items = [s for s in c.silences() if s["active"]]
+    if not items:
+        st.caption("No active silences.")
+        return
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {
+                    "id": s["id"],
+                    "matchers": ", ".join(
+                        f"{m['name']}{'=~' if m['regex'] else '='}{m['value']}"
+                        for m in s["matchers"]
+                    ),
+                    "until": ui.when(s["ends_at"]),
+                    "by": s["created_by"],
+                    "comment": s["comment"],
+                }
+                for s in items
+            ]
+        ),
+        hide_index=True,
+    )
+
+
+def render(c: CollectorClient) -> None:
+    if ui.require_operator(c, "Alerts and incidents") is None:
+        return
+    incidents(c)
+    alerts(c)
+    silences(c)
+
+
+# ---------------------------------------------------------------------- actions (admin)
+
+
+def _actor() -> str | None:
+    """Who acts: the dashboard shares one token, so the person says who they are (else the
+    collector records the token)."""
+    return str(st.session_state.get("actor") or "").strip() or None
+
+
+def _ack(c: CollectorClient) -> str | None:
+    alert_id = int(st.session_state["ack_alert"])
+    comment = (st.session_state.get("ack_comment") or "").strip() or None
+    c.ack(alert_id, by=_actor(), comment=comment)
+    return None
+
+
+def _silence(c: CollectorClient) -> str | None:
+    matchers = []
+    for name, key in (("alertname", "sil_rule"), ("deployment_id", "sil_deployment")):
+        value = st.session_state.get(key)
+        if value and value != ANY:
+            matchers.append({"name": name, "value": value, "regex": False})
+    if not matchers:
+        raise BadRequest("choose a rule or a deployment to silence", status=422)
+    s = c.create_silence(
+        matchers,
+        duration=str(st.session_state.get("sil_duration") or "").strip(),
+        comment=str(st.session_state.get("sil_comment") or "").strip(),
+        created_by=_actor(),
+    )
+    return f"Silence #{s['id']} until {ui.when(s['ends_at'])}."
+
+
+def _expire(c: CollectorClient) -> str | None:
+    c.expire_silence(int(st.session_state["expire_silence"]))
+    return None
+
+
+def _close(c: CollectorClient) -> str | None:
+    c.close_incident(
+        int(st.session_state["close_incident"]),
+        reason=str(st.session_state.get("close_reason") or "").strip(),
+        by=_actor(),
+    )
+    return None
+
+
+def actions(c: CollectorClient) -> None:
+    scope = ui.token_scope(c)
+    if scope == "tenant":
+        return
+    st.divider()
+    st.subheader("Act")
+    if scope != "admin":
+        st.info("Acknowledging, silencing and closing need an admin token; this is a read token.")
+        return
+    st.text_input(
+        "Your name",
+        key="actor",
+        help="Recorded as who acknowledged, silenced or closed (the audit log names the token "
+        "too). Empty: the token's name.",
+    )
+    open_alerts = [a for a in c.alerts(limit=500) if a["state"] != "resolved" and not a["acked"]]
+    left, right = st.columns(2)
+    with left, st.form("ack", clear_on_submit=True, border=True):
+        st.markdown("**Acknowledge an alert**")
+        labels = {
+            a["id"]: f"#{a['id']} {a['rule']} ({a['severity']}) on {a['deployment_id']}"
+            for a in open_alerts
+        }
+        st.selectbox(
+            "Alert",
+            list(labels),
+            format_func=lambda i: labels.get(i, str(i)),
+            key="ack_alert",
+            placeholder="No unacknowledged alerts",
+        )
+        st.text_input("Comment", key="ack_comment")
+        st.form_submit_button(
+            "Acknowledge",
+            disabled=not open_alerts,
+            on_click=ui.act,
+            args=("Alert acknowledged", _ack),
+        )
+    with right, st.form("silence", clear_on_submit=True, border=True):
+        st.markdown("**Silence notifications**")
+        rules = sorted({r["name"] for r in c.rules()})
+        deployments = sorted({d["deployment_id"] for d in c.deployments()})
+        st.selectbox("Rule (alertname)", [ANY, *rules], key="sil_rule")
+        st.selectbox("Deployment", [ANY, *deployments], key="sil_deployment")
+        st.text_input("For", value="2h", key="sil_duration", help="e.g. 30m, 2h, 1d")
+        st.text_input("Comment (required)", key="sil_comment")
+        st.form_submit_button("Silence", on_click=ui.act, args=("Silenced", _silence))
+    left, right = st.columns(2)
+    active = [s for s in c.silences() if s["active"]]
+    if active:
+        with left, st.form("expire", border=True):
+            st.markdown("**Expire a silence**")
+            st.selectbox(
+                "Silence",
+                [s["id"] for s in active],
+                key="expire_silence",
+                format_func=lambda i: f"#{i}",
+            )
+            st.form_submit_button("Expire now", on_click=ui.act, args=("Silence expired", _expire))
+    open_incidents = c.incidents(state="open", limit=200)
+    if open_incidents:
+        with right, st.form("close", clear_on_submit=True, border=True):
+            st.markdown("**Close an incident**")
+            titles = {i["id"]: f"#{i['id']} {i['title']}" for i in open_incidents}
+            st.selectbox(
+                "Incident",
+                list(titles),
+                format_func=lambda i: titles.get(i, str(i)),
+                key="close_incident",
+            )
+            st.text_input("Reason (required)", key="close_reason")
+            st.form_submit_button(
+                "Close incident", on_click=ui.act, args=("Incident closed", _close)
+            )
+
+
+ui.page_header(
+    "Alerts and incidents",
+    "Alerts from the policy packs; incidents opened by cross-tenant exposure, each with its "
+    "72-hour notification deadline (GDPR Art. 33).",
+)
+ui.show_flash()
+ui.live(render)
+ui.guarded(actions, quiet=True)

@@ -1,0 +1,174 @@
+"""Fleet: every deployment's advertised context, pool, verified safe context and status."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.client import JSON, CollectorClient, TokenRejected
+
+_BADGE = {"red": ("RED", "red"), "amber": ("AMBER", "orange"), "green": ("GREEN", "green")}
+# Streamlit's bundled icon font, not emoji: they render on machines without an emoji font.
+_ICON = {
+    "red": ":red[:material/error:]",
+    "amber": ":orange[:material/warning:]",
+    "green": ":green[:material/check_circle:]",
+}
+
+
+def firing_alerts(c: CollectorClient) -> dict[str, list[JSON]] | None:
+    """Firing alerts per deployment, or None where the token may not list alerts."""
+    try:
+        alerts = c.alerts(state="firing", limit=1000)
+    except TokenRejected as exc:
+        if exc.forbidden:
+            return None
+        raise
+    out: dict[str, list[JSON]] = defaultdict(list)
+    for a in alerts:
+        out[a.get("deployment_id") or ""].append(a)
+    return out
+
+
+def limits_frame(deps: list[JSON]) -> pd.DataFrame:
+    rows = []
+    for d in deps:
+        for mod in d["models"]:
+            target = f"{d['deployment_id']} · {mod['model_id']}"
+            for measure, key in (
+                ("Advertised context", "advertised_context"),
+                ("Prefill pool", "pool_capacity_tokens"),
+                ("Verified safe context", "verified_safe_context"),
+            ):
+                if mod.get(key) is not None:
+                    rows.append({"target": target, "measure": measure, "tokens": mod[key]})
+    return pd.DataFrame(rows, columns=["target", "measure", "tokens"])
+
+
+def _verification(mod: JSON) -> str:
+    if mod["latest_verification_failed"]:
+        return "failed"
+    if mod["verified_safe_context"] is None:
+        return "not verified"
+    return "stale (config changed)" if mod["verification_stale"] else "current"
+
+
+def models_frame(models: list[JSON]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "model": m["model_id"],
+                "advertised context": m["advertised_context"],
+                "prefill pool": m["pool_capacity_tokens"],
+                "pool / advertised": (
+                    m["pool_capacity_tokens"] / m["advertised_context"]
+                    if m["pool_capacity_tokens"] and m["advertised_context"]
+                    else None
+                ),
+                "verified safe context": m["verified_safe_context"],
+                "verified at": ui.when(m["verified_at"]) if m["verified_at"] else "—",
+                "age (days)": m["verification_age_days"],
+                "verified on engine": m["engine_version"],
+                "verification": _verification(m),
+            }
+            for m in models
+        ]
+    )
+
+
+_TOKENS = st.column_config.NumberColumn(format="localized")
+
+
+def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
+    status = dep["status"]
+    text, color = _BADGE.get(status, (status.upper(), "gray"))
+    with st.container(border=True):
+        head, badge = st.columns([5, 1])
+        head.subheader(f"{_ICON.get(status, '')} {dep['deployment_id']}")
+        with badge:
+            st.badge(text, color=color)
+        st.caption(
+            f"last seen {ui.when(dep['last_seen'])} · {dep['firing_alerts']} firing alert(s), "
+            f"{dep['critical_alerts']} critical · {dep['open_incidents']} open incident(s)"
+        )
+        if dep["reasons"]:
+            lines = "\n".join(f"- {r}" for r in dep["reasons"])
+            (st.error if status == "red" else st.warning)(f"**Why {status}:**\n{lines}")
+        if dep["models"]:
+            st.dataframe(
+                models_frame(dep["models"]),
+                hide_index=True,
+                column_config={
+                    "advertised context": _TOKENS,
+                    "prefill pool": _TOKENS,
+                    "verified safe context": _TOKENS,
+                    "pool / advertised": st.column_config.NumberColumn(format="%.2fx"),
+                    "age (days)": st.column_config.NumberColumn(format="%.1f"),
+                },
+            )
+        else:
+            st.info("No engine configuration reported yet for this deployment.")
+        if alerts:
+            st.markdown("**Firing alerts**")
+            for a in sorted(alerts, key=lambda a: (a["severity"] != "critical", a["rule"])):
+                icon = _ICON["red" if a["severity"] == "critical" else "amber"]
+                summary = a.get("annotations", {}).get("summary", "")
+                st.markdown(f"{icon} `{a['rule']}` ({a['severity']}) — {summary}")
+        elif alerts is None and dep["firing_alerts"]:
+            st.caption("Alert names are not shown to a tenant-scoped token.")
+        with st.expander(f"Nodes ({len(dep['nodes'])})"):
+            if dep["nodes"]:
+                nodes = pd.DataFrame(dep["nodes"])
+                nodes["config_since"] = nodes["config_since"].map(ui.when)
+                st.dataframe(
+                    nodes,
+                    hide_index=True,
+                    column_config={
+                        "advertised_context": _TOKENS,
+                        "pool_capacity_tokens": _TOKENS,
+                    },
+                )
+            else:
+                st.caption("No nodes reported.")
+
+
+def render(c: CollectorClient) -> None:
+    fleet = c.fleet()
+    deps: list[JSON] = fleet["deployments"]
+    if not deps:
+        st.info(
+            "**No deployments yet.** Deployments appear once a probe, the gateway or "
+            "`kvwatch scrape` sends events to this collector.",
+            icon=":material/inbox:",
+        )
+        return
+    alerts = firing_alerts(c)
+    col1, col2, col3, col4 = st.columns(4)
+    col1.metric("Deployments", len(deps))
+    col2.metric(
+        "Red",
+        sum(1 for d in deps if d["status"] == "red"),
+        help="Pool below advertised context, stale or failed verification, or a critical "
+        "alert firing",
+    )
+    col3.metric("Firing alerts", sum(d["firing_alerts"] for d in deps))
+    col4.metric("Open incidents", sum(d["open_incidents"] for d in deps))
+    limits = limits_frame(deps)
+    if not limits.empty:
+        st.markdown("**Advertised context, prefill pool and verified safe context**")
+        st.altair_chart(charts.fleet_limits(limits), width="stretch")
+    for dep in deps:
+        deployment_alerts = None if alerts is None else alerts.get(dep["deployment_id"], [])
+        deployment_card(dep, deployment_alerts)
+    st.caption(f"Generated {ui.when(fleet['generated_at'])}.")
+
+
+ui.page_header(
+    "Fleet",
+    "Every deployment's limits at a glance. Red: a pool smaller than the advertised context, "
+    "a stale or failed verification, or a critical alert.",
+)
+ui.live(render)

@@ -1,0 +1,201 @@
+"""Pool and isolation: KV pool occupancy per deployment and node over time, page reuse and
+transfers, and every stale read with the tenants on both sides."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, ui
+from dashboard.client import JSON, CollectorClient
+
+_TOKENS = st.column_config.NumberColumn(format="localized")
+_PAGE = 100  # stale reads listed; the breach report has them all
+
+
+def occupancy_frame(items: list[JSON]) -> pd.DataFrame:
+    df = pd.DataFrame(
+        items,
+        columns=[
+            "deployment_id",
+            "node",
+            "role",
+            "bucket_start_us",
+            "samples",
+            "used_avg",
+            "used_max",
+            "free_min",
+            "capacity",
+        ],
+    )
+    df["time"] = ui.us_to_time(df["bucket_start_us"])
+    df["node"] = df["node"] + " (" + df["role"].fillna("?") + ")"
+    df["occupancy"] = df["used_max"] / df["capacity"].where(df["capacity"] > 0)
+    return df
+
+
+def peaks_frame(df: pd.DataFrame) -> pd.DataFrame:
+    g = df.sort_values("time").groupby(["deployment_id", "node"], as_index=False)
+    out = g.agg(
+        capacity=("capacity", "max"),
+        latest_used=("used_max", "last"),
+        peak_used=("used_max", "max"),
+        min_free=("free_min", "min"),
+        samples=("samples", "sum"),
+    )
+    out["peak occupancy"] = out["peak_used"] / out["capacity"].where(out["capacity"] > 0)
+    return out.rename(
+        columns={
+            "deployment_id": "deployment",
+            "latest_used": "used (latest)",
+            "peak_used": "used (peak)",
+            "min_free": "free (min)",
+        }
+    )
+
+
+def stale_frame(items: list[JSON]) -> pd.DataFrame:
+    hidden = "(another tenant)"
+    return pd.DataFrame(
+        [
+            {
+                "time": ui.when(x["ts"]),
+                "deployment": x["deployment_id"],
+                "node": x["node"],
+                "reader tenant": x["tenant"] or hidden,
+                "reader request": x["request_id"] or hidden,
+                "exposed tenant (previous writer)": x["other_tenant"] or hidden,
+                "exposed request": x["other_request_id"] or hidden,
+                "pages": x["page_count"],
+                "cross-tenant": bool(x["cross_tenant"]),
+                "zeroized": bool((x.get("detail") or {}).get("zeroized")),
+            }
+            for x in items
+        ]
+    )
+
+
+def occupancy(c: CollectorClient, deployment: str | None) -> None:
+    since, until = ui.window()
+    st.subheader("KV pool occupancy")
+    pool = c.pool_samples(since=since, until=until, deployment_id=deployment, max_points=200)
+    if not pool["items"]:
+        st.info(
+            f"**No pool samples in the {ui.window_label()}.** Probes report `pool.sample` "
+            "events; `kvwatch scrape` derives them from engine metrics.",
+            icon=":material/inbox:",
+        )
+        return
+    df = occupancy_frame(pool["items"])
+    for dep, part in df.groupby("deployment_id", sort=True):
+        st.markdown(f"**{dep}**: tokens in use per node (line), capacity (dashed)")
+        st.altair_chart(charts.pool_occupancy(part, (since, until)), width="stretch")
+    st.dataframe(
+        peaks_frame(df),
+        hide_index=True,
+        column_config={
+            "capacity": _TOKENS,
+            "used (latest)": _TOKENS,
+            "used (peak)": _TOKENS,
+            "free (min)": _TOKENS,
+            "peak occupancy": st.column_config.ProgressColumn(
+                format="percent", min_value=0.0, max_value=1.0
+            ),
+        },
+    )
+    st.caption(f"{pool['bucket_seconds']:g}-second buckets: the mean and the max of each.")
+
+
+def page_activity(c: CollectorClient, deployment: str | None) -> None:
+    since, until = ui.window()
+    st.subheader("Page reuse, transfers and stale reads")
+    stats = c.page_event_stats(since=since, until=until, deployment_id=deployment, max_points=120)
+    items = stats["items"]
+    by_kind: dict[str, dict[str, int]] = {}
+    for x in items:
+        k = by_kind.setdefault(x["kind"], {"events": 0, "pages": 0, "cross_tenant": 0})
+        for f in ("events", "pages", "cross_tenant"):
+            k[f] += x[f]
+    zero = {"events": 0, "pages": 0, "cross_tenant": 0}
+    reuse = by_kind.get("page.reuse", zero)
+    stale = by_kind.get("page.stale_read", zero)
+    a, b, cc, d = st.columns(4)
+    a.metric("Page reuse events", f"{reuse['events']:,}", help="Allocator steps that reused pages")
+    b.metric("Pages reused", f"{reuse['pages']:,}")
+    cc.metric("Cross-tenant reuse events", f"{reuse['cross_tenant']:,}")
+    d.metric(
+        "Stale reads",
+        f"{stale['events']:,}",
+        help="Reads of pages the reader's request never wrote: another request's KV",
+    )
+    if not items:
+        st.info(
+            f"No page events in the {ui.window_label()}: no reuse, transfers or stale reads "
+            "reported (the page ledger in the probe reports them).",
+            icon=":material/inbox:",
+        )
+        return
+    df = pd.DataFrame(items)
+    df["time"] = ui.us_to_time(df["bucket_start_us"])
+    df["end"] = df["time"] + pd.Timedelta(seconds=stats["bucket_seconds"])
+    st.altair_chart(charts.page_events(df, (since, until)), width="stretch")
+
+
+def stale_reads(c: CollectorClient, deployment: str | None) -> None:
+    since, until = ui.window()
+    st.subheader("Stale reads")
+    page = c.page_events(
+        kind="page.stale_read", since=since, until=until, deployment_id=deployment, limit=_PAGE
+    )
+    if not page["items"]:
+        st.success(f"No stale reads in the {ui.window_label()}.", icon=":material/check_circle:")
+    else:
+        st.dataframe(stale_frame(page["items"]), hide_index=True)
+        if page["next_cursor"]:
+            st.caption(
+                f"The newest {_PAGE} are shown; a breach report (Reports page) lists them all."
+            )
+    canaries = c.page_events(
+        kind="canary.hit", since=since, until=until, deployment_id=deployment, limit=_PAGE
+    )["items"]
+    if canaries:
+        st.subheader("Canary hits")
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "time": ui.when(x["ts"]),
+                        "deployment": x["deployment_id"],
+                        "node": x["node"],
+                        "reader tenant": x["tenant"] or "(another tenant)",
+                        "canary tenant": x["other_tenant"] or "(another tenant)",
+                        "detector": (x.get("detail") or {}).get("detector"),
+                    }
+                    for x in canaries
+                ]
+            ),
+            hide_index=True,
+        )
+
+
+def render(c: CollectorClient) -> None:
+    deployments = sorted(d["deployment_id"] for d in c.deployments())
+    if not deployments:
+        st.info(
+            "**No deployments yet.** Pool samples and page events appear once a probe "
+            "reports to this collector.",
+            icon=":material/inbox:",
+        )
+        return
+    deployment = ui.choice(deployments, "pool_deployment", "Deployment")
+    occupancy(c, deployment)
+    page_activity(c, deployment)
+    stale_reads(c, deployment)
+
+
+ui.page_header(
+    "Pool and isolation",
+    "Occupancy of each KV pool over time, page reuse across requests, and stale reads: "
+    "one tenant's request reading pages another tenant's request wrote.",
+)
+ui.live(render)

@@ -1,0 +1,415 @@
+"""Every dashboard page through Streamlit's AppTest, against a real collector with seeded data
+(``tests/dashboard_helpers.py``): the key figures each page shows, the actions it offers
+(acknowledge, silence, close, generate reports), what a tenant-scoped token sees, and the
+error and empty states (wrong token, no token, collector down, nothing ingested yet)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from streamlit.testing.v1 import AppTest
+from typer.testing import CliRunner
+
+from kvwatch.cli import app as cli
+from kvwatch.embedded import free_port, serve_in_thread
+from tests import dashboard_helpers as h
+from tests.conftest import make_token
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "dashboard" / "app.py")
+PAGES = [
+    "views/fleet.py",
+    "views/context.py",
+    "views/pool.py",
+    "views/alerts.py",
+    "views/verifications.py",
+    "views/reports.py",
+]
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[h.Seeded]:
+    with h.seeded_collector(tmp_path_factory.mktemp("collector")) as s:
+        yield s
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A clean dashboard environment: no auto-refresh (AppTest runs a script once)."""
+    for k in ("KVWATCH_COLLECTOR_URL", "KVWATCH_DASHBOARD_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("KVWATCH_DASHBOARD_REFRESH_S", "0")
+    return monkeypatch
+
+
+def open_page(env: pytest.MonkeyPatch, url: str, token: str | None, page: str) -> AppTest:
+    env.setenv("KVWATCH_COLLECTOR_URL", url)
+    if token is None:
+        env.delenv("KVWATCH_DASHBOARD_TOKEN", raising=False)
+    else:
+        env.setenv("KVWATCH_DASHBOARD_TOKEN", token)
+    at = AppTest.from_file(APP, default_timeout=60).switch_page(page).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def text(at: AppTest) -> str:
+    """Everything a person can read on the page: text, alerts, metrics, labels, table cells."""
+    out: list[str] = []
+
+    def walk(node: Any) -> None:
+        for child in getattr(node, "children", {}).values():
+            walk(child)
+        if type(node).__name__ == "Dataframe":
+            out.append(node.value.to_csv(index=False))
+            return
+        for attr in ("label", "value"):
+            try:
+                v = getattr(node, attr)
+            except Exception:
+                continue
+            if isinstance(v, str):
+                out.append(v)
+
+    walk(at.main)
+    walk(at.sidebar)
+    return "\n".join(out)
+
+
+def charts(at: AppTest) -> int:
+    return len(at.get("vega_lite_chart"))
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
+
+
+def table(at: AppTest, column: str) -> Any:
+    """The first table with that column."""
+    return next(d.value for d in at.dataframe if column in d.value.columns)
+
+
+def problems(at: AppTest) -> list[str]:
+    """Error boxes other than the fleet's red status (which is data, not a failure)."""
+    return [e.value for e in at.error if not e.value.startswith("**Why red")]
+
+
+def submit(at: AppTest, label: str) -> AppTest:
+    next(b for b in at.button if b.label == label).click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+# ---------------------------------------------------------------------- an admin's pages
+
+
+def test_fleet(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/fleet.py")
+    t = text(at)
+    assert metric(at, "Deployments") == "2"
+    assert metric(at, "Red") == "1"
+    assert metric(at, "Open incidents") == "1"
+    red = next(e.value for e in at.error if h.RED in t and "Why red" in e.value)
+    assert "glm-5.3: pool 681,280 tokens < advertised context 1,048,576" in red
+    assert ":red-badge[RED]" in t and ":green-badge[GREEN]" in t
+    models = table(at, "verified safe context")
+    assert models.iloc[0]["verified safe context"] == h.RED_SAFE
+    assert models.iloc[0]["verified on engine"] == "0.5.21"
+    assert models.iloc[0]["age (days)"] == pytest.approx(3.0, abs=0.1)
+    assert models.iloc[0]["verification"] == "current"
+    all_models = [d.value for d in at.dataframe if "verified safe context" in d.value.columns]
+    assert {int(m.iloc[0]["verified safe context"]) for m in all_models} == {
+        h.RED_SAFE,
+        h.GREEN_SAFE,
+    }
+    for rule in ("stale_page_read", "pool_below_advertised", "engine_version_advisory"):
+        assert f"`{rule}` (critical)" in t
+    assert charts(at) == 1
+
+
+def test_context_pressure(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/context.py")
+    t = text(at)
+    assert "80% line **480,000** · 100% line **600,000**" in t
+    assert "80% line **104,857** · 100% line **131,072**" in t
+    assert metric(at, "Largest prompt") == "700,000"
+    assert metric(at, "At or above 100%") == "1"
+    assert charts(at) == 4  # per model: over time, and the distribution
+    near = table(at, "share of safe context")
+    assert list(near["request"][:2]) == ["r-victim", h.NEAR_REQUEST]
+    assert near.iloc[1]["prompt tokens"] == h.NEAR_PROMPT
+    assert near.iloc[1]["share of safe context"] == pytest.approx(0.9)
+    routes = table(at, "largest / safe")
+    assert set(routes["route"]) == {"(no route)", "/v1/chat/completions", "/v1/completions"}
+
+    at.selectbox(key="cp_model").set_value(h.GREEN_MODEL).run()
+    t = text(at)
+    assert h.NEAR_REQUEST not in t and "480,000" not in t
+    assert charts(at) == 2
+    assert set(table(at, "share of safe context")["model"]) == {h.GREEN_MODEL}
+
+
+def test_pool_and_isolation(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/pool.py")
+    assert metric(at, "Pages reused") == "36"
+    assert metric(at, "Cross-tenant reuse events") == "3"
+    assert metric(at, "Stale reads") == "1"
+    assert charts(at) == 3  # two deployments' occupancy, the page events
+    peaks = table(at, "peak occupancy")
+    prefill = peaks[peaks["node"] == "prefill-0 (prefill)"].iloc[0]
+    assert prefill["capacity"] == 681_280
+    stale = table(at, "exposed tenant (previous writer)").iloc[0]
+    assert (stale["reader tenant"], stale["reader request"]) == (h.TENANT, "r-victim")
+    assert (stale["exposed tenant (previous writer)"], stale["exposed request"]) == (
+        "acme",
+        "r-exposed",
+    )
+
+    at.selectbox(key="pool_deployment").set_value(h.GREEN).run()
+    assert charts(at) == 1
+    assert "No stale reads" in text(at)
+
+
+def test_alerts_and_incident_deadline(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/alerts.py")
+    t = text(at)
+    incident = httpx.get(
+        f"{seeded.url}/v1/incidents/{seeded.incident_id}",
+        headers={"Authorization": f"Bearer {seeded.admin}"},
+    ).json()
+    assert f"#{seeded.incident_id} {incident['title']}" in t
+    deadline = datetime.fromisoformat(incident["deadline_at"].replace("Z", "+00:00"))
+    assert metric(at, "Notification deadline (Art. 33)") == deadline.strftime(
+        "%Y-%m-%d %H:%M:%S UTC"
+    )
+    assert re.fullmatch(r"2 d 23 h \d+ min", metric(at, "Time left"))
+    alerts = table(at, "rule")
+    assert {"stale_page_read", "pool_below_advertised", "context_pressure"} <= set(alerts["rule"])
+    assert set(alerts["state"]) == {"firing"}
+    assert "No active silences." in t
+
+
+def test_verifications(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/verifications.py")
+    history = table(at, "verified safe context")
+    assert dict(zip(history["deployment"], history["verified safe context"], strict=True)) == {
+        h.RED: h.RED_SAFE,
+        h.GREEN: h.GREEN_SAFE,
+    }
+    assert set(history["result"]) == {"passed"}
+    assert charts(at) == 1
+    # the newest first; then the other one's evidence
+    assert metric(at, "Rejection point (tokens)") == f"{h.GREEN_SAFE + 1:,}"
+    red_id = int(history[history["deployment"] == h.RED].iloc[0]["id"])
+    at.selectbox(key="evidence_for").set_value(red_id).run()
+    assert metric(at, "Rejection point (tokens)") == f"{h.RED_SAFE + 1:,}"
+    assert '"tool": "kvwatch verify"' in at.json[0].value
+
+
+def test_reports_page_lists_nothing_before_generating(
+    env: pytest.MonkeyPatch, seeded: h.Seeded
+) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/reports.py")
+    assert "No reports generated yet." in text(at)
+    assert at.selectbox(key="rep_incident").value == seeded.incident_id
+
+
+# ---------------------------------------------------------------------- actions
+
+
+def test_generate_breach_and_review_reports(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.admin, "views/reports.py")
+    submit(at, "Generate breach report")
+    (ok,) = at.success
+    rid = re.search(r"\*\*(rpt_\w+)\*\*", ok.value)
+    assert rid, ok.value
+    stored = httpx.get(
+        f"{seeded.url}/v1/reports", headers={"Authorization": f"Bearer {seeded.admin}"}
+    ).json()["items"]
+    assert rid.group(1) in {r["report_id"] for r in stored}
+    assert at.selectbox(key="rep_selected").value == rid.group(1)
+    assert metric(at, "Affected requests") == "2"
+    assert metric(at, "Exposed tenants") == "1"
+    assert [b.label for b in at.get("download_button")] == [
+        "Download PDF",
+        "Download CSV",
+        "Download JSON",
+    ]
+
+    submit(at, "Generate review")
+    rev = re.search(r"\*\*(rev_\w+)\*\*", at.success[0].value)
+    assert rev, at.success[0].value
+    assert at.selectbox(key="rep_selected").value == rev.group(1)
+    assert metric(at, "At or above 80%") == "3"
+    assert charts(at) == 1
+    assert h.RED in table(at, "max / safe")["deployment"].tolist()
+
+    at.radio(key="rep_mode").set_value("A model and time window").run()
+    at.selectbox(key="rep_model").set_value(h.RED_MODEL)
+    at.number_input(key="rep_min_tokens").set_value(500_000)
+    submit(at, "Generate breach report")
+    window = re.search(r"\*\*(rpt_\w+)\*\*", at.success[0].value)
+    assert window and window.group(1) != rid.group(1)
+    # the window's prompts of at least 500,000 tokens: r-victim, r-near and three of 505,000
+    assert metric(at, "Affected requests") == "5"
+
+
+def test_acknowledge_silence_and_close(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    auth = {"Authorization": f"Bearer {seeded.admin}"}
+    at = open_page(env, seeded.url, seeded.admin, "views/alerts.py")
+    alerts = httpx.get(f"{seeded.url}/v1/alerts?state=firing", headers=auth).json()
+    target = next(a for a in alerts if a["rule"] == "stale_page_read")
+    at.text_input(key="actor").input("dana (on call)")
+    at.selectbox(key="ack_alert").set_value(target["id"])
+    at.text_input(key="ack_comment").input("looking into it")
+    submit(at, "Acknowledge")
+    assert at.success[0].value == "Alert acknowledged."
+    after = httpx.get(f"{seeded.url}/v1/alerts/{target['id']}", headers=auth).json()
+    assert after["acked"] and after["ack_comment"] == "looking into it"
+    assert after["acked_by"] == "dana (on call)"
+    row = table(at, "acknowledged").set_index("id").loc[target["id"]]
+    assert row["acknowledged"].startswith("dana (on call) at ")
+
+    submit(at, "Silence")  # neither a rule nor a deployment: refused, clearly
+    assert "choose a rule or a deployment" in at.error[0].value
+    at.selectbox(key="sil_rule").set_value("pool_headroom")
+    at.text_input(key="sil_comment").input("resizing decode pool")
+    submit(at, "Silence")
+    assert at.success[0].value.startswith("Silenced. Silence #")
+    assert "alertname=pool_headroom" in table(at, "matchers")["matchers"].tolist()
+
+    submit(at, "Expire now")
+    assert at.success[0].value == "Silence expired."
+    assert "No active silences." in text(at)
+
+    at.text_input(key="close_reason").input("false positive: canary test")
+    submit(at, "Close incident")
+    assert at.success[0].value == "Incident closed."
+    assert "No open incidents." in text(at)
+    inc = httpx.get(f"{seeded.url}/v1/incidents/{seeded.incident_id}", headers=auth).json()
+    assert inc["state"] == "closed" and inc["close_reason"] == "false positive: canary test"
+    assert inc["closed_by"] == "dana (on call)"
+
+
+# ---------------------------------------------------------------------- who sees what
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_tenant_token_sees_only_its_tenant(
+    env: pytest.MonkeyPatch, seeded: h.Seeded, page: str
+) -> None:
+    at = open_page(env, seeded.url, seeded.tenant, page)
+    t = text(at)
+    for other in h.OTHERS:
+        assert other not in t, f"{page} shows tenant {other!r} to a {h.TENANT} token"
+    assert not problems(at)
+    assert "tenant-scoped token: only its tenant's traffic" in t
+    if page in ("views/alerts.py", "views/reports.py"):
+        assert "not available to a tenant-scoped token" in t
+    if page == "views/context.py":
+        assert set(table(at, "share of safe context")["tenant"]) == {h.TENANT}
+        assert "r-victim" in t and h.NEAR_REQUEST not in t
+    if page == "views/pool.py":
+        stale = table(at, "exposed tenant (previous writer)").iloc[0]
+        assert stale["reader tenant"] == h.TENANT
+        assert stale["exposed tenant (previous writer)"] == "(another tenant)"
+    if page == "views/fleet.py":
+        assert "Alert names are not shown to a tenant-scoped token." in t
+
+
+def test_a_read_token_cannot_act_or_generate(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, seeded.read, "views/alerts.py")
+    t = text(at)
+    assert "need an admin token" in t and "Acknowledge" not in [b.label for b in at.button]
+    assert "stale_page_read" in table(at, "rule")["rule"].tolist()
+    at = open_page(env, seeded.url, seeded.read, "views/reports.py")
+    assert "Breach reports and stored reviews need an admin token" in text(at)
+    submit(at, "Build review")
+    assert at.success[0].value == "Review built."
+    assert metric(at, "Routes") == "4"
+
+
+# ---------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_wrong_token_is_a_clear_error(
+    env: pytest.MonkeyPatch, seeded: h.Seeded, page: str
+) -> None:
+    at = open_page(env, seeded.url, "kvw_admin_not-a-real-token", page)
+    (error,) = problems(at)
+    assert "The token was rejected" in error and "401" in error
+    assert "kvwatch tokens create" in error
+
+
+def test_no_token_asks_for_one(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    at = open_page(env, seeded.url, None, "views/fleet.py")
+    assert "No token is configured" in at.error[0].value
+    at.sidebar.text_input(key="typed_token").input(seeded.admin).run()
+    assert not problems(at)
+    assert metric(at, "Deployments") == "2"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_collector_down_is_a_clear_error(env: pytest.MonkeyPatch, page: str) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    at = open_page(env, dead, "kvw_admin_whatever", page)
+    (error,) = problems(at)
+    assert "Collector unavailable" in error and dead in error
+
+
+def test_a_bad_setting_is_named(env: pytest.MonkeyPatch) -> None:
+    at = open_page(env, "ftp://127.0.0.1:1", "kvw_admin_whatever", "views/fleet.py")
+    assert "KVWATCH_COLLECTOR_URL" in at.error[0].value
+    res = CliRunner().invoke(cli, ["dashboard", "--collector-url", "ftp://x"])
+    assert res.exit_code == 2 and "KVWATCH_COLLECTOR_URL" in res.output
+
+
+@pytest.fixture(scope="module")
+def empty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A real collector with nothing ingested yet."""
+    from collector import migrate
+    from collector.app import create_app
+    from collector.settings import Settings
+
+    db_url = f"sqlite:///{tmp_path_factory.mktemp('empty') / 'kvwatch.db'}"
+    migrate.upgrade(db_url)
+    settings = Settings(database_url=db_url, auto_migrate=False, notify_enabled=False)
+    with serve_in_thread(create_app(settings)) as url:
+        yield url, make_token(db_url, "admin")
+
+
+EMPTY = {
+    "views/fleet.py": "No deployments yet.",
+    "views/context.py": "No requests in the last 24 hours.",
+    "views/pool.py": "No deployments yet.",
+    "views/alerts.py": "No incidents.",
+    "views/verifications.py": "No verifications yet.",
+    "views/reports.py": "No reports generated yet.",
+}
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_empty_states(env: pytest.MonkeyPatch, empty: tuple[str, str], page: str) -> None:
+    url, admin = empty
+    at = open_page(env, url, admin, page)
+    assert not problems(at)
+    assert EMPTY[page] in text(at)
+    assert charts(at) == 0
+
+
+def test_window_changes_what_is_shown(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    """The sidebar's window reaches the collector: the seeded traffic is 40 minutes to 12
+    hours old, so the last hour holds only its newest requests."""
+    at = open_page(env, seeded.url, seeded.admin, "views/context.py")
+    all_day = int(metric(at, "Requests").replace(",", ""))
+    at.sidebar.selectbox(key="window").set_value("Last hour").run()
+    last_hour = int(metric(at, "Requests").replace(",", ""))
+    assert 0 < last_hour < all_day
+    assert datetime.now(UTC).year >= 2026  # the seed is relative to now; nothing fixed
