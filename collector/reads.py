@@ -10,7 +10,7 @@ from typing import Any
 
 from collector import queries
 from collector.db import Database
-from collector.errors import BadRequest
+from collector.errors import BadRequest, InvalidInput
 from collector.models import to_micros
 from collector.tokens import Principal
 
@@ -113,11 +113,11 @@ class ReadService:
         try:
             since = since or until - timedelta(hours=1)
         except OverflowError:
-            raise BadRequest(
+            raise InvalidInput(
                 "until is too early for a one-hour window", {"field": "until"}
             ) from None
         if since >= until:
-            raise BadRequest("since must be before until", {"field": "since"})
+            raise InvalidInput("since must be before until", {"field": "since"})
         with self.db.read() as conn:
             width, rows = queries.pool_samples(
                 conn,

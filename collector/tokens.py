@@ -110,12 +110,14 @@ def authenticate(conn: Connection, authorization: str | None) -> Principal:
             m.ApiToken.tenant,
             m.ApiToken.deployment_id,
             m.ApiToken.prefix,
+            m.ApiToken.name,
             m.ApiToken.revoked_at,
         ).where(m.ApiToken.token_hash == hash_token(secret))
     ).first()
     if row is None or row.revoked_at is not None:
         raise Unauthorized("unknown or revoked token")
-    return Principal(row.id, row.kind, row.tenant, row.deployment_id, row.prefix)
+    # Who acted, in the audit log and on acks: the token's name when it has one.
+    return Principal(row.id, row.kind, row.tenant, row.deployment_id, row.name or row.prefix)
 
 
 def record_use(conn: Connection, principal: Principal, *, now_us: int, every_us: int) -> bool:

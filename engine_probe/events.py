@@ -321,10 +321,11 @@ def _check_ids(events: Sequence[Event]) -> list[FieldError]:
     return errors
 
 
-# A JSON escape that decodes to a control character (\u0000-\u001f, \n, \t, ...). Matching the
-# raw body is a C-speed pre-check; only a match pays for scanning the decoded strings, which
-# settles false alarms such as an escaped backslash followed by "n".
-_CONTROL_ESCAPE = re.compile(rb"\\(?:u00[01][0-9a-fA-F]|[nrtbf])")
+# A JSON escape that decodes to a control character (\u0000-\u001f, \u007f, \n, \t, ...), or
+# a raw DEL (valid inside a JSON string, unlike the other controls). Matching the raw body is
+# a C-speed pre-check; only a match pays for scanning the decoded strings, which settles false
+# alarms such as an escaped backslash followed by "n".
+_CONTROL_ESCAPE = re.compile(rb"\\(?:u00[01][0-9a-fA-F]|u007[fF]|[nrtbf])|\x7f")
 _CONTROL_CHAR = re.compile(r"[\x00-\x1f\x7f]")
 
 

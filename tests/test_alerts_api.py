@@ -298,3 +298,35 @@ def test_alertmanager_endpoints_get_firing_alerts_again_every_minute(env: Env) -
     assert {a["rule"] for a in resent[0]["alerts"]} >= {"stale_page_read"}
     assert all(a["state"] == "firing" for a in resent[0]["alerts"])
     assert [t for name, t, _ in rows if name == "hook" and t == "alert.repeat"] == []
+
+
+def test_verification_evidence_is_withheld_from_tenant_tokens_and_actors_are_named(
+    collector: Collector,
+) -> None:
+    with collector.client(collector.admin) as h:
+        r = h.post(
+            "/v1/verifications",
+            json={
+                "deployment_id": "glm-prod",
+                "model_id": "glm-5.3",
+                "passed": True,
+                "verified_safe_context": 600_000,
+                "evidence": {"tenants": ["acme", "globex"], "leak_pairs": []},
+            },
+        )
+        assert r.status_code == 201, r.text
+        assert h.get("/v1/verifications").json()[0]["evidence"]["tenants"] == ["acme", "globex"]
+        bad = h.get("/v1/alerts", params={"acked": "false"})
+        assert bad.status_code == 422 and "acked" in bad.text
+    acme = collector.token("read", tenant="acme")
+    with collector.client(acme) as h:
+        (v,) = h.get("/v1/verifications").json()
+        assert v["evidence"] is None and v["verified_safe_context"] == 600_000
+    # A named token acts under its name (audit log, acknowledgements), not its prefix.
+    named = collector.token("admin", name="oncall-alice")
+    with collector.client(collector.ingest) as h:
+        assert h.post("/v1/events", json=[f.as_json(f.stale_read(1))]).status_code == 200
+    with collector.client(named) as h:
+        (alert,) = h.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
+        acked = h.post(f"/v1/alerts/{alert['id']}/ack", json={}).json()
+    assert acked["acked_by"] == "oncall-alice"

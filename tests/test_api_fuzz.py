@@ -9,9 +9,8 @@ token, valid (positive) and invalid (negative) data; ``POST /v1/events`` also wi
 token. Generation is derandomized so CI is repeatable; ``KVWATCH_FUZZ_RANDOM=1`` draws fresh
 examples and ``KVWATCH_FUZZ_EXAMPLES=N`` changes how many per operation and mode.
 
-Known collector bugs are tolerated by the fuzz tests only through ``_known_bug`` and pinned,
-request by request, by the strict xfail tests at the end: when one is fixed, its xfail passes,
-fails the suite, and its entry in ``_known_bug`` goes with the mark.
+The bugs this fuzzing found (ids beyond 64 bits answering 500, 400s the document did not
+list) are pinned request by request by the tests at the end.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 from schemathesis.core.failures import Failure, FailureGroup
-from schemathesis.openapi.checks import UndefinedStatusCode
 
 from collector import migrate
 from collector.app import create_app
@@ -185,18 +183,6 @@ def _seed(url: str, admin: str, ingest: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the checks
 
 
-def _known_bug(case: Any, response: Any, failure: Failure) -> str | None:
-    """The pinned bug a failure is an instance of (see the xfail tests below), or None."""
-    ids = [_as_int(v) for v in (case.path_parameters or {}).values()]
-    if response.status_code == 500 and any(v is not None and abs(v) > I64 for v in ids):
-        return "integer id beyond 64 bits: 500"
-    if response.status_code == 400 and isinstance(failure, UndefinedStatusCode):
-        code = _error_code(response.text_lossy())
-        if code in {"bad_request", "http_error"}:
-            return f"undocumented 400 ({code})"
-    return None
-
-
 def _as_int(value: Any) -> int | None:
     try:
         return int(str(value))
@@ -240,7 +226,7 @@ def _check(case: Any, headers: dict[str, str]) -> None:
         case.validate_response(response, checks=CHECKS, headers=headers)
     except FailureGroup as group:
         failures = list(group.exceptions)
-    unexplained = [x for x in failures if _known_bug(case, response, x) is None]
+    unexplained = failures
     ctype = (response.headers.get("content-type") or [""])[0]
     path = urlsplit(response.request.url or "").path
     shape = _shape_problem(response.status_code, ctype, path, response.text_lossy())
@@ -300,18 +286,11 @@ def test_fuzz_ingest_with_an_ingest_token(live: Live) -> None:
     _fuzz(live, "POST /v1/events", live.ingest)
 
 
-# ----------------------------------------------- known bugs, pinned request by request
+# ----------------------------------------------- bugs it found, pinned request by request
 
 BIG = 2**64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="integer ids beyond 64 bits reach the database: sqlite3 OverflowError (PostgreSQL: "
-    "NumericValueOutOfRange) becomes a 500. collector/api/alerts.py: alert_id, silence_id, "
-    "incident_id path parameters and the before_id query are `int` with no upper bound",
-)
 @pytest.mark.parametrize(
     ("method", "path"),
     [
@@ -340,12 +319,6 @@ _UNDOCUMENTED_400 = [
         {"cursor": "not-a-cursor"},
         None,
         id="requests-bad-cursor",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="GET /v1/requests answers 400 bad_request for a bad cursor "
-            "(collector/reads.py decode_cursor) but documents 200/401/403/422/503 only",
-        ),
     ),
     pytest.param(
         "GET",
@@ -353,12 +326,6 @@ _UNDOCUMENTED_400 = [
         {"cursor": "not-a-cursor"},
         None,
         id="page-events-bad-cursor",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="GET /v1/page-events answers 400 bad_request for a bad cursor "
-            "(collector/reads.py decode_cursor) but documents 200/401/403/422/503 only",
-        ),
     ),
     pytest.param(
         "GET",
@@ -366,13 +333,6 @@ _UNDOCUMENTED_400 = [
         {"since": "2026-08-27T12:00:00Z", "until": "2026-08-27T12:00:00Z"},
         None,
         id="pool-samples-empty-window",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="GET /v1/pool-samples answers 400 bad_request for since >= until "
-            "(collector/reads.py pool_samples; the /v1/stats/* routes answer 422 for the same) "
-            "but documents 200/401/403/422/503 only",
-        ),
     ),
     pytest.param(
         "GET",
@@ -380,12 +340,6 @@ _UNDOCUMENTED_400 = [
         {"tenant": "a\x00b"},
         None,
         id="nul-in-query",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="a NUL in the URL is answered 400 bad_request by collector/app.py _RejectNul "
-            "on every route; no operation documents 400",
-        ),
     ),
     pytest.param(
         "GET",
@@ -393,12 +347,6 @@ _UNDOCUMENTED_400 = [
         {},
         None,
         id="nul-in-path",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="a NUL in the URL is answered 400 bad_request by collector/app.py _RejectNul "
-            "on every route; no operation documents 400",
-        ),
     ),
     pytest.param(
         "POST",
@@ -406,12 +354,6 @@ _UNDOCUMENTED_400 = [
         {"x": "\x00"},
         None,
         id="nul-in-ingest-query",
-        marks=pytest.mark.xfail(
-            strict=True,
-            raises=AssertionError,
-            reason="a NUL in the URL is answered 400 bad_request by collector/app.py _RejectNul "
-            "on every route; POST /v1/events documents 401/403/413/415/422/503",
-        ),
     ),
     *(
         pytest.param(
@@ -420,13 +362,6 @@ _UNDOCUMENTED_400 = [
             {},
             b'{"reason": "\xff"}',
             id=f"non-utf8-body-{path.strip('/').replace('/', '-')}",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="a JSON body that is not UTF-8 is answered 400 'There was an error parsing "
-                "the body' (FastAPI; code http_error via collector/app.py _http_error); no "
-                "operation documents 400",
-            ),
         )
         for path in (
             "/v1/silences",

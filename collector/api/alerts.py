@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
 
 from collector.alerting.service import AlertingService
@@ -65,6 +65,8 @@ class VerificationIn(BaseModel):
 
 
 _aware = params.aware
+MAX_ID = 2**63 - 1  # ids are BIGINT: anything larger is no id (and no 500)
+Id = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 def _operator(who: Principal) -> None:
@@ -82,17 +84,21 @@ def build_router(
 
     @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
     async def list_alerts(
+        request: Request,
         authorization: Auth = None,
         state: Literal["pending", "firing", "resolved"] | None = None,
         severity: Literal["info", "warning", "critical"] | None = None,
         rule: str | None = None,
         deployment_id: str | None = None,
         before_id: Annotated[
-            int | None, Query(ge=1, description="Page: alerts older than this id")
+            int | None, Query(ge=1, le=MAX_ID, description="Page: alerts older than this id")
         ] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
         _operator(await principal(authorization))
+        params.known_params(
+            request, {"state", "severity", "rule", "deployment_id", "before_id", "limit"}
+        )
         return await run(
             lambda: service.list_alerts(
                 state=state,
@@ -105,13 +111,13 @@ def build_router(
         )
 
     @r.get("/v1/alerts/{alert_id}", responses=_ERRORS, summary="One alert and its history")
-    async def get_alert(alert_id: int, authorization: Auth = None) -> dict[str, Any]:
+    async def get_alert(alert_id: Id, authorization: Auth = None) -> dict[str, Any]:
         _operator(await principal(authorization))
         return await run(service.alert, alert_id)
 
     @r.post("/v1/alerts/{alert_id}/ack", responses=_ERRORS, summary="Acknowledge an alert")
     async def ack_alert(
-        alert_id: int, body: AckIn | None = None, authorization: Auth = None
+        alert_id: Id, body: AckIn | None = None, authorization: Auth = None
     ) -> dict[str, Any]:
         who = await principal(authorization)
         who.require("admin")
@@ -152,22 +158,24 @@ def build_router(
         return await run(lambda: service.silence(matchers, starts, ends, by, body.comment, now))
 
     @r.delete("/v1/silences/{silence_id}", responses=_ERRORS, summary="Expire a silence now")
-    async def expire_silence(silence_id: int, authorization: Auth = None) -> dict[str, Any]:
+    async def expire_silence(silence_id: Id, authorization: Auth = None) -> dict[str, Any]:
         who = await principal(authorization)
         who.require("admin")
         return await run(lambda: service.expire_silence(silence_id, who.label, datetime.now(UTC)))
 
     @r.get("/v1/incidents", responses=_ERRORS, summary="Incidents, newest first")
     async def list_incidents(
+        request: Request,
         authorization: Auth = None,
         state: Literal["open", "closed"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
         _operator(await principal(authorization))
+        params.known_params(request, {"state", "limit"})
         return await run(lambda: service.list_incidents(state, limit))
 
     @r.get("/v1/incidents/{incident_id}", responses=_ERRORS, summary="One incident and its alerts")
-    async def get_incident(incident_id: int, authorization: Auth = None) -> dict[str, Any]:
+    async def get_incident(incident_id: Id, authorization: Auth = None) -> dict[str, Any]:
         _operator(await principal(authorization))
         return await run(service.incident, incident_id)
 
@@ -177,7 +185,7 @@ def build_router(
         summary="Close an incident (a person, with a reason)",
     )
     async def close_incident(
-        incident_id: int, body: CloseIn, authorization: Auth = None
+        incident_id: Id, body: CloseIn, authorization: Auth = None
     ) -> dict[str, Any]:
         who = await principal(authorization)
         who.require("admin")
@@ -188,13 +196,20 @@ def build_router(
 
     @r.get("/v1/verifications", responses=_ERRORS, summary="Verifications, newest first")
     async def list_verifications(
+        request: Request,
         authorization: Auth = None,
         deployment_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
         who = await principal(authorization)
         who.require("admin", "read", "ingest")
-        return await run(lambda: service.list_verifications(deployment_id, limit))
+        params.known_params(request, {"deployment_id", "limit"})
+        items = await run(lambda: service.list_verifications(deployment_id, limit))
+        if who.tenant_filter(None) is not None:
+            # The evidence names the tenants whose keys the sweep used: not for one tenant.
+            for v in items:
+                v["evidence"] = None
+        return items
 
     @r.post(
         "/v1/verifications", responses=_ERRORS, status_code=201, summary="Record a verification"

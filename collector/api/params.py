@@ -14,6 +14,7 @@ from collector.errors import InvalidInput
 Auth = Annotated[str | None, Header(include_in_schema=False)]
 
 _DESCRIPTIONS = {
+    400: "Malformed request: a cursor this API did not issue, NUL in the URL, an unparsable body",
     401: "Missing or unknown token",
     403: "The token may not do this",
     404: "No such object",
@@ -24,13 +25,14 @@ _DESCRIPTIONS = {
 
 
 def errors(*codes: int, **overrides: str) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for these status codes (``e404="..."`` overrides a text)."""
+    """OpenAPI ``responses`` for these status codes, and 400, which any route may answer
+    (``e404="..."`` overrides a text)."""
     return {
         code: {
             "model": s.ErrorResponse,
             "description": overrides.get(f"e{code}", _DESCRIPTIONS[code]),
         }
-        for code in codes
+        for code in sorted({400, *codes})
     }
 
 
