@@ -125,7 +125,10 @@ def run_demo(out_dir: Path | None) -> int:
         f'  curl -H "Authorization: Bearer $(cat {token_file})" '
         "'http://127.0.0.1:8700/v1/page-events?kind=page.stale_read'"
     )
-    print(f"  KVWATCH_DATABASE_URL={db_url} {exe} dashboard   # once the dashboard lands")
+    print(
+        f"  KVWATCH_DASHBOARD_TOKEN=$(cat {token_file}) {exe} dashboard   "
+        "# with serve running: http://127.0.0.1:8501"
+    )
     ok = stats["sent"] >= stats["emitted"] and sum(stats["dropped"].values()) == 0
     return 0 if ok else 1
 
