@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from collector.errors import TransientConflict, Unavailable
+from collector.errors import InvalidInput, TransientConflict, Unavailable
 
 
 class Database:
@@ -119,6 +119,10 @@ class Database:
             if (mapped := _translated(exc, None)) is None:
                 raise
             raise mapped from exc
+        except OverflowError as exc:
+            # sqlite3 refuses to bind an int beyond 64 bits: bad input that a route's bounds
+            # missed, never a 500.
+            raise InvalidInput(f"a number is out of range: {exc}") from exc
 
 
 def _psycopg_errors() -> tuple[type[Exception], ...]:

@@ -57,7 +57,7 @@ class ReportIn(BaseModel):
         description="breach: incident_id, or model_id + since + until; review: since/until "
         "(default: the 90 days before now) and deployment_id"
     )
-    incident_id: Annotated[int, Field(ge=1)] | None = None
+    incident_id: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None
     model_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     deployment_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     since: datetime | None = None
