@@ -157,19 +157,29 @@ def _translated(orig: BaseException | None, wrapped: DBAPIError | None) -> Excep
     return Unavailable(f"database unavailable: {text}") if outage else None
 
 
-def _sqlite_discipline(engine: Engine) -> None:
+def sqlite_explicit_transactions(engine: Engine) -> None:
+    """Take transaction control from pysqlite, which never BEGINs before DDL (so a migration
+    killed half-way left half a schema) and cannot BEGIN IMMEDIATE. SQLAlchemy's BEGIN
+    becomes a real one; ``kvwatch_immediate=True`` makes it take the write lock at once."""
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        # Take transaction control from pysqlite so BEGIN IMMEDIATE can be issued.
         dbapi_conn.isolation_level = None
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        immediate = conn.get_execution_options().get("kvwatch_immediate", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def _sqlite_discipline(engine: Engine) -> None:
+    sqlite_explicit_transactions(engine)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Connection) -> None:
-        immediate = conn.get_execution_options().get("kvwatch_immediate", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, text
 
+from collector.db import sqlite_explicit_transactions
 from collector.models import Base
 from collector.partitions import is_partition
 from collector.settings import Settings
@@ -28,6 +29,9 @@ def _include(
 
 def run_migrations_online() -> None:
     engine = create_engine(url)
+    if engine.dialect.name == "sqlite":
+        # All migrations in one real transaction: killed half-way, nothing was applied.
+        sqlite_explicit_transactions(engine)
     with engine.connect() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_LOCK})
