@@ -95,7 +95,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.policies_enabled
         else None
     )
-    rollups = Periodic("rollups", settings.rollup_interval_s, RollupRefresher(db).refresh)
+    # At start too: a restarted collector (or one just migrated) catches up at once.
+    rollups = Periodic(
+        "rollups", settings.rollup_interval_s, RollupRefresher(db).refresh, at_start=True
+    )
 
     def ensure_partitions() -> None:
         with db.write() as conn:

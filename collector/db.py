@@ -16,6 +16,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from collector.errors import InvalidInput, TransientConflict, Unavailable
+from collector.rollups.buckets import UNKNOWN_BIN, bin_of
 
 
 class Database:
@@ -172,11 +173,17 @@ def sqlite_explicit_transactions(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def _prompt_bin(tokens: int | None) -> int:
+    return UNKNOWN_BIN if tokens is None else bin_of(tokens)
+
+
 def _sqlite_discipline(engine: Engine) -> None:
     sqlite_explicit_transactions(engine)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # The rollups' prompt-size bin; SQLite may lack log2 (math functions are optional).
+        dbapi_conn.create_function("kvw_prompt_bin", 1, _prompt_bin, deterministic=True)
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")

@@ -193,6 +193,7 @@ class RollupDirty(Base):
     kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # requests | pool
     deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
     bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    marked_at: Mapped[int] = mapped_column(BigInteger)  # µs; the first mark since the last pass
 
 
 class RequestRollup(Base):

@@ -16,9 +16,12 @@ log = logging.getLogger("kvwatch.periodic")
 
 
 class Periodic:
-    def __init__(self, name: str, interval_s: float, run: Callable[[], object]):
+    def __init__(
+        self, name: str, interval_s: float, run: Callable[[], object], *, at_start: bool = False
+    ):
         self.name = name
         self.interval_s = interval_s
+        self.at_start = at_start  # a first pass as soon as the thread starts
         self._run = run
         self.passes = 0
         self._stop = threading.Event()
@@ -32,6 +35,8 @@ class Periodic:
             self._thread.start()
 
     def _loop(self) -> None:
+        if self.at_start:
+            self.run_once()
         while not self._stop.wait(self.interval_s):
             self.run_once()
 

@@ -13,6 +13,7 @@ the ORM would cost several times the insert itself on this path.
 from __future__ import annotations
 
 import hashlib
+import time
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -323,9 +324,9 @@ class IngestStore:
             self._pool_sql = _insert_sql("pool_samples", POOL_COLS)
             self._page_sql = _insert_sql("page_events", PAGE_COLS)
             self._drop_sql = _insert_sql("probe_drops", DROP_COLS)
-            self._mark_sql = _MARK_SQL.format("?, ?, ?")
+            self._mark_sql = _MARK_SQL.format("?, ?, ?, ?")
         else:
-            self._mark_sql = _MARK_SQL.format("%s, %s, %s")
+            self._mark_sql = _MARK_SQL.format("%s, %s, %s, %s")
             # The staging table makes a whole batch one COPY plus one INSERT ... SELECT.
             self._req_sql = _request_upsert_sql(
                 dialect,
@@ -464,14 +465,17 @@ class IngestStore:
     def _write_rows(self, conn: Connection, rows: Rows, now_us: int) -> None:
         raw = conn.connection.driver_connection
         assert raw is not None
-        self.write_rows(raw, rows)
+        self.write_rows(raw, rows, now_us)
         if rows.configs:  # after the deployment rows they reference
             self._write_configs(conn, rows.configs)
 
-    def write_rows(self, raw: Any, rows: Rows) -> None:
+    def write_rows(self, raw: Any, rows: Rows, now_us: int | None = None) -> None:
         """Write a batch's rows through the DBAPI connection ``raw``, inside its open
         transaction: ``executemany`` on SQLite, binary ``COPY`` on PostgreSQL. This is the
-        whole data write of a batch (``bench/ingest.py`` times it alone as the ceiling)."""
+        whole data write of a batch (``bench/ingest.py`` times it alone as the ceiling).
+        ``now_us`` stamps the rollup marks (default: the clock)."""
+        if now_us is None:
+            now_us = time.time_ns() // 1000
         if self._sqlite:
             cur = raw.cursor()
             try:
@@ -483,7 +487,7 @@ class IngestStore:
                     cur.executemany(self._drop_sql, rows.drops)
                 if rows.requests:
                     cur.executemany(self._req_sql, list(rows.requests.values()))
-                if marks := rollup_marks(rows):
+                if marks := rollup_marks(rows, now_us):
                     cur.executemany(self._mark_sql, marks)
                 cur.executemany(self._dep_sql, _spans(rows.deployments))
             finally:
@@ -508,7 +512,7 @@ class IngestStore:
                 )
                 cur.execute(self._req_sql)
             # Sorted, after the requests and before the deployment: one lock order for all.
-            if marks := rollup_marks(rows):
+            if marks := rollup_marks(rows, now_us):
                 cur.executemany(self._mark_sql, marks)
             # Last: the deployment's row lock is then held only until the commit, so
             # batches of one deployment from different probes barely queue on it.
@@ -548,22 +552,23 @@ class IngestStore:
 
 
 _MARK_SQL = (
-    "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start) VALUES ({}) "
+    "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start, marked_at) VALUES ({}) "
     "ON CONFLICT (kind, deployment_id, bucket_start) DO NOTHING"
 )
 _FIRST_TS = REQ_COLS.index("first_ts")
 _POOL_TS = POOL_COLS.index("ts")
 
 
-def rollup_marks(rows: Rows) -> list[tuple[str, str, int]]:
-    """The rollup buckets a batch's rows touch, sorted (see ``collector.rollups``)."""
+def rollup_marks(rows: Rows, now_us: int) -> list[tuple[str, str, int, int]]:
+    """The rollup buckets a batch's rows touch, sorted, stamped ``now_us`` (see
+    ``collector.rollups``)."""
     marks: set[tuple[str, str, int]] = set()
     for r in rows.requests.values():
         for b in request_marks((r[_FIRST_TS],)):
             marks.add(("requests", r[0], b))
     for p in rows.pool:
         marks.add(("pool", p[0], floor_to(p[_POOL_TS], POOL_BUCKET_US)))
-    return sorted(marks)
+    return [(*mk, now_us) for mk in sorted(marks)]
 
 
 def _insert_sql(table: str, cols: Sequence[str]) -> str:

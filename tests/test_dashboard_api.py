@@ -9,12 +9,13 @@ import math
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import pytest
+import sqlalchemy as sa
 
 from collector import migrate
+from collector import models as m
 from collector.db import Database
-from collector.rollups.buckets import BINS_PER_OCTAVE, bin_high, bin_low, bin_of, prompt_bins
+from collector.rollups.buckets import BINS_PER_OCTAVE, bin_high, bin_low, bin_of
 from collector.rollups.refresh import RollupRefresher
 from tests import factories as f
 from tests.conftest import Collector, wait_rollups
@@ -294,33 +295,67 @@ def test_existing_data_is_backfilled_by_the_migration(sqlite_url: str) -> None:
         db.dispose()
 
 
-def test_prompt_bins_are_monotonic_and_nine_percent_wide() -> None:
-    t = np.array([0, 1, 2, 3, 255, 256, 257, 1_048_576, np.nan])
-    bins = prompt_bins(t)
-    assert list(bins[:-1]) == sorted(bins[:-1]) and bins[-1] == -1
-    assert bins[5] == 8 * BINS_PER_OCTAVE and bin_of(256) == 64
+def test_the_database_bins_prompts_as_python_does(db_url: str) -> None:
+    prompts = [0, 1, 2, 3, 255, 256, 257, 1023, 1024, 1025, 700_000, 1_048_576, None]
+    migrate.upgrade(db_url)
+    db = Database(db_url)
+    try:
+        with db.write() as conn:
+            for i, p in enumerate(prompts):
+                conn.execute(
+                    sa.insert(m.Request).values(
+                        deployment_id="d", request_id=f"r{i}", tenant=f"t{i}", route="/x",
+                        model_id="m", prompt_tokens=p, status="completed", first_ts=1_000_000,
+                        last_ts=1_000_000,
+                    )
+                )  # fmt: skip
+            conn.execute(
+                sa.insert(m.RollupDirty).values(
+                    kind="requests", deployment_id="d", bucket_start=0, marked_at=0
+                )
+            )
+        RollupRefresher(db).refresh()
+        with db.read() as conn:
+            q = sa.select(m.RequestRollup.tenant, m.RequestRollup.prompt_bin)
+            got = {t: b for t, b in conn.execute(q)}
+    finally:
+        db.dispose()
+    want = {f"t{i}": (-1 if p is None else bin_of(p)) for i, p in enumerate(prompts)}
+    assert got == want
+    bins = [bin_of(p) for p in prompts if p is not None]
+    assert bins == sorted(bins) and bin_of(256) == 8 * BINS_PER_OCTAVE
     for b in range(1, 200):
         assert bin_high(b) / bin_low(b) == pytest.approx(2 ** (1 / BINS_PER_OCTAVE))
 
 
-def test_a_bucket_is_rolled_up_once_it_has_closed(sqlite_url: str) -> None:
+def test_the_open_request_bucket_is_rolled_up_at_most_once_a_minute(sqlite_url: str) -> None:
     from datetime import UTC, datetime
 
     migrate.upgrade(sqlite_url)
     db = Database(sqlite_url)
-    now = datetime(2026, 8, 27, 12, 2, tzinfo=UTC)  # two minutes into a 5-minute bucket
-    try:
+    bucket = datetime(2026, 8, 27, 12, 0, tzinfo=UTC)
+    now = bucket + timedelta(minutes=2)  # two minutes into the 5-minute bucket
+
+    def mark(at: datetime) -> None:
         with db.write() as conn:
             conn.exec_driver_sql(
-                "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start) VALUES "
-                f"('requests', 'd', {int(datetime(2026, 8, 27, 12, 0, tzinfo=UTC).timestamp())}"
-                "000000)"
+                "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start, marked_at) "
+                f"VALUES ('requests', 'd', {int(bucket.timestamp()) * 10**6}, "
+                f"{int(at.timestamp()) * 10**6}) ON CONFLICT DO NOTHING"
             )
+
+    try:
+        mark(now)
         refresher = RollupRefresher(db)
         assert refresher.pending(now) == 0 and refresher.refresh(now=now).buckets == 0
-        later = now + timedelta(minutes=3, seconds=11)  # closed, and settled
-        assert refresher.pending(later) == 1
-        assert refresher.refresh(now=later).request_buckets == 1
-        assert refresher.pending(later) == 0
+        assert refresher.pending(now + timedelta(seconds=59)) == 0
+        a_minute_on = now + timedelta(seconds=61)
+        assert refresher.refresh(now=a_minute_on).request_buckets == 1
+        mark(a_minute_on)  # ingest goes on: marked again, not due for another minute
+        assert refresher.pending(a_minute_on + timedelta(seconds=30)) == 0
+        closed = bucket + timedelta(minutes=5, seconds=11)  # closed and settled: due at once
+        assert refresher.pending(closed) == 1
+        assert refresher.refresh(now=closed).request_buckets == 1
+        assert refresher.pending(closed) == 0
     finally:
         db.dispose()

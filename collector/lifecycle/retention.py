@@ -244,7 +244,11 @@ class RetentionService:
                 )
             ).first()
             if exists is None:
-                conn.execute(sa.insert(d).values(kind=kind, deployment_id=dep, bucket_start=bucket))
+                conn.execute(
+                    sa.insert(d).values(
+                        kind=kind, deployment_id=dep, bucket_start=bucket, marked_at=0
+                    )
+                )
 
     def _incident_holds(
         self, conn: Connection, dep: str, cutoff: int, res: DeploymentResult

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-import numpy as np
-
 REQUEST_BUCKET_US = 300_000_000  # 5 minutes, by a request's first_ts
 POOL_BUCKET_US = 60_000_000  # 1 minute
 BINS_PER_OCTAVE = 8  # bins 2**(1/8) - 1 = 9% wide
@@ -26,15 +24,6 @@ def request_marks(first_ts: Iterable[int]) -> set[int]:
         b = floor_to(ts, REQUEST_BUCKET_US)
         out.add(b)
         out.add(b + REQUEST_BUCKET_US)
-    return out
-
-
-def prompt_bins(tokens: np.ndarray) -> np.ndarray:
-    """``floor(8 * log2(max(t, 1)))``; NaN (unknown) → -1."""
-    t = np.asarray(tokens, dtype="float64")
-    known = ~np.isnan(t)
-    out = np.full(t.shape, UNKNOWN_BIN, dtype="int64")
-    out[known] = np.floor(BINS_PER_OCTAVE * np.log2(np.maximum(t[known], 1.0)) + 1e-9)
     return out
 
 

@@ -1,8 +1,8 @@
-"""The rollup refresher: recomputes marked buckets from the raw rows, once they have closed.
+"""The rollup refresher: recomputes marked buckets from the raw rows.
 
-Rollups therefore trail ingest by up to a bucket (5 minutes for requests, 1 minute for pool
-samples) plus ``SETTLE_US`` plus the refresher's interval; the dashboard's short windows read
-raw rows, and alerts never wait for rollups.
+Request rollups trail ingest by up to a minute (the open 5-minute bucket is recomputed at
+most once a minute) plus the refresher's interval; pool rollups by the interval. The
+dashboard's short windows read raw rows, and alerts never wait for rollups.
 
 Each pass takes up to ``batch`` marks per transaction; on PostgreSQL with ``FOR UPDATE SKIP
 LOCKED``, so replicas refreshing at once share the work instead of queueing on it. Within the
@@ -14,20 +14,26 @@ ever missed, at worst recomputed twice.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
 from collector import models as m
 from collector.db import Database
-from collector.rollups.buckets import POOL_BUCKET_US, REQUEST_BUCKET_US, prompt_bins
+from collector.rollups.buckets import (
+    BINS_PER_OCTAVE,
+    POOL_BUCKET_US,
+    REQUEST_BUCKET_US,
+    UNKNOWN_BIN,
+)
 
 log = logging.getLogger("kvwatch.rollups")
 SETTLE_US = 10_000_000  # late events of a just-closed bucket usually land within this
+OPEN_BUCKET_EVERY_US = 60_000_000
 
 
 @dataclass(slots=True)
@@ -41,13 +47,16 @@ class RefreshResult:
 
 
 def _due(now_us: int) -> Any:
-    """Marks of buckets that closed at least ``SETTLE_US`` ago. The open bucket is left
-    alone: recomputing it on every pass would read all of its rows again and again (quadratic
-    in its size under steady ingest), and hold its mark while ingest waits to re-mark it."""
+    """Marks to act on now. A closed bucket is recomputed once it has settled. The open
+    request bucket is recomputed at most once per ``OPEN_BUCKET_EVERY_US`` (its mark's
+    age): every pass re-reads all its rows, which under steady ingest would grow quadratic in
+    the bucket and keep ingest waiting on the mark's lock. Pool buckets are a minute of a
+    few samples per node: always due."""
     d = m.RollupDirty
     return sa.or_(
-        sa.and_(d.kind == "requests", d.bucket_start + REQUEST_BUCKET_US + SETTLE_US <= now_us),
-        sa.and_(d.kind != "requests", d.bucket_start + POOL_BUCKET_US + SETTLE_US <= now_us),
+        d.kind != "requests",
+        d.bucket_start + REQUEST_BUCKET_US + SETTLE_US <= now_us,
+        d.marked_at <= now_us - OPEN_BUCKET_EVERY_US,
     )
 
 
@@ -103,50 +112,55 @@ class RollupRefresher:
         return out
 
 
+def _prompt_bin(conn: Connection, col: Any) -> Any:
+    """``floor(8 * log2(max(prompt, 1)))`` in SQL, -1 for NULL: the same bins as
+    :func:`collector.rollups.buckets.bin_of` (SQLite calls it as a registered function)."""
+    if conn.dialect.name == "sqlite":
+        return sa.func.kvw_prompt_bin(col)
+    log2 = sa.func.ln(sa.cast(sa.func.greatest(col, 1), sa.Float)) / math.log(2)
+    binned = sa.cast(sa.func.floor(BINS_PER_OCTAVE * log2 + 1e-9), sa.Integer)
+    return sa.case((col.is_(None), UNKNOWN_BIN), else_=binned)
+
+
 def _requests(conn: Connection, dep: str, bucket: int) -> None:
+    # One INSERT ... SELECT ... GROUP BY: the database aggregates, so a bucket of millions of
+    # requests costs no memory here.
     r, rr = m.Request, m.RequestRollup
     conn.execute(sa.delete(rr).where(rr.deployment_id == dep, rr.bucket_start == bucket))
     first = type_coerce(r.first_ts, BigInteger)
-    rows = conn.execute(
-        select(r.model_id, r.route, r.tenant, r.status, r.prompt_tokens).where(
-            r.deployment_id == dep, first >= bucket, first < bucket + REQUEST_BUCKET_US
+    pbin = _prompt_bin(conn, r.prompt_tokens).label("prompt_bin")
+    source = (
+        select(
+            sa.literal(dep, sa.String),
+            sa.literal(bucket, BigInteger),
+            r.model_id,
+            r.route,
+            r.tenant,
+            pbin,
+            sa.func.count(),
+            sa.func.sum(sa.case((r.status == "rejected", 1), else_=0)),
+            sa.func.max(r.prompt_tokens),
+            sa.func.coalesce(sa.func.sum(r.prompt_tokens), 0),
         )
-    ).all()
-    if not rows:
-        return
-    df = pd.DataFrame(rows, columns=["model_id", "route", "tenant", "status", "prompt_tokens"])
-    prompt = pd.to_numeric(df["prompt_tokens"], errors="coerce").astype("float64")
-    df["prompt_bin"] = prompt_bins(prompt.to_numpy())
-    df["rejected"] = (df["status"] == "rejected").astype("int64")
-    df["prompt"] = prompt
-    # NULL labels are grouped as themselves, not dropped.
-    keys = ["model_id", "route", "tenant", "prompt_bin"]
-    g = df.groupby(keys, dropna=False, sort=True)
-    agg = g.agg(
-        requests=("rejected", "size"),
-        rejected=("rejected", "sum"),
-        prompt_tokens_max=("prompt", "max"),
-        prompt_tokens_sum=("prompt", "sum"),
-    ).reset_index()
+        .where(r.deployment_id == dep, first >= bucket, first < bucket + REQUEST_BUCKET_US)
+        .group_by(r.model_id, r.route, r.tenant, pbin)
+    )
     conn.execute(
-        sa.insert(rr),
-        [
-            {
-                "deployment_id": dep,
-                "bucket_start": bucket,
-                "model_id": None if pd.isna(a.model_id) else a.model_id,
-                "route": None if pd.isna(a.route) else a.route,
-                "tenant": a.tenant,
-                "prompt_bin": int(a.prompt_bin),
-                "requests": int(a.requests),
-                "rejected": int(a.rejected),
-                "prompt_tokens_max": None
-                if pd.isna(a.prompt_tokens_max)
-                else int(a.prompt_tokens_max),
-                "prompt_tokens_sum": int(a.prompt_tokens_sum),
-            }
-            for a in agg.itertuples(index=False)
-        ],
+        sa.insert(rr).from_select(
+            [
+                "deployment_id",
+                "bucket_start",
+                "model_id",
+                "route",
+                "tenant",
+                "prompt_bin",
+                "requests",
+                "rejected",
+                "prompt_tokens_max",
+                "prompt_tokens_sum",
+            ],
+            source,
+        )
     )
 
 

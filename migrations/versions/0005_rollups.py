@@ -27,6 +27,7 @@ def upgrade() -> None:
         sa.Column("kind", sa.String(length=16), nullable=False),
         sa.Column("deployment_id", sa.String(length=128), nullable=False),
         sa.Column("bucket_start", sa.BigInteger(), nullable=False),
+        sa.Column("marked_at", sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint(
             "kind", "deployment_id", "bucket_start", name=op.f("pk_rollup_dirty")
         ),
@@ -85,13 +86,13 @@ def upgrade() -> None:
         )
     # Backfill: mark every bucket that holds data; the refresher computes them.
     op.execute(
-        "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start) "
+        "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start, marked_at) "
         f"SELECT DISTINCT 'requests', deployment_id, (first_ts / {REQUEST_BUCKET_US}) "
-        f"* {REQUEST_BUCKET_US} FROM requests"
+        f"* {REQUEST_BUCKET_US}, 0 FROM requests"
     )
     op.execute(
-        "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start) "
-        f"SELECT DISTINCT 'pool', deployment_id, (ts / {POOL_BUCKET_US}) * {POOL_BUCKET_US} "
+        "INSERT INTO rollup_dirty (kind, deployment_id, bucket_start, marked_at) "
+        f"SELECT DISTINCT 'pool', deployment_id, (ts / {POOL_BUCKET_US}) * {POOL_BUCKET_US}, 0 "
         "FROM pool_samples"
     )
 
