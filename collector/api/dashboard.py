@@ -68,8 +68,8 @@ def build_router(
         "/v1/stats/prompt-tokens",
         responses=_ERRORS,
         summary="Prompt tokens per model and route over time, against the safe-context lines",
-        description="From 5-minute rollups, each computed once its 5 minutes have closed (so "
-        "the newest 5-6 minutes are not in it yet):"
+        description="From 5-minute rollups (the open one recomputed at most once a minute, so "
+        "the newest minute may be missing):"
         " per (model, route, bucket) requests, rejected, max (exact), mean, p50 and p99 "
         "(upper bounds of 9%-wide bins, clipped to the max) and how many reached 80% and 100% "
         "of the model's safe context (whole bins whose largest prompt reached the line: an "

@@ -4,8 +4,8 @@ the number of raw rows in the window.
 Prompt sizes come from :class:`~collector.models.RequestRollup` prompt bins (9% wide), so
 percentiles are bin upper bounds clipped to the exact maximum, and counts at or above a line
 count a whole bin when its largest prompt reaches the line (an upper bound, never an
-undercount). A bucket is rolled up once it has closed, so the newest 5 minutes (plus
-``KVWATCH_ROLLUP_INTERVAL_S``) are not in these figures yet.
+undercount). The open bucket is recomputed at most once a minute, so the newest minute
+(plus ``KVWATCH_ROLLUP_INTERVAL_S``) may not be in these figures yet.
 """
 
 from __future__ import annotations
