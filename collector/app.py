@@ -95,9 +95,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.policies_enabled
         else None
     )
-    # At start too: a restarted collector (or one just migrated) catches up at once.
+    refresher = RollupRefresher(db)
+    # At start, everything marked: what was ingested before this collector started (a demo,
+    # a restart, a migration's backfill) shows at once.
     rollups = Periodic(
-        "rollups", settings.rollup_interval_s, RollupRefresher(db).refresh, at_start=True
+        "rollups",
+        settings.rollup_interval_s,
+        refresher.refresh,
+        at_start=lambda: refresher.refresh(everything=True),
     )
 
     def ensure_partitions() -> None:

@@ -17,7 +17,12 @@ log = logging.getLogger("kvwatch.periodic")
 
 class Periodic:
     def __init__(
-        self, name: str, interval_s: float, run: Callable[[], object], *, at_start: bool = False
+        self,
+        name: str,
+        interval_s: float,
+        run: Callable[[], object],
+        *,
+        at_start: Callable[[], object] | None = None,
     ):
         self.name = name
         self.interval_s = interval_s
@@ -35,14 +40,14 @@ class Periodic:
             self._thread.start()
 
     def _loop(self) -> None:
-        if self.at_start:
-            self.run_once()
+        if self.at_start is not None:
+            self.run_once(self.at_start)
         while not self._stop.wait(self.interval_s):
             self.run_once()
 
-    def run_once(self) -> None:
+    def run_once(self, run: Callable[[], object] | None = None) -> None:
         try:
-            self._run()
+            (run or self._run)()
             self.passes += 1
         except CollectorError as exc:  # the database is down: the next pass catches up
             log.warning("%s pass skipped: %s", self.name, exc.message)

@@ -72,10 +72,14 @@ class RollupRefresher:
             q = select(sa.func.count()).select_from(m.RollupDirty).where(_due(now_us))
             return int(conn.execute(q).scalar_one())
 
-    def refresh(self, *, now: datetime | None = None, max_passes: int = 1_000) -> RefreshResult:
-        """Recompute due buckets until none is left (or ``max_passes`` transactions)."""
+    def refresh(
+        self, *, now: datetime | None = None, max_passes: int = 1_000, everything: bool = False
+    ) -> RefreshResult:
+        """Recompute due buckets until none is left (or ``max_passes`` transactions);
+        ``everything``: every marked bucket, due or not (a collector's first pass, so what
+        was ingested before it started shows at once)."""
         out = RefreshResult()
-        now_us = m.to_micros(now or datetime.now(UTC))
+        now_us = 2**62 if everything else m.to_micros(now or datetime.now(UTC))
         for _ in range(max_passes):
             # A read first: an idle refresher must not take SQLite's write lock every pass.
             with self.db.read() as conn:
