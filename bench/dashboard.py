@@ -15,6 +15,7 @@ exist to beat. Ratio = endpoint / raw (below 1: the rollups pay). Last line: one
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import sys
@@ -103,9 +104,9 @@ def measure(conninfo: str, url: str, n: int) -> dict[str, Any]:
                     ).all()
 
             ceiling = _best(raw)
-            admin = _best(lambda w=w: stats.prompt_tokens(Scope(), w))
-            tenant = _best(lambda w=w: stats.prompt_tokens(Scope(tenant="acme"), w))
-            top = _best(lambda w=w: stats.top_prompts(Scope(model_id="glm-5.3"), w, 20))
+            admin = _best(functools.partial(stats.prompt_tokens, Scope(), w))
+            tenant = _best(functools.partial(stats.prompt_tokens, Scope(tenant="acme"), w))
+            top = _best(functools.partial(stats.top_prompts, Scope(model_id="glm-5.3"), w, 20))
             out[label] = {
                 "raw_group_by_ms": round(ceiling * 1000, 1),
                 "prompt_tokens_ms": round(admin * 1000, 1),
