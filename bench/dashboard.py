@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bench.common import BenchError, bench_main
-from bench.ingest import DEFAULT_PG_URL, PgServer
+from bench.ingest import PgServer, add_pg_url
 
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli", "stark")
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -148,11 +148,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="200,000 requests only")
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    p.add_argument(
-        "--pg-url",
-        default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),
-        help="admin URL used only to create and drop kvwatch_bench_* databases",
-    )
+    add_pg_url(p)
     return p.parse_args(argv)
 
 

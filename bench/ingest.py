@@ -734,6 +734,16 @@ class PgServer:
                 print(f"warning: could not drop database {name}: {exc}", file=sys.stderr)
 
 
+def add_pg_url(p: argparse.ArgumentParser) -> None:
+    """``--pg-url``: the PostgreSQL server the benchmarks create throwaway databases on."""
+    p.add_argument(
+        "--pg-url",
+        default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),
+        help="an existing PostgreSQL database to connect to for creating and dropping "
+        f"throwaway ones (default {DEFAULT_PG_URL}, env KVWATCH_BENCH_PG_URL)",
+    )
+
+
 # -- driver ----------------------------------------------------------------------------------
 
 
@@ -914,12 +924,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="sample the collector with py-spy while it ingests; collapsed stacks to DIR "
         "(the sampling costs the collector some CPU: figures are then indicative only)",
     )
-    p.add_argument(
-        "--pg-url",
-        default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),
-        help="an existing PostgreSQL database to connect to for creating and dropping "
-        f"throwaway ones (default {DEFAULT_PG_URL}, env KVWATCH_BENCH_PG_URL)",
-    )
+    add_pg_url(p)
     p.add_argument("--workers", type=int, default=1, help="collector processes (default 1)")
     args = p.parse_args(argv)
     if args.events is None:

@@ -76,7 +76,6 @@ import httpx
 
 from bench.common import BenchError, bench_main
 from bench.ingest import (
-    DEFAULT_PG_URL,
     DEPLOYMENTS,
     ROUTES,
     TENANTS,
@@ -88,6 +87,7 @@ from bench.ingest import (
     _ingest_token,
     _pct,
     _run_parallel,
+    add_pg_url,
     build_workload,
     collector,
     ingest_client,
@@ -968,12 +968,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="notify_poll_s of the comparison series (default 0.01; 0 skips it)",
     )
     p.add_argument("--seed", type=int, default=1, help="workload seed")
-    p.add_argument(
-        "--pg-url",
-        default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),
-        help="an existing PostgreSQL database to connect to for creating and dropping "
-        f"throwaway ones (default {DEFAULT_PG_URL}, env KVWATCH_BENCH_PG_URL)",
-    )
+    add_pg_url(p)
     args = p.parse_args(argv)
     q = args.quick
     defaults = {

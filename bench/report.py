@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BenchError, bench_main
-from bench.ingest import DEFAULT_PG_URL, PgServer
+from bench.ingest import PgServer, add_pg_url
 
 MODEL = "glm-5.3"
 T0 = datetime(2026, 8, 1, tzinfo=UTC)
@@ -201,11 +201,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also record Python's allocation peak (slows the build several-fold)",
     )
-    p.add_argument(
-        "--pg-url",
-        default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),
-        help="admin URL used only to create and drop kvwatch_bench_* databases",
-    )
+    add_pg_url(p)
     return p.parse_args(argv)
 
 

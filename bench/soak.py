@@ -34,13 +34,13 @@ import httpx
 
 from bench.common import BenchError, bench_main
 from bench.ingest import (
-    DEFAULT_PG_URL,
     Batch,
     Expected,
     PgServer,
     Workload,
     _ingest_token,
     _pct,
+    add_pg_url,
     collector,
     raw_postgres,
 )
@@ -304,11 +304,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--producers", type=int, default=4)
     p.add_argument("--batch-requests", type=int, default=400, help="requests per batch")
-    p.add_argument(
-        "--pg-url",
-        default=os.environ.get("KVWATCH_BENCH_PG_URL", DEFAULT_PG_URL),
-        help="admin URL used only to create and drop kvwatch_bench_* databases",
-    )
+    add_pg_url(p)
     return p.parse_args(argv)
 
 
