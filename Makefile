@@ -9,7 +9,10 @@ TORCH_INDEX_URL ?=
 DEMO_DIR        ?= kvwatch-demo
 STAMP  := $(VENV)/.kvwatch-installed
 
-.PHONY: setup demo test pytest lint clean
+ENGINES := vllm sglang
+ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
+
+.PHONY: setup engines demo test pytest pytest-engines lint clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +22,23 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# One venv per real engine (their pins conflict with each other and with ours).
+.venv-%/.kvwatch-installed: engines/%/nodeps.txt engines/%/requirements.txt engines/build-venv.sh pyproject.toml
+	PYTHON=$(PYTHON) TORCH='$(TORCH)' TORCH_INDEX_URL='$(TORCH_INDEX_URL)' bash engines/build-venv.sh $*
+
+engines: $(ENGINE_STAMPS)
+
 demo: setup
 	$(BIN)/kvwatch demo --dir $(DEMO_DIR)
 
-test: setup lint pytest
+test: setup lint pytest pytest-engines
 
-pytest: setup
+pytest: setup engines
 	$(BIN)/python -m pytest
+
+# Tests that drive the engines' own classes in-process run inside each engine's venv.
+pytest-engines: engines
+	$(foreach e,$(ENGINES),.venv-$(e)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$(e) &&) true
 
 lint: setup
 	$(BIN)/ruff check .
@@ -33,4 +46,4 @@ lint: setup
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(ENGINES:%=.venv-%) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache *.egg-info
