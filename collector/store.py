@@ -214,6 +214,13 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
                     (dep, e.probe_id, e.seq, ts, "page.reuse", e.node, None, None, None, None,
                      e.reused_pages, e.cross_tenant_pages > 0, _json.encode(detail).decode())
                 )  # fmt: skip
+            case ev.PrefixCacheHit():
+                detail = {"role": e.role, "tokens": e.tokens, "salted": e.salted}
+                rows.page.append(
+                    (dep, e.probe_id, e.seq, ts, "prefix_cache.hit", e.node, e.reader_request_id,
+                     e.reader_tenant, e.owner_request_id, e.owner_tenant, e.pages, e.cross_tenant,
+                     _json.encode(detail).decode())
+                )  # fmt: skip
             case ev.CanaryHit():
                 cross = e.canary_tenant is not None and e.canary_tenant != e.reader_tenant
                 detail = {"detector": e.detector, "page_ids": e.page_ids}

@@ -227,6 +227,31 @@ class PageStaleRead(Event, tag="page.stale_read", kw_only=True, frozen=True):
         return self.previous_tenant is not None and self.previous_tenant != self.reader_tenant
 
 
+class PrefixCacheHit(Event, tag="prefix_cache.hit", kw_only=True, frozen=True):
+    """A request admitted with KV blocks another request computed (a prefix-cache hit).
+
+    A legitimate receipt, not a stale read: the engine matched the blocks by the hash of
+    their tokens (and, when ``salted``, of a per-request cache salt). Across tenants without
+    a salt it is still a side channel: hit timing tells one tenant what another sent.
+    ``owner_*`` name the request that computed the blocks; None when it is not known (it was
+    computed before the probe attached).
+    """
+
+    node: Id = "node-0"
+    role: Role = "both"
+    reader_request_id: Id
+    reader_tenant: Id
+    owner_request_id: Id | None
+    owner_tenant: Id | None
+    pages: Count
+    tokens: Tokens = 0
+    salted: bool
+
+    @property
+    def cross_tenant(self) -> bool:
+        return self.owner_tenant is not None and self.owner_tenant != self.reader_tenant
+
+
 class CanaryHit(Event, tag="canary.hit", kw_only=True, frozen=True):
     """A canary (painted page pattern or planted text) found where it must not be."""
 
@@ -253,6 +278,7 @@ AnyEvent = (
     | KvTransfer
     | PageReuse
     | PageStaleRead
+    | PrefixCacheHit
     | CanaryHit
     | ProbeDrops
 )
@@ -266,6 +292,7 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     KvTransfer,
     PageReuse,
     PageStaleRead,
+    PrefixCacheHit,
     CanaryHit,
     ProbeDrops,
 )

@@ -96,6 +96,20 @@ def stale_read(seq: int, **kw: Any) -> ev.Event:
     return ev.PageStaleRead(**base(seq, **_pop_base(fields)), **fields)
 
 
+def prefix_hit(seq: int, **kw: Any) -> ev.Event:
+    fields: dict[str, Any] = {
+        "reader_request_id": "r-b",
+        "reader_tenant": "globex",
+        "owner_request_id": "r-a",
+        "owner_tenant": "acme",
+        "pages": 3,
+        "tokens": 96,
+        "salted": False,
+    }
+    fields.update(kw)
+    return ev.PrefixCacheHit(**base(seq, **_pop_base(fields)), **fields)
+
+
 def _pop_base(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: fields.pop(k) for k in ("probe", "dep", "ts") if k in fields}
 

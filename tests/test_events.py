@@ -38,6 +38,7 @@ ALL = [
         page_ids=[1],
     ),
     ev.ProbeDrops(**f.base(10), counts={"buffer_full": 3}),
+    f.prefix_hit(11),
 ]
 
 

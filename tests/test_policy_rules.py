@@ -227,6 +227,26 @@ def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:
     assert env.alerts("prefix_cache_unsalted")[0]["state"] == "resolved"
 
 
+def test_prefix_cache_cross_tenant_on_hits_across_tenants_only(env: Env) -> None:
+    same = f.prefix_hit(env.next(), probe=env.probe, reader_tenant="acme")
+    env.send(same, f.prefix_hit(env.next(), probe=env.probe, owner_tenant=None))
+    assert env.alerts("prefix_cache_cross_tenant") == []  # own tenant, or owner unknown
+    env.send(f.prefix_hit(env.next(), probe=env.probe, pages=4))
+    (a,) = env.alerts("prefix_cache_cross_tenant")
+    assert a["state"] == "firing" and a["value"] == 4
+    assert a["labels"]["reader_tenant"] == "globex" and a["labels"]["owner_tenant"] == "acme"
+    assert a["labels"]["salted"] == "false"
+    env.send(f.prefix_hit(env.next(), probe=env.probe, salted=True))
+    salted = [x for x in env.alerts("prefix_cache_cross_tenant") if x["labels"]["salted"] == "true"]
+    assert len(salted) == 1 and "share a salt" in salted[0]["annotations"]["summary"]
+    r = env.admin.get("/v1/page-events", params={"kind": "prefix_cache.hit"})
+    items = r.json()["items"]
+    assert len(items) == 4 and sum(i["cross_tenant"] for i in items) == 2
+    hit = next(i for i in items if i["page_count"] == 4)
+    assert hit["tenant"] == "globex" and hit["other_tenant"] == "acme"
+    assert hit["detail"] == {"role": "both", "tokens": 96, "salted": False}
+
+
 def test_telemetry_gaps_missing_fields_and_silent_probes(env: Env) -> None:
     env.send(f.admitted(env.next(), "r-1", probe=env.probe))
     assert env.alerts("telemetry_gap") == []

@@ -7,7 +7,7 @@ from policies.kinds.base import RuleKind
 from policies.kinds.context import ContextPressure
 from policies.kinds.isolation import RejectedPrefillKvTransfer, StalePageRead
 from policies.kinds.pool import PoolBelowAdvertised, PoolHeadroom
-from policies.kinds.prefix import PrefixCacheUnsalted
+from policies.kinds.prefix import PrefixCacheCrossTenant, PrefixCacheUnsalted
 from policies.kinds.telemetry import TelemetryGap
 from policies.kinds.verification import ConfigDrift, VerificationMissingOrStale
 
@@ -23,6 +23,7 @@ KINDS: dict[str, RuleKind] = {
         RejectedPrefillKvTransfer(),
         EngineVersionAdvisory(),
         PrefixCacheUnsalted(),
+        PrefixCacheCrossTenant(),
         TelemetryGap(),
     )
 }
