@@ -196,20 +196,8 @@ class RollupDirty(Base):
     marked_at: Mapped[int] = mapped_column(BigInteger)  # µs; the first mark since the last pass
 
 
-class RequestRollup(Base):
-    """Requests per 5-minute bucket (by ``first_ts``), deployment, model, route, tenant and
-    prompt-size bin: what the dashboard charts instead of raw requests.
-
-    ``prompt_bin`` is ``floor(8 * log2(max(prompt_tokens, 1)))`` (bins 9% wide), or -1 when
-    the prompt size is unknown; ``prompt_tokens_max`` is exact.
-    """
-
-    __tablename__ = "request_rollups"
-    __table_args__ = (
-        Index(None, "deployment_id", "bucket_start"),
-        Index(None, "bucket_start"),
-        Index(None, "tenant", "bucket_start"),
-    )
+class _RequestRollupColumns:
+    """The columns of both request rollup tiers (see :class:`RequestRollup`)."""
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
@@ -222,6 +210,41 @@ class RequestRollup(Base):
     rejected: Mapped[int] = mapped_column(BigInteger)
     prompt_tokens_max: Mapped[int | None] = mapped_column(BigInteger)
     prompt_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+
+
+class RequestRollup(_RequestRollupColumns, Base):
+    """Requests per 5-minute bucket (by ``first_ts``), deployment, model, route, tenant and
+    prompt-size bin: what the dashboard charts instead of raw requests.
+
+    ``prompt_bin`` is ``floor(8 * log2(max(prompt_tokens, 1)))`` (bins 9% wide), or -1 when
+    the prompt size is unknown; ``prompt_tokens_max`` is exact.
+
+    Invariant: each (deployment, bucket) holds one row per (model, route, tenant, bin) with
+    requests, and also the same figures summed over tenants under ``tenant = '*'`` (not a
+    valid tenant id): an operator's chart reads those, never every tenant's rows. A reader
+    therefore always filters on one tenant value, ``'*'`` or a tenant's.
+    """
+
+    __tablename__ = "request_rollups"
+    __table_args__ = (
+        Index(None, "deployment_id", "bucket_start"),
+        Index(None, "bucket_start"),
+        Index(None, "tenant", "bucket_start"),
+    )
+
+
+class RequestRollupHourly(_RequestRollupColumns, Base):
+    """:class:`RequestRollup` summed per hour: long windows read 12x fewer rows.
+
+    Invariant: an hour's rows are the sum of its twelve 5-minute buckets' rows, recomputed
+    in the same transaction whenever one of those buckets is.
+    """
+
+    __tablename__ = "request_rollups_hourly"
+    __table_args__ = (
+        Index(None, "deployment_id", "bucket_start"),
+        Index(None, "tenant", "bucket_start"),
+    )
 
 
 class PoolRollup(Base):
@@ -243,7 +266,7 @@ class PoolRollup(Base):
 
 
 class PageEvent(Base):
-    """kv.transfer, page.reuse, page.stale_read and canary.hit events.
+    """kv.transfer, page.reuse, page.stale_read, prefix_cache.hit and canary.hit events.
 
     ``tenant``/``request_id`` name the reader (or transfer owner), ``other_tenant`` /
     ``other_request_id`` the previous owner of the pages (the exposed party).

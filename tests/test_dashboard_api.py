@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from collector import migrate
 from collector import models as m
 from collector.db import Database
-from collector.rollups.buckets import BINS_PER_OCTAVE, bin_high, bin_low, bin_of
+from collector.rollups.buckets import ALL_TENANTS, BINS_PER_OCTAVE, bin_high, bin_low, bin_of
 from collector.rollups.refresh import RollupRefresher
 from tests import factories as f
 from tests.conftest import Collector, wait_rollups
@@ -116,6 +116,20 @@ def test_prompt_token_stats_match_the_ingested_requests(collector: Collector) ->
     assert sum(hist.values()) == len(reqs)
     b = bin_of(610_000)
     assert hist[(int(bin_low(b)), int(bin_high(b)))] >= 1
+
+
+def test_a_long_window_reads_the_hourly_tier_with_the_same_figures(collector: Collector) -> None:
+    reqs = _seed(collector)
+    acme = collector.token("read", tenant="acme")
+    week = {"since": (f.T0 - timedelta(days=7)).isoformat(), "until": WINDOW["until"]}
+    for token, mine in ((None, reqs), (acme, [r for r in reqs if r[0] == "acme"])):
+        short = get(collector, "/v1/stats/prompt-tokens", token, **WINDOW)
+        long = get(collector, "/v1/stats/prompt-tokens", token, **week)
+        assert short["bucket_seconds"] == 300 and long["bucket_seconds"] % 3600 == 0
+        assert long["routes"] == short["routes"] and long["histogram"] == short["histogram"]
+        assert sum(x["requests"] for x in long["routes"]) == len(mine)
+        (hour,) = {x["bucket_start_us"] for x in long["series"]}  # all in T0's hour
+        assert hour == int(f.T0.timestamp() * 10**6) // 3_600_000_000 * 3_600_000_000
 
 
 def test_a_tenant_token_sees_only_its_tenant(collector: Collector) -> None:
@@ -287,10 +301,18 @@ def test_existing_data_is_backfilled_by_the_migration(sqlite_url: str) -> None:
         assert RollupRefresher(db).refresh().request_buckets == 1
         with db.read() as conn:
             rows = conn.exec_driver_sql(
-                "SELECT prompt_bin, requests, rejected, prompt_tokens_max FROM request_rollups "
-                "ORDER BY prompt_bin"
+                "SELECT tenant, prompt_bin, requests, rejected, prompt_tokens_max FROM "
+                "request_rollups ORDER BY tenant DESC, prompt_bin"
             ).all()
-        assert [tuple(r) for r in rows] == [(-1, 1, 1, None), (bin_of(1234), 1, 0, 1234)]
+            hourly = conn.exec_driver_sql(
+                "SELECT tenant, bucket_start, prompt_bin, requests FROM request_rollups_hourly "
+                "ORDER BY tenant DESC, prompt_bin"
+            ).all()
+        one = [(-1, 1, 1, None), (bin_of(1234), 1, 0, 1234)]
+        assert [tuple(r) for r in rows] == [("t", *x) for x in one] + [("*", *x) for x in one]
+        assert [tuple(r) for r in hourly] == [
+            (t, 0, b, 1) for t in ("t", "*") for b in (-1, bin_of(1234))
+        ]  # the hourly tier: the hour's sums, per tenant and over tenants
     finally:
         db.dispose()
 
@@ -316,7 +338,8 @@ def test_the_database_bins_prompts_as_python_does(db_url: str) -> None:
             )
         RollupRefresher(db).refresh()
         with db.read() as conn:
-            q = sa.select(m.RequestRollup.tenant, m.RequestRollup.prompt_bin)
+            rr = m.RequestRollup
+            q = sa.select(rr.tenant, rr.prompt_bin).where(rr.tenant != ALL_TENANTS)
             got = {t: b for t, b in conn.execute(q)}
     finally:
         db.dispose()

@@ -29,6 +29,8 @@ from collector import audit
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput, NotFound
+from collector.rollups import refresh as rollups
+from collector.rollups.buckets import REQUEST_BUCKET_US, floor_to
 
 ERASED = "<erased>"
 
@@ -124,9 +126,23 @@ class ErasureService:
         t = match.tenant
         r, pe = m.Request, m.PageEvent
         out: dict[str, int] = {}
+        # The all-tenant rollup rows hold the tenant's counts too: their buckets are
+        # recomputed without them.
+        first = sa.type_coerce(r.first_ts, sa.BigInteger)
+        touched = select(r.deployment_id, first).where(r.tenant == t).distinct()
+        rollups.mark(
+            conn,
+            (
+                ("requests", d, floor_to(int(ts), REQUEST_BUCKET_US))
+                for d, ts in conn.execute(touched)
+            ),
+        )
         out["requests"] = conn.execute(sa.delete(r).where(r.tenant == t)).rowcount
         out["request_rollups"] = conn.execute(
             sa.delete(m.RequestRollup).where(m.RequestRollup.tenant == t)
+        ).rowcount
+        out["request_rollups"] += conn.execute(
+            sa.delete(m.RequestRollupHourly).where(m.RequestRollupHourly.tenant == t)
         ).rowcount
         out["page_events"] = conn.execute(sa.delete(pe).where(pe.tenant == t)).rowcount
         out["page_events_blanked"] = conn.execute(

@@ -22,7 +22,8 @@ from collector import audit, partitions
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput, NotFound
-from collector.rollups.buckets import POOL_BUCKET_US, REQUEST_BUCKET_US, floor_to
+from collector.rollups import refresh as rollups
+from collector.rollups.buckets import HOUR_US, POOL_BUCKET_US, REQUEST_BUCKET_US, floor_to
 
 EVIDENCE_KINDS = ("page.stale_read", "canary.hit")
 CHART_LEAD_US = 3600 * 10**6
@@ -217,11 +218,15 @@ class RetentionService:
         res.requests = conn.execute(sa.delete(r).where(*req_cond)).rowcount
         res.pool_samples += conn.execute(sa.delete(ps).where(*pool_cond)).rowcount
         res.page_events += conn.execute(sa.delete(pe).where(*page_cond)).rowcount
-        rr, pr = m.RequestRollup, m.PoolRollup
+        rr, rh, pr = m.RequestRollup, m.RequestRollupHourly, m.PoolRollup
         conn.execute(
             sa.delete(rr).where(
                 rr.deployment_id == dep, rr.bucket_start + REQUEST_BUCKET_US <= keep_from
             )
+        )
+        # The hour keep_from falls in is recomputed with its marked bucket below.
+        conn.execute(
+            sa.delete(rh).where(rh.deployment_id == dep, rh.bucket_start + HOUR_US <= keep_from)
         )
         conn.execute(
             sa.delete(pr).where(
@@ -236,19 +241,7 @@ class RetentionService:
             select(_us(r.first_ts)).where(r.deployment_id == dep, _us(r.first_ts) < keep_from)
         ):
             marks.add(("requests", floor_to(int(first), REQUEST_BUCKET_US)))
-        d = m.RollupDirty
-        for kind, bucket in sorted(marks):
-            exists = conn.execute(
-                select(d.kind).where(
-                    d.kind == kind, d.deployment_id == dep, d.bucket_start == bucket
-                )
-            ).first()
-            if exists is None:
-                conn.execute(
-                    sa.insert(d).values(
-                        kind=kind, deployment_id=dep, bucket_start=bucket, marked_at=0
-                    )
-                )
+        rollups.mark(conn, ((kind, dep, bucket) for kind, bucket in marks))
 
     def _incident_holds(
         self, conn: Connection, dep: str, cutoff: int, res: DeploymentResult

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 REQUEST_BUCKET_US = 300_000_000  # 5 minutes, by a request's first_ts
 POOL_BUCKET_US = 60_000_000  # 1 minute
+HOUR_US = 3_600_000_000  # the second request tier (a whole number of REQUEST_BUCKET_US)
+ALL_TENANTS = "*"  # the rollup rows summed over tenants (never a valid tenant id)
 BINS_PER_OCTAVE = 8  # bins 2**(1/8) - 1 = 9% wide
 UNKNOWN_BIN = -1
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -25,10 +26,13 @@ from sqlalchemy import BigInteger, Connection, select, type_coerce
 from collector import models as m
 from collector.db import Database
 from collector.rollups.buckets import (
+    ALL_TENANTS,
     BINS_PER_OCTAVE,
+    HOUR_US,
     POOL_BUCKET_US,
     REQUEST_BUCKET_US,
     UNKNOWN_BIN,
+    floor_to,
 )
 
 log = logging.getLogger("kvwatch.rollups")
@@ -99,6 +103,7 @@ class RollupRefresher:
                 marks = conn.execute(q).all()
                 if not marks:
                     return out
+                hours: set[tuple[str, int]] = set()
                 for kind, dep, bucket in marks:
                     conn.execute(
                         sa.delete(d).where(
@@ -107,13 +112,31 @@ class RollupRefresher:
                     )
                     if kind == "requests":
                         _requests(conn, dep, int(bucket))
+                        hours.add((dep, floor_to(int(bucket), HOUR_US)))
                         out.request_buckets += 1
                     elif kind == "pool":
                         _pool(conn, dep, int(bucket))
                         out.pool_buckets += 1
                     else:  # a mark from a newer version: leave it to that version
                         log.warning("unknown rollup kind %r ignored", kind)
+                # once per hour touched, however many of its buckets the batch held
+                for dep, hour in sorted(hours):
+                    _hour(conn, dep, hour)
         return out
+
+
+def mark(conn: Connection, marks: Iterable[tuple[str, str, int]]) -> None:
+    """Mark (kind, deployment, bucket)s for recomputation (outside ingest: erasure and
+    retention); a bucket already marked keeps its mark."""
+    d = m.RollupDirty
+    for kind, dep, bucket in sorted(set(marks)):
+        exists = conn.execute(
+            select(d.kind).where(d.kind == kind, d.deployment_id == dep, d.bucket_start == bucket)
+        ).first()
+        if exists is None:
+            conn.execute(
+                sa.insert(d).values(kind=kind, deployment_id=dep, bucket_start=bucket, marked_at=0)
+            )
 
 
 def _prompt_bin(conn: Connection, col: Any) -> Any:
@@ -126,9 +149,24 @@ def _prompt_bin(conn: Connection, col: Any) -> Any:
     return sa.case((col.is_(None), UNKNOWN_BIN), else_=binned)
 
 
+_ROLLUP_COLS = [
+    "deployment_id",
+    "bucket_start",
+    "model_id",
+    "route",
+    "tenant",
+    "prompt_bin",
+    "requests",
+    "rejected",
+    "prompt_tokens_max",
+    "prompt_tokens_sum",
+]
+
+
 def _requests(conn: Connection, dep: str, bucket: int) -> None:
-    # One INSERT ... SELECT ... GROUP BY: the database aggregates, so a bucket of millions of
-    # requests costs no memory here.
+    # INSERT ... SELECT ... GROUP BY: the database aggregates, so a bucket of millions of
+    # requests costs no memory here. Per tenant from the raw rows, then over tenants from
+    # those (a few hundred rows, not the raw ones again).
     r, rr = m.Request, m.RequestRollup
     conn.execute(sa.delete(rr).where(rr.deployment_id == dep, rr.bucket_start == bucket))
     first = type_coerce(r.first_ts, BigInteger)
@@ -149,23 +187,53 @@ def _requests(conn: Connection, dep: str, bucket: int) -> None:
         .where(r.deployment_id == dep, first >= bucket, first < bucket + REQUEST_BUCKET_US)
         .group_by(r.model_id, r.route, r.tenant, pbin)
     )
-    conn.execute(
-        sa.insert(rr).from_select(
-            [
-                "deployment_id",
-                "bucket_start",
-                "model_id",
-                "route",
-                "tenant",
-                "prompt_bin",
-                "requests",
-                "rejected",
-                "prompt_tokens_max",
-                "prompt_tokens_sum",
-            ],
-            source,
+    conn.execute(sa.insert(rr).from_select(_ROLLUP_COLS, source))
+    _sum_rollups(conn, rr, rr, dep, bucket, REQUEST_BUCKET_US, over_tenants=True)
+
+
+def _hour(conn: Connection, dep: str, hour: int) -> None:
+    """The hourly tier's rows of one hour, from its 5-minute rows (``'*'`` ones included)."""
+    h = m.RequestRollupHourly
+    conn.execute(sa.delete(h).where(h.deployment_id == dep, h.bucket_start == hour))
+    _sum_rollups(conn, m.RequestRollup, h, dep, hour, HOUR_US, over_tenants=False)
+
+
+def _sum_rollups(
+    conn: Connection,
+    src: Any,
+    dst: Any,
+    dep: str,
+    start: int,
+    width: int,
+    *,
+    over_tenants: bool,
+) -> None:
+    """Insert into ``dst``, at ``start``, the sums of ``src``'s rows in [start, start +
+    width): per tenant (``'*'`` rows included), or ``over_tenants`` as ``'*'`` rows."""
+    tenant = sa.literal(ALL_TENANTS, sa.String) if over_tenants else src.tenant
+    keys = [src.model_id, src.route, src.prompt_bin] + ([] if over_tenants else [src.tenant])
+    source = (
+        select(
+            sa.literal(dep, sa.String),
+            sa.literal(start, BigInteger),
+            src.model_id,
+            src.route,
+            tenant,
+            src.prompt_bin,
+            sa.func.sum(src.requests),
+            sa.func.sum(src.rejected),
+            sa.func.max(src.prompt_tokens_max),
+            sa.func.sum(src.prompt_tokens_sum),
         )
+        .where(
+            src.deployment_id == dep,
+            src.bucket_start >= start,
+            src.bucket_start < start + width,
+            *([src.tenant != ALL_TENANTS] if over_tenants else []),
+        )
+        .group_by(*keys)
     )
+    conn.execute(sa.insert(dst).from_select(_ROLLUP_COLS, source))
 
 
 def _pool(conn: Connection, dep: str, bucket: int) -> None:
