@@ -6,6 +6,7 @@ input, and the rollups kept exact when a request's earliest event arrives late."
 from __future__ import annotations
 
 import math
+import random
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,7 @@ from collector import models as m
 from collector.db import Database
 from collector.rollups.buckets import ALL_TENANTS, BINS_PER_OCTAVE, bin_high, bin_low, bin_of
 from collector.rollups.refresh import RollupRefresher
+from collector.rollups.stats import _Dist
 from tests import factories as f
 from tests.conftest import Collector, wait_rollups
 
@@ -39,6 +41,18 @@ def get(c: Collector, path: str, token: str | None = None, **params: Any) -> Any
     return r.json()
 
 
+_SEEDED = [
+    ("acme", CHAT, 1_000, 10),
+    ("acme", CHAT, 470_000, 20),  # 78%: below the warn line
+    ("acme", CHAT, 500_000, 30),  # 83%
+    ("acme", EMB, 300, 40),
+    ("globex", CHAT, 610_000, 50),  # over the safe context
+    ("globex", CHAT, 90_000, 400),  # second bucket
+    ("globex", CHAT, 120_000, 410),
+]
+T0_US = int(f.T0.timestamp() * 10**6)
+
+
 def _seed(c: Collector) -> list[tuple[str, str, int, int]]:
     """Requests over two 5-minute buckets, two routes and two tenants; returns
     (tenant, route, prompt, seconds after T0) per request."""
@@ -58,15 +72,7 @@ def _seed(c: Collector) -> list[tuple[str, str, int, int]]:
             },
         )
         assert r.status_code == 201, r.text
-    reqs = [
-        ("acme", CHAT, 1_000, 10),
-        ("acme", CHAT, 470_000, 20),  # 78%: below the warn line
-        ("acme", CHAT, 500_000, 30),  # 83%
-        ("acme", EMB, 300, 40),
-        ("globex", CHAT, 610_000, 50),  # over the safe context
-        ("globex", CHAT, 90_000, 400),  # second bucket
-        ("globex", CHAT, 120_000, 410),
-    ]
+    reqs = _SEEDED
     events = [
         f.admitted(100 + i, f"r{i}", tenant, prompt, route=route, ts=f.T0 + timedelta(seconds=s))
         for i, (tenant, route, prompt, s) in enumerate(reqs)
@@ -116,6 +122,36 @@ def test_prompt_token_stats_match_the_ingested_requests(collector: Collector) ->
     assert sum(hist.values()) == len(reqs)
     b = bin_of(610_000)
     assert hist[(int(bin_low(b)), int(bin_high(b)))] >= 1
+
+
+def test_every_series_figure_equals_the_reference_fold(collector: Collector) -> None:
+    """The series' quantiles and line counts come from SQL window functions; the route
+    totals from a fold in Python. Both must agree with the reference fold over exact bins."""
+    _seed(collector)  # the verified safe context: lines at 480,000 and 600,000
+    rng = random.Random(7)
+    reqs = [
+        (rng.choice((CHAT, EMB)), int(rng.lognormvariate(11, 1.5)) + 1, rng.randrange(0, 900))
+        for _ in range(400)
+    ]
+    reqs += [(CHAT, None, 30), (EMB, None, 700)]  # unknown prompt sizes
+    events = [
+        f.admitted(1000 + i, f"x{i}", "acme", p, route=route, ts=f.T0 + timedelta(seconds=sec))
+        for i, (route, p, sec) in enumerate(reqs)
+    ]
+    send(collector, *events)
+    wait_rollups(collector.db_url)
+    doc = get(collector, "/v1/stats/prompt-tokens", **WINDOW, max_points=24)
+    line = {"warn_line": 480_000, "critical_line": SAFE}
+    seeded = [(route, p, sec) for _, route, p, sec in _SEEDED]
+    want: dict[tuple[str, int], _Dist] = {}
+    for route, p, sec in seeded + reqs:
+        d = want.setdefault((route, sec // 300), _Dist())
+        d.add(-1 if p is None else bin_of(p), 1, 0, p, p or 0)
+    got = {(x["route"], (x["bucket_start_us"] - T0_US) // 300_000_000): x for x in doc["series"]}
+    assert set(got) == set(want)
+    for key, d in want.items():
+        exp = d.summary(line)
+        assert {k: got[key][k] for k in exp} == exp, key
 
 
 def test_a_long_window_reads_the_hourly_tier_with_the_same_figures(collector: Collector) -> None:

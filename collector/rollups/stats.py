@@ -102,14 +102,16 @@ class _Dist:
         cur[0] += n
         cur[1] = max(cur[1], mx)
 
-    def quantile(self, q: float) -> int | None:
+    def quantile(self, pct: int) -> int | None:
+        """The upper bound of the bin where the cumulative count reaches ``pct`` percent
+        (integer arithmetic: the same answer the series' SQL gives), clipped to its max."""
         known = self.requests - self.unknown
         if known <= 0:
             return None
-        rank, seen = q * known, 0
+        seen = 0
         for b in sorted(self.bins):
             seen += self.bins[b][0]
-            if seen >= rank:
+            if seen * 100 >= pct * known:
                 return min(int(bin_high(b)), self.bins[b][1])
         return self.max
 
@@ -126,8 +128,8 @@ class _Dist:
             "unknown_prompt": self.unknown,
             "max": self.max,
             "mean": round(self.sum / known, 1) if known else None,
-            "p50": self.quantile(0.5),
-            "p99": self.quantile(0.99),
+            "p50": self.quantile(50),
+            "p99": self.quantile(99),
             "at_or_above_warn": self.at_or_above(line["warn_line"] if line else None),
             "at_or_above_critical": self.at_or_above(line["critical_line"] if line else None),
         }
@@ -138,6 +140,14 @@ class StatsService:
         self.db = db
 
     def prompt_tokens(self, scope: Scope, window: Window) -> dict[str, Any]:
+        """Per model and route: the window's totals, histogram, and per-bucket series.
+
+        Two passes over the window's rollup rows, both aggregated in the database, so the
+        rows that reach Python do not grow with the number of buckets times bins: the totals
+        (deployment x model x route x bin: a few hundred rows), then the series, whose
+        quantiles a window function finds (per series only the bins where the cumulative
+        count crosses 50% and 99%, plus one row of its totals).
+        """
         # The hourly tier once 5-minute points would be half an hour or wider (windows over
         # about four days at the default 200 points): at most half the points, 12x fewer rows.
         unit = REQUEST_BUCKET_US
@@ -146,49 +156,35 @@ class StatsService:
             unit, rr = HOUR_US, m.RequestRollupHourly
         width = window.width(unit)
         lo = floor_to(window.since_us, unit)
-        bucket = ((rr.bucket_start - lo) // width).label("b")
-        q = (
-            select(
-                rr.deployment_id,
-                rr.model_id,
-                rr.route,
-                bucket,
-                rr.prompt_bin,
-                sa.func.sum(rr.requests),
-                sa.func.sum(rr.rejected),
-                sa.func.max(rr.prompt_tokens_max),
-                sa.func.sum(rr.prompt_tokens_sum),
-            )
-            .where(rr.bucket_start >= lo, rr.bucket_start < window.until_us)
-            .group_by(rr.deployment_id, rr.model_id, rr.route, bucket, rr.prompt_bin)
+        tenant = scope.tenant or ALL_TENANTS
+        in_window = (rr.bucket_start >= lo, rr.bucket_start < window.until_us, rr.tenant == tenant)
+        figures = (
+            sa.func.sum(rr.requests),
+            sa.func.sum(rr.rejected),
+            sa.func.max(rr.prompt_tokens_max),
+            sa.func.sum(rr.prompt_tokens_sum),
         )
-        q = _filter(q, rr, scope).where(rr.tenant == (scope.tenant or ALL_TENANTS))
-        with self.db.read() as conn:
-            rows = conn.execute(q).all()
-            lines = thresholds(conn, {(r[0], r[1]) for r in rows if r[1] is not None})
-        series: dict[tuple[Any, Any, int], _Dist] = defaultdict(_Dist)
+        by_bin = (rr.deployment_id, rr.model_id, rr.route, rr.prompt_bin)
+        q = _filter(select(*by_bin, *figures).where(*in_window).group_by(*by_bin), rr, scope)
         totals: dict[tuple[Any, Any], _Dist] = defaultdict(_Dist)
         hist: dict[tuple[Any, int], int] = defaultdict(int)
-        for _dep, model, route, bk, pbin, n, rej, mx, total in rows:
-            args = (int(pbin), int(n), int(rej), None if mx is None else int(mx), int(total or 0))
-            series[(model, route, int(bk))].add(*args)
-            totals[(model, route)].add(*args)
-            if int(pbin) != UNKNOWN_BIN:
-                hist[(model, int(pbin))] += int(n)
+        pairs: set[tuple[str, str]] = set()
+        with self.db.read() as conn:
+            for dep, model, route, pbin, n, rej, mx, total in conn.execute(q):
+                mx = None if mx is None else int(mx)
+                totals[(model, route)].add(int(pbin), int(n), int(rej), mx, int(total or 0))
+                if int(pbin) != UNKNOWN_BIN:
+                    hist[(model, int(pbin))] += int(n)
+                if model is not None:
+                    pairs.add((dep, model))
+            lines = thresholds(conn, pairs)
+            series = self._series(conn, rr, scope, in_window, lo, width, lines)
         return {
             "since": window.since_us,
             "until": window.until_us,
             "bucket_seconds": width / 1_000_000,
             "thresholds": [lines[k] for k in sorted(lines)],
-            "series": [
-                {
-                    "model_id": model,
-                    "route": route,
-                    "bucket_start_us": lo + bk * width,
-                    **d.summary(lines.get(model)),
-                }
-                for (model, route, bk), d in sorted(series.items(), key=_key)
-            ],
+            "series": series,
             "routes": [
                 {"model_id": model, "route": route, **d.summary(lines.get(model))}
                 for (model, route), d in sorted(totals.items(), key=_key)
@@ -203,6 +199,101 @@ class StatsService:
                 for (model, pb), n in sorted(hist.items(), key=_key)
             ],
         }
+
+    @staticmethod
+    def _series(
+        conn: Connection,
+        rr: Any,
+        scope: Scope,
+        in_window: tuple[Any, ...],
+        lo: int,
+        width: int,
+        lines: dict[str, dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """The per-bucket series, with the same figures as :meth:`_Dist.summary`."""
+        bucket = ((rr.bucket_start - lo) // width).label("b")
+        g = _filter(
+            select(
+                rr.model_id,
+                rr.route,
+                bucket,
+                rr.prompt_bin,
+                sa.func.sum(rr.requests).label("n"),
+                sa.func.sum(rr.rejected).label("rej"),
+                sa.func.max(rr.prompt_tokens_max).label("mx"),
+                sa.func.sum(rr.prompt_tokens_sum).label("total"),
+            )
+            .where(*in_window)
+            .group_by(rr.model_id, rr.route, bucket, rr.prompt_bin),
+            rr,
+            scope,
+        ).subquery()
+        part = (g.c.model_id, g.c.route, g.c.b)
+        known_n = sa.case((g.c.prompt_bin != UNKNOWN_BIN, g.c.n), else_=0)
+        known_mx = sa.case((g.c.prompt_bin != UNKNOWN_BIN, g.c.mx), else_=None)
+
+        def line_of(kind: str) -> Any:
+            return sa.case(*[(g.c.model_id == mdl, ln[kind]) for mdl, ln in lines.items()])
+
+        def over(fn: Any, ordered: bool = False) -> Any:
+            return fn.over(partition_by=part, order_by=g.c.prompt_bin if ordered else None)
+
+        def reaching(kind: str) -> Any:
+            if not lines:  # no model has a line: the figure is None (see below)
+                return sa.literal(0, BigInteger)
+            return over(sa.func.sum(sa.case((known_mx >= line_of(kind), g.c.n), else_=0)))
+
+        c = select(
+            *part,
+            g.c.prompt_bin,
+            g.c.n,
+            g.c.mx,
+            over(sa.func.sum(known_n), ordered=True).label("cum"),
+            over(sa.func.sum(known_n)).label("known"),
+            over(sa.func.sum(g.c.n)).label("requests"),
+            over(sa.func.sum(g.c.rej)).label("rejected"),
+            over(sa.func.max(known_mx)).label("max"),
+            over(sa.func.sum(g.c.total)).label("total"),
+            reaching("warn_line").label("warn"),
+            reaching("critical_line").label("critical"),
+            over(sa.func.row_number(), ordered=True).label("rn"),
+        ).subquery()
+
+        def crossing(pct: int) -> Any:  # integers: the same rank test as _Dist.quantile
+            return sa.and_(
+                c.c.prompt_bin != UNKNOWN_BIN,
+                c.c.cum * 100 >= pct * c.c.known,
+                (c.c.cum - c.c.n) * 100 < pct * c.c.known,
+            )
+
+        q = select(c).where(sa.or_(c.c.rn == 1, crossing(50), crossing(99)))
+        out: dict[tuple[Any, Any, int], dict[str, Any]] = {}
+        for row in conn.execute(q):
+            key = (row.model_id, row.route, int(row.b))
+            item = out.get(key)
+            if item is None:
+                known, has_line = int(row.known), row.model_id in lines
+                item = out[key] = {
+                    "model_id": row.model_id,
+                    "route": row.route,
+                    "bucket_start_us": lo + int(row.b) * width,
+                    "requests": int(row.requests),
+                    "rejected": int(row.rejected),
+                    "unknown_prompt": int(row.requests) - known,
+                    "max": None if row.max is None else int(row.max),
+                    "mean": round(int(row.total or 0) / known, 1) if known else None,
+                    "p50": None,
+                    "p99": None,
+                    "at_or_above_warn": int(row.warn) if has_line else None,
+                    "at_or_above_critical": int(row.critical) if has_line else None,
+                }
+            if row.prompt_bin == UNKNOWN_BIN or row.known == 0:
+                continue
+            value = min(int(bin_high(int(row.prompt_bin))), int(row.mx))
+            for pct, name in ((50, "p50"), (99, "p99")):
+                if row.cum * 100 >= pct * row.known and (row.cum - row.n) * 100 < pct * row.known:
+                    item[name] = value
+        return [out[k] for k in sorted(out, key=lambda k: _key((k, None)))]
 
     def top_prompts(self, scope: Scope, window: Window, limit: int) -> dict[str, Any]:
         """The largest prompts in the window (the requests nearest the threshold)."""
