@@ -1,0 +1,698 @@
+"""The vLLM adapter: a v1 ``Scheduler``'s KV cache decisions → page ledger → probe events.
+
+``attach(scheduler)`` wraps four methods of one scheduler instance (its class is untouched):
+``add_request``, ``finish_requests``, ``update_from_output`` and its KV cache manager's
+``allocate_slots``. Everything runs in the engine-core process, on the scheduler's thread,
+in host memory; the model runner (another process, or another device) is never touched.
+
+What it emits, through the probe (``get_probe()`` unless one is given):
+
+* ``engine.config`` at attach: vLLM's version, the served model, ``max_model_len`` as the
+  advertised context, blocks x block size as the pool capacity, dtype, quantization, TP
+  size, CUDA graphs, prefix caching, and the KV connector's role (``kv_producer`` → prefill,
+  ``kv_consumer`` → decode, ``kv_both`` → both; any connector → disaggregated);
+* ``request.admitted`` when the engine core receives a request, ``request.finished`` when it
+  leaves (token counts only, never text);
+* ``pool.sample`` at attach and every ``pool_sample_every`` steps;
+* ``page.reuse`` per step whose allocations handed out blocks still holding another
+  request's KV;
+* ``prefix_cache.hit`` when a request is admitted with blocks another tenant's request
+  computed (``salted``: the request carried a ``cache_salt``, so the hit means the two
+  tenants share a salt). Hits on the same tenant's blocks are counted, not sent: every turn
+  of a conversation hits its own prefix, and no rule needs them;
+* ``page.stale_read`` when a step reads blocks its request neither computed nor legitimately
+  received (see below), naming the previous writer and its tenant.
+
+Tenants
+-------
+The engine core sees no HTTP headers. The tenant is the per-request ``vllm_xargs`` key
+``kvwatch_tenant`` (``SamplingParams.extra_args``; set by the client, or by a gateway in
+front of vLLM), the route ``kvwatch_route``; without it the tenant is ``"unknown"``.
+
+The ledger model
+----------------
+One :class:`~engine_probe.ledger.PageLedger` page per vLLM block (``page_size`` = block
+size), for the first KV cache group (full attention; a model with several groups gets the
+events without the ledger). A block allocated fresh to request R (``allocate_slots``: the
+blocks past R's prefix-cache hits) is ``alloc``-ed to R: R is its *computing* request.
+Every scheduled step writes R's positions ``[computed, computed + scheduled)`` and reads
+``[0, computed + scheduled)`` of R's block table (attention); the adapter applies both when
+the step's output reaches ``update_from_output``, writes first.
+
+A block R holds legitimately without having written it:
+
+* a prefix-cache hit: vLLM matched the block by the hash of its tokens (and R's salt). R's
+  read of it is checked *as its computing request's* read: valid iff that request wrote it
+  in its current generation. Freed blocks keep their ledger state until vLLM hands them out
+  again (vLLM's free queue keeps them matchable), so a hit on a freed block is checked
+  against what its computing request wrote. A block whose computing request the adapter
+  never saw (attached while it ran) is not checked.
+* a KV-connector load: the connector's claimed tokens count as written by R once the load
+  succeeded: for a synchronous load, when the step's output reports none of R's blocks in
+  ``invalid_block_ids``; for an asynchronous one, when R is in ``finished_recving`` and not
+  in ``failed_recving``. Blocks reported invalid are never written by the load: the scheduler
+  is expected to recompute them (``kv_load_failure_policy="recompute"``) or fail the request
+  (``"fail"``); the step that loaded them is not checked (the scheduler discards its output).
+  If the scheduler instead keeps such a block as computed, the next step that reads it is a
+  stale read naming whoever wrote the block before.
+
+A prefix-cache hit on a block whose load failed inherits that: the hit is checked against
+the block's computing request, which never wrote it.
+
+Not modelled: copy-on-write block copies and KV cache zeroing (``new_block_ids_to_zero``,
+which vLLM 0.32 uses only for models that need it), speculative-decoding rollbacks, and
+models with several KV cache groups (sliding-window hybrids): the adapter reads only group
+0 and reports no stale reads for the others.
+
+Cost: the scheduler is Python and loops over blocks itself; the adapter adds a few host
+dict operations per allocated block and, per step, one batched ledger check over the
+scheduled requests' block tables (one host sync) plus the reuse counts (one more).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+
+from engine_probe.events import (
+    MAX_PAGE_IDS,
+    EngineConfig,
+    Event,
+    PageReuse,
+    PageStaleRead,
+    PoolSample,
+    PrefixCacheHit,
+    RequestAdmitted,
+    RequestFinished,
+    is_valid_id,
+)
+from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
+from engine_probe.probe import BaseProbe, get_probe
+from engine_probe.vllm import ROUTE_KEY, TENANT_KEY
+
+__all__ = ["VllmAdapter", "attach"]
+
+log = logging.getLogger("engine_probe.vllm")
+
+_UNKNOWN: Final = "unknown"
+# vLLM's RequestStatus names of finished requests → the wire contract's FinishStatus.
+_FINISH_STATUS: Final[Mapping[str, str]] = {
+    "FINISHED_STOPPED": "completed",
+    "FINISHED_LENGTH_CAPPED": "length",
+    "FINISHED_REPETITION": "completed",
+    "FINISHED_ABORTED": "aborted",
+    "FINISHED_ERROR": "error",
+    "FINISHED_IGNORED": "error",
+}
+_ROLES: Final[Mapping[str, str]] = {
+    "kv_producer": "prefill",
+    "kv_consumer": "decode",
+    "kv_both": "both",
+}
+_ATTACHED: Final = "_kvwatch_adapter"
+
+
+def _safe_id(value: str, prefix: str) -> str:
+    """``value`` if it is a valid wire id, else a stable hashed stand-in (never dropped)."""
+    if is_valid_id(value):
+        return value
+    return f"{prefix}-{hashlib.sha256(value.encode()).hexdigest()[:24]}"
+
+
+@dataclass(eq=False)
+class _Req:
+    """What the adapter keeps per live request (host side)."""
+
+    handle: int
+    request_id: str
+    tenant: str
+    tenant_handle: int
+    route: str | None
+    model_id: str
+    salted: bool
+    prompt_tokens: int
+    #: block id → handle of the request whose write makes this request's read of it valid
+    #: (prefix-cache hits); blocks absent here are checked as this request's own
+    grants: dict[int, int] = field(default_factory=dict)
+    #: blocks this request holds that nobody here saw computed (not checked)
+    trusted: set[int] = field(default_factory=set)
+    #: token range [start, end) a KV connector claimed to load, not confirmed yet
+    pending_load: tuple[int, int] | None = None
+    #: what was reported: (block, previous writer, zeroized)
+    seen_stale: set[tuple[int, int | None, bool]] = field(default_factory=set)
+
+
+class VllmAdapter:
+    """Observer of one vLLM v1 ``Scheduler`` (see the module docstring).
+
+    Invariants: ``_reqs`` holds exactly the requests the scheduler has admitted and not yet
+    finished since the attach; ``_computed_by`` maps every block the adapter saw allocated
+    fresh to the handle of the request it was allocated to (its computing request), until
+    vLLM hands the block out fresh again; ``_pending_reuse`` is None outside a step's
+    allocations-to-sync window.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        probe: BaseProbe | None = None,
+        *,
+        deployment_id: str | None = None,
+        node: str = "node-0",
+        pool_sample_every: int = 16,
+        ledger: bool = True,
+        handle_capacity: int = 1 << 16,
+    ) -> None:
+        if pool_sample_every < 1:
+            raise ValueError("pool_sample_every must be >= 1")
+        self._probe = probe
+        self.deployment_id = deployment_id
+        self.node = _safe_id(node, "node")
+        self.pool_sample_every = pool_sample_every
+        self._handle_capacity = handle_capacity
+        self.scheduler = scheduler
+        cfg = scheduler.vllm_config
+        self._model_id = _model_id(cfg)
+        kv_cfg = scheduler.kv_cache_config
+        self.block_size = int(scheduler.block_size)
+        self.num_blocks = int(kv_cfg.num_blocks)
+        self.role = _role(cfg)
+        single_group = len(kv_cfg.kv_cache_groups) == 1
+        if ledger and not single_group:
+            log.warning(
+                "kvwatch: %d KV cache groups; stale-read checks cover none of them",
+                len(kv_cfg.kv_cache_groups),
+            )
+        self.ledger: PageLedger | None = (
+            PageLedger(self.num_blocks, "cpu", "kv", page_size=self.block_size)
+            if ledger and single_group
+            else None
+        )
+        self._null_block = int(scheduler.kv_cache_manager.block_pool.null_block.block_id)
+        self._reqs: dict[str, _Req] = {}
+        # handle → (request id, tenant), for naming previous writers after they finished
+        self._names: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        self._tenant_handles: dict[str, int] = {}
+        self._next_handle = 0
+        self._computed_by: dict[int, int] = {}
+        self._pending_reuse: torch.Tensor | None = None
+        self._steps = 0
+        self.counters: dict[str, int] = {
+            "steps": 0,
+            "stale_reads": 0,
+            "prefix_hits_cross_tenant": 0,
+            "prefix_hits_same_tenant": 0,
+            "failed_loads": 0,
+        }
+        self._wrap()
+        self._emit_config()
+        self.sample_pool()
+
+    # -- public helpers ------------------------------------------------------------------
+
+    @property
+    def probe(self) -> BaseProbe:
+        return self._probe if self._probe is not None else get_probe()
+
+    def sample_pool(self) -> None:
+        """Emit one ``pool.sample`` now (host counters only)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        usable = self.num_blocks - 1  # vLLM keeps one null block out of the pool
+        free = min(int(pool.get_num_free_blocks()), usable)
+        bs = self.block_size
+        self._emit(
+            PoolSample,
+            node=self.node,
+            role=self.role,
+            capacity_tokens=self.num_blocks * bs,
+            used_tokens=(usable - free) * bs,
+            free_tokens=free * bs,
+        )
+
+    # -- wrapping ------------------------------------------------------------------------
+
+    def _wrap(self) -> None:
+        sch = self.scheduler
+        mgr = sch.kv_cache_manager
+        add_request = sch.add_request
+        finish_requests = sch.finish_requests
+        update_from_output = sch.update_from_output
+        allocate_slots = mgr.allocate_slots
+
+        def add_request_hook(request: Any) -> None:
+            add_request(request)
+            self._guard(self._on_add, request)
+
+        # The hooks pass vLLM's arguments through untouched and call the original whatever
+        # the adapter does: everything of the adapter's own runs inside _guard.
+        def finish_requests_hook(request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            reqs: list[Any] = []
+            self._guard(self._snapshot_finishing, request_ids, reqs)
+            out = finish_requests(request_ids, *args, **kwargs)
+            self._guard(self._on_finished, reqs)
+            return out
+
+        def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
+            reqs: list[Any] = []
+            self._guard(self._on_step, scheduler_output, model_runner_output, reqs)
+            out = update_from_output(scheduler_output, model_runner_output)
+            self._guard(self._on_finished, reqs)
+            self._guard(self._after_step)
+            return out
+
+        def allocate_slots_hook(
+            request: Any,
+            num_new_tokens: int,
+            num_new_computed_tokens: int = 0,
+            new_computed_blocks: Any = None,
+            num_lookahead_tokens: int = 0,
+            num_external_computed_tokens: int = 0,
+            **kwargs: Any,
+        ) -> Any:
+            before: list[int] = []
+            self._guard(self._held_before, request, before)
+            out = allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_new_computed_tokens,
+                new_computed_blocks=new_computed_blocks,
+                num_lookahead_tokens=num_lookahead_tokens,
+                num_external_computed_tokens=num_external_computed_tokens,
+                **kwargs,
+            )
+            if out is not None and before:
+                self._guard(
+                    self._on_allocated,
+                    request,
+                    before[0],
+                    before[1],
+                    num_new_computed_tokens,
+                    new_computed_blocks,
+                    num_external_computed_tokens,
+                )
+            return out
+
+        sch.add_request = add_request_hook
+        sch.finish_requests = finish_requests_hook
+        sch.update_from_output = update_from_output_hook
+        mgr.allocate_slots = allocate_slots_hook
+        setattr(sch, _ATTACHED, self)
+
+    def _guard(self, fn: Any, *args: Any) -> None:
+        # An observability probe must never take the engine down: log and count instead.
+        try:
+            fn(*args)
+        except Exception:
+            self.counters["errors"] = self.counters.get("errors", 0) + 1
+            log.exception("kvwatch: the vLLM adapter failed in %s", fn.__name__)
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def _snapshot_finishing(self, request_ids: Any, out: list[Any]) -> None:
+        """The request objects ``finish_requests`` is about to finish (None: all of them)."""
+        requests = self.scheduler.requests
+        if request_ids is None:
+            out.extend(requests.values())
+            return
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        out.extend(r for r in (requests.get(rid) for rid in ids) if r is not None)
+
+    def _held_before(self, request: Any, out: list[int]) -> None:
+        """[blocks the request holds, its computed tokens], before an allocation."""
+        rid = request.request_id
+        mgr = self.scheduler.kv_cache_manager
+        held = len(mgr.get_block_ids(rid)[0]) if rid in self._reqs else 0
+        out.extend((held, int(request.num_computed_tokens)))
+
+    def _on_add(self, request: Any) -> None:
+        params = request.sampling_params
+        extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
+        tenant_raw = extra.get(TENANT_KEY)
+        tenant = _safe_id(str(tenant_raw), "tenant") if tenant_raw else _UNKNOWN
+        route_raw = extra.get(ROUTE_KEY)
+        route = str(route_raw)[:256] if route_raw else None
+        handle = self._new_handle()
+        rid = _safe_id(str(request.request_id), "req")
+        th = self._tenant_handles.setdefault(tenant, len(self._tenant_handles))
+        req = _Req(
+            handle=handle,
+            request_id=rid,
+            tenant=tenant,
+            tenant_handle=th,
+            route=route,
+            model_id=self._model_id,
+            salted=getattr(request, "cache_salt", None) is not None,
+            prompt_tokens=int(request.num_prompt_tokens),
+        )
+        self._reqs[request.request_id] = req
+        self._remember(handle, rid, tenant)
+        max_tokens = getattr(params, "max_tokens", None) if params is not None else None
+        self._emit(
+            RequestAdmitted,
+            request_id=rid,
+            tenant=tenant,
+            route=route,
+            model_id=self._model_id,
+            prompt_tokens=req.prompt_tokens,
+            max_tokens=max_tokens,
+            node=self.node,
+        )
+
+    def _on_allocated(
+        self,
+        request: Any,
+        held: int,
+        computed: int,
+        num_hit_tokens: int,
+        hit_blocks: Any,
+        num_external: int,
+    ) -> None:
+        req = self._reqs.get(request.request_id)
+        if req is None:
+            return
+        ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        hits: list[int] = list(hit_blocks.get_block_ids()[0]) if hit_blocks is not None else []
+        hits = [b for b in hits if b != self._null_block]
+        hit_set = set(hits)
+        fresh = [b for b in ids[held:] if b != self._null_block and b not in hit_set]
+        if hits:
+            self._on_hits(req, hits, num_hit_tokens)
+        if fresh and self.ledger is not None:
+            counts = self.ledger.alloc_counts(fresh, req.handle, req.tenant_handle)
+            pending = self._pending_reuse
+            self._pending_reuse = counts if pending is None else pending + counts
+        for b in fresh:
+            self._computed_by[b] = req.handle
+            req.grants.pop(b, None)
+            req.trusted.discard(b)
+        if num_external > 0:
+            start = computed + num_hit_tokens
+            req.pending_load = (start, start + num_external)
+
+    def _on_hits(self, req: _Req, hits: list[int], num_hit_tokens: int) -> None:
+        by_owner: dict[int | None, int] = {}
+        for b in hits:
+            owner = self._computed_by.get(b)
+            if owner is None:
+                req.trusted.add(b)  # computed before the attach: nothing to check against
+            elif owner != req.handle:
+                req.grants[b] = owner
+            by_owner[owner] = by_owner.get(owner, 0) + 1
+        for owner, pages in by_owner.items():
+            if owner == req.handle:
+                continue
+            owner_id: str | None = None
+            owner_tenant: str | None = None
+            if owner is not None:
+                owner_id, owner_tenant = self._names.get(owner, (None, None))
+            if owner_tenant == req.tenant:
+                self.counters["prefix_hits_same_tenant"] += 1
+                continue
+            self.counters["prefix_hits_cross_tenant"] += 1
+            self._emit(
+                PrefixCacheHit,
+                node=self.node,
+                role=self.role,
+                reader_request_id=req.request_id,
+                reader_tenant=req.tenant,
+                owner_request_id=owner_id,
+                owner_tenant=owner_tenant,
+                pages=pages,
+                tokens=min(pages * self.block_size, num_hit_tokens),
+                salted=req.salted,
+            )
+
+    def _on_step(self, scheduler_output: Any, model_runner_output: Any, reqs: list[Any]) -> None:
+        """Apply one step's writes, then check its reads (before vLLM's own bookkeeping, which
+        frees finished requests' blocks); ``reqs`` gets the step's request objects, for
+        :meth:`_on_finished` after vLLM's update."""
+        self._steps += 1
+        requests = self.scheduler.requests
+        reqs.extend(
+            r
+            for r in (requests.get(rid) for rid in scheduler_output.num_scheduled_tokens)
+            if r is not None
+        )
+        kvo = getattr(model_runner_output, "kv_connector_output", None)
+        invalid: set[int] = set(kvo.invalid_block_ids or ()) if kvo is not None else set()
+        failed: set[str] = set(kvo.failed_recving or ()) if kvo is not None else set()
+        received: set[str] = set(kvo.finished_recving or ()) if kvo is not None else set()
+        mgr = self.scheduler.kv_cache_manager
+        for rid in received:
+            req = self._reqs.get(rid)
+            if req is not None and req.pending_load is not None and rid not in failed:
+                self._confirm_load(req, mgr.get_block_ids(rid)[0], invalid)
+        for rid in failed:
+            req = self._reqs.get(rid)
+            if req is not None and req.pending_load is not None:
+                req.pending_load = None
+                self.counters["failed_loads"] += 1
+        starts = _computed_at_schedule(scheduler_output)
+        checks: list[tuple[_Req, list[int], int]] = []
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = self._reqs.get(rid)
+            if req is None or self.ledger is None:
+                continue
+            blocks = list(mgr.get_block_ids(rid)[0])
+            start = starts.get(rid)
+            if start is None:
+                continue
+            if req.pending_load is not None and req.pending_load[1] <= start:
+                self._confirm_load(req, blocks, invalid)  # a synchronous load, this step
+            self._write(req, blocks, start, start + int(n), invalid)
+            checks.append((req, blocks, start + int(n)))
+        if checks:
+            self._check_reads(checks, invalid)
+
+    def _after_step(self) -> None:
+        self.counters["steps"] += 1
+        pending = self._pending_reuse
+        if pending is not None:
+            self._pending_reuse = None
+            reused, cross, zeroized = pending.tolist()
+            if reused or zeroized:
+                self._emit(
+                    PageReuse,
+                    node=self.node,
+                    role=self.role,
+                    step=self._steps,
+                    reused_pages=reused,
+                    cross_tenant_pages=cross,
+                    zeroized_pages=zeroized,
+                )
+        if self.counters["steps"] % self.pool_sample_every == 0:
+            self.sample_pool()
+
+    def _on_finished(self, requests: Iterable[Any]) -> None:
+        for request in requests:
+            if not request.is_finished():
+                continue
+            req = self._reqs.pop(request.request_id, None)
+            if req is None:
+                continue
+            status = getattr(request.status, "name", str(request.status))
+            self._emit(
+                RequestFinished,
+                request_id=req.request_id,
+                tenant=req.tenant,
+                route=req.route,
+                model_id=req.model_id,
+                prompt_tokens=req.prompt_tokens,
+                completion_tokens=int(request.num_output_tokens),
+                status=_FINISH_STATUS.get(status, "error"),
+                node=self.node,
+            )
+
+    # -- the ledger ----------------------------------------------------------------------
+
+    def _confirm_load(self, req: _Req, blocks: list[int], invalid: set[int]) -> None:
+        """The connector's load for ``req`` succeeded, except in ``invalid`` blocks."""
+        assert req.pending_load is not None
+        start, end = req.pending_load
+        req.pending_load = None
+        if invalid & set(blocks):
+            self.counters["failed_loads"] += 1
+        self._write(req, blocks, start, end, invalid)
+
+    def _write(self, req: _Req, blocks: list[int], start: int, end: int, skip: set[int]) -> None:
+        """``req`` wrote positions ``[start, end)`` of its block table (not into ``skip``)."""
+        if self.ledger is None or end <= start:
+            return
+        bs = self.block_size
+        pages: list[int] = []
+        lo: list[int] = []
+        hi: list[int] = []
+        for i in range(start // bs, min((end - 1) // bs + 1, len(blocks))):
+            b = blocks[i]
+            if b in skip or b == self._null_block or b in req.grants or b in req.trusted:
+                continue  # a hit block is full and immutable: vLLM never writes into one
+            pages.append(b)
+            lo.append(max(start - i * bs, 0))
+            hi.append(min(end - i * bs, bs))
+        if pages:
+            self.ledger.write(
+                torch.tensor(pages),
+                req.handle,
+                start=torch.tensor(lo),
+                end=torch.tensor(hi),
+            )
+
+    def _check_reads(self, checks: list[tuple[_Req, list[int], int]], skip: set[int]) -> None:
+        """One batched check of every scheduled request's attention reads this step."""
+        assert self.ledger is not None
+        bs = self.block_size
+        pages: list[int] = []
+        readers: list[int] = []
+        upto: list[int] = []
+        owners: list[_Req] = []
+        for req, blocks, end in checks:
+            for i in range(min((end - 1) // bs + 1, len(blocks)) if end > 0 else 0):
+                b = blocks[i]
+                if b in skip or b == self._null_block or b in req.trusted:
+                    continue
+                pages.append(b)
+                readers.append(req.grants.get(b, req.handle))
+                upto.append(min(end - i * bs, bs))
+                owners.append(req)
+        if not pages:
+            return
+        p = torch.tensor(pages)
+        r = torch.tensor(readers)
+        u = torch.tensor(upto)
+        stale = self.ledger.stale_mask(p, r, u)
+        if not bool(stale.any()):  # the step's one sync
+            return
+        idx = stale.nonzero().squeeze(1).tolist()
+        by_req: dict[int, list[int]] = {}
+        for i in idx:
+            by_req.setdefault(id(owners[i]), []).append(i)
+        for rows in by_req.values():
+            req = owners[rows[0]]
+            sel = torch.tensor(rows)
+            reports = self.ledger.read(p[sel], r[sel], u[sel])
+            self._emit_stale(req, reports)
+
+    def _emit_stale(self, req: _Req, reports: list[StaleRead]) -> None:
+        for rep in reports:
+            keys = [(pg, rep.previous_request, rep.zeroized) for pg in rep.page_ids]
+            pages = [
+                pg for pg, key in zip(rep.page_ids, keys, strict=True) if key not in req.seen_stale
+            ]
+            req.seen_stale.update(keys)
+            if not pages:
+                continue
+            self.counters["stale_reads"] += 1
+            prev_id = prev_tenant = None
+            if rep.previous_request is not None:
+                prev_id, prev_tenant = self._names.get(
+                    rep.previous_request, (f"handle-{rep.previous_request}", _UNKNOWN)
+                )
+                if rep.previous_tenant == UNKNOWN_TENANT:
+                    prev_tenant = _UNKNOWN
+            for i in range(0, len(pages), MAX_PAGE_IDS):
+                self._emit(
+                    PageStaleRead,
+                    node=self.node,
+                    role=self.role,
+                    read_kind="decode",
+                    reader_request_id=req.request_id,
+                    reader_tenant=req.tenant,
+                    page_ids=pages[i : i + MAX_PAGE_IDS],
+                    previous_request_id=prev_id,
+                    previous_tenant=prev_tenant,
+                    zeroized=rep.zeroized,
+                )
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _new_handle(self) -> int:
+        h = self._next_handle
+        self._next_handle += 1
+        return h
+
+    def _remember(self, handle: int, request_id: str, tenant: str) -> None:
+        names = self._names
+        names[handle] = (request_id, tenant)
+        if len(names) > self._handle_capacity:
+            names.popitem(last=False)
+
+    def _emit(self, event_type: type[Event], **fields: Any) -> None:
+        self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
+
+    def _emit_config(self) -> None:
+        cfg = self.scheduler.vllm_config
+        mc, cc, pc = cfg.model_config, cfg.cache_config, cfg.parallel_config
+        import vllm  # the engine is running: importing it costs nothing
+
+        quant = getattr(mc, "quantization", None)
+        self._emit(
+            EngineConfig,
+            engine="vllm",
+            engine_version=str(vllm.__version__)[:64],
+            model_id=self._model_id,
+            node=self.node,
+            role=self.role,
+            advertised_context=int(mc.max_model_len),
+            pool_capacity_tokens=self.num_blocks * self.block_size,
+            page_size=self.block_size,
+            dtype=str(mc.dtype).removeprefix("torch.")[:64],
+            quantization=str(quant)[:64] if quant else None,
+            tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
+            cuda_graphs=_cuda_graphs(cfg),
+            disaggregated=cfg.kv_transfer_config is not None,
+            prefix_caching=bool(cc.enable_prefix_caching),
+            # vLLM has no setting that makes salts mandatory: each request may carry one
+            # (prefix_cache.hit says whether the hit was salted).
+            prefix_cache_salting=False,
+        )
+
+
+def _model_id(cfg: Any) -> str:
+    served = getattr(cfg.model_config, "served_model_name", None)
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    name = str(served or cfg.model_config.model)
+    return name[:256]
+
+
+def _role(cfg: Any) -> str:
+    kv = cfg.kv_transfer_config
+    if kv is None:
+        return "both"
+    return _ROLES.get(str(getattr(kv, "kv_role", "kv_both")), "both")
+
+
+def _cuda_graphs(cfg: Any) -> bool:
+    if cfg.model_config.enforce_eager:
+        return False
+    mode = getattr(cfg.compilation_config, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", "NONE") == "NONE":
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda_alike())
+
+
+def _computed_at_schedule(scheduler_output: Any) -> dict[str, int]:
+    """Each scheduled request's computed tokens when the step was scheduled (its first
+    position written this step)."""
+    out = {r.req_id: int(r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid, n in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
+        out[rid] = int(n)
+    return out
+
+
+def attach(scheduler: Any, probe: BaseProbe | None = None, **options: Any) -> VllmAdapter:
+    """Attach a :class:`VllmAdapter` to ``scheduler`` (``options`` as its keywords), once:
+    a scheduler already attached keeps its adapter, which is returned."""
+    existing = getattr(scheduler, _ATTACHED, None)
+    if isinstance(existing, VllmAdapter):
+        return existing
+    return VllmAdapter(scheduler, probe, **options)

@@ -1,0 +1,288 @@
+"""Real engine servers for main-suite tests: ONE vLLM OpenAI server per test run.
+
+Use it from a test module with ``from tests.engine_servers import vllm_server  # noqa: F401`` and
+a ``vllm_server: VllmServer`` argument. The first test that asks starts, in this order:
+
+1. a real kvwatch collector (SQLite, served on 127.0.0.1 in a thread, its own ingest and
+   admin tokens): the probe inside vLLM must have somewhere to send from its first event;
+2. the tiny model (``tests/engines/vllm/tiny_model.py``: a 2-layer random Llama with a
+   300-token BPE tokenizer), written once into a temporary directory by ``.venv-vllm``;
+3. ``python -m vllm.entrypoints.openai.api_server`` from ``.venv-vllm`` with kvwatch's plugin
+   active (``KVWATCH_COLLECTOR_URL``/``KVWATCH_INGEST_TOKEN``/``KVWATCH_DEPLOYMENT_ID`` set;
+   the plugin is found through the ``vllm.general_plugins`` entry point of the kvwatch
+   installed in that venv), ``--block-size 32``, ``--optimization-level 0`` (no
+   torch.compile), ``VLLM_CPU_KVCACHE_SPACE=1``, ``HF_HUB_OFFLINE=1``.
+
+Every later test (any module) gets the same running server: the fixture is session scoped
+and the server a process-wide singleton, so importing the fixture into several modules
+still starts one. It is stopped (SIGTERM to its process group) when the session ends.
+
+Tests may send requests with :meth:`VllmServer.complete` (prompts as token ids, so prompt
+token counts are exact; ``tenant`` becomes the ``kvwatch_tenant`` vLLM extra arg the probe
+reads) and scrape :meth:`VllmServer.metrics_text`. Events from the probe arrive in
+``vllm_server.collector`` a flush interval (0.2 s) after the engine emits them.
+
+Without ``.venv-vllm`` the tests skip (``make engines`` builds it); with ``CI`` set they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+TINY_MODEL_SCRIPT = ROOT / "tests" / "engines" / "vllm" / "tiny_model.py"
+SERVED_MODEL = "kvwatch-tiny-llama"
+DEPLOYMENT = "vllm-tiny"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+START_TIMEOUT_S = 420.0
+
+
+@dataclass
+class EngineCollector:
+    """The real collector the engine's probe sends to (url, database, tokens)."""
+
+    url: str
+    db_url: str
+    admin: str
+    ingest: str
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token or self.admin}"}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+
+@dataclass
+class VllmServer:
+    """One running vLLM OpenAI server with kvwatch's plugin active."""
+
+    base_url: str
+    model: str
+    max_model_len: int
+    block_size: int
+    deployment_id: str
+    collector: EngineCollector
+    log_path: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    def complete(
+        self,
+        prompt: list[int] | str,
+        *,
+        tenant: str | None = None,
+        max_tokens: int = 4,
+        cache_salt: str | None = None,
+        route: str | None = None,
+        timeout_s: float = 120.0,
+    ) -> httpx.Response:
+        """POST /v1/completions (greedy, ``ignore_eos``: exactly ``max_tokens`` tokens)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        xargs = {}
+        if tenant is not None:
+            xargs["kvwatch_tenant"] = tenant
+        if route is not None:
+            xargs["kvwatch_route"] = route
+        if xargs:
+            body["vllm_xargs"] = xargs
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=timeout_s)
+
+    def metrics_text(self) -> str:
+        """The server's Prometheus exposition (GET /metrics)."""
+        r = httpx.get(f"{self.base_url}/metrics", timeout=30)
+        r.raise_for_status()
+        return r.text
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+_server: VllmServer | None = None
+_stack: list[Any] = []
+
+
+def _need_venv() -> None:
+    if not (ROOT / ".venv-vllm" / ".kvwatch-installed").exists():
+        if os.environ.get("CI"):
+            pytest.fail(".venv-vllm is missing (make engines builds it)")
+        pytest.skip(".venv-vllm is missing: `make engines` builds it")
+
+
+def _start_collector(workdir: Path) -> EngineCollector:
+    from collector import migrate
+    from collector.app import create_app
+    from collector.db import Database
+    from collector.models import to_micros
+    from collector.settings import Settings
+    from collector.tokens import create_token
+    from engine_probe.events import utcnow
+    from kvwatch.embedded import serve_in_thread
+
+    db_url = f"sqlite:///{workdir / 'kvwatch.db'}"
+    migrate.upgrade(db_url)
+    db = Database(db_url)
+    try:
+        with db.write() as conn:
+            now = to_micros(utcnow())
+            admin = create_token(conn, kind="admin", now_us=now)[1]
+            ingest = create_token(conn, kind="ingest", now_us=now)[1]
+    finally:
+        db.dispose()
+    settings = Settings(database_url=db_url, auto_migrate=False, rollup_interval_s=0.2)
+    serving = serve_in_thread(create_app(settings))
+    url = serving.__enter__()
+    _stack.append(serving)
+    return EngineCollector(url, db_url, admin, ingest)
+
+
+def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
+    from kvwatch.embedded import free_port
+
+    model_dir = workdir / "tiny-llama"
+    subprocess.run(
+        [str(VLLM_PY), str(TINY_MODEL_SCRIPT), str(model_dir)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")},
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "KVWATCH_COLLECTOR_URL": collector.url,
+        "KVWATCH_INGEST_TOKEN": collector.ingest,
+        "KVWATCH_DEPLOYMENT_ID": DEPLOYMENT,
+        "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+    }
+    log_path = workdir / "vllm-server.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [
+            str(VLLM_PY),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            SERVED_MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            "8",
+            # no torch.compile: on 2 CPU cores it costs over a minute of start-up and changes
+            # nothing the probe sees (the scheduler and its KV cache manager are the same)
+            "--optimization-level",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=workdir,
+        start_new_session=True,  # its own process group: the engine core and worker too
+    )
+    log.close()
+    server = VllmServer(
+        base_url=f"http://127.0.0.1:{port}",
+        model=SERVED_MODEL,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK_SIZE,
+        deployment_id=DEPLOYMENT,
+        collector=collector,
+        log_path=log_path,
+        process=proc,
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the vLLM server exited with {proc.returncode}:\n{server.log_tail()}"
+            )
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"the vLLM server did not start:\n{server.log_tail()}")
+        time.sleep(1.0)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+
+
+def _shutdown() -> None:
+    global _server
+    if _server is not None:
+        _stop(_server.process)
+        _server = None
+    while _stack:
+        _stack.pop().__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[VllmServer]:
+    """The run's one real vLLM server with kvwatch's plugin and its own collector."""
+    global _server
+    _need_venv()
+    if _server is None:
+        workdir = tmp_path_factory.mktemp("vllm-server")
+        request.config.add_cleanup(_shutdown)
+        collector = _start_collector(workdir)
+        _server = _start_server(workdir, collector)
+    yield _server
+
+
+def wait_for(fetch: Any, ready: Any, timeout_s: float = 30.0) -> Any:
+    """Poll ``fetch()`` until ``ready(value)``; the last value (AssertionError on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fetch()
+        if ready(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting; last value: {json.dumps(value)[:2000]}")
+        time.sleep(0.2)

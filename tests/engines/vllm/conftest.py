@@ -1,0 +1,172 @@
+"""Fixtures for tests that drive vLLM 0.32's own scheduler in-process (run in .venv-vllm).
+
+``make_scheduler`` builds a real v1 ``Scheduler`` (with its real ``KVCacheManager`` and
+``BlockPool``, and optionally vLLM's real ``ExampleConnector`` on the scheduler side) for a
+tiny local Llama config; a test plays the model runner's part by handing the scheduler a
+``ModelRunnerOutput`` per step, as vLLM's own scheduler tests do. ``RecordingProbe`` is
+kvwatch's probe interface keeping events in memory (kvwatch's own code, not an imitation of
+vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from engine_probe.events import SCHEMA_VERSION, Event, utcnow
+from engine_probe.probe import BaseProbe
+
+BLOCK = 16
+
+
+class RecordingProbe(BaseProbe):
+    """A probe that keeps the events it is given, built and validated like the real one."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(
+        self,
+        event_type: type[Event],
+        /,
+        *,
+        ts: datetime | None = None,
+        deployment_id: str | None = None,
+        **fields: Any,
+    ) -> bool:
+        self.events.append(
+            event_type(
+                schema_version=SCHEMA_VERSION,
+                probe_id="test",
+                seq=len(self.events) + 1,
+                ts=ts or utcnow(),
+                deployment_id=deployment_id or "default",
+                **fields,
+            )
+        )
+        return True
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"enabled": True, "emitted": len(self.events)}
+
+    def of(self, kind: type[Event]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama config directory (config only: the scheduler never loads weights)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "dtype": "float32",
+        "tie_word_embeddings": False,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def make_scheduler(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """``make_scheduler(num_blocks=..., connector=False, policy="recompute")`` → a real
+    vLLM Scheduler; with ``connector``, vLLM's ExampleConnector (storage under tmp_path)."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    def build(num_blocks: int = 64, connector: bool = False, policy: str = "recompute") -> Any:
+        model_config = ModelConfig(
+            model=str(tiny_model),
+            tokenizer=None,
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            dtype="float32",
+            seed=0,
+        )
+        kv_transfer = None
+        if connector:
+            kv_transfer = KVTransferConfig(
+                kv_connector="ExampleConnector",
+                kv_role="kv_both",
+                kv_load_failure_policy=policy,  # type: ignore[arg-type]
+                kv_connector_extra_config={"shared_storage_path": str(tmp_path / "kv")},
+            )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=1024,
+                max_model_len=1024,
+                is_encoder_decoder=False,
+            ),
+            kv_transfer_config=kv_transfer,
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    ["layer"],
+                    FullAttentionSpec(
+                        block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32
+                    ),
+                )
+            ],
+        )
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=BLOCK,
+            log_stats=False,
+        )
+
+    yield build
+
+
+@pytest.fixture
+def probe() -> RecordingProbe:
+    return RecordingProbe()

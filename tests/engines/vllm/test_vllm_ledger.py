@@ -1,0 +1,318 @@
+"""The vLLM adapter's verdicts on real vLLM 0.32 scheduler sequences (runs in .venv-vllm).
+
+Each test builds vLLM's own Scheduler (KVCacheManager, BlockPool, prefix cache, and for the
+load tests vLLM's ExampleConnector on the scheduler side), attaches kvwatch's adapter with a
+recording probe, and plays the model runner: ``step`` schedules, then hands the scheduler a
+``ModelRunnerOutput`` (one sampled token per request whose prompt is done), optionally
+reporting KV blocks whose load failed, exactly the channel vLLM's workers use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import BLOCK, RecordingProbe
+
+from engine_probe.events import (
+    EngineConfig,
+    PageReuse,
+    PageStaleRead,
+    PoolSample,
+    PrefixCacheHit,
+    RequestAdmitted,
+    RequestFinished,
+)
+from engine_probe.vllm.adapter import VllmAdapter, attach
+
+DRIVERS: list[Driver] = []
+
+
+@pytest.fixture(autouse=True)
+def _adapter_never_failed() -> Any:
+    """The adapter logs and counts its own exceptions instead of raising into vLLM: a test
+    that passed with one swallowed would prove nothing."""
+    DRIVERS.clear()
+    yield
+    for d in DRIVERS:
+        assert d.adapter.counters.get("errors", 0) == 0, "the adapter raised (see the log)"
+
+
+class Driver:
+    """A real scheduler plus the model runner's side of each step."""
+
+    def __init__(self, scheduler: Any, probe: RecordingProbe) -> None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        self.scheduler = scheduler
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.adapter: VllmAdapter = attach(scheduler, probe)
+        self.requests: dict[str, Any] = {}
+        DRIVERS.append(self)
+
+    def add(
+        self,
+        rid: str,
+        tokens: list[int],
+        tenant: str | None,
+        *,
+        max_tokens: int = 1,
+        salt: str | None = None,
+    ) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kvwatch_tenant": tenant} if tenant else None
+        params = SamplingParams(max_tokens=max_tokens, extra_args=extra, ignore_eos=True)
+        req = Request(rid, tokens, params, None, cache_salt=salt, block_hasher=self.hasher)
+        self.requests[rid] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, invalid_blocks: set[int] | None = None) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out = self.scheduler.schedule()
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = self.requests[rid]
+            done = req.num_computed_tokens >= req.num_prompt_tokens  # after this step
+            sampled.append([7] if done else [])
+        kvo = KVConnectorOutput(invalid_block_ids=set(invalid_blocks or ()))
+        self.scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kvo,
+            ),
+        )
+        return out
+
+    def blocks(self, rid: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def run_until_done(self, limit: int = 50) -> None:
+        for _ in range(limit):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+
+def prompt(seed: int, n: int = 4 * BLOCK) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 500, (n,), generator=g).tolist()
+
+
+def test_engine_config_and_pool_figures_are_the_schedulers(make_scheduler: Any) -> None:
+    probe = RecordingProbe()
+    sched = make_scheduler(num_blocks=40)
+    Driver(sched, probe)
+    (cfg,) = probe.of(EngineConfig)
+    assert cfg.engine == "vllm"
+    assert cfg.engine_version == __import__("vllm").__version__
+    assert cfg.advertised_context == sched.vllm_config.model_config.max_model_len == 1024
+    assert cfg.pool_capacity_tokens == 40 * BLOCK
+    assert cfg.page_size == BLOCK
+    assert cfg.prefix_caching is True
+    assert cfg.disaggregated is False
+    assert cfg.dtype == "float32"
+    (sample,) = probe.of(PoolSample)
+    assert sample.capacity_tokens == 40 * BLOCK
+    assert sample.used_tokens == 0
+    assert sample.free_tokens == 39 * BLOCK  # vLLM's null block is never handed out
+
+
+def test_clean_sequence_reuses_blocks_across_tenants_without_a_finding(
+    make_scheduler: Any,
+) -> None:
+    probe = RecordingProbe()
+    # 1 null block + 5: b's prompt must reuse blocks a's request wrote and freed
+    d = Driver(make_scheduler(num_blocks=6), probe)
+    d.add("a-1", prompt(1), "tenant-a", max_tokens=3)
+    d.run_until_done()
+    a_blocks = set(d.adapter._computed_by)
+    d.add("b-1", prompt(2), "tenant-b", max_tokens=3)
+    d.step()
+    assert a_blocks & set(d.blocks("b-1")), "b should have been handed a's freed blocks"
+    d.run_until_done()
+
+    assert probe.of(PageStaleRead) == []
+    reuse = probe.of(PageReuse)
+    assert sum(e.cross_tenant_pages for e in reuse) >= 3
+    admitted = {e.request_id: e for e in probe.of(RequestAdmitted)}
+    assert admitted["a-1"].tenant == "tenant-a"
+    assert admitted["b-1"].prompt_tokens == 4 * BLOCK
+    finished = {e.request_id: e for e in probe.of(RequestFinished)}
+    assert finished["a-1"].completion_tokens == 3
+    assert finished["a-1"].status == "length"
+    assert finished["b-1"].tenant == "tenant-b"
+    assert probe.of(PrefixCacheHit) == []
+
+
+def test_cross_tenant_prefix_hit_is_reported_and_is_no_stale_read(make_scheduler: Any) -> None:
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    shared = prompt(3)
+    d.add("a-1", shared, "tenant-a")
+    d.run_until_done()
+    d.add("b-1", shared, "tenant-b", max_tokens=4)
+    d.run_until_done()
+
+    (hit,) = probe.of(PrefixCacheHit)
+    assert (hit.reader_request_id, hit.reader_tenant) == ("b-1", "tenant-b")
+    assert (hit.owner_request_id, hit.owner_tenant) == ("a-1", "tenant-a")
+    assert hit.pages == 3  # vLLM never hits the block holding the prompt's last token
+    assert hit.tokens == 3 * BLOCK
+    assert hit.salted is False
+    assert probe.of(PageStaleRead) == []
+
+
+def test_salted_hits_name_the_salt_and_other_salts_do_not_hit(make_scheduler: Any) -> None:
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    shared = prompt(4)
+    d.add("a-1", shared, "tenant-a", salt="team-salt")
+    d.run_until_done()
+    d.add("c-1", shared, "tenant-c", salt="other-salt")
+    d.run_until_done()
+    assert probe.of(PrefixCacheHit) == []
+    d.add("b-1", shared, "tenant-b", salt="team-salt")
+    d.run_until_done()
+    (hit,) = probe.of(PrefixCacheHit)
+    assert hit.salted is True
+    assert (hit.owner_tenant, hit.reader_tenant) == ("tenant-a", "tenant-b")
+    assert probe.of(PageStaleRead) == []
+
+
+def test_same_tenant_hits_are_counted_not_sent(make_scheduler: Any) -> None:
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    shared = prompt(5)
+    d.add("a-1", shared, "tenant-a")
+    d.run_until_done()
+    d.add("a-2", shared, "tenant-a")
+    d.run_until_done()
+    assert probe.of(PrefixCacheHit) == []
+    assert d.adapter.counters["prefix_hits_same_tenant"] == 1
+    assert probe.of(PageStaleRead) == []
+
+
+def _plant_external_kv(scheduler: Any, tokens: list[int]) -> None:
+    """Make vLLM's ExampleConnector find ``tokens`` in its storage (its own naming)."""
+    connector = scheduler.connector
+    n = (len(tokens) - 1) // BLOCK * BLOCK
+    connector._generate_foldername_debug(torch.tensor(tokens)[:n], [], create_folder=True)
+
+
+def _external_load_scenario(
+    make_scheduler: Any, *, abort_loader: bool
+) -> tuple[RecordingProbe, Driver, list[int]]:
+    """a's request writes blocks and finishes; b's request loads 3 blocks through the KV
+    connector into blocks a wrote, and c sends the same prompt in the same step (a
+    prefix-cache hit on b's blocks). The load of b's second block fails."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(num_blocks=9, connector=True, policy="recompute"), probe)
+    d.add("a-1", prompt(6, 7 * BLOCK), "tenant-a")
+    d.run_until_done()
+    loaded = prompt(7)
+    _plant_external_kv(d.scheduler, loaded)
+    d.add("b-1", loaded, "tenant-b", max_tokens=2)
+    d.add("c-1", loaded, "tenant-c", max_tokens=2)
+    first = d.scheduler.schedule()
+    b_blocks = d.blocks("b-1")
+    failed = b_blocks[1]
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = list(first.num_scheduled_tokens)
+    d.scheduler.update_from_output(
+        first,
+        ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids],
+            kv_connector_output=KVConnectorOutput(invalid_block_ids={failed}),
+        ),
+    )
+    if abort_loader:
+        from vllm.v1.request import RequestStatus
+
+        d.scheduler.finish_requests("b-1", RequestStatus.FINISHED_ABORTED)
+    d.run_until_done()
+    return probe, d, [failed]
+
+
+def test_failed_load_that_vllm_recomputes_is_no_finding(make_scheduler: Any) -> None:
+    probe, _, _ = _external_load_scenario(make_scheduler, abort_loader=False)
+    assert probe.of(PageStaleRead) == []
+    hits = probe.of(PrefixCacheHit)
+    assert [(h.reader_tenant, h.owner_tenant) for h in hits] == [("tenant-c", "tenant-b")]
+
+
+def test_failed_load_treated_as_computed_is_a_stale_read_naming_both_tenants(
+    make_scheduler: Any,
+) -> None:
+    probe, d, failed = _external_load_scenario(make_scheduler, abort_loader=True)
+    (stale,) = probe.of(PageStaleRead)
+    assert (stale.reader_request_id, stale.reader_tenant) == ("c-1", "tenant-c")
+    assert stale.page_ids == failed
+    assert (stale.previous_request_id, stale.previous_tenant) == ("a-1", "tenant-a")
+    assert stale.zeroized is False
+    assert d.adapter.counters["failed_loads"] == 1
+
+
+@pytest.mark.parametrize("tenant", [None, "bad tenant name with spaces"])
+def test_tenant_falls_back_or_is_made_a_valid_id(make_scheduler: Any, tenant: str | None) -> None:
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    d.add("x-1", prompt(8), tenant)
+    d.run_until_done()
+    (adm,) = probe.of(RequestAdmitted)
+    if tenant is None:
+        assert adm.tenant == "unknown"
+    else:
+        assert adm.tenant.startswith("tenant-") and " " not in adm.tenant
+
+
+def test_shutdown_aborts_every_request_through_the_hooks(make_scheduler: Any) -> None:
+    """vLLM's engine core aborts everything with ``finish_requests(None, ...)`` on shutdown."""
+    from vllm.v1.request import RequestStatus
+
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    d.add("a-1", prompt(9), "tenant-a", max_tokens=20)
+    d.add("b-1", prompt(10), "tenant-b", max_tokens=20)
+    d.step()
+    d.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    finished = {e.request_id: e for e in probe.of(RequestFinished)}
+    assert {k: v.status for k, v in finished.items()} == {"a-1": "aborted", "b-1": "aborted"}
+    assert finished["a-1"].completion_tokens == 1
+    assert not d.scheduler.has_unfinished_requests()
+
+
+def test_preemption_and_resumption_raise_no_false_finding(make_scheduler: Any) -> None:
+    """A pool too small for both requests' answers: vLLM preempts one (freeing its blocks,
+    which the other then gets), and resumes it later from prefix-cache hits and fresh
+    blocks. Every read stays legitimate."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(num_blocks=9), probe)
+    d.add("a-1", prompt(11, 3 * BLOCK), "tenant-a", max_tokens=3 * BLOCK)
+    d.add("b-1", prompt(12, 3 * BLOCK), "tenant-b", max_tokens=3 * BLOCK)
+    preempted = 0
+    for _ in range(400):
+        if not d.scheduler.has_unfinished_requests():
+            break
+        out = d.step()
+        preempted += len(out.preempted_req_ids or ())
+    assert not d.scheduler.has_unfinished_requests()
+    assert preempted >= 1, "the pool was meant to force a preemption"
+    assert probe.of(PageStaleRead) == []
+    finished = {e.request_id: e.completion_tokens for e in probe.of(RequestFinished)}
+    assert finished == {"a-1": 3 * BLOCK, "b-1": 3 * BLOCK}
+    assert sum(e.reused_pages for e in probe.of(PageReuse)) >= 1

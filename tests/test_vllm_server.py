@@ -1,0 +1,160 @@
+"""kvwatch's plugin inside the real vLLM OpenAI server, end to end into a real collector.
+
+The server (``tests/engine_servers.py``: one per test run, a tiny random Llama, block size
+32) runs with ``KVWATCH_COLLECTOR_URL`` set and nothing else done: vLLM loads the plugin
+through its ``vllm.general_plugins`` entry point in the engine-core process. Requests from
+two tenants go through the real HTTP API (the tenant as the ``kvwatch_tenant`` vLLM extra
+arg); what the collector then holds is checked against vLLM's own figures (its
+``/metrics`` and its answers).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.engine_servers import VllmServer, vllm_server, wait_for  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+# tenants only this module uses: other modules may send requests to the same server
+A, B, OVER = "vsrv-tenant-a", "vsrv-tenant-b", "vsrv-tenant-over"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 290) for _ in range(n)]
+
+
+def vllm_cache_config(server: VllmServer) -> dict[str, str]:
+    """vLLM's own ``vllm:cache_config_info`` labels, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(server.metrics_text()):
+        if family.name == "vllm:cache_config_info":
+            return dict(family.samples[0].labels)
+    raise AssertionError("vllm:cache_config_info not in the server's /metrics")
+
+
+def requests_of(server: VllmServer, tenant: str) -> list[dict[str, Any]]:
+    with server.collector.client() as c:
+        r = c.get(
+            "/v1/requests",
+            params={"deployment_id": server.deployment_id, "tenant": tenant, "limit": 100},
+        )
+        r.raise_for_status()
+        return list(r.json()["items"])
+
+
+def page_events(server: VllmServer, kind: str) -> list[dict[str, Any]]:
+    with server.collector.client() as c:
+        r = c.get(
+            "/v1/page-events",
+            params={"deployment_id": server.deployment_id, "kind": kind, "limit": 100},
+        )
+        r.raise_for_status()
+        return list(r.json()["items"])
+
+
+def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F811
+    cache = vllm_cache_config(vllm_server)
+    blocks, block_size = int(cache["num_gpu_blocks"]), int(cache["block_size"])
+
+    def configs() -> list[dict[str, Any]]:
+        with vllm_server.collector.client() as c:
+            deps = c.get("/v1/deployments").json()
+        return [cfg for d in deps if d["deployment_id"] == vllm_server.deployment_id
+                for cfg in d["config"]]  # fmt: skip
+
+    (cfg,) = wait_for(configs, bool)
+    assert cfg["engine"] == "vllm"
+    assert cfg["engine_version"] == "0.32.0"
+    assert cfg["model_id"] == vllm_server.model
+    assert cfg["advertised_context"] == vllm_server.max_model_len
+    assert block_size == vllm_server.block_size
+    assert cfg["page_size"] == block_size
+    assert cfg["pool_capacity_tokens"] == blocks * block_size
+    assert cfg["prefix_caching"] is (cache["enable_prefix_caching"] == "True")
+    assert cfg["disaggregated"] is False
+    assert cfg["cuda_graphs"] is False  # a CPU build has none
+
+
+def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(
+    vllm_server: VllmServer,  # noqa: F811
+) -> None:
+    a_prompt = tokens(1, 100)
+    answers = {
+        "a1": vllm_server.complete(a_prompt, tenant=A, max_tokens=5, route="/chat"),
+        "b1": vllm_server.complete(tokens(2, 40), tenant=B, max_tokens=3),
+        # b's prompt starts with a's first 96 tokens: 3 full blocks of a's, a prefix-cache hit
+        "b2": vllm_server.complete(a_prompt[:96] + tokens(3, 20), tenant=B, max_tokens=2),
+    }
+    for name, r in answers.items():
+        assert r.status_code == 200, (name, r.text)
+    usage = {name: r.json()["usage"] for name, r in answers.items()}
+    assert usage["a1"]["prompt_tokens"] == 100 and usage["b2"]["prompt_tokens"] == 116
+
+    # Longer than max_model_len: vLLM's front end answers 400 before the engine core
+    # (where the probe runs) ever sees it, so no request event can exist for it.
+    over = vllm_server.complete(tokens(4, vllm_server.max_model_len + 10), tenant=OVER)
+    assert over.status_code == 400
+    assert "context length" in over.text or "max_model_len" in over.text or "maximum" in over.text
+
+    a_rows = wait_for(
+        lambda: requests_of(vllm_server, A), lambda rows: [r["status"] for r in rows] == ["length"]
+    )
+    b_rows = wait_for(
+        lambda: requests_of(vllm_server, B),
+        lambda rows: sorted(r["status"] for r in rows) == ["length", "length"],
+    )
+    (a1,) = a_rows
+    assert a1["request_id"].startswith(answers["a1"].json()["id"])
+    assert (a1["prompt_tokens"], a1["completion_tokens"], a1["max_tokens"]) == (100, 5, 5)
+    assert a1["model_id"] == vllm_server.model
+    assert a1["route"] == "/chat"
+    by_prompt = {r["prompt_tokens"]: r for r in b_rows}
+    assert by_prompt[40]["completion_tokens"] == 3
+    assert by_prompt[116]["completion_tokens"] == 2
+    assert requests_of(vllm_server, OVER) == []
+
+    hits = wait_for(
+        lambda: [e for e in page_events(vllm_server, "prefix_cache.hit") if e["tenant"] == B],
+        bool,
+    )
+    (hit,) = hits
+    assert hit["other_tenant"] == A
+    assert hit["other_request_id"] == a1["request_id"]
+    assert hit["request_id"] == by_prompt[116]["request_id"]
+    assert hit["page_count"] == 96 // vllm_server.block_size
+    assert hit["cross_tenant"] is True
+    assert hit["detail"]["salted"] is False
+
+    assert page_events(vllm_server, "page.stale_read") == []
+    # one probe (the engine core's), every seq it sent accounted for
+    with vllm_server.collector.client() as c:
+        probes = [p for p in c.get("/v1/probes").json()
+                  if p["deployment_id"] == vllm_server.deployment_id]  # fmt: skip
+    assert len(probes) == 1
+    assert probes[0]["missing"] == 0 and probes[0]["reported_drops"] == {}
+    assert "kvwatch: the vLLM adapter failed" not in vllm_server.log_tail(10**7)
+
+
+def test_pool_samples_report_vllms_capacity(vllm_server: VllmServer) -> None:  # noqa: F811
+    from tests.conftest import wait_rollups
+
+    cache = vllm_cache_config(vllm_server)
+    capacity = int(cache["num_gpu_blocks"]) * int(cache["block_size"])
+    assert vllm_server.complete(tokens(5, 50), tenant=A, max_tokens=2).status_code == 200
+
+    def buckets() -> list[dict[str, Any]]:
+        wait_rollups(vllm_server.collector.db_url)
+        with vllm_server.collector.client() as c:
+            r = c.get("/v1/pool-samples", params={"deployment_id": vllm_server.deployment_id})
+            r.raise_for_status()
+            return list(r.json()["items"])
+
+    items = wait_for(buckets, bool)
+    assert {b["capacity"] for b in items} == {capacity}
+    assert all(0 <= b["used_max"] <= capacity for b in items)
