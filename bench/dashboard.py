@@ -49,7 +49,7 @@ def _fill(conninfo: str, n: int, now: datetime) -> None:
     rng = random.Random(1)
     cols = (
         "deployment_id, request_id, tenant, route, model_id, prompt_tokens, status, first_ts, "
-        "last_ts"
+        "last_ts, part_ts"
     )
     with psycopg.connect(conninfo) as con, con.cursor() as cur:
         with cur.copy(f"COPY requests ({cols}) FROM STDIN") as cp:
@@ -57,7 +57,7 @@ def _fill(conninfo: str, n: int, now: datetime) -> None:
                 ts = t0 + i * span // n
                 prompt = min(600_000, 1 + int(rng.lognormvariate(7.0, 1.2)))
                 cp.write_row((f"dep-{i % 3}", f"r{i}", TENANTS[i % 6], ROUTES[i % 3], "glm-5.3",
-                              prompt, "completed", ts, ts))  # fmt: skip
+                              prompt, "completed", ts, ts, ts))  # fmt: skip
         cur.execute(
             "INSERT INTO rollup_dirty SELECT DISTINCT 'requests', deployment_id, "
             "(first_ts / 300000000) * 300000000, 0 FROM requests"

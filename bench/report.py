@@ -38,7 +38,7 @@ SPAN_US = 30 * 86_400 * 10**6
 BATCH = 50_000
 COLS = (
     "deployment_id, request_id, tenant, route, model_id, prompt_tokens, completion_tokens, "
-    "status, data_categories, first_ts, last_ts"
+    "status, data_categories, first_ts, last_ts, part_ts"
 )
 
 
@@ -58,6 +58,7 @@ def _rows(n: int, start: int) -> Iterator[tuple[Any, ...]]:
             '["contact"]' if i % 10 == 0 else None,
             ts,
             ts + 2_000_000,
+            ts,
         )
 
 
@@ -66,7 +67,7 @@ def insert_sqlite(path: Path, n: int) -> None:
     try:
         con.execute("PRAGMA journal_mode=WAL")
         con.execute("PRAGMA synchronous=NORMAL")
-        sql = f"INSERT INTO requests ({COLS}) VALUES ({', '.join('?' * 11)})"
+        sql = f"INSERT INTO requests ({COLS}) VALUES ({', '.join('?' * 12)})"
         for start in range(0, n, BATCH):
             con.executemany(sql, _rows(n, start))
             con.commit()

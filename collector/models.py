@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    and_,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -49,6 +50,14 @@ def to_micros(dt: datetime) -> int:
     if dt.tzinfo is None:
         raise ValueError("naive datetime: kvwatch stores UTC instants only")
     return (dt - EPOCH) // _US
+
+
+def requests_since(cols: Any, since: datetime | int) -> Any:
+    """``first_ts >= since`` over requests (``cols``: the model or its table's ``.c``), with
+    the bound on ``part_ts`` it implies (part_ts >= first_ts): PostgreSQL then skips the
+    months of requests before ``since`` instead of searching each one's index."""
+    us = since if isinstance(since, int) else to_micros(since)
+    return and_(cols.first_ts >= since, cols.part_ts >= us)
 
 
 def from_micros(us: int) -> datetime:
@@ -161,6 +170,27 @@ class Request(Base):
     data_categories: Mapped[str | None] = mapped_column(Text)  # JSON array, or NULL
     first_ts: Mapped[datetime] = mapped_column(UtcMicros)
     last_ts: Mapped[datetime] = mapped_column(UtcMicros)
+    #: µs; the request's first_ts when it was first stored, never changed afterwards: the
+    #: partition key on PostgreSQL (first_ts moves earlier when an earlier event arrives
+    #: late, and a row must not change partitions under a concurrent upsert). Always
+    #: >= first_ts, so ``first_ts >= t`` implies ``part_ts >= t`` (how queries prune).
+    part_ts: Mapped[int] = mapped_column(BigInteger)
+
+
+class RequestKey(Base):
+    """PostgreSQL: the partition (``part_ts``) of each stored request, fixed at first sight.
+
+    Invariant: one row per (deployment_id, request_id) in ``requests``, holding that row's
+    ``part_ts``. PostgreSQL's unique indexes on a partitioned table must hold the partition
+    key, so this table is what keeps (deployment_id, request_id) unique across months;
+    ingest reads the key's ``part_ts`` before its upsert. Unused (empty) on SQLite.
+    """
+
+    __tablename__ = "request_keys"
+
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    part_ts: Mapped[int] = mapped_column(BigInteger)
 
 
 class PoolSample(Base):

@@ -1,20 +1,25 @@
-"""Monthly range partitions (PostgreSQL) of the append-only event tables.
+"""Monthly range partitions (PostgreSQL) of the big tables.
 
-``pool_samples`` and ``page_events`` are partitioned by ``ts`` (µs since the epoch, UTC
-months): ``<table>_p_before`` holds everything before the first month, ``<table>_pYYYY_MM``
-one month each, ``<table>_default`` anything else. :func:`ensure` keeps the current month
-and the next ``MONTHS_AHEAD`` in place (the collector runs it at start and hourly), moving
-any rows the default partition holds for a month it creates; retention drops whole months
-(:func:`drop_before`). Queries that bound ``ts`` are pruned to the months they touch.
+``pool_samples`` and ``page_events`` are partitioned by ``ts``, ``requests`` by ``part_ts``
+(µs since the epoch, UTC months): ``<table>_p_before`` holds everything before the first
+month, ``<table>_pYYYY_MM`` one month each, ``<table>_default`` anything else.
+:func:`ensure` keeps the current month and the next ``MONTHS_AHEAD`` in place (the
+collector runs it at start and hourly), moving any rows the default partition holds for a
+month it creates; retention drops whole months (:func:`drop_before`). Queries that bound
+the key are pruned to the months they touch.
 
-Requests are not partitioned: their upsert key (deployment_id, request_id) holds no time,
-and PostgreSQL requires the partition key in every unique index. SQLite has no partitioning;
+Requests: PostgreSQL requires the partition key in every unique index, and their upsert key
+(deployment_id, request_id) holds no time. So a request's month is fixed when it is first
+stored (``part_ts``, its first_ts then; first_ts itself may move earlier later), the unique
+index is (deployment_id, request_id, part_ts), and ``request_keys`` maps each key to its
+``part_ts`` (see :class:`collector.models.RequestKey`). SQLite has no partitioning;
 everything here is a no-op there.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -22,7 +27,13 @@ from sqlalchemy import Connection, text
 
 from collector.models import to_micros
 
-PARTITIONED = ("pool_samples", "page_events")
+#: partitioned table -> its partition key column
+KEYS = {"pool_samples": "ts", "page_events": "ts", "requests": "part_ts"}
+PARTITIONED = tuple(KEYS)
+#: the unique index each table has on PostgreSQL instead of the models' (key, no time)
+PG_UNIQUE = {
+    "requests": ("uq_requests_deployment_id_part_ts", "deployment_id, request_id, part_ts")
+}
 MONTHS_AHEAD = 3
 _LOCK = 0x6B7677_0003  # one partition maintainer at a time across replicas
 _CHILD = re.compile(rf"^({'|'.join(PARTITIONED)})_(p\d{{4}}_\d{{2}}|p_before|default)$")
@@ -32,6 +43,19 @@ _BOUND = re.compile(r"FROM \((MINVALUE|'?-?\d+'?)\) TO \((MAXVALUE|'?-?\d+'?)\)"
 def is_partition(name: str) -> bool:
     """A child partition table (migrations and schema comparison leave them alone)."""
     return _CHILD.match(name) is not None
+
+
+def pg_only(dialect: str, type_: str, name: str | None, obj: object = None) -> bool:
+    """Schema objects that exist only because of partitioning, or differ for it on
+    PostgreSQL (the models describe the plain tables): migrations and schema comparison
+    leave them alone."""
+    if type_ == "table":
+        return name is not None and is_partition(name)
+    if dialect != "postgresql" or type_ not in ("unique_constraint", "index"):
+        return False
+    table = getattr(getattr(obj, "table", None), "name", None)
+    is_unique = type_ == "unique_constraint" or bool(getattr(obj, "unique", False))
+    return is_unique and table in PG_UNIQUE
 
 
 def month_start(dt: datetime) -> datetime:
@@ -97,8 +121,8 @@ def _create_month(conn: Connection, table: str, month: datetime, default: str | 
         # Rows that arrived before their month existed: move them, or ATTACH would fail.
         conn.execute(
             text(
-                f'WITH moved AS (DELETE FROM "{default}" WHERE ts >= :lo AND ts < :hi '
-                f'RETURNING *) INSERT INTO "{name}" SELECT * FROM moved'
+                f'WITH moved AS (DELETE FROM "{default}" WHERE {KEYS[table]} >= :lo AND '
+                f'{KEYS[table]} < :hi RETURNING *) INSERT INTO "{name}" SELECT * FROM moved'
             ),
             {"lo": lo, "hi": hi},
         )
@@ -137,7 +161,8 @@ def convert(conn: Connection, table: str, now: datetime) -> None:
     id sequence (used by migration 0007). The months run from the oldest row's (or now's)
     to ``MONTHS_AHEAD`` ahead; older rows cannot exist, so ``_p_before`` starts empty."""
     old = f"{table}_unpartitioned"
-    first = conn.execute(text(f'SELECT min(ts) FROM "{table}"')).scalar()
+    key = KEYS[table]
+    first = conn.execute(text(f'SELECT min({key}) FROM "{table}"')).scalar()
     start = month_start(datetime.fromtimestamp(first / 1e6, UTC) if first is not None else now)
     indexes = conn.execute(
         text("SELECT indexname, indexdef FROM pg_indexes WHERE tablename = :t"), {"t": table}
@@ -146,12 +171,16 @@ def convert(conn: Connection, table: str, now: datetime) -> None:
     for name, _ in indexes:
         conn.execute(text(f'ALTER INDEX "{name}" RENAME TO "{name}_unpartitioned"'))
     conn.execute(
-        text(f'CREATE TABLE "{table}" (LIKE "{old}" INCLUDING DEFAULTS) PARTITION BY RANGE (ts)')
+        text(f'CREATE TABLE "{table}" (LIKE "{old}" INCLUDING DEFAULTS) PARTITION BY RANGE ({key})')
     )
-    # The partition key must be in the primary key.
-    conn.execute(text(f'ALTER TABLE "{table}" ADD CONSTRAINT "pk_{table}" PRIMARY KEY (id, ts)'))
+    # The partition key must be in the primary key, and in every unique index.
+    conn.execute(text(f'ALTER TABLE "{table}" ADD CONSTRAINT "pk_{table}" PRIMARY KEY (id, {key})'))
     for name, ddl in indexes:
         if name == f"pk_{table}":
+            continue
+        if " UNIQUE " in ddl:
+            uq, cols = PG_UNIQUE[table]
+            conn.execute(text(f'CREATE UNIQUE INDEX "{uq}" ON "{table}" ({cols})'))
             continue
         conn.execute(text(ddl.replace(f"ON public.{table} ", f'ON "{table}" ')))
     conn.execute(
@@ -187,6 +216,14 @@ def unconvert(conn: Connection, table: str) -> None:
     for name, ddl in indexes:
         if name == f"pk_{table}":
             continue
+        if table in PG_UNIQUE and name == PG_UNIQUE[table][0]:
+            conn.execute(
+                text(
+                    f'ALTER TABLE "{table}" ADD CONSTRAINT "uq_{table}_deployment_id" '
+                    "UNIQUE (deployment_id, request_id)"
+                )
+            )
+            continue
         conn.execute(text(ddl.replace(f"ON ONLY public.{old} ", f'ON "{table}" ')
                           .replace(f"ON public.{old} ", f'ON "{table}" ')))  # fmt: skip
     conn.execute(text(f'INSERT INTO "{table}" SELECT * FROM "{old}"'))
@@ -195,20 +232,35 @@ def unconvert(conn: Connection, table: str) -> None:
 
 
 def drop_before(
-    conn: Connection, table: str, before_us: int, *, dry_run: bool = False
-) -> dict[str, int]:
-    """Drop every month that ends at or before ``before_us``; returns rows per deployment
-    that went with them (counted first)."""
+    conn: Connection,
+    table: str,
+    before_us: int,
+    *,
+    dry_run: bool = False,
+    keep: Callable[[Connection, Partition], bool] | None = None,
+) -> tuple[dict[str, int], list[Partition]]:
+    """Drop every month that ends at or before ``before_us`` (and that ``keep`` does not
+    hold back); returns rows per deployment that went with them (counted first) and the
+    months dropped."""
     gone: dict[str, int] = {}
+    dropped: list[Partition] = []
     if not is_partitioned(conn, table):
-        return gone
+        return gone, dropped
     for p in partitions(conn, table):
         if p.default or p.hi is None or p.hi > before_us:
+            continue
+        if keep is not None and keep(conn, p):
             continue
         for dep, n in conn.execute(
             text(f'SELECT deployment_id, count(*) FROM "{p.name}" GROUP BY deployment_id')
         ):
             gone[dep] = gone.get(dep, 0) + int(n)
+        dropped.append(p)
         if not dry_run:
+            if table == "requests":  # their keys go with them
+                conn.execute(
+                    text("DELETE FROM request_keys WHERE part_ts >= :lo AND part_ts < :hi"),
+                    {"lo": -(2**63) if p.lo is None else p.lo, "hi": p.hi},
+                )
             conn.execute(text(f'DROP TABLE "{p.name}"'))
-    return gone
+    return gone, dropped

@@ -151,7 +151,7 @@ def list_requests(
     if f.route is not None:
         q = q.where(m.Request.route == f.route)
     if f.since_us is not None:
-        q = q.where(m.Request.first_ts >= f.since_us)
+        q = q.where(m.requests_since(m.Request, f.since_us))
     if f.until_us is not None:
         q = q.where(m.Request.first_ts < f.until_us)
     if f.min_prompt_tokens is not None:

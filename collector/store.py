@@ -75,6 +75,8 @@ REQ_COLS = (
     "first_ts",
     "last_ts",
 )
+# What is written: a new row's part_ts is its first_ts (never updated by the upsert).
+REQ_WRITE_COLS = (*REQ_COLS, "part_ts")
 _CONFIG_FIELDS = (
     "engine",
     "engine_version",
@@ -286,6 +288,9 @@ def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> No
 
 
 def _request_upsert_sql(dialect: str, source: str) -> str:
+    """The upsert of request rows (``REQ_WRITE_COLS``) from ``source``. PostgreSQL's
+    conflict target holds ``part_ts``: its unique index must hold the partition key, and the
+    staged rows carry the stored row's part_ts (from ``request_keys``)."""
     r, x = "requests", "excluded"
     # Compare strings by code point on both databases, as Python does in the fold.
     collate = ' COLLATE "C"' if dialect == "postgresql" else ""
@@ -301,9 +306,10 @@ def _request_upsert_sql(dialect: str, source: str) -> str:
             f"{col} = CASE WHEN {xc} IS NULL THEN {rc} "
             f"WHEN {rc} IS NULL OR {better} THEN {xc} ELSE {rc} END"
         )
+    target = "deployment_id, request_id" + (", part_ts" if dialect == "postgresql" else "")
     return (
-        f"INSERT INTO requests ({', '.join(REQ_COLS)}) {source} "
-        "ON CONFLICT (deployment_id, request_id) DO UPDATE SET " + ", ".join(sets)
+        f"INSERT INTO requests ({', '.join(REQ_WRITE_COLS)}) {source} "
+        f"ON CONFLICT ({target}) DO UPDATE SET " + ", ".join(sets)
     )
 
 
@@ -326,7 +332,7 @@ class IngestStore:
         self._dep_sql = deployment_upsert_sql(dialect)
         if self._sqlite:
             self._req_sql = _request_upsert_sql(
-                dialect, "VALUES (" + ", ".join("?" * len(REQ_COLS)) + ")"
+                dialect, "VALUES (" + ", ".join("?" * len(REQ_WRITE_COLS)) + ")"
             )
             self._pool_sql = _insert_sql("pool_samples", POOL_COLS)
             self._page_sql = _insert_sql("page_events", PAGE_COLS)
@@ -339,12 +345,25 @@ class IngestStore:
                 dialect,
                 # Key order: two batches touching the same requests (a prefill and a decode
                 # probe) then lock them in one order and cannot deadlock.
-                f"SELECT {', '.join(REQ_COLS)} FROM _kvw_stage_requests "
+                f"SELECT {', '.join(REQ_WRITE_COLS)} FROM _kvw_stage_requests "
                 "ORDER BY deployment_id, request_id",
             )
             self._stage_sql = (
                 "CREATE TEMP TABLE IF NOT EXISTS _kvw_stage_requests ON COMMIT DELETE ROWS AS "
-                f"SELECT {', '.join(REQ_COLS)} FROM requests WITH NO DATA"
+                f"SELECT {', '.join(REQ_WRITE_COLS)} FROM requests WITH NO DATA"
+            )
+            # A request's month is fixed by whichever batch stores it first: new keys are
+            # claimed (in key order, like the upsert: no deadlock), then every staged row
+            # takes its key's part_ts, so the upsert meets the stored row in its partition.
+            self._keys_sql = (
+                "INSERT INTO request_keys (deployment_id, request_id, part_ts) "
+                "SELECT deployment_id, request_id, part_ts FROM _kvw_stage_requests "
+                "ORDER BY deployment_id, request_id ON CONFLICT DO NOTHING"
+            )
+            self._part_sql = (
+                "UPDATE _kvw_stage_requests s SET part_ts = k.part_ts FROM request_keys k "
+                "WHERE k.deployment_id = s.deployment_id AND k.request_id = s.request_id "
+                "AND k.part_ts <> s.part_ts"
             )
 
     # -- the probe's row: ownership, high-water mark, gaps -------------------------------
@@ -493,7 +512,9 @@ class IngestStore:
                 if rows.drops:
                     cur.executemany(self._drop_sql, rows.drops)
                 if rows.requests:
-                    cur.executemany(self._req_sql, list(rows.requests.values()))
+                    cur.executemany(
+                        self._req_sql, [(*r, r[_FIRST_TS]) for r in rows.requests.values()]
+                    )
                 if marks := rollup_marks(rows, now_us):
                     cur.executemany(self._mark_sql, marks)
                 cur.executemany(self._dep_sql, _spans(rows.deployments))
@@ -513,10 +534,12 @@ class IngestStore:
                 _copy(
                     cur,
                     "_kvw_stage_requests",
-                    REQ_COLS,
-                    [reqs[k] for k in sorted(reqs)],
+                    REQ_WRITE_COLS,
+                    [(*reqs[k], reqs[k][_FIRST_TS]) for k in sorted(reqs)],
                     "requests",
                 )
+                cur.execute(self._keys_sql)
+                cur.execute(self._part_sql)
                 cur.execute(self._req_sql)
             # Sorted, after the requests and before the deployment: one lock order for all.
             if marks := rollup_marks(rows, now_us):

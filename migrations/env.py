@@ -8,7 +8,7 @@ from sqlalchemy import create_engine, text
 
 from collector.db import sqlite_explicit_transactions
 from collector.models import Base
-from collector.partitions import is_partition
+from collector.partitions import pg_only
 from collector.settings import Settings
 
 config = context.config
@@ -24,11 +24,15 @@ def _include(
     obj: object, name: str | None, type_: str, reflected: bool, compare_to: object
 ) -> bool:
     # Monthly partitions are made at run time, not by the models.
-    return not (type_ == "table" and name is not None and is_partition(name))
+    return not pg_only(_DIALECT[0], type_, name, obj)
+
+
+_DIALECT = [""]
 
 
 def run_migrations_online() -> None:
     engine = create_engine(url)
+    _DIALECT[0] = engine.dialect.name
     if engine.dialect.name == "sqlite":
         # All migrations in one real transaction: killed half-way, nothing was applied.
         sqlite_explicit_transactions(engine)

@@ -364,7 +364,7 @@ def test_the_database_bins_prompts_as_python_does(db_url: str) -> None:
                     sa.insert(m.Request).values(
                         deployment_id="d", request_id=f"r{i}", tenant=f"t{i}", route="/x",
                         model_id="m", prompt_tokens=p, status="completed", first_ts=1_000_000,
-                        last_ts=1_000_000,
+                        last_ts=1_000_000, part_ts=1_000_000,
                     )
                 )  # fmt: skip
             conn.execute(

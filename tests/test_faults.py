@@ -163,6 +163,7 @@ def _seed_big_window(db_url: str, n: int) -> None:
                         "prompt_tokens": i,
                         "status": "completed",
                         "first_ts": t0 + i * 1000,
+                        "part_ts": t0 + i * 1000,
                         "last_ts": t0 + i * 1000,
                     }
                     for i in range(n)

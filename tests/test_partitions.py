@@ -20,6 +20,7 @@ from collector import migrate, partitions
 from collector.db import Database
 from collector.models import to_micros
 from kvwatch.cli import app
+from tests import factories as f
 from tests.conftest import Collector
 
 pytestmark = pytest.mark.postgres
@@ -73,8 +74,18 @@ def _fill(url: str, n_per_month: int = 4000) -> None:
                     ),
                     {"lo": lo, "n": n_per_month},
                 )
-            conn.execute(text("ANALYZE pool_samples"))
-            conn.execute(text("ANALYZE page_events"))
+                conn.execute(
+                    text(
+                        "INSERT INTO requests (deployment_id, request_id, tenant, route, "
+                        "model_id, prompt_tokens, status, first_ts, last_ts, part_ts) "
+                        "SELECT 'dep-' || (g % 3), 'r-' || :k || '-' || g, 't', '/x', 'm', g, "
+                        "'completed', :lo + g * 600000000::bigint, :lo + g * 600000000::bigint, "
+                        ":lo + g * 600000000::bigint FROM generate_series(0, :n) g"
+                    ),
+                    {"lo": lo, "n": n_per_month, "k": k},
+                )
+            for table in partitions.PARTITIONED:
+                conn.execute(text(f"ANALYZE {table}"))
     finally:
         db.dispose()
 
@@ -152,17 +163,34 @@ def test_api_queries_are_pruned_to_their_months_and_use_an_index(
             params={**window, "deployment_id": "dep-1", "kind": "page.stale_read"},
         )
         assert r.status_code == 200, r.text
+        r = h.get("/v1/requests", params={**window, "deployment_id": "dep-1"})
+        assert r.status_code == 200, r.text
+        assert r.json()["items"], "the window holds requests"
     checked = 0
     for table in partitions.PARTITIONED:
         stmts = [(s, p) for s, p in captured if s.startswith("SELECT") and f"FROM {table}" in s]
         assert stmts, f"no query on {table} captured"
+        names = _names(collector.db_url, table)
         for statement, params in stmts:
             plan = _plan(collector.db_url, statement, params)
-            touched = {n for n in _names(collector.db_url, table) if n in plan}
-            assert touched == {f"{table}_{_month(month)}"}, plan
+            touched = {n for n in names if n in plan}
+            if table == "requests":
+                # A request's month is that of its first sight, never before its first_ts:
+                # the months before the window are pruned; later ones cannot be.
+                earlier = {
+                    n
+                    for n in names
+                    if n.endswith("_p_before")
+                    or (not n.endswith("_default") and n < f"{table}_{_month(month)}")
+                }
+                assert f"{table}_{_month(month)}" in touched and not touched & earlier, plan
+                # (the empty default partition, also not prunable, is scanned whole)
+                plan = "\n".join(x for x in plan.splitlines() if "requests_default" not in x)
+            else:
+                assert touched == {f"{table}_{_month(month)}"}, plan
             assert "Index" in plan and "Seq Scan" not in plan, plan
             checked += 1
-    assert checked >= 2
+    assert checked >= 3
 
 
 def test_retention_drops_whole_months_every_deployment_has_let_go(collector: Collector) -> None:
@@ -184,6 +212,22 @@ def test_retention_drops_whole_months_every_deployment_has_let_go(collector: Col
                     ),
                     {"d": dep, "t": old},
                 )
+                conn.execute(
+                    text(
+                        "INSERT INTO requests (deployment_id, request_id, tenant, route, "
+                        "model_id, prompt_tokens, status, first_ts, last_ts, part_ts) "
+                        "SELECT :d, 'r' || g, 't', '/x', 'm', g, 'completed', :t + g, :t + g, "
+                        ":t + g FROM generate_series(1, 10) g"
+                    ),
+                    {"d": dep, "t": old},
+                )
+                conn.execute(
+                    text(
+                        "INSERT INTO request_keys SELECT deployment_id, request_id, part_ts "
+                        "FROM requests WHERE deployment_id = :d"
+                    ),
+                    {"d": dep},
+                )
     finally:
         db.dispose()
     runner = CliRunner()
@@ -196,4 +240,40 @@ def test_retention_drops_whole_months_every_deployment_has_let_go(collector: Col
     out = json.loads(runner.invoke(app, ["retention", "apply", *args]).stdout)
     assert [d["deleted"] for d in dry["deployments"]] == [d["deleted"] for d in out["deployments"]]
     assert [d["deleted"]["pool_samples"] for d in out["deployments"]] == [10, 10]
+    assert [d["deleted"]["requests"] for d in out["deployments"]] == [10, 10]
     assert "pool_samples_p_before" not in _names(collector.db_url, "pool_samples")
+    assert "requests_p_before" not in _names(collector.db_url, "requests")
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:  # their keys went with them
+            assert conn.execute(text("SELECT count(*) FROM request_keys")).scalar() == 0
+    finally:
+        db.dispose()
+
+
+def test_a_request_keeps_its_first_month_as_its_events_arrive(collector: Collector) -> None:
+    """Admitted last month, finished now, then an earlier event arriving late: one row, in
+    the month it was first stored, its first_ts moved earlier; one key; the upsert never
+    makes a second row in another month."""
+    this_month = partitions.month_start(NOW)
+    before = this_month - timedelta(days=3)
+    admitted = f.admitted(1, "r-long", ts=before)
+    finished = f.finished(2, "r-long", ts=NOW - timedelta(minutes=1))
+    early = f.rejected(3, "r-long", ts=before - timedelta(days=30))
+    with collector.client(collector.ingest) as h:
+        for e in (admitted, finished, early):
+            r = h.post("/v1/events", json=[f.as_json(e)])
+            assert r.status_code == 200, r.text
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            rows = conn.execute(
+                text("SELECT tableoid::regclass::text, first_ts, part_ts, status FROM requests")
+            ).all()
+            keys = conn.execute(text("SELECT request_id, part_ts FROM request_keys")).all()
+    finally:
+        db.dispose()
+    ((where, first, part, status),) = rows
+    assert where == "requests_p_before" and part == to_micros(before)
+    assert first == to_micros(before - timedelta(days=30)) and status == "completed"
+    assert [tuple(k) for k in keys] == [("r-long", to_micros(before))]

@@ -137,6 +137,9 @@ class ErasureService:
                 for d, ts in conn.execute(touched)
             ),
         )
+        k = m.RequestKey  # PostgreSQL's partition keys (SQLite: none)
+        mine = select(r.deployment_id, r.request_id).where(r.tenant == t)
+        conn.execute(sa.delete(k).where(sa.tuple_(k.deployment_id, k.request_id).in_(mine)))
         out["requests"] = conn.execute(sa.delete(r).where(r.tenant == t)).rowcount
         out["request_rollups"] = conn.execute(
             sa.delete(m.RequestRollup).where(m.RequestRollup.tenant == t)

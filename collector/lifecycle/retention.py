@@ -124,15 +124,16 @@ class RetentionService:
         results = []
         now_us = m.to_micros(now)
         pols = self.policies()
-        dropped, floor = self._drop_months(pols, now, dry_run)
+        dropped, months = self._drop_months(pols, now, dry_run)
         for pol in pols:
             res = DeploymentResult(pol["deployment_id"], pol["keep_days"])
+            res.requests = dropped.get(("requests", res.deployment_id), 0)
             res.pool_samples = dropped.get(("pool_samples", res.deployment_id), 0)
             res.page_events = dropped.get(("page_events", res.deployment_id), 0)
             if res.keep_days is not None:
                 # One deployment per transaction: a huge deletion never holds every lock.
                 with self.db.write() as conn:
-                    self._apply(conn, res, now, dry_run, floor)
+                    self._apply(conn, res, now, dry_run, months)
                     if not dry_run:
                         audit.append(
                             conn,
@@ -147,36 +148,47 @@ class RetentionService:
 
     def _drop_months(
         self, pols: list[dict[str, Any]], now: datetime, dry: bool
-    ) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    ) -> tuple[dict[tuple[str, str], int], dict[str, list[partitions.Partition]]]:
         """PostgreSQL: drop whole months of the partitioned tables that every deployment's
         retention (and every open incident) has let go. Returns rows per (table,
-        deployment) and, per table, the end of the last month dropped (rows before it are
-        gone)."""
+        deployment) and, per table, the months dropped. A month of requests stays while it
+        holds a request an open incident names, or one still running at the bound (its
+        month is that of its first event; retention goes by its last)."""
         if self.db.is_sqlite or not pols or any(p["keep_days"] is None for p in pols):
             return {}, {}
         with self.db.write() as conn:
-            bound = min(
+            holds = [
                 self._incident_holds(
                     conn,
                     p["deployment_id"],
                     m.to_micros(now - timedelta(days=p["keep_days"])),
                     DeploymentResult(p["deployment_id"], p["keep_days"]),
-                )[0]
+                )
                 for p in pols
-            )
+            ]
+            bound = min(keep_from for keep_from, _ in holds)
+            named = sorted({rid for _, q in holds for (rid,) in conn.execute(q)})
+
+            def keep(c: Connection, p: partitions.Partition) -> bool:
+                held = c.execute(
+                    sa.text(
+                        f'SELECT 1 FROM "{p.name}" WHERE last_ts >= :b OR '
+                        "request_id = ANY(:named) LIMIT 1"
+                    ),
+                    {"b": bound, "named": named},
+                ).first()
+                return held is not None
+
             out: dict[tuple[str, str], int] = {}
-            floor: dict[str, int] = {}
+            dropped: dict[str, list[partitions.Partition]] = {}
             for table in partitions.PARTITIONED:
-                ends = [
-                    x.hi
-                    for x in partitions.partitions(conn, table)
-                    if not x.default and x.hi is not None and x.hi <= bound
-                ]
-                if ends:
-                    floor[table] = max(ends)
-                for dep, n in partitions.drop_before(conn, table, bound, dry_run=dry).items():
+                gone, months = partitions.drop_before(
+                    conn, table, bound, dry_run=dry, keep=keep if table == "requests" else None
+                )
+                dropped[table] = months
+                for dep, n in gone.items():
                     out[(table, dep)] = n
-        return out, floor
+        return out, dropped
 
     def _apply(
         self,
@@ -184,7 +196,7 @@ class RetentionService:
         res: DeploymentResult,
         now: datetime,
         dry: bool,
-        floor: dict[str, int] | None = None,
+        months: dict[str, list[partitions.Partition]] | None = None,
     ) -> None:
         dep = res.deployment_id
         assert res.keep_days is not None
@@ -200,22 +212,30 @@ class RetentionService:
         ]
         pool_cond = [ps.deployment_id == dep, _us(ps.ts) < keep_from]
         page_cond = [pe.deployment_id == dep, _us(pe.ts) < keep_from]
-        if dry and floor:  # those months are counted as dropped already
-            if "pool_samples" in floor:
-                pool_cond.append(_us(ps.ts) >= floor["pool_samples"])
-            if "page_events" in floor:
-                page_cond.append(_us(pe.ts) >= floor["page_events"])
+        if dry and months:  # those months are counted as dropped already
+            for cond, key, table in (
+                (req_cond, r.part_ts, "requests"),
+                (pool_cond, _us(ps.ts), "pool_samples"),
+                (page_cond, _us(pe.ts), "page_events"),
+            ):
+                for mo in months.get(table, []):
+                    cond.append(
+                        sa.not_(sa.and_(key >= (-(2**63) if mo.lo is None else mo.lo), key < mo.hi))
+                    )
         if dry:
 
             def count(table: Any, cond: list[Any]) -> int:
                 q = select(sa.func.count()).select_from(table).where(*cond)
                 return int(conn.execute(q).scalar_one())
 
-            res.requests = count(r, req_cond)
+            res.requests += count(r, req_cond)
             res.pool_samples += count(ps, pool_cond)
             res.page_events += count(pe, page_cond)
             return
-        res.requests = conn.execute(sa.delete(r).where(*req_cond)).rowcount
+        k = m.RequestKey  # PostgreSQL's partition keys of the requests going (SQLite: none)
+        doomed = select(r.request_id).where(*req_cond)
+        conn.execute(sa.delete(k).where(k.deployment_id == dep, k.request_id.in_(doomed)))
+        res.requests += conn.execute(sa.delete(r).where(*req_cond)).rowcount
         res.pool_samples += conn.execute(sa.delete(ps).where(*pool_cond)).rowcount
         res.page_events += conn.execute(sa.delete(pe).where(*page_cond)).rowcount
         rr, rh, pr = m.RequestRollup, m.RequestRollupHourly, m.PoolRollup

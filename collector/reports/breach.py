@@ -418,7 +418,7 @@ class BreachService:
         assert scope.since is not None and scope.until is not None and scope.model_id
         lo, hi = m.to_micros(scope.since), m.to_micros(scope.until)
         r = m.Request
-        conds = [r.model_id == scope.model_id, r.first_ts >= lo, r.first_ts < hi]
+        conds = [r.model_id == scope.model_id, m.requests_since(r, lo), r.first_ts < hi]
         if scope.min_prompt_tokens is not None:
             conds.append(r.prompt_tokens >= scope.min_prompt_tokens)
         if scope.deployment_id is not None:

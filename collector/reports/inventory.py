@@ -65,7 +65,7 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
         cols.append(at_or_above.label("at_or_above"))
     stmt = (
         select(*cols)
-        .where(R.c.model_id == q.model_id, R.c.first_ts >= q.since, R.c.first_ts < q.until)
+        .where(R.c.model_id == q.model_id, m.requests_since(R.c, q.since), R.c.first_ts < q.until)
         .group_by(R.c.tenant, R.c.route)
         .order_by(R.c.tenant, R.c.route)
     )

@@ -202,7 +202,7 @@ class ReviewService:
     @staticmethod
     def _where(lo: int, hi: int, deployment_id: str | None) -> list[Any]:
         ts = type_coerce(R.c.first_ts, BigInteger)
-        conds = [ts >= lo, ts < hi]
+        conds = [m.requests_since(R.c, lo), ts < hi]
         if deployment_id is not None:
             conds.append(R.c.deployment_id == deployment_id)
         return conds

@@ -21,13 +21,15 @@ down_revision = "0006"
 branch_labels = None
 depends_on = None
 
+TABLES = ("pool_samples", "page_events")  # requests follow in 0010
+
 
 def upgrade() -> None:
     conn = op.get_bind()
     if conn.dialect.name != "postgresql":
         return
     now = datetime.now(UTC)
-    for table in partitions.PARTITIONED:
+    for table in TABLES:
         if not partitions.is_partitioned(conn, table):
             partitions.convert(conn, table, now)
 
@@ -36,6 +38,6 @@ def downgrade() -> None:
     conn = op.get_bind()
     if conn.dialect.name != "postgresql":
         return
-    for table in partitions.PARTITIONED:
+    for table in TABLES:
         if partitions.is_partitioned(conn, table):
             partitions.unconvert(conn, table)
