@@ -34,6 +34,7 @@ from collector.reports.breach import BreachService
 from collector.reports.review import ReviewService
 from collector.reports.stored import ReportStore
 from collector.rollups.refresh import RollupRefresher
+from collector.scrape import ScheduledScraper
 from collector.settings import Settings
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
@@ -90,6 +91,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db, settings, metrics, authenticator, alerting if settings.policies_enabled else None
     )
     reads = ReadService(db)
+    scraper = (
+        ScheduledScraper(db, settings, ingest, metrics.registry)
+        if settings.scrape_targets
+        else None
+    )
+    scrapes = (
+        None
+        if scraper is None
+        else Periodic("scrape", scraper.tick_s, scraper.run_due, at_start=scraper.start)
+    )
     timer = (
         Periodic("policy", settings.policy_timer_s, lambda: alerting.tick(datetime.now(UTC)))
         if settings.policies_enabled
@@ -126,13 +137,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await anyio.to_thread.run_sync(migrate.upgrade, settings.database_url)
         if maintainer is not None:
             await anyio.to_thread.run_sync(maintainer.run_once)
-        for worker in (timer, dispatcher, rollups, maintainer):
+        for worker in (timer, dispatcher, rollups, maintainer, scrapes):
             if worker is not None:
                 worker.start()
         try:
             yield
         finally:
-            for worker in (timer, dispatcher, rollups, maintainer):
+            for worker in (timer, dispatcher, rollups, maintainer, scrapes):
                 if worker is not None:
                     await anyio.to_thread.run_sync(worker.shutdown, 10.0)
             db.dispose()
@@ -152,6 +163,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.policy_timer = timer
     app.state.dispatcher = dispatcher
     app.state.rollups = rollups
+    app.state.scrapes = scrapes
 
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:

@@ -630,3 +630,31 @@ class Report(Base):
     created_by: Mapped[str] = mapped_column(String(NAME_MAX))
     sha256: Mapped[str] = mapped_column(String(64))
     body: Mapped[str] = mapped_column(Text)  # JSON object: the whole report
+
+
+# ---------------------------------------------------------------------- scheduled scrapes
+
+
+class ScrapeTarget(Base):
+    """One engine ``/metrics`` target of the collector's scheduled scraper (see
+    ``collector.scrape``). Replicas share the row: whoever moves ``next_at`` past now scrapes
+    the target for that interval; ``seq`` is the last seq handed out under ``probe_id``.
+
+    Invariant: seqs 1..seq of ``probe_id`` were each reserved by exactly one scrape.
+    """
+
+    __tablename__ = "scrape_targets"
+
+    target_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    probe_id: Mapped[str] = mapped_column(String(ID_MAX), unique=True)
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
+    engine: Mapped[str] = mapped_column(String(16))
+    url: Mapped[str] = mapped_column(Text)
+    next_at: Mapped[int] = mapped_column(BigInteger)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    token_id: Mapped[int | None] = mapped_column(BigInteger, ForeignKey("api_tokens.id"))
+    config_hash: Mapped[str | None] = mapped_column(String(64))
+    claimed_by: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    last_ok_at: Mapped[int | None] = mapped_column(BigInteger)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    failures: Mapped[int] = mapped_column(BigInteger)

@@ -2,14 +2,73 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from engine_probe.events import is_valid_id
+from engine_probe.scrape import ScrapeError, make_target, redact
+
+
+class ScrapeTarget(BaseModel):
+    """One engine server the collector scrapes (an entry of ``KVWATCH_SCRAPE_TARGETS``).
+
+    ``token``: the ingest token its events are stored under (as if POSTed with it; a
+    deployment-scoped token must match); unset, the collector makes one for the target.
+    ``api_key``: a bearer key for the engine's own API (vLLM's ``/v1/models``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    engine: Literal["vllm", "sglang"]
+    deployment_id: str
+    interval_s: float | None = Field(default=None, gt=0, le=86_400)
+    token: str | None = Field(default=None, repr=False)
+    api_key: str | None = Field(default=None, repr=False)
+    node: str | None = None
+    role: Literal["prefill", "decode", "both"] | None = None
+
+    @field_validator("deployment_id")
+    @classmethod
+    def _check_deployment(cls, v: str) -> str:
+        if not is_valid_id(v):
+            raise ValueError(f"{v!r} is not a valid id")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        return _target_check(v)
+
+    @field_validator("node")
+    @classmethod
+    def _check_node(cls, v: str | None) -> str | None:
+        if v is not None:
+            _target_check("http://node-check", node=v)
+        return v
+
+
+def _target_check(url: str, node: str | None = None) -> str:
+    try:
+        make_target(url, "vllm", node=node)
+    except ScrapeError as exc:
+        raise ValueError(str(exc)) from None
+    return url
+
+
+_TARGETS = TypeAdapter(list[ScrapeTarget])
 
 
 class Settings(BaseSettings):
     """Collector settings. Built once and passed to ``create_app(settings)``."""
 
-    model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore")
+    # Inputs stay out of error messages: URLs and scrape targets may hold secrets.
+    model_config = SettingsConfigDict(
+        env_prefix="KVWATCH_", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str = Field(
         default="sqlite:///kvwatch.db",
@@ -100,6 +159,52 @@ class Settings(BaseSettings):
         default="",
         description="The collector's URL as people reach it (links in notifications).",
     )
+
+    scrape_targets: Annotated[list[ScrapeTarget], NoDecode] = Field(
+        default_factory=list,
+        description="Engine servers whose /metrics the collector scrapes into engine.config and "
+        'pool.sample events: a JSON list of {"url", "engine" (vllm|sglang), "deployment_id", '
+        'optional "interval_s", "token", "api_key", "node", "role"}. One replica scrapes each '
+        "target per interval.",
+    )
+    scrape_interval_s: float = Field(
+        default=15.0, gt=0, le=86_400, description="Interval of targets without interval_s."
+    )
+    scrape_timeout_s: float = Field(
+        default=5.0, gt=0, le=600, description="HTTP timeout of one scrape request."
+    )
+
+    @field_validator("scrape_targets", mode="before")
+    @classmethod
+    def _parse_targets(cls, v: Any) -> list[ScrapeTarget]:
+        """JSON text (the environment) or a list; errors name the entry and the field."""
+        if isinstance(v, str):
+            if not v.strip():
+                return []
+            try:
+                v = json.loads(v)
+            except ValueError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(v, list):
+            raise ValueError("must be a JSON list of targets")
+        try:
+            targets = _TARGETS.validate_python(v)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            index, *where = e["loc"] or ("?",)
+            entry = v[index] if isinstance(index, int) and index < len(v) else None
+            url = entry.get("url") if isinstance(entry, dict) else None
+            name = f"entry {index}" + (f" ({redact(url)})" if isinstance(url, str) else "")
+            field = ".".join(str(p) for p in where) or "entry"
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            raise ValueError(f"{name}, field {field}: {msg}") from None
+        seen: dict[tuple[str, str, str], int] = {}
+        for i, t in enumerate(targets):
+            key = (t.engine, t.url, t.deployment_id)
+            if key in seen:
+                raise ValueError(f"entry {i} ({redact(t.url)}) repeats entry {seen[key]}")
+            seen[key] = i
+        return targets
 
     @field_validator("database_url")
     @classmethod

@@ -15,6 +15,7 @@ from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
 from kvwatch.cli_lifecycle import erase, retention_app
 from kvwatch.cli_reports import audit_app, report_app
+from kvwatch.cli_scrape import scrape
 from kvwatch.cli_verify import verify
 from kvwatch.cli_webhooks import webhooks_app
 
@@ -40,6 +41,7 @@ app.add_typer(audit_app, name="audit")
 app.command()(verify)
 app.command("gateway")(gateway)
 app.command("dashboard")(dashboard)
+app.command("scrape")(scrape)
 app.add_typer(retention_app, name="retention")
 app.command("erase")(erase)
 

@@ -15,7 +15,9 @@ ALLOWED = {
     "refengine": set(),
     "engine_probe": {"engine_probe"},
     "policies": {"engine_probe.events"},
-    "collector": {"collector", "policies", "engine_probe.events"},
+    # engine_probe.scrape: the scheduled scraper translates engine /metrics as `kvwatch
+    # scrape` does; it stands alone (see test_scrape_stands_alone).
+    "collector": {"collector", "policies", "engine_probe.events", "engine_probe.scrape"},
     "migrations": {"collector"},
     "dashboard": {"dashboard"},
 }
@@ -51,6 +53,18 @@ def test_import_direction() -> None:
     assert bad == []
 
 
+def test_scrape_stands_alone() -> None:
+    """engine_probe.scrape runs inside the collector: of ours it imports only the events."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in (ROOT / "engine_probe" / "scrape").rglob("*.py")
+        for name in _imports(path)
+        if name.split(".")[0] in OURS
+        and not _allowed(name, {"engine_probe.events", "engine_probe.scrape"})
+    ]
+    assert bad == []
+
+
 def test_nothing_imports_the_front_door() -> None:
     bad = [
         str(p.relative_to(ROOT))
@@ -70,6 +84,7 @@ def test_torch_free_packages_import_without_torch() -> None:
         "            raise ImportError('torch is blocked in this test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import collector.app, collector.store, engine_probe, engine_probe.events\n"
+        "import engine_probe.scrape\n"
         "import policies, dashboard\n"
         "assert 'torch' not in sys.modules\n"
     )

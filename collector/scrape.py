@@ -1,0 +1,318 @@
+"""The scheduled scraper: engine ``/metrics`` targets (``KVWATCH_SCRAPE_TARGETS``) scraped
+into ``engine.config`` and ``pool.sample`` events, ingested as if POSTed to /v1/events.
+
+Several replicas share the database; per target and interval exactly one scrapes:
+
+1. claim: ``UPDATE scrape_targets SET next_at = now + interval WHERE next_at <= now``; the
+   replica whose update hit the row owns this interval (the row lock settles a race);
+2. scrape the target over HTTP, outside any transaction;
+3. reserve seqs: ``seq = seq + n`` in one statement, so the batch's seqs are contiguous and
+   never handed out twice, whoever scrapes next;
+4. ingest through :class:`IngestService` (token, validation, idempotency, gap tracking and
+   policies exactly as for POST /v1/events), under the target's fixed probe id; a database
+   that is briefly unavailable gets the same batch again (idempotent on (probe_id, seq)).
+
+A target that is down, answers something else, or whose batch cannot be stored is logged
+and counted in ``kvwatch_scrapes{result}``; it never stops the collector. A batch whose seqs
+were reserved but that could not be stored leaves a gap the probe bookkeeping reports, as
+for any producer that lost events. ``engine.config`` events go out only when a target's
+figures changed (its hash is kept in the row, so replicas agree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, Counter
+from sqlalchemy import Connection, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from collector import models as m
+from collector.db import Database
+from collector.errors import CollectorError, Unavailable
+from collector.ingest import IngestService
+from collector.settings import ScrapeTarget, Settings
+from collector.tokens import Principal, create_token
+from engine_probe import events as ev
+from engine_probe.scrape import (
+    NotThatEngine,
+    Scrape,
+    ScrapeError,
+    TargetScraper,
+    TargetUnreachable,
+    make_target,
+)
+
+log = logging.getLogger("kvwatch.scrape")
+
+_ACTOR: Final = "collector.scraper"
+_INGEST_ATTEMPTS: Final = 4
+_RESULTS: Final = ("ok", "target_down", "not_that_engine", "malformed", "not_stored")
+
+
+@dataclass(slots=True)
+class _Target:
+    config: ScrapeTarget
+    key: str
+    probe_id: str
+    interval_us: int
+    scraper: TargetScraper
+
+
+def target_key(t: ScrapeTarget) -> str:
+    """A target's identity: engine, URL, deployment, and whether its own token is used
+    (a probe id belongs to one ingest token, so changing tokens starts a new one)."""
+    token = hashlib.sha256(t.token.encode()).hexdigest() if t.token else "collector"
+    raw = json.dumps([t.engine, t.url, t.deployment_id, token])
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def probe_id_of(t: ScrapeTarget, key: str) -> str:
+    return f"scrape-{t.deployment_id}"[: ev.ID_MAX - 9] + f"-{key[:8]}"
+
+
+def config_hash(result: Scrape) -> str:
+    payload = json.dumps([n.config_fields() for n in result.nodes], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+class ScheduledScraper:
+    """Scrapes every configured target when it is due; see the module docstring."""
+
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        ingest: IngestService,
+        registry: CollectorRegistry,
+        *,
+        replica: str | None = None,
+    ) -> None:
+        self.db = db
+        self.ingest = ingest
+        self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
+        self.targets: list[_Target] = []
+        for t in settings.scrape_targets:
+            key = target_key(t)
+            interval = t.interval_s or settings.scrape_interval_s
+            self.targets.append(
+                _Target(
+                    t,
+                    key,
+                    probe_id_of(t, key),
+                    round(interval * 1_000_000),
+                    TargetScraper(
+                        make_target(t.url, t.engine, node=t.node, role=t.role, api_key=t.api_key),
+                        timeout_s=settings.scrape_timeout_s,
+                    ),
+                )
+            )
+        shortest = min((t.interval_us for t in self.targets), default=1_000_000) / 1e6
+        # Due targets are noticed within half their interval (at most a second late).
+        self.tick_s = min(1.0, max(0.05, shortest / 2))
+        self.scrapes = Counter(
+            "kvwatch_scrapes",
+            "Scheduled scrapes this replica ran, by deployment and result (ok, target_down, "
+            "not_that_engine, malformed, not_stored).",
+            ["deployment_id", "result"],
+            registry=registry,
+        )
+        for target in self.targets:  # every series from the start, at 0
+            for r in _RESULTS:
+                self.scrapes.labels(target.config.deployment_id, r)
+
+    def start(self) -> None:
+        """Register the targets (a row each, if missing) and run the first pass."""
+        now_us = m.to_micros(ev.utcnow())
+        with self.db.write() as conn:
+            for t in self.targets:
+                exists = conn.execute(
+                    select(m.ScrapeTarget.target_key).where(m.ScrapeTarget.target_key == t.key)
+                ).first()
+                if exists is None:
+                    self._insert_row(conn, t, now_us)
+        self.run_due()
+
+    def _insert_row(self, conn: Connection, t: _Target, now_us: int) -> None:
+        dialect = postgresql if self.db.dialect == "postgresql" else sqlite
+        conn.execute(
+            dialect.insert(m.ScrapeTarget)
+            .values(
+                target_key=t.key,
+                probe_id=t.probe_id,
+                deployment_id=t.config.deployment_id,
+                engine=t.config.engine,
+                url=t.scraper.target.shown,
+                next_at=now_us,
+                seq=0,
+                failures=0,
+            )
+            .on_conflict_do_nothing(index_elements=["target_key"])
+        )
+
+    def run_due(self) -> None:
+        """One pass: scrape each target whose interval this replica claims."""
+        for t in self.targets:
+            now = ev.utcnow()
+            principal = self._claim(t, now)
+            if principal is not None:
+                self._scrape(t, principal, now)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def _claim(self, t: _Target, now: datetime) -> Principal | None:
+        """Claim ``t`` for one interval; the principal its events are stored under, or None
+        when another replica has it (or its token cannot write)."""
+        now_us = m.to_micros(now)
+        with self.db.write() as conn:
+            claimed = conn.execute(
+                update(m.ScrapeTarget)
+                .where(m.ScrapeTarget.target_key == t.key, m.ScrapeTarget.next_at <= now_us)
+                .values(next_at=now_us + t.interval_us, claimed_by=self.replica)
+            ).rowcount
+            if claimed != 1:
+                return None
+            if t.config.token is not None:
+                token_id = None
+            else:
+                token_id = conn.execute(
+                    select(m.ScrapeTarget.token_id).where(m.ScrapeTarget.target_key == t.key)
+                ).scalar_one()
+                if token_id is None:
+                    # The collector's own ingest token for this target, scoped to its
+                    # deployment; its secret is never kept (nothing outside needs it).
+                    token_id, _ = create_token(
+                        conn,
+                        kind="ingest",
+                        now_us=now_us,
+                        deployment_id=t.config.deployment_id,
+                        name=f"scraper {t.probe_id}",
+                        actor=_ACTOR,
+                    )
+                    conn.execute(
+                        update(m.ScrapeTarget)
+                        .where(m.ScrapeTarget.target_key == t.key)
+                        .values(token_id=token_id)
+                    )
+                revoked = conn.execute(
+                    select(m.ApiToken.revoked_at).where(m.ApiToken.id == token_id)
+                ).scalar_one()
+                if revoked is not None:
+                    self._failed(t, "not_stored", f"its ingest token {token_id} is revoked")
+                    return None
+        if token_id is not None:
+            return Principal(token_id, "ingest", None, t.config.deployment_id, _ACTOR)
+        try:
+            return self.ingest.authenticate(f"Bearer {t.config.token}")
+        except CollectorError as exc:
+            self._failed(t, "not_stored", f"its token cannot ingest: {exc.message}")
+            return None
+
+    def _scrape(self, t: _Target, principal: Principal, now: datetime) -> None:
+        try:
+            result = t.scraper.scrape()
+        except ScrapeError as exc:
+            reason = (
+                "target_down"
+                if isinstance(exc, TargetUnreachable)
+                else "not_that_engine"
+                if isinstance(exc, NotThatEngine)
+                else "malformed"
+            )
+            self._failed(t, reason, str(exc), record=True)
+            return
+        digest = config_hash(result)
+        with self.db.write() as conn:
+            previous = conn.execute(
+                select(m.ScrapeTarget.config_hash).where(m.ScrapeTarget.target_key == t.key)
+            ).scalar_one()
+            with_config = previous != digest
+            n = len(result.nodes) * (2 if with_config else 1)
+            # One statement: the row lock makes the reservation atomic across replicas, and
+            # the hash goes with it, so a replica scraping next sends no second config.
+            conn.execute(
+                update(m.ScrapeTarget)
+                .where(m.ScrapeTarget.target_key == t.key)
+                .values(seq=m.ScrapeTarget.seq + n, config_hash=digest)
+            )
+            last = conn.execute(
+                select(m.ScrapeTarget.seq).where(m.ScrapeTarget.target_key == t.key)
+            ).scalar_one()
+        events = self._events(t, result, now, first_seq=last - n + 1, with_config=with_config)
+        body = ev.encode_batch(events)
+        try:
+            for attempt in range(_INGEST_ATTEMPTS):
+                try:
+                    self.ingest.ingest(principal, body, "application/json", now)
+                    break
+                except Unavailable:
+                    # Ingest is idempotent on (probe_id, seq): the same batch again is safe.
+                    if attempt == _INGEST_ATTEMPTS - 1:
+                        raise
+                    time.sleep(0.1 * 2**attempt)
+        except CollectorError as exc:
+            # Its seqs stay a gap (events lost, as the probe bookkeeping says); the config
+            # goes out again with the next scrape.
+            self._failed(t, "not_stored", exc.message, record=True, forget_config=True)
+            return
+        with self.db.write() as conn:
+            conn.execute(
+                update(m.ScrapeTarget)
+                .where(m.ScrapeTarget.target_key == t.key)
+                .values(last_ok_at=m.to_micros(now), last_error=None, failures=0)
+            )
+        self.scrapes.labels(t.config.deployment_id, "ok").inc()
+
+    def _events(
+        self, t: _Target, result: Scrape, now: datetime, *, first_seq: int, with_config: bool
+    ) -> list[ev.Event]:
+        common: dict[str, Any] = {
+            "schema_version": ev.SCHEMA_VERSION,
+            "probe_id": t.probe_id,
+            "ts": now,
+            "deployment_id": t.config.deployment_id,
+        }
+        out: list[ev.Event] = []
+        seq = first_seq
+        for node in result.nodes:
+            if with_config:
+                out.append(ev.EngineConfig(**common, seq=seq, **node.config_fields()))
+                seq += 1
+            out.append(ev.PoolSample(**common, seq=seq, **node.pool_fields()))
+            seq += 1
+        return out
+
+    def _failed(
+        self,
+        t: _Target,
+        result: str,
+        why: str,
+        *,
+        record: bool = False,
+        forget_config: bool = False,
+    ) -> None:
+        self.scrapes.labels(t.config.deployment_id, result).inc()
+        log.warning("scrape of %s (%s) failed: %s", t.scraper.target.shown, t.probe_id, why)
+        if not record:
+            return
+        try:
+            with self.db.write() as conn:
+                conn.execute(
+                    update(m.ScrapeTarget)
+                    .where(m.ScrapeTarget.target_key == t.key)
+                    .values(
+                        last_error=why[:2000],
+                        failures=m.ScrapeTarget.failures + 1,
+                        **({"config_hash": None} if forget_config else {}),
+                    )
+                )
+        except CollectorError as exc:  # the database is down too: the log line is it
+            log.warning("could not record the failure of %s: %s", t.probe_id, exc.message)

@@ -1,0 +1,42 @@
+"""Engine ``/metrics`` → kvwatch's ``engine.config`` and ``pool.sample`` figures.
+
+For deployments without the in-engine probe: vLLM's and SGLang's Prometheus metrics (read
+with prometheus-client's parser) give pool capacity, page size, the advertised context and
+occupancy per node, enough for the pool-versus-advertised checks and the occupancy charts.
+Prompt-token counters and histograms carry no request ids, so they become no request events;
+they are in :meth:`Scrape.summary`.
+
+Used by ``kvwatch scrape`` and by the collector's scheduled scraper, so this package imports
+only the standard library, prometheus-client and ``engine_probe.events`` (never torch,
+never the probe's machinery).
+"""
+
+from engine_probe.scrape.errors import (
+    BadTarget,
+    MalformedMetrics,
+    NotThatEngine,
+    ScrapeError,
+    TargetUnreachable,
+)
+from engine_probe.scrape.exposition import parse
+from engine_probe.scrape.fetch import Target, TargetScraper, make_target, redact, translate
+from engine_probe.scrape.figures import ENGINES, ROLES, NodeFigures, PromptFigures, Scrape
+
+__all__ = [
+    "ENGINES",
+    "ROLES",
+    "BadTarget",
+    "MalformedMetrics",
+    "NodeFigures",
+    "NotThatEngine",
+    "PromptFigures",
+    "Scrape",
+    "ScrapeError",
+    "Target",
+    "TargetScraper",
+    "TargetUnreachable",
+    "make_target",
+    "parse",
+    "redact",
+    "translate",
+]

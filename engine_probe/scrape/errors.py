@@ -1,0 +1,29 @@
+"""What a scrape raises. Every message names the target and what was missing or wrong.
+
+The scrape package stands alone (the collector imports it; see ``engine_probe.scrape``), so
+its errors are their own small tree rather than part of :mod:`engine_probe.errors`.
+"""
+
+from __future__ import annotations
+
+
+class ScrapeError(Exception):
+    """Base class: the target could not be turned into events."""
+
+
+class BadTarget(ScrapeError, ValueError):
+    """The target itself is unusable: not an http(s) URL, an unknown engine, a bad node id."""
+
+
+class TargetUnreachable(ScrapeError):
+    """Nothing usable came back: connection refused, timeout, an HTTP error status."""
+
+
+class NotThatEngine(ScrapeError):
+    """The target answered, but not with the named engine's metrics (its marker metric is
+    missing): a wrong URL, a wrong ``--engine``, or metrics turned off."""
+
+
+class MalformedMetrics(ScrapeError, ValueError):
+    """The exposition (or an endpoint it needs) is not what the engine writes: unparsable
+    text, a missing or non-numeric figure, a value out of range."""
