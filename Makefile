@@ -17,7 +17,8 @@ ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(BIN)/pip install --quiet -e '.[engine,dev]'
+	# flock: the engine venvs install this checkout editable too, maybe at the same time
+	flock .editable.lock $(BIN)/pip install --quiet -e '.[engine,dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -31,7 +32,10 @@ engines: $(ENGINE_STAMPS)
 demo: setup
 	$(BIN)/kvwatch demo --dir $(DEMO_DIR)
 
-test: setup lint pytest pytest-engines
+# The three venvs build side by side (mostly downloads and unpacking): minutes off CI.
+test:
+	$(MAKE) -j3 setup engines
+	$(MAKE) lint pytest pytest-engines
 
 pytest: setup engines
 	$(BIN)/python -m pytest

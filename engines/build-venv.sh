@@ -19,5 +19,6 @@ rm -rf "$venv"
 "$venv/bin/pip" install --quiet "$torch" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 "$venv/bin/pip" install --quiet --no-deps -r "$dir/nodeps.txt"
 "$venv/bin/pip" install --quiet -r "$dir/requirements.txt"
-"$venv/bin/pip" install --quiet --no-deps -e .
+# one editable build of this checkout at a time (make builds the venvs side by side)
+flock .editable.lock "$venv/bin/pip" install --quiet --no-deps -e .
 touch "$venv/.kvwatch-installed"
