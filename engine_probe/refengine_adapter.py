@@ -62,7 +62,6 @@ ledger: their reads are not checked (requests admitted after attach are).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,9 +70,9 @@ from typing import Any, Final, Protocol
 import torch
 from torch import Tensor
 
+from engine_probe.adapter_common import chunks, safe_id
 from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
-    MAX_PAGE_IDS,
     CanaryHit,
     EngineConfig,
     Event,
@@ -84,7 +83,6 @@ from engine_probe.events import (
     RequestAdmitted,
     RequestFinished,
     RequestRejected,
-    is_valid_id,
 )
 from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
 from engine_probe.probe import BaseProbe, get_probe
@@ -152,17 +150,6 @@ class _PoolState:
     #: this step's reuse counts [reused, cross_tenant, zeroized], not synced yet
     pending: Tensor | None = None
     reuse: list[int] = field(default_factory=lambda: [0, 0, 0])
-
-
-def _safe_id(value: str, prefix: str) -> str:
-    """``value`` if it is a valid wire id, else a stable hashed stand-in (never dropped)."""
-    if is_valid_id(value):
-        return value
-    return f"{prefix}-{hashlib.sha256(value.encode()).hexdigest()[:24]}"
-
-
-def _chunks(pages: list[int]) -> list[list[int]]:
-    return [pages[i : i + MAX_PAGE_IDS] for i in range(0, len(pages), MAX_PAGE_IDS)] or [[]]
 
 
 class RefengineAdapter:
@@ -266,7 +253,7 @@ class RefengineAdapter:
         version = self.engine_version or str(info.get("engine_version", "unknown"))
         self._pools = {}
         for pool in engine.pools.values():
-            node = _safe_id(self._nodes.get(pool.name, pool.name), "node")
+            node = safe_id(self._nodes.get(pool.name, pool.name), "node")
             ledger = (
                 PageLedger(pool.num_pages, pool.device, pool.name, page_size=pool.page_size)
                 if self.use_ledger
@@ -538,7 +525,7 @@ class RefengineAdapter:
         if new and self._first_handle is None:
             self._first_handle = req.handle
         reqs = self._requests
-        reqs[req.handle] = (_safe_id(req.request_id, "req"), req.tenant_handle)
+        reqs[req.handle] = (safe_id(req.request_id, "req"), req.tenant_handle)
         reqs.move_to_end(req.handle)
         if len(reqs) > self._request_capacity:
             reqs.popitem(last=False)
@@ -554,7 +541,7 @@ class RefengineAdapter:
         known = self._requests.get(handle)
         if known is not None:
             return known[0]
-        return _safe_id(fallback, "req") if fallback is not None else f"handle-{handle}"
+        return safe_id(fallback, "req") if fallback is not None else f"handle-{handle}"
 
     def _tenant_id(self, handle: int, name: str | None = None) -> str:
         tid = self._tenant_ids.get(handle)
@@ -563,7 +550,7 @@ class RefengineAdapter:
                 name = self._engine.tenant_name(handle)
             if name is None:
                 return _UNKNOWN
-            tid = self._tenant_ids[handle] = _safe_id(name, "tenant")
+            tid = self._tenant_ids[handle] = safe_id(name, "tenant")
         return tid
 
     def _names(self, reader: int, ledger_tenant: int = UNKNOWN_TENANT) -> tuple[str, str]:
@@ -593,7 +580,7 @@ class RefengineAdapter:
                 prev_tenant = (
                     _UNKNOWN if pt is None or pt == UNKNOWN_TENANT else self._tenant_id(pt)
                 )
-            for chunk in _chunks(pages):
+            for chunk in chunks(pages):
                 self._emit(
                     PageStaleRead,
                     node=st.node,
@@ -618,7 +605,7 @@ class RefengineAdapter:
             self.counters["canary_hits"] += 1
             reader_id, reader_tenant = self._names(f.reader)
             canary_tenant = None if f.canary_tenant < 0 else self._tenant_id(f.canary_tenant)
-            for chunk in _chunks(pages):
+            for chunk in chunks(pages):
                 self._emit(
                     CanaryHit,
                     node=st.node,

@@ -50,6 +50,7 @@ from typing import Any, Final, Literal, TypeVar
 import torch
 from torch import Tensor
 
+from engine_probe.adapter_common import chunks, safe_id
 from engine_probe.events import (
     EngineConfig,
     Event,
@@ -63,7 +64,6 @@ from engine_probe.events import (
 )
 from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
 from engine_probe.probe import BaseProbe, get_probe
-from engine_probe.refengine_adapter import _chunks, _safe_id
 from engine_probe.sglang.errors import NotAttachableError
 
 __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
@@ -373,7 +373,7 @@ class SGLangAdapter:
                     _, old = self._handles.popitem(last=False)
                     self._names.pop(old, None)
                 tenant = self.tenant_of(req)
-                self._names[handle] = (_safe_id(rid, "req"), self._tenant_handle(tenant))
+                self._names[handle] = (safe_id(rid, "req"), self._tenant_handle(tenant))
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
                 self._by_room[room] = handle
@@ -385,7 +385,7 @@ class SGLangAdapter:
         h = self._tenant_handles.get(tenant)
         if h is None:
             h = self._tenant_handles[tenant] = len(self._tenant_names)
-            self._tenant_names.append(_safe_id(tenant, "tenant"))
+            self._tenant_names.append(safe_id(tenant, "tenant"))
         return h
 
     def _request_names(self, handle: int | None) -> tuple[str, str]:
@@ -686,7 +686,7 @@ class SGLangAdapter:
                 prev_id, prev_tenant = self._request_names(r.previous_request)
                 if r.previous_tenant is not None and r.previous_tenant >= 0:
                     prev_tenant = self._tenant_name(r.previous_tenant)
-            for chunk in _chunks(pages):
+            for chunk in chunks(pages):
                 self._emit(
                     PageStaleRead,
                     node=st.name,

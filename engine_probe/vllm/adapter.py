@@ -71,7 +71,6 @@ scheduled requests' block tables (one host sync) plus the reuse counts (one more
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -80,6 +79,7 @@ from typing import Any, Final
 
 import torch
 
+from engine_probe.adapter_common import safe_id
 from engine_probe.events import (
     MAX_PAGE_IDS,
     EngineConfig,
@@ -90,7 +90,6 @@ from engine_probe.events import (
     PrefixCacheHit,
     RequestAdmitted,
     RequestFinished,
-    is_valid_id,
 )
 from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
 from engine_probe.probe import BaseProbe, get_probe
@@ -116,13 +115,6 @@ _ROLES: Final[Mapping[str, str]] = {
     "kv_both": "both",
 }
 _ATTACHED: Final = "_kvwatch_adapter"
-
-
-def _safe_id(value: str, prefix: str) -> str:
-    """``value`` if it is a valid wire id, else a stable hashed stand-in (never dropped)."""
-    if is_valid_id(value):
-        return value
-    return f"{prefix}-{hashlib.sha256(value.encode()).hexdigest()[:24]}"
 
 
 @dataclass(eq=False)
@@ -173,7 +165,7 @@ class VllmAdapter:
             raise ValueError("pool_sample_every must be >= 1")
         self._probe = probe
         self.deployment_id = deployment_id
-        self.node = _safe_id(node, "node")
+        self.node = safe_id(node, "node")
         self.pool_sample_every = pool_sample_every
         self._handle_capacity = handle_capacity
         self.scheduler = scheduler
@@ -334,11 +326,11 @@ class VllmAdapter:
         params = request.sampling_params
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
         tenant_raw = extra.get(TENANT_KEY)
-        tenant = _safe_id(str(tenant_raw), "tenant") if tenant_raw else _UNKNOWN
+        tenant = safe_id(str(tenant_raw), "tenant") if tenant_raw else _UNKNOWN
         route_raw = extra.get(ROUTE_KEY)
         route = str(route_raw)[:256] if route_raw else None
         handle = self._new_handle()
-        rid = _safe_id(str(request.request_id), "req")
+        rid = safe_id(str(request.request_id), "req")
         th = self._tenant_handles.setdefault(tenant, len(self._tenant_handles))
         req = _Req(
             handle=handle,
