@@ -10,14 +10,21 @@ disaggregation transfer, which SGLang addresses in pages, maps page for page.
 
 What is hooked (wrapped on the given instances; the transfer classes and the attention
 backend base class are wrapped class-wide, once per adapter; :meth:`SGLangAdapter.detach`
-restores everything):
+restores everything; none touches the host while a CUDA graph is captured):
 
 * ``ReqToTokenPool.alloc(reqs)``: a request gets a row → it is known (request id, tenant,
   bootstrap room); ``request.admitted`` on a prefill (or non-disaggregated) node.
-* ``ReqToTokenPool.write((row, cols), slots)``: slots bound to the row's request. Pages not
-  yet owned by that request are allocated to it in the ledger (ownership comes from the row,
-  because SGLang's allocators never learn which request a slot is for).
-* ``ReqToTokenPool.free(req)``: ``request.finished``.
+* allocator ``alloc``/``alloc_extend``/``alloc_decode``: the pages handed out ("fresh").
+* ``ReqToTokenPool.write((row, cols), slots)`` and, for extend, the module function
+  ``write_cache_indices`` (its Triton kernel never calls ``write``: the rows are read back):
+  slots bound to the row's request. A fresh page (or one the ledger holds free) becomes the
+  request's own in the ledger (ownership comes from the row: SGLang's allocators never learn
+  which request a slot is for); a page another request owns is a grant (a radix-cache
+  prefix): the row's reads of it are checked as its owner's.
+* ``ReqToTokenPool.free(req)``: ``request.finished`` if the request is finished (a retracted
+  one only gives its row back).
+* ``alloc_for_decode``: decode's slots recorded as written (a replayed CUDA graph runs no
+  hook); ``Req.__init__``: the prompt length before any auto-truncation.
 * allocator frees (``TokenToKVPoolAllocator.free``; ``PagedTokenToKVPoolAllocator.
   _release_page_ids``, where every paged free ends): pages freed, not zeroized, unless the
   adapter zeroizes them (``zeroize_on_free``: it zeroes the K/V rows itself first).
@@ -44,7 +51,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, TypeVar
 
 import torch
@@ -101,6 +108,14 @@ class _Node:
     first_layer: int
     rows: dict[int, int] = field(default_factory=dict)  # req_to_token row -> request handle
     reuse: list[int] = field(default_factory=lambda: [0, 0, 0])
+    #: per page: handed out by the allocator and not bound to a row since (only such a
+    #: page, or one the ledger holds free, becomes the binding request's own)
+    fresh: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    #: row -> per column, the handle whose write a read of that column is checked as (a
+    #: radix-cache prefix bound into the row: the page's owner), or -1 (the row's request)
+    grants: dict[int, Tensor] = field(default_factory=dict)
+    #: inside ``write_cache_indices``: its own hook binds the batch, not ``write``
+    batch_binding: bool = False
 
 
 @dataclass
@@ -140,10 +155,19 @@ class SGLangAdapter:
         self._request_capacity = request_capacity
         self._lock = threading.RLock()
         self._nodes: dict[int, _Node] = {}  # id(req_to_token_pool) -> node
-        self._handles: OrderedDict[str, int] = OrderedDict()  # request id -> handle
-        self._names: dict[int, tuple[str, int]] = {}  # handle -> (wire id, tenant handle)
-        self._tenant_handles: dict[str, int] = {}
-        self._tenant_names: list[str] = []
+        # Handles are never reused (a counter): two requests never look like one to a
+        # ledger. `_handles` holds the requests not finished yet (dropped when the last
+        # node here finishes one); `_names` also the finished ones a stale read may still
+        # name as the previous writer; both bounded, oldest out first.
+        self._next_handle = 0
+        self._handles: _Bounded[str, int] = _Bounded(request_capacity)  # request id -> handle
+        # handle -> (wire id, tenant handle, tenant name)
+        self._names: _Bounded[int, tuple[str, int, str]] = _Bounded(request_capacity)
+        # Tenant names come from clients (SGLang's extra_key may be a random salt per
+        # request): bounded too; an evicted tenant is interned again under a new handle.
+        self._next_tenant = 0
+        self._tenant_handles: _Bounded[str, int] = _Bounded(request_capacity)
+        self._tenant_names: _Bounded[int, str] = _Bounded(request_capacity)
         # Bounded: a request that never finishes here (its decode node is another process)
         # must not grow them forever; the oldest entries go first.
         self._by_room: _Bounded[int, int] = _Bounded(request_capacity)  # room -> handle
@@ -157,6 +181,7 @@ class SGLangAdapter:
             "transfers": 0,
             "hook_errors": 0,
             "reads_checked": 0,
+            "capture_skipped": 0,
         }
 
     # -- public ----------------------------------------------------------------------------
@@ -180,7 +205,14 @@ class SGLangAdapter:
         tp_size: int = 1,
     ) -> str:
         """Hook one node's ``ReqToTokenPool`` and token allocator (and the allocator's KV
-        pool); returns the node's name. Emits ``engine.config`` and a ``pool.sample``."""
+        pool); returns the node's name. Emits ``engine.config`` and a ``pool.sample``.
+
+        Watching a ``ReqToTokenPool`` already watched (a speculative-decoding draft runner
+        shares the target's pool and allocator) returns the existing node's name and hooks
+        nothing twice."""
+        known = self._nodes.get(id(req_to_token_pool))
+        if known is not None:
+            return known.name
         for obj, names in (
             (req_to_token_pool, ("alloc", "write", "free", "req_to_token")),
             (allocator, ("alloc", "free", "page_size", "size", "get_kvcache")),
@@ -206,6 +238,7 @@ class SGLangAdapter:
                 ledger=ledger,
                 page_size=ps,
                 first_layer=int(getattr(kv_pool, "start_layer", 0) or 0),
+                fresh=torch.zeros(size // ps + 1, dtype=torch.bool, device=ledger.device),
             )
             self._nodes[id(req_to_token_pool)] = st
             self._hook_node(st)
@@ -310,14 +343,23 @@ class SGLangAdapter:
     def _hook_node(self, st: _Node) -> None:
         r2t, allocator = st.r2t, st.allocator
         self._wrap_instance(r2t, "alloc", lambda rows, reqs: self._on_rows(st, rows, reqs))
-        self._wrap_instance(r2t, "write", lambda _r, idx, values: self._on_bind(st, idx, values))
+        self._wrap_instance(
+            r2t, "write", lambda _r, idx, values: self._on_write_row(st, idx, values)
+        )
         self._wrap_instance(r2t, "free", lambda _r, req: self._on_finished(st, req))
+        for name in ("alloc", "alloc_extend", "alloc_decode"):
+            if hasattr(allocator, name):
+                self._wrap_instance(
+                    allocator, name, lambda out, *_a, **_k: self._on_handed_out(st, out)
+                )
         if st.page_size > 1 and hasattr(allocator, "_release_page_ids"):
             # every free of a paged allocator (free, free_page_ids, a free group's end)
             # releases through this one method, in page ids
-            self._wrap_instance(
-                allocator, "_release_page_ids", lambda _r, pages: self._on_free(st, pages)
-            )
+            def on_release(_r: Any, *page_ids: Tensor) -> None:
+                for pages in page_ids:
+                    self._on_free(st, pages)
+
+            self._wrap_instance(allocator, "_release_page_ids", on_release)
         else:
             # page_size 1: slots are pages; a free inside a free group is deferred and
             # comes back through free() at the group's end
@@ -337,11 +379,55 @@ class SGLangAdapter:
             return
         self._class_hooks = True
         from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+        from sglang.srt.managers import schedule_batch
         from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.mem_cache import allocation
 
         self._wrap_class(AttentionBackend, "forward", after=self._on_forward)
         self._wrap_class(Req, "set_finish_with_abort", before=self._on_abort)
+        self._wrap_class(Req, "__init__", after=_note_prompt_length)
+        # module functions, looked up by name at each call: extend binds its rows here
+        # (a Triton kernel on CUDA, never through ReqToTokenPool.write); decode's slots are
+        # allocated here, outside any CUDA graph the forward may replay
+        self._wrap_function(
+            allocation, "write_cache_indices", self._before_batch_bind, self._on_batch_bind
+        )
+        for module in (allocation, schedule_batch):  # schedule_batch imported it by name
+            self._wrap_function(module, "alloc_for_decode", None, self._on_decode_slots)
         self.watch_transfer_classes()
+
+    def _wrap_function(
+        self,
+        module: Any,
+        name: str,
+        before: Callable[..., None] | None,
+        after: Callable[..., None] | None,
+    ) -> None:
+        """Wrap the module-level function ``module.name``: ``before(*a, **k)`` then the
+        function, then ``after(result, *a, **k)``; ``after`` runs even if it raised."""
+        original = getattr(module, name, None)
+        if original is None or getattr(original, _MARK, False):
+            return
+        adapter = self
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                with adapter._guard(name):
+                    before(*args, **kwargs)
+            result = None
+            try:
+                result = original(*args, **kwargs)
+                return result
+            finally:
+                if after is not None:
+                    with adapter._guard(name):
+                        after(result, *args, **kwargs)
+
+        setattr(wrapper, _MARK, True)
+        wrapper.__name__ = name
+        wrapper.__doc__ = getattr(original, "__doc__", None)
+        setattr(module, name, wrapper)
+        self._restore.append(lambda: setattr(module, name, original))
 
     def watch_transfer_classes(self, *classes: type) -> None:
         """Hook the disaggregation senders and receivers: ``classes``, or every subclass of
@@ -362,18 +448,19 @@ class SGLangAdapter:
     # -- hooks: requests -------------------------------------------------------------------
 
     def _handle(self, req: Any) -> int:
-        """The request's handle (stable per request id), remembering its names."""
+        """The request's handle (stable per request id while it is not finished; never
+        reused), remembering its names."""
         rid = str(getattr(req, "rid", "") or f"anon-{id(req)}")
         with self._lock:
             handle = self._handles.get(rid)
             if handle is None:
-                handle = len(self._names)
+                handle = self._next_handle
+                self._next_handle += 1
                 self._handles[rid] = handle
-                while len(self._handles) > self._request_capacity:
-                    _, old = self._handles.popitem(last=False)
-                    self._names.pop(old, None)
                 tenant = self.tenant_of(req)
-                self._names[handle] = (safe_id(rid, "req"), self._tenant_handle(tenant))
+                th = self._tenant_handle(tenant)
+                tname = _UNKNOWN if tenant is None else self._tenant_names[th]
+                self._names[handle] = (safe_id(rid, "req"), th, tname)
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
                 self._by_room[room] = handle
@@ -384,28 +471,36 @@ class SGLangAdapter:
             return UNKNOWN_TENANT
         h = self._tenant_handles.get(tenant)
         if h is None:
-            h = self._tenant_handles[tenant] = len(self._tenant_names)
-            self._tenant_names.append(safe_id(tenant, "tenant"))
+            h = self._next_tenant
+            self._next_tenant += 1
+        self._tenant_handles[tenant] = h  # (re)inserted: the most recently used goes last
+        self._tenant_names[h] = safe_id(tenant, "tenant")
         return h
 
     def _request_names(self, handle: int | None) -> tuple[str, str]:
         if handle is None:
             return _UNKNOWN, _UNKNOWN
-        rid, tenant = self._names.get(handle, (f"handle-{handle}", UNKNOWN_TENANT))
-        return rid, self._tenant_name(tenant)
+        rid, _, tenant = self._names.get(handle, (f"handle-{handle}", UNKNOWN_TENANT, _UNKNOWN))
+        return rid, tenant
 
     def _tenant_name(self, tenant: int | None) -> str:
-        if tenant is None or tenant < 0 or tenant >= len(self._tenant_names):
+        if tenant is None or tenant < 0:
             return _UNKNOWN
-        return self._tenant_names[tenant]
+        return self._tenant_names.get(tenant, _UNKNOWN)
+
+    def _tenant_of_handle(self, handle: int) -> int:
+        """The ledger tenant of a request handle (unknown tenants share ``_NO_TENANT``)."""
+        _, tenant, _ = self._names.get(handle, ("", UNKNOWN_TENANT, _UNKNOWN))
+        return tenant if tenant >= 0 else _NO_TENANT
 
     def _on_rows(self, st: _Node, rows: list[int] | None, reqs: list[Any]) -> None:
         if rows is None:
             return
         for row, req in zip(rows, reqs, strict=True):
-            new = getattr(req, "rid", None) not in self._handles
+            new = str(getattr(req, "rid", "") or f"anon-{id(req)}") not in self._handles
             handle = self._handle(req)
             st.rows[int(row)] = handle
+            st.grants.pop(int(row), None)
             if new and st.role != "decode":
                 rid, tenant = self._request_names(handle)
                 sp = getattr(req, "sampling_params", None)
@@ -414,7 +509,7 @@ class SGLangAdapter:
                     request_id=rid,
                     tenant=tenant,
                     model_id=self.model_id,
-                    prompt_tokens=len(req.origin_input_ids),
+                    prompt_tokens=_prompt_tokens(req),
                     max_tokens=getattr(sp, "max_new_tokens", None),
                     node=st.name,
                 )
@@ -424,7 +519,6 @@ class SGLangAdapter:
         handle = self._handle(req)
         self._rejected[handle] = None
         rid, tenant = self._request_names(handle)
-        prompt = len(req.origin_input_ids)
         too_long = "exceeds" in error_msg or "longer" in error_msg
         self._emit(
             RequestRejected,
@@ -432,25 +526,37 @@ class SGLangAdapter:
             tenant=tenant,
             model_id=self.model_id,
             reason="pool_exhausted" if too_long else "other",
-            prompt_tokens=prompt,
+            prompt_tokens=_prompt_tokens(req),
             limit_tokens=_limit_from(error_msg),
             node=self._node_name("prefill"),
         )
 
     def _on_finished(self, st: _Node, req: Any) -> None:
+        """A row given back. Only a finished request finishes: a retracted one (SGLang's
+        ``retract_decode`` releases its row and KV) comes back under the same handle."""
         handle = self._handle(req)
-        self._seen_stale.pop(handle, None)
         for row, h in list(st.rows.items()):
             if h == handle:
                 del st.rows[row]
-        if st.role == "prefill":
-            return  # the request finishes on its decode node
+                st.grants.pop(row, None)
+        done = getattr(req, "finished_reason", None) or getattr(req, "to_finish", None)
+        if done is None:
+            return  # retracted, not finished
+        if st.role == "prefill" and self._node_by_role("decode") is not None:
+            return  # the request finishes on its decode node, watched here too
+        rejected = handle in self._rejected
+        self._seen_stale.pop(handle, None)
         self._forget(handle, getattr(req, "bootstrap_room", None))
+        rid = str(getattr(req, "rid", "") or f"anon-{id(req)}")
+        if self._handles.get(rid) == handle:
+            del self._handles[rid]
+        if st.role == "prefill":
+            return  # the request finishes on its decode node (another process)
         rid, tenant = self._request_names(handle)
-        reason = type(getattr(req, "finished_reason", None) or req.to_finish).__name__
+        reason = type(done).__name__
         status = (
             "aborted"
-            if handle in self._rejected or "ABORT" in reason
+            if rejected or "ABORT" in reason
             else "length"
             if "LENGTH" in reason
             else "completed"
@@ -460,7 +566,7 @@ class SGLangAdapter:
             request_id=rid,
             tenant=tenant,
             model_id=self.model_id,
-            prompt_tokens=len(req.origin_input_ids),
+            prompt_tokens=_prompt_tokens(req),
             completion_tokens=len(getattr(req, "output_ids", ())),
             status=status,
             node=st.name,
@@ -482,34 +588,110 @@ class SGLangAdapter:
             if self._by_room.get(room) == handle:
                 del self._by_room[room]
 
-    def _on_bind(self, st: _Node, index: Any, values: Any) -> None:
-        """Slots written into request rows: their pages become the row's request's."""
-        if not isinstance(values, Tensor) or values.numel() == 0:
+    def _on_handed_out(self, st: _Node, slots: Any) -> None:
+        """The allocator handed out ``slots``: their pages may become a request's own when
+        bound to its row (see :meth:`_bind`)."""
+        if isinstance(slots, Tensor) and slots.numel():
+            pages = torch.div(slots.reshape(-1).long(), st.page_size, rounding_mode="floor")
+            st.fresh[pages.to(st.fresh.device)] = True
+
+    def _on_write_row(self, st: _Node, index: Any, values: Any) -> None:
+        """``ReqToTokenPool.write(index, values)``: ``(row, slice)`` (extend's fallback
+        path, the radix cache's checkpoint, disaggregation's preallocation) or ``(rows,
+        columns)`` tensors (decode: one slot per row)."""
+        if st.batch_binding or not isinstance(values, Tensor) or values.numel() == 0:
             return
-        row_index = index[0] if isinstance(index, tuple) else index
         slots = values.reshape(-1).long()
-        if isinstance(row_index, int):
-            rows = [row_index] * slots.numel()
+        n = slots.numel()
+        row_index, cols_index = index if isinstance(index, tuple) else (index, None)
+        rows = torch.as_tensor(row_index, dtype=torch.long).reshape(-1).cpu()
+        if isinstance(cols_index, slice):
+            first = cols_index.start or 0
+            cols = torch.arange(first, first + n, dtype=torch.long)
+        elif cols_index is None:
+            cols = torch.arange(n, dtype=torch.long)
         else:
-            rows_t = torch.as_tensor(row_index).reshape(-1)
-            if rows_t.numel() == 1:
-                rows = [int(rows_t.item())] * slots.numel()
-            else:
-                rows = [int(r) for r in rows_t.expand(slots.numel()).tolist()]
-        pages = torch.div(slots, st.page_size, rounding_mode="floor").to(st.ledger.device)
-        handles = torch.tensor(
-            [st.rows.get(r, -1) for r in rows], dtype=torch.long, device=st.ledger.device
-        )
-        fresh = (handles >= 0) & (st.ledger.owner_of(pages) != handles)
-        if not bool(fresh.any()):
+            cols = torch.as_tensor(cols_index, dtype=torch.long).reshape(-1).cpu()
+        self._bind(st, rows.expand(n), cols.expand(n), slots)
+
+    def _before_batch_bind(self, *args: Any, **kwargs: Any) -> None:
+        st = self._nodes.get(id(_arg(args, kwargs, 10, "req_to_token_pool")))
+        if st is not None:
+            st.batch_binding = True
+
+    def _on_batch_bind(self, _result: Any, *args: Any, **kwargs: Any) -> None:
+        """After ``write_cache_indices`` (extend): each row's table ``[0, seq_len)`` is its
+        prefix (its own earlier chunks, or radix-cache pages) then its new slots; read back
+        from the table, so the Triton kernel and the fallback look alike."""
+        st = self._nodes.get(id(_arg(args, kwargs, 10, "req_to_token_pool")))
+        if st is None:
             return
-        for h in handles[fresh].unique().tolist():
-            mine = torch.unique(pages[fresh & (handles == h)])
-            _, tenant = self._names.get(h, ("", UNKNOWN_TENANT))
-            counts = st.ledger.alloc(mine, h, tenant if tenant >= 0 else _NO_TENANT)
-            st.reuse[0] += counts.reused
-            st.reuse[1] += counts.cross_tenant
-            st.reuse[2] += counts.zeroized
+        st.batch_binding = False
+        rows_cpu = _arg(args, kwargs, 2, "req_pool_indices_cpu").reshape(-1).tolist()
+        lens_cpu = _arg(args, kwargs, 6, "seq_lens_cpu").reshape(-1).tolist()
+        table = st.r2t.req_to_token
+        rows, cols, slots = [], [], []
+        for row, n in zip(rows_cpu, lens_cpu, strict=True):
+            n = min(int(n), int(table.shape[1]))
+            if n <= 0:
+                continue
+            rows.append(torch.full((n,), int(row), dtype=torch.long))
+            cols.append(torch.arange(n, dtype=torch.long))
+            slots.append(table[int(row), :n])
+        if slots:
+            self._bind(st, torch.cat(rows), torch.cat(cols), torch.cat(slots).long())
+
+    def _bind(self, st: _Node, rows: Tensor, cols: Tensor, slots: Tensor) -> None:
+        """Slots bound into request rows (host ``rows``/``cols``, ``slots`` anywhere).
+
+        A page the allocator handed out since it was last bound (or one the ledger holds
+        free) becomes the row's request's own: allocated to it in the ledger, unless it
+        already is (a page the request is still filling). A page owned by another request
+        is a grant (a radix-cache prefix: SGLang never writes into a shared page): the row's
+        reads of that column are checked as the owner's reads, so the owner's write makes
+        them valid and the owner keeps its page."""
+        dev = st.ledger.device
+        handle_of = {r: st.rows.get(r, -1) for r in set(rows.tolist())}
+        handles = torch.tensor([handle_of[r] for r in rows.tolist()], dtype=torch.long)
+        bound = handles >= 0
+        if not bool(bound.any()):
+            return
+        rows, cols, handles = rows[bound], cols[bound], handles[bound]
+        pages = torch.div(slots.to(dev)[bound.to(dev)], st.page_size, rounding_mode="floor")
+        handles_d = handles.to(dev)
+        owners = st.ledger.owner_of(pages)
+        fresh = st.fresh[pages] | (owners < 0)
+        st.fresh[pages] = False
+        new = fresh & (owners != handles_d)
+        granted = ~fresh & (owners != handles_d)
+        any_new, any_granted = torch.stack([new.any(), granted.any()]).tolist()  # one sync
+        if any_new:
+            for h in handles_d[new].unique().tolist():
+                mine = torch.unique(pages[new & (handles_d == h)])
+                counts = st.ledger.alloc(mine, h, self._tenant_of_handle(h))
+                st.reuse[0] += counts.reused
+                st.reuse[1] += counts.cross_tenant
+                st.reuse[2] += counts.zeroized
+        if not any_granted and not st.grants:
+            return
+        reader = torch.where(granted, owners, torch.full_like(owners, -1)).cpu()
+        for row in handle_of:
+            at = rows == row
+            if not bool(at.any()):
+                continue
+            grant = st.grants.get(row)
+            if grant is None and not bool((reader[at] >= 0).any()):
+                continue  # no prefix of another request's in this row
+            row_cols = cols[at]
+            width = int(row_cols.max()) + 1
+            if grant is None or grant.numel() < width:
+                grown = torch.full((width,), -1, dtype=torch.long)
+                if grant is not None:
+                    grown[: grant.numel()] = grant.cpu()
+                grant = grown
+            grant = grant.cpu()
+            grant[row_cols] = reader[at]
+            st.grants[row] = grant.to(dev)
 
     def _on_free(self, st: _Node, index: Tensor) -> None:
         if index.numel() == 0:
@@ -528,7 +710,22 @@ class SGLangAdapter:
             layer_id = getattr(layer, "layer_id", st.first_layer)
         if layer_id != st.first_layer:
             return  # every layer writes the same slots: account for them once
-        loc = getattr(loc_info, "loc", loc_info)
+        if _capturing():
+            # inside a CUDA graph capture: a host sync would invalidate it; decode writes
+            # are recorded from alloc_for_decode instead (replays run no Python)
+            self.counters["capture_skipped"] += 1
+            return
+        self._record_write(st, getattr(loc_info, "loc", loc_info))
+
+    def _on_decode_slots(self, out_cache_loc: Any, batch: Any, *args: Any, **kw: Any) -> None:
+        """``alloc_for_decode`` (the scheduler, outside any graph): the slots the decode
+        forward will write, recorded now, because a replayed CUDA graph runs no hook."""
+        st = self._nodes.get(id(getattr(batch, "req_to_token_pool", None)))
+        if st is not None:
+            self._record_write(st, out_cache_loc)
+
+    def _record_write(self, st: _Node, loc: Any) -> None:
+        """Slots ``loc`` written, each by its page's owner (free pages: padding, ignored)."""
         if not isinstance(loc, Tensor) or loc.numel() == 0:
             return
         loc = loc.reshape(-1).long().to(st.ledger.device)
@@ -556,6 +753,9 @@ class SGLangAdapter:
         st = self._nodes.get(id(r2t))
         if st is None or getattr(layer, "layer_id", None) != st.first_layer:
             return
+        if _capturing():
+            self.counters["capture_skipped"] += 1
+            return  # the check syncs with the host: it would invalidate the capture
         mode = getattr(batch, "forward_mode", None)
         if mode is not None and mode.is_idle():
             return
@@ -586,14 +786,37 @@ class SGLangAdapter:
             return
         index = torch.as_tensor(rows, dtype=torch.long, device=table.device)
         slots = table.index_select(0, index)[:, :width].to(dev).long()
-        readers = torch.tensor(handles, dtype=torch.long, device=dev)[:, None].expand(-1, width)
+        readers = torch.tensor(handles, dtype=torch.long, device=dev)[:, None].repeat(1, width)
+        granted = False
+        for i, row in enumerate(rows):
+            grant = st.grants.get(int(row))
+            if grant is not None and handles[i] >= 0:
+                g = grant[:width]
+                readers[i, : g.numel()] = torch.where(g >= 0, g, readers[i, : g.numel()])
+                granted = True
         used = (torch.arange(width, device=dev)[None, :] < lens[:, None]) & (readers >= 0)
+        which = torch.arange(len(rows), device=dev)[:, None].expand(-1, width)[used]
         slots, readers = slots[used], readers[used]
         ps = st.page_size
         pages = torch.div(slots, ps, rounding_mode="floor")
         upto = slots - pages * ps + 1
-        if bool(st.ledger.any_stale(pages, readers, upto)):
+        if not bool(st.ledger.any_stale(pages, readers, upto)):
+            return
+        if not granted:
             self._emit_stale(st, st.ledger.read(pages, readers, upto), dedupe=True)
+            return
+        # a granted read is checked as its owner's: report it as the row's request's
+        stale = st.ledger.stale_mask(pages, readers, upto)
+        for i in which[stale].unique().tolist():
+            mine = stale & (which == i)
+            reports = st.ledger.read(pages[mine], readers[mine], upto[mine])
+            h = handles[i]
+            tenant = st.ledger.tenant_of(h)
+            self._emit_stale(
+                st,
+                [replace(r, reader_request=h, reader_tenant=tenant) for r in reports],
+                dedupe=True,
+            )
 
     def _flush_reuse(self, st: _Node) -> None:
         reused, cross, zeroized = st.reuse
@@ -718,6 +941,30 @@ class _Bounded(OrderedDict[_K, _V]):
         self.move_to_end(key)
         while len(self) > self.capacity:
             self.popitem(last=False)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never on a CPU build)."""
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else args[at]
+
+
+_PROMPT: Final = "_kvwatch_prompt_tokens"
+
+
+def _note_prompt_length(req: Any, _result: Any, *args: Any, **kwargs: Any) -> None:
+    """After ``Req.__init__``: the prompt's length before SGLang may truncate it
+    (``--allow-auto-truncate``: ``validate_input_length`` cuts ``origin_input_ids``)."""
+    req.__dict__[_PROMPT] = len(getattr(req, "origin_input_ids", ()) or ())
+
+
+def _prompt_tokens(req: Any) -> int:
+    """The request's prompt length as the client sent it."""
+    noted = req.__dict__.get(_PROMPT) if hasattr(req, "__dict__") else None
+    return int(noted) if noted is not None else len(req.origin_input_ids)
 
 
 def _subclasses(cls: type) -> list[type]:

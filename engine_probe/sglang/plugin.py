@@ -60,6 +60,8 @@ def register() -> None:
 
 
 def _watch_runner(adapter: Any, runner: Any) -> None:
+    if getattr(runner, "is_draft_worker", False):
+        return  # a speculative draft runner shares the target's pools (watched already)
     args = getattr(runner, "server_args", None)
     mode = str(getattr(args, "disaggregation_mode", "null") or "null")
     role = mode if mode in ("prefill", "decode") else "both"

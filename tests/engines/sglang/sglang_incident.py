@@ -27,7 +27,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.fake.conn import FakeKVReceiver, FakeKVSender
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req
 from sglang.srt.managers.utils import validate_input_length
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -148,6 +148,10 @@ def decode_step(node: Node, row: int, seq_len: int) -> None:
 
 
 def finish(node: Node, req: Req, row: int, length: int) -> None:
+    """The request's row and KV given back, as SGLang does once it is finished (its
+    ``finished_reason`` set: a row given back without one is a retraction)."""
+    if req.finished_reason is None:
+        req.finished_reason = req.to_finish or FINISH_MATCHED_TOKEN(matched=0)  # an EOS
     node.alloc.free(node.r2t.req_to_token[row, :length].long())
     node.r2t.free(req)
 
