@@ -4,7 +4,12 @@ into ``engine.config`` and ``pool.sample`` events, ingested as if POSTed to /v1/
 Several replicas share the database; per target and interval exactly one scrapes:
 
 1. claim: ``UPDATE scrape_targets SET next_at = now + interval WHERE next_at <= now``; the
-   replica whose update hit the row owns this interval (the row lock settles a race);
+   replica whose update hit the row owns this interval (the row lock settles a race).
+   ``now`` is the database's clock on PostgreSQL (replicas' clocks may disagree: one running
+   ahead would otherwise claim early, two scrapes less than an interval apart), the
+   collector's own on SQLite (one host). The claimed instant stamps the scrape's events. A
+   target without a row (its replica could not insert it at start: the database was down)
+   gets it here;
 2. scrape the target over HTTP, outside any transaction;
 3. reserve seqs: ``seq = seq + n`` in one statement, so the batch's seqs are contiguous and
    never handed out twice, whoever scrapes next;
@@ -16,7 +21,9 @@ A target that is down, answers something else, or whose batch cannot be stored i
 and counted in ``kvwatch_scrapes{result}``; it never stops the collector. A batch whose seqs
 were reserved but that could not be stored leaves a gap the probe bookkeeping reports, as
 for any producer that lost events. ``engine.config`` events go out only when a target's
-figures changed (its hash is kept in the row, so replicas agree).
+figures changed: the hash of the figures last stored is kept in the row (so replicas
+agree), written only once the batch carrying them is stored. Two replicas may therefore
+both send a changed config (the collector stores identical configs once); none is lost.
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter
-from sqlalchemy import Connection, select, update
+from sqlalchemy import BigInteger, ColumnElement, Connection, cast, extract, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import models as m
@@ -95,10 +103,13 @@ class ScheduledScraper:
         registry: CollectorRegistry,
         *,
         replica: str | None = None,
+        clock: Callable[[], datetime] = ev.utcnow,
     ) -> None:
         self.db = db
         self.ingest = ingest
         self.replica = replica or f"{socket.gethostname()}-{os.getpid()}"
+        # this replica's clock: claims on SQLite (PostgreSQL claims use the database's)
+        self._clock = clock
         self.targets: list[_Target] = []
         for t in settings.scrape_targets:
             key = target_key(t)
@@ -130,20 +141,17 @@ class ScheduledScraper:
                 self.scrapes.labels(target.config.deployment_id, r)
 
     def start(self) -> None:
-        """Register the targets (a row each, if missing) and run the first pass."""
-        now_us = m.to_micros(ev.utcnow())
+        """Register the targets (a row each, if missing) and run the first pass. A database
+        that is down now costs nothing: the first claim that finds no row inserts it."""
         with self.db.write() as conn:
             for t in self.targets:
-                exists = conn.execute(
-                    select(m.ScrapeTarget.target_key).where(m.ScrapeTarget.target_key == t.key)
-                ).first()
-                if exists is None:
-                    self._insert_row(conn, t, now_us)
+                self._insert_row(conn, t)
         self.run_due()
 
-    def _insert_row(self, conn: Connection, t: _Target, now_us: int) -> None:
+    def _insert_row(self, conn: Connection, t: _Target) -> int:
+        """Insert ``t``'s row, due at once, unless it exists; 1 if inserted, else 0."""
         dialect = postgresql if self.db.dialect == "postgresql" else sqlite
-        conn.execute(
+        inserted: int = conn.execute(
             dialect.insert(m.ScrapeTarget)
             .values(
                 target_key=t.key,
@@ -151,67 +159,79 @@ class ScheduledScraper:
                 deployment_id=t.config.deployment_id,
                 engine=t.config.engine,
                 url=t.scraper.target.shown,
-                next_at=now_us,
+                next_at=0,
                 seq=0,
                 failures=0,
             )
             .on_conflict_do_nothing(index_elements=["target_key"])
-        )
+        ).rowcount
+        return inserted
 
     def run_due(self) -> None:
         """One pass: scrape each target whose interval this replica claims."""
         for t in self.targets:
-            now = ev.utcnow()
-            principal = self._claim(t, now)
-            if principal is not None:
-                self._scrape(t, principal, now)
+            claimed = self._claim(t)
+            if claimed is not None:
+                self._scrape(t, *claimed)
 
     # -- steps -----------------------------------------------------------------------------
 
-    def _claim(self, t: _Target, now: datetime) -> Principal | None:
-        """Claim ``t`` for one interval; the principal its events are stored under, or None
-        when another replica has it (or its token cannot write)."""
-        now_us = m.to_micros(now)
+    def _now_us(self) -> ColumnElement[int] | int:
+        """What a claim calls now, in microseconds: on PostgreSQL the server's clock (one
+        clock for every replica), evaluated in the claiming statement."""
+        if self.db.dialect == "postgresql":
+            epoch = extract("epoch", func.statement_timestamp())
+            return cast(func.floor(epoch * 1_000_000), BigInteger)
+        return m.to_micros(self._clock())
+
+    def _claim(self, t: _Target) -> tuple[Principal, datetime] | None:
+        """Claim ``t`` for one interval: the principal its events are stored under and the
+        claimed instant, or None when another replica has it (or its token cannot write)."""
         with self.db.write() as conn:
-            claimed = conn.execute(
+            clock = self._now_us()
+            claim = (
                 update(m.ScrapeTarget)
-                .where(m.ScrapeTarget.target_key == t.key, m.ScrapeTarget.next_at <= now_us)
-                .values(next_at=now_us + t.interval_us, claimed_by=self.replica)
-            ).rowcount
-            if claimed != 1:
+                .where(m.ScrapeTarget.target_key == t.key, m.ScrapeTarget.next_at <= clock)
+                .values(next_at=clock + t.interval_us, claimed_by=self.replica)
+                .returning(m.ScrapeTarget.next_at, m.ScrapeTarget.token_id)
+            )
+            row = conn.execute(claim).first()
+            if row is None and self._insert_row(conn, t):
+                row = conn.execute(claim).first()  # the database was down at start
+            if row is None:
                 return None
+            now_us = int(row.next_at) - t.interval_us
+            token_id: int | None = row.token_id
             if t.config.token is not None:
                 token_id = None
-            else:
-                token_id = conn.execute(
-                    select(m.ScrapeTarget.token_id).where(m.ScrapeTarget.target_key == t.key)
-                ).scalar_one()
-                if token_id is None:
-                    # The collector's own ingest token for this target, scoped to its
-                    # deployment; its secret is never kept (nothing outside needs it).
-                    token_id, _ = create_token(
-                        conn,
-                        kind="ingest",
-                        now_us=now_us,
-                        deployment_id=t.config.deployment_id,
-                        name=f"scraper {t.probe_id}",
-                        actor=_ACTOR,
-                    )
-                    conn.execute(
-                        update(m.ScrapeTarget)
-                        .where(m.ScrapeTarget.target_key == t.key)
-                        .values(token_id=token_id)
-                    )
+            elif token_id is None:
+                # The collector's own ingest token for this target, scoped to its
+                # deployment; its secret is never kept (nothing outside needs it).
+                token_id, _ = create_token(
+                    conn,
+                    kind="ingest",
+                    now_us=now_us,
+                    deployment_id=t.config.deployment_id,
+                    name=f"scraper {t.probe_id}",
+                    actor=_ACTOR,
+                )
+                conn.execute(
+                    update(m.ScrapeTarget)
+                    .where(m.ScrapeTarget.target_key == t.key)
+                    .values(token_id=token_id)
+                )
+            if token_id is not None:
                 revoked = conn.execute(
                     select(m.ApiToken.revoked_at).where(m.ApiToken.id == token_id)
                 ).scalar_one()
                 if revoked is not None:
                     self._failed(t, "not_stored", f"its ingest token {token_id} is revoked")
                     return None
+        claimed = m.from_micros(now_us)
         if token_id is not None:
-            return Principal(token_id, "ingest", None, t.config.deployment_id, _ACTOR)
+            return Principal(token_id, "ingest", None, t.config.deployment_id, _ACTOR), claimed
         try:
-            return self.ingest.authenticate(f"Bearer {t.config.token}")
+            return self.ingest.authenticate(f"Bearer {t.config.token}"), claimed
         except CollectorError as exc:
             self._failed(t, "not_stored", f"its token cannot ingest: {exc.message}")
             return None
@@ -236,15 +256,12 @@ class ScheduledScraper:
             ).scalar_one()
             with_config = previous != digest
             n = len(result.nodes) * (2 if with_config else 1)
-            # One statement: the row lock makes the reservation atomic across replicas, and
-            # the hash goes with it, so a replica scraping next sends no second config.
-            conn.execute(
+            # One statement: the row lock makes the reservation atomic across replicas.
+            last = conn.execute(
                 update(m.ScrapeTarget)
                 .where(m.ScrapeTarget.target_key == t.key)
-                .values(seq=m.ScrapeTarget.seq + n, config_hash=digest)
-            )
-            last = conn.execute(
-                select(m.ScrapeTarget.seq).where(m.ScrapeTarget.target_key == t.key)
+                .values(seq=m.ScrapeTarget.seq + n)
+                .returning(m.ScrapeTarget.seq)
             ).scalar_one()
         events = self._events(t, result, now, first_seq=last - n + 1, with_config=with_config)
         body = ev.encode_batch(events)
@@ -260,14 +277,20 @@ class ScheduledScraper:
                     time.sleep(0.1 * 2**attempt)
         except CollectorError as exc:
             # Its seqs stay a gap (events lost, as the probe bookkeeping says); the config
-            # goes out again with the next scrape.
-            self._failed(t, "not_stored", exc.message, record=True, forget_config=True)
+            # goes out again with the next scrape (its hash was not saved).
+            self._failed(t, "not_stored", exc.message, record=True)
             return
+        except Exception as exc:
+            # A bug, not an outage: still one target's failure, not the pass's.
+            log.exception("storing the scrape of %s failed", t.probe_id)
+            self._failed(t, "not_stored", f"{type(exc).__name__}: {exc}", record=True)
+            return
+        saved = {"config_hash": digest} if with_config else {}
         with self.db.write() as conn:
             conn.execute(
                 update(m.ScrapeTarget)
                 .where(m.ScrapeTarget.target_key == t.key)
-                .values(last_ok_at=m.to_micros(now), last_error=None, failures=0)
+                .values(last_ok_at=m.to_micros(now), last_error=None, failures=0, **saved)
             )
         self.scrapes.labels(t.config.deployment_id, "ok").inc()
 
@@ -297,7 +320,6 @@ class ScheduledScraper:
         why: str,
         *,
         record: bool = False,
-        forget_config: bool = False,
     ) -> None:
         self.scrapes.labels(t.config.deployment_id, result).inc()
         log.warning("scrape of %s (%s) failed: %s", t.scraper.target.shown, t.probe_id, why)
@@ -308,11 +330,7 @@ class ScheduledScraper:
                 conn.execute(
                     update(m.ScrapeTarget)
                     .where(m.ScrapeTarget.target_key == t.key)
-                    .values(
-                        last_error=why[:2000],
-                        failures=m.ScrapeTarget.failures + 1,
-                        **({"config_hash": None} if forget_config else {}),
-                    )
+                    .values(last_error=why[:2000], failures=m.ScrapeTarget.failures + 1)
                 )
         except CollectorError as exc:  # the database is down too: the log line is it
             log.warning("could not record the failure of %s: %s", t.probe_id, exc.message)

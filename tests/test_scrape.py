@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from sqlalchemy import select
 
 from collector import models as m
 from collector.db import Database
+from engine_probe import events as ev
 from kvwatch.embedded import serve_in_thread
 from tests.conftest import Collector, free_port, make_token
 
@@ -335,6 +337,167 @@ def _collector_settings(db_url: str, targets: str) -> Any:
         notify_enabled=False,
         scrape_targets=targets,  # type: ignore[arg-type]
     )
+
+
+class Replica:
+    """One collector replica's scheduled scraper, built as ``create_app`` builds it, driven
+    pass by pass (``clock``: the replica's own clock)."""
+
+    def __init__(
+        self, db_url: str, targets: str, name: str, clock: Callable[[], datetime] | None = None
+    ) -> None:
+        from collector.ingest import IngestService
+        from collector.metrics import CollectorMetrics
+        from collector.scrape import ScheduledScraper
+        from collector.tokens import Authenticator
+
+        settings = _collector_settings(db_url, targets)
+        self.db = Database(db_url)
+        metrics = CollectorMetrics(self.db)
+        auth = Authenticator(
+            self.db, ttl_s=settings.token_cache_s, use_audit_s=settings.token_use_audit_s
+        )
+        self.registry = metrics.registry
+        self.scraper = ScheduledScraper(
+            self.db,
+            settings,
+            IngestService(self.db, settings, metrics, auth),
+            metrics.registry,
+            replica=name,
+            **({"clock": clock} if clock else {}),
+        )
+
+    def counter(self, result: str, deployment: str) -> int:
+        from prometheus_client import generate_latest
+
+        return _counter(generate_latest(self.registry).decode(), f'result="{result}"', deployment)
+
+    def close(self) -> None:
+        self.db.dispose()
+
+
+def _configs(db_url: str, deployment: str) -> list[Any]:
+    db = Database(db_url)
+    try:
+        with db.read() as conn:
+            return list(
+                conn.execute(
+                    select(m.DeploymentConfig).where(m.DeploymentConfig.deployment_id == deployment)
+                ).all()
+            )
+    finally:
+        db.dispose()
+
+
+@pytest.mark.postgres
+def test_a_replica_whose_clock_runs_ahead_cannot_claim_early(
+    pg_url: str, engine: FakeEngine
+) -> None:
+    """On PostgreSQL the claim reads the database's clock: a replica an hour ahead neither
+    scrapes before the interval is over nor stamps its events an hour late."""
+    from collector import migrate
+
+    migrate.upgrade(pg_url)
+    interval = 1.0
+    targets = _targets(
+        {"url": engine.url, "engine": "sglang", "deployment_id": "skew", "interval_s": interval}
+    )
+    honest = Replica(pg_url, targets, "honest")
+    ahead = Replica(pg_url, targets, "ahead", clock=lambda: ev.utcnow() + timedelta(hours=1))
+    try:
+        honest.scraper.start()
+        assert engine.metrics_hits == 1
+        ahead.scraper.start()
+        ahead.scraper.run_due()
+        assert engine.metrics_hits == 1, "the replica ahead claimed the interval early"
+        time.sleep(interval)
+        ahead.scraper.run_due()  # now it is due by the database's clock
+        assert engine.metrics_hits == 2
+        assert ahead.counter("ok", "skew") == 1
+    finally:
+        honest.close()
+        ahead.close()
+    rows = _pool_rows(pg_url, "skew")
+    assert len(rows) == 2
+    first, second = sorted(r.ts for r in rows)
+    assert interval <= (second - first).total_seconds() < interval + 30
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_database_that_was_down_at_start_gets_the_targets_later(
+    db_url: str, engine: FakeEngine
+) -> None:
+    """The first pass failed (no schema yet: the database was not ready); the targets'
+    rows are made by the first claim that finds none."""
+    from collector import migrate
+
+    targets = _targets({"url": engine.url, "engine": "sglang", "deployment_id": "late"})
+    replica = Replica(db_url, targets, "early")
+    try:
+        with pytest.raises(Exception, match="scrape_targets"):
+            replica.scraper.start()
+        assert engine.metrics_hits == 0
+        migrate.upgrade(db_url)
+        replica.scraper.run_due()
+    finally:
+        replica.close()
+    assert engine.metrics_hits == 1
+    assert len(_pool_rows(db_url, "late")) == 1
+    assert len(_configs(db_url, "late")) == 1
+
+
+_REFUSE_CONFIGS = {
+    "sqlite": [
+        "CREATE TRIGGER refuse BEFORE INSERT ON deployment_configs "
+        "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+    ],
+    "postgresql": [
+        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+        "CREATE TRIGGER refuse BEFORE INSERT ON deployment_configs "
+        "FOR EACH ROW EXECUTE FUNCTION refuse()",
+    ],
+}
+_ALLOW_CONFIGS = {
+    "sqlite": ["DROP TRIGGER refuse"],
+    "postgresql": ["DROP TRIGGER refuse ON deployment_configs", "DROP FUNCTION refuse()"],
+}
+
+
+def test_a_config_whose_batch_was_not_stored_goes_out_again(
+    db_url: str, engine: FakeEngine
+) -> None:
+    """Storing the batch that carried a target's engine.config failed with an error that
+    is no outage (a trigger refuses the row: the database's own error, untranslated). The
+    config's hash is not kept, so the next scrape sends the config again; the failure is
+    the target's, counted, not the pass's."""
+    from collector import migrate
+
+    migrate.upgrade(db_url)
+    targets = _targets(
+        {"url": engine.url, "engine": "sglang", "deployment_id": "cfg", "interval_s": 0.05}
+    )
+    db = Database(db_url)
+    replica = Replica(db_url, targets, "r")
+    try:
+        with db.write() as conn:
+            for sql in _REFUSE_CONFIGS[db.dialect]:
+                conn.exec_driver_sql(sql)
+        replica.scraper.start()
+        assert engine.metrics_hits == 1
+        assert replica.counter("not_stored", "cfg") == 1
+        assert _configs(db_url, "cfg") == [] and _pool_rows(db_url, "cfg") == []
+        with db.write() as conn:
+            for sql in _ALLOW_CONFIGS[db.dialect]:
+                conn.exec_driver_sql(sql)
+        _wait("the next scrape", lambda: replica.scraper.run_due() or engine.metrics_hits >= 2)
+    finally:
+        replica.close()
+        db.dispose()
+    assert replica.counter("ok", "cfg") == 1
+    (config,) = _configs(db_url, "cfg")
+    assert config.pool_capacity_tokens == SMALL["max_total_num_tokens"]
+    assert len(_pool_rows(db_url, "cfg")) == 1
 
 
 @pytest.mark.postgres

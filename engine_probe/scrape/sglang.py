@@ -50,7 +50,8 @@ def translate(
 ) -> Scrape:
     """The figures of every data-parallel group in ``exp``. ``server_info``: the decoded
     ``/server_info`` document (version, KV dtype, quantization, TP size, CUDA graphs,
-    radix cache), else those are "unknown" or read from metrics where SGLang writes them."""
+    radix cache), else those are "unknown" (CUDA graphs and radix cache: False) or read from
+    metrics where SGLang writes them (TP size)."""
     pools = exp.series(MARKER)
     if not pools:
         raise NotThatEngine(
@@ -112,7 +113,6 @@ def _node(
     engine_type = lead.labels.get("engine_type", "")
     kv_dtype = info.get("kv_cache_dtype")
     dtype = info.get("dtype") if kv_dtype in (None, "auto") else kv_dtype
-    graph = _same(exp, "sglang:is_cuda_graph", lead.labels)
     tp = info.get("tp_size")
     return NodeFigures(
         node=node,
@@ -132,11 +132,9 @@ def _node(
         tp_size=tp
         if isinstance(tp, int) and tp >= 1
         else len({s.labels.get("tp_rank") for s in group}),
-        cuda_graphs=(
-            not info["disable_cuda_graph"]
-            if isinstance(info.get("disable_cuda_graph"), bool)
-            else graph is not None and graph.value > 0
-        ),
+        # Only /server_info says: sglang:is_cuda_graph is whether the last batch ran as a
+        # graph (0 for every prefill), and a figure that flips would resend engine.config.
+        cuda_graphs=info.get("disable_cuda_graph") is False,
         disaggregated=engine_type in _ROLE,
         prefix_caching=not info["disable_radix_cache"]
         if isinstance(info.get("disable_radix_cache"), bool)

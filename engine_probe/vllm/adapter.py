@@ -1,9 +1,10 @@
 """The vLLM adapter: a v1 ``Scheduler``'s KV cache decisions → page ledger → probe events.
 
-``attach(scheduler)`` wraps four methods of one scheduler instance (its class is untouched):
-``add_request``, ``finish_requests``, ``update_from_output`` and its KV cache manager's
-``allocate_slots``. Everything runs in the engine-core process, on the scheduler's thread,
-in host memory; the model runner (another process, or another device) is never touched.
+``attach(scheduler)`` wraps methods of one scheduler instance (its class is untouched):
+``add_request``, ``finish_requests``, ``update_from_output``, ``_update_request_as_session``
+(where vLLM has it) and its KV cache manager's ``allocate_slots``. Everything runs in the
+engine-core process, on the scheduler's thread, in host memory; the model runner (another
+process, or another device) is never touched.
 
 What it emits, through the probe (``get_probe()`` unless one is given):
 
@@ -12,14 +13,20 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   size, CUDA graphs, prefix caching, and the KV connector's role (``kv_producer`` → prefill,
   ``kv_consumer`` → decode, ``kv_both`` → both; any connector → disaggregated);
 * ``request.admitted`` when the engine core receives a request, ``request.finished`` when it
-  leaves (token counts only, never text);
+  leaves (token counts only, never text). A streaming-input session (vLLM 0.32: each input
+  chunk is an ``add_request`` with the session's id) is one request under one handle: its
+  prompt tokens add up every chunk's, its completion tokens every chunk's output; closed by
+  its client while it waits for input, vLLM aborts it, and the adapter reports
+  ``completed``;
 * ``pool.sample`` at attach and every ``pool_sample_every`` steps;
 * ``page.reuse`` per step whose allocations handed out blocks still holding another
   request's KV;
 * ``prefix_cache.hit`` when a request is admitted with blocks another tenant's request
   computed (``salted``: the request carried a ``cache_salt``, so the hit means the two
   tenants share a salt). Hits on the same tenant's blocks are counted, not sent: every turn
-  of a conversation hits its own prefix, and no rule needs them;
+  of a conversation hits its own prefix, and no rule needs them; so are hits on blocks
+  whose computing request is unknown (computed before the attach): not known to cross
+  tenants;
 * ``page.stale_read`` when a step reads blocks its request neither computed nor legitimately
   received (see below), naming the previous writer and its tenant.
 
@@ -27,7 +34,10 @@ Tenants
 -------
 The engine core sees no HTTP headers. The tenant is the per-request ``vllm_xargs`` key
 ``kvwatch_tenant`` (``SamplingParams.extra_args``; set by the client, or by a gateway in
-front of vLLM), the route ``kvwatch_route``; without it the tenant is ``"unknown"``.
+front of vLLM), the route ``kvwatch_route``; without it the tenant is ``"unknown"``. The
+tenant → ledger handle map keeps the ``handle_capacity`` most recently admitted tenants (the
+strings are the clients'); a tenant seen again after its eviction gets a fresh handle, never
+one another tenant holds, so at worst its blocks' reuse counts as cross-tenant.
 
 The ledger model
 ----------------
@@ -138,6 +148,9 @@ class _Req:
     pending_load: tuple[int, int] | None = None
     #: what was reported: (block, previous writer, zeroized)
     seen_stale: set[tuple[int, int | None, bool]] = field(default_factory=set)
+    #: output tokens of a streaming-input session's earlier chunks (vLLM drops them from
+    #: the request when the next chunk comes)
+    earlier_completion_tokens: int = 0
 
 
 class VllmAdapter:
@@ -190,8 +203,14 @@ class VllmAdapter:
         self._reqs: dict[str, _Req] = {}
         # handle → (request id, tenant), for naming previous writers after they finished
         self._names: OrderedDict[int, tuple[str, str]] = OrderedDict()
-        self._tenant_handles: dict[str, int] = {}
+        # tenant → its ledger handle, least recently admitted first out (tenants are the
+        # clients' strings: a bounded map); a tenant back after its eviction gets a fresh
+        # handle, never another tenant's
+        self._tenant_handles: OrderedDict[str, int] = OrderedDict()
+        self._next_tenant_handle = 0
         self._next_handle = 0
+        # the id of the streaming-input session an add_request is closing, during that call
+        self._closing: str | None = None
         self._computed_by: dict[int, int] = {}
         self._pending_reuse: torch.Tensor | None = None
         self._steps = 0
@@ -200,6 +219,7 @@ class VllmAdapter:
             "stale_reads": 0,
             "prefix_hits_cross_tenant": 0,
             "prefix_hits_same_tenant": 0,
+            "prefix_hits_unknown_owner": 0,
             "failed_loads": 0,
         }
         self._wrap()
@@ -236,10 +256,25 @@ class VllmAdapter:
         finish_requests = sch.finish_requests
         update_from_output = sch.update_from_output
         allocate_slots = mgr.allocate_slots
+        # vLLM 0.32's streaming input: the next chunk's tokens join the session's prompt
+        update_session = getattr(sch, "_update_request_as_session", None)
+
+        def update_session_hook(session: Any, update: Any) -> Any:
+            self._guard(self._on_next_chunk, session, update)
+            assert update_session is not None  # installed only where vLLM has it
+            return update_session(session, update)
 
         def add_request_hook(request: Any) -> None:
-            add_request(request)
-            self._guard(self._on_add, request)
+            # vLLM takes an id it already holds as the next chunk (or the end) of a
+            # streaming-input session: the same request, not a new one.
+            known = self._guard(self._session_state, request)
+            self._closing = request.request_id if known == "closing" else None
+            try:
+                add_request(request)
+            finally:
+                self._closing = None
+            if known is None:
+                self._guard(self._on_add, request)
 
         # The hooks pass vLLM's arguments through untouched and call the original whatever
         # the adapter does: everything of the adapter's own runs inside _guard.
@@ -291,18 +326,22 @@ class VllmAdapter:
             return out
 
         sch.add_request = add_request_hook
+        if update_session is not None:
+            sch._update_request_as_session = update_session_hook
         sch.finish_requests = finish_requests_hook
         sch.update_from_output = update_from_output_hook
         mgr.allocate_slots = allocate_slots_hook
         setattr(sch, _ATTACHED, self)
 
-    def _guard(self, fn: Any, *args: Any) -> None:
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, or None when it raised."""
         # An observability probe must never take the engine down: log and count instead.
         try:
-            fn(*args)
+            return fn(*args)
         except Exception:
             self.counters["errors"] = self.counters.get("errors", 0) + 1
             log.exception("kvwatch: the vLLM adapter failed in %s", fn.__name__)
+            return None
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -322,6 +361,27 @@ class VllmAdapter:
         held = len(mgr.get_block_ids(rid)[0]) if rid in self._reqs else 0
         out.extend((held, int(request.num_computed_tokens)))
 
+    def _session_state(self, request: Any) -> str | None:
+        """None for a new request; for the id of one the scheduler holds (the next chunk
+        or the end of a streaming-input session), "closing" when ``request`` ends a session
+        that waits for input (vLLM then finishes it as aborted, though its client ended it
+        normally), else "continuing"."""
+        session = self.scheduler.requests.get(request.request_id)
+        if session is None:
+            return None
+        waiting = getattr(session.status, "name", "") == "WAITING_FOR_STREAMING_REQ"
+        return "closing" if waiting and not getattr(request, "resumable", False) else "continuing"
+
+    def _on_next_chunk(self, session: Any, update: Any) -> None:
+        """A streaming-input session takes its next chunk: vLLM drops the previous chunk's
+        outputs from the request (keeping the computed ones as prompt), so the adapter adds
+        them up here, with the chunk's new prompt tokens."""
+        req = self._reqs.get(session.request_id)
+        if req is None:
+            return
+        req.earlier_completion_tokens += int(session.num_output_tokens)
+        req.prompt_tokens += len(update.prompt_token_ids or ())
+
     def _on_add(self, request: Any) -> None:
         params = request.sampling_params
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
@@ -331,7 +391,7 @@ class VllmAdapter:
         route = str(route_raw)[:256] if route_raw else None
         handle = self._new_handle()
         rid = safe_id(str(request.request_id), "req")
-        th = self._tenant_handles.setdefault(tenant, len(self._tenant_handles))
+        th = self._tenant_handle(tenant)
         req = _Req(
             handle=handle,
             request_id=rid,
@@ -403,6 +463,11 @@ class VllmAdapter:
             owner_tenant: str | None = None
             if owner is not None:
                 owner_id, owner_tenant = self._names.get(owner, (None, None))
+            if owner_tenant is None:
+                # computed before the attach (or its name long forgotten): not known to be
+                # another tenant's, so no cross-tenant hit (PrefixCacheHit.cross_tenant)
+                self.counters["prefix_hits_unknown_owner"] += 1
+                continue
             if owner_tenant == req.tenant:
                 self.counters["prefix_hits_same_tenant"] += 1
                 continue
@@ -489,6 +554,7 @@ class VllmAdapter:
             if req is None:
                 continue
             status = getattr(request.status, "name", str(request.status))
+            closed = request.request_id == self._closing
             self._emit(
                 RequestFinished,
                 request_id=req.request_id,
@@ -496,8 +562,8 @@ class VllmAdapter:
                 route=req.route,
                 model_id=req.model_id,
                 prompt_tokens=req.prompt_tokens,
-                completion_tokens=int(request.num_output_tokens),
-                status=_FINISH_STATUS.get(status, "error"),
+                completion_tokens=req.earlier_completion_tokens + int(request.num_output_tokens),
+                status="completed" if closed else _FINISH_STATUS.get(status, "error"),
                 node=self.node,
             )
 
@@ -607,6 +673,18 @@ class VllmAdapter:
         h = self._next_handle
         self._next_handle += 1
         return h
+
+    def _tenant_handle(self, tenant: str) -> int:
+        handles = self._tenant_handles
+        th = handles.get(tenant)
+        if th is not None:
+            handles.move_to_end(tenant)
+            return th
+        th = handles[tenant] = self._next_tenant_handle
+        self._next_tenant_handle += 1
+        if len(handles) > self._handle_capacity:
+            handles.popitem(last=False)
+        return th
 
     def _remember(self, handle: int, request_id: str, tenant: str) -> None:
         names = self._names

@@ -8,8 +8,9 @@ the workers), possibly more than once. It reads the ``KVWATCH_*`` settings; with
 scheduler, so only it configures a probe and exports events; the other processes import
 nothing but this module and kvwatch's settings.
 
-Bad settings are logged, and the engine runs without the probe: an observability plugin
-must not keep an inference server from starting.
+Bad settings, and a vLLM whose scheduler is not where this plugin looks, are logged, and
+the engine runs without the probe: an observability plugin must not keep an inference
+server from starting (vLLM does not catch what a plugin's ``register`` raises).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ ENABLE_VAR: Final = "KVWATCH_VLLM_PROBE"
 
 
 def register() -> None:
-    """Patch vLLM's scheduler when a collector is configured; idempotent."""
+    """Patch vLLM's scheduler when a collector is configured; idempotent. Never raises:
+    vLLM calls it unguarded at the start of every process it runs."""
+    try:
+        _register()
+    except Exception:
+        log.exception("kvwatch: could not patch vLLM's scheduler; vLLM runs without the probe")
+
+
+def _register() -> None:
     if os.environ.get(ENABLE_VAR, "1").strip() == "0":
         return
     if not os.environ.get("KVWATCH_COLLECTOR_URL", "").strip():

@@ -11,8 +11,9 @@ program the main suite runs with ``.venv-sglang/bin/python`` (``tests/test_scrap
 figures: ``model_name``, ``engine_type`` (unified, prefill, decode), ``prompts`` (prompt
 lengths of finished requests) and either the pool figures themselves
 (``max_total_num_tokens``, ``context_len``, ``page_size``, ``kv_used_tokens``,
-``kv_available_tokens``, optional ``kv_evictable_tokens``; without ``kv_used_tokens`` no
-stats are logged) or ``dp_ranks``: a list of them.
+``kv_available_tokens``, optional ``kv_evictable_tokens`` and ``is_cuda_graph`` (whether
+the last batch ran as a CUDA graph); without ``kv_used_tokens`` no stats are logged) or
+``dp_ranks``: a list of them.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def render(figures: dict[str, Any]) -> str:
                         kv_used_tokens=used,
                         kv_available_tokens=free,
                         kv_evictable_tokens=evictable,
+                        is_cuda_graph=f.get("is_cuda_graph", 0),
                     )
                 )
             for prompt in figures.get("prompts", []):

@@ -127,3 +127,19 @@ def test_a_server_that_has_run_nothing_yet_has_a_free_pool() -> None:
 def test_sglang_metrics_are_not_vllm_metrics() -> None:
     with pytest.raises(NotThatEngine, match="vllm:cache_config_info not found at m"):
         translate("vllm", render(INCIDENT), source="m")
+
+
+def test_cuda_graphs_do_not_follow_the_last_batch() -> None:
+    """``sglang:is_cuda_graph`` is whether the last batch ran as a CUDA graph (every prefill
+    does not): without /server_info the figures, and so the config hash that decides when
+    engine.config is resent, must not change with it."""
+    figures = [
+        {k: v for k, v in INCIDENT.items() if k != "prompts"} | {"is_cuda_graph": graph}
+        for graph in (1, 0)
+    ]
+    decode, prefill = (translate("sglang", render(f), node="n").nodes[0] for f in figures)
+    assert decode.config_fields() == prefill.config_fields()
+    with_info = translate(
+        "sglang", render(figures[1]), node="n", side={"server_info": server_info(**SERVER_ARGS)}
+    )
+    assert with_info.nodes[0].cuda_graphs is True  # what the server was started with

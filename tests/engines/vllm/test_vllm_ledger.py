@@ -42,15 +42,23 @@ def _adapter_never_failed() -> Any:
 class Driver:
     """A real scheduler plus the model runner's side of each step."""
 
-    def __init__(self, scheduler: Any, probe: RecordingProbe) -> None:
+    def __init__(
+        self, scheduler: Any, probe: RecordingProbe, *, attached: bool = True, **options: Any
+    ) -> None:
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         init_none_hash(sha256)
         self.scheduler = scheduler
         self.hasher = get_request_block_hasher(BLOCK, sha256)
-        self.adapter: VllmAdapter = attach(scheduler, probe)
+        self.probe = probe
         self.requests: dict[str, Any] = {}
+        if attached:
+            self.attach(**options)
+
+    def attach(self, **options: Any) -> None:
+        """Attach the adapter now (``options`` as its keywords)."""
+        self.adapter: VllmAdapter = attach(self.scheduler, self.probe, **options)
         DRIVERS.append(self)
 
     def add(
@@ -61,14 +69,26 @@ class Driver:
         *,
         max_tokens: int = 1,
         salt: str | None = None,
+        resumable: bool = False,
     ) -> Any:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         extra = {"kvwatch_tenant": tenant} if tenant else None
         params = SamplingParams(max_tokens=max_tokens, extra_args=extra, ignore_eos=True)
-        req = Request(rid, tokens, params, None, cache_salt=salt, block_hasher=self.hasher)
-        self.requests[rid] = req
+        req = Request(
+            rid,
+            tokens,
+            params,
+            None,
+            cache_salt=salt,
+            block_hasher=self.hasher,
+            resumable=resumable,
+        )
+        # A streaming-input chunk for a live session updates vLLM's session object: that
+        # one is the request the steps report on.
+        if rid not in self.scheduler.requests:
+            self.requests[rid] = req
         self.scheduler.add_request(req)
         return req
 
@@ -267,6 +287,44 @@ def test_failed_load_treated_as_computed_is_a_stale_read_naming_both_tenants(
     assert d.adapter.counters["failed_loads"] == 1
 
 
+def test_hits_on_blocks_computed_before_the_attach_are_no_cross_tenant_hits(
+    make_scheduler: Any,
+) -> None:
+    """Blocks a request computed before the adapter attached have no known owner: a hit on
+    them is not known to cross tenants (PrefixCacheHit.cross_tenant), so it is counted, not
+    sent, and the reads of them are not checked."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe, attached=False)
+    shared = prompt(13)
+    d.add("a-1", shared, "tenant-a")
+    d.run_until_done()
+    d.attach()
+    d.add("b-1", shared, "tenant-b", max_tokens=4)
+    d.run_until_done()
+    assert probe.of(PrefixCacheHit) == []
+    assert d.adapter.counters["prefix_hits_unknown_owner"] == 1
+    assert d.adapter.counters["prefix_hits_cross_tenant"] == 0
+    assert probe.of(PageStaleRead) == []
+
+
+def test_tenant_handles_stay_bounded_and_distinct(make_scheduler: Any) -> None:
+    """Tenants are the clients' strings: the adapter keeps at most ``handle_capacity`` of
+    them. A tenant back after its eviction gets a fresh handle (never another tenant's),
+    so every reuse of the previous tenant's blocks still counts as cross-tenant."""
+    probe = RecordingProbe()
+    # 1 null block + 4: each request (3 blocks) reuses blocks the previous one wrote
+    d = Driver(make_scheduler(num_blocks=5), probe, handle_capacity=2)
+    tenants = ["t-0", "t-1", "t-2", "t-3", "t-0", "t-4", "t-1"]
+    for i, tenant in enumerate(tenants):
+        d.add(f"r-{i}", prompt(100 + i, 3 * BLOCK), tenant, max_tokens=2)
+        d.run_until_done()
+    assert len(d.adapter._tenant_handles) <= 2
+    reuse = probe.of(PageReuse)
+    assert sum(e.reused_pages for e in reuse) >= len(tenants) - 1
+    assert all(e.cross_tenant_pages == e.reused_pages for e in reuse)
+    assert probe.of(PageStaleRead) == []
+
+
 @pytest.mark.parametrize("tenant", [None, "bad tenant name with spaces"])
 def test_tenant_falls_back_or_is_made_a_valid_id(make_scheduler: Any, tenant: str | None) -> None:
     probe = RecordingProbe()
@@ -316,3 +374,35 @@ def test_preemption_and_resumption_raise_no_false_finding(make_scheduler: Any) -
     finished = {e.request_id: e.completion_tokens for e in probe.of(RequestFinished)}
     assert finished == {"a-1": 3 * BLOCK, "b-1": 3 * BLOCK}
     assert sum(e.reused_pages for e in probe.of(PageReuse)) >= 1
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["paused", "queued"])
+def test_a_streaming_input_session_is_one_request(make_scheduler: Any, queued: bool) -> None:
+    """vLLM 0.32's streaming input: each chunk is ``add_request`` with the session's id.
+    Sent while the session waits for input, a chunk resumes it at once; sent while it still
+    generates, chunks (and the end sentinel) wait in its queue. Either way one request:
+    admitted once, every read its own, finished once with every chunk's tokens."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    chunks = [prompt(30, 2 * BLOCK), prompt(31, BLOCK + 3), prompt(32, 5)]
+    sent = sum(len(c) for c in chunks)  # (vLLM extends the first chunk's list in place)
+    d.add("s-1", chunks[0], "tenant-a", max_tokens=3, resumable=True)
+    for chunk in chunks[1:]:
+        if not queued:
+            d.run_until_done()  # the session now waits for its next input
+        d.add("s-1", chunk, "tenant-a", max_tokens=3, resumable=True)
+    if not queued:
+        d.run_until_done()
+    d.add("s-1", [0], "tenant-a")  # the end of the input stream
+    d.run_until_done()
+
+    assert "s-1" not in d.scheduler.requests
+    assert [e.request_id for e in probe.of(RequestAdmitted)] == ["s-1"]
+    (fin,) = probe.of(RequestFinished)
+    assert fin.prompt_tokens == sent
+    assert fin.completion_tokens == 3 * len(chunks)
+    # Closed while waiting for input, vLLM aborts the session: its client ended it
+    # normally. A queued end sentinel ends it when its last chunk stops (here: max_tokens).
+    assert fin.status == ("length" if queued else "completed")
+    assert probe.of(PageStaleRead) == []
+    assert d.adapter._reqs == {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,4 +68,24 @@ def test_kvwatch_vllm_probe_0_keeps_it_off(
     monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("KVWATCH_VLLM_PROBE", "0")
     _load_plugins()
+    assert not hasattr(make_scheduler(), "_kvwatch_adapter")
+
+
+def test_a_vllm_without_the_scheduler_it_patches_still_starts(
+    pristine_scheduler: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM calls every plugin's ``register`` without catching: had the scheduler module
+    moved (another vLLM version), an import error would stop every vLLM process."""
+    monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
+    # the import system's own answer for a module that is not there
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", None)
+    before = pristine_scheduler.__dict__["__init__"]
+    with caplog.at_level(logging.ERROR, logger="engine_probe.vllm"):
+        _load_plugins()
+    assert "could not patch vLLM's scheduler" in caplog.text
+    monkeypatch.undo()
+    assert pristine_scheduler.__dict__["__init__"] is before
     assert not hasattr(make_scheduler(), "_kvwatch_adapter")
