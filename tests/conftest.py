@@ -40,21 +40,48 @@ def pg_available() -> bool:
     return _PG_OK
 
 
+def _sa_url(name: str) -> str:
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    return f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}"
+
+
+@pytest.fixture(scope="session")
+def _pg_template() -> Iterator[str]:
+    """A database migrated to head once per run: each test's database is a copy of it
+    (CREATE DATABASE ... TEMPLATE: ~0.1 s instead of ~1.8 s of migrations per test)."""
+    import psycopg
+
+    from collector import migrate
+
+    name = f"kvw_tmpl_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        migrate.upgrade(_sa_url(name))
+        yield name
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database, dropped afterwards."""
+def pg_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped afterwards: already migrated to head, unless the
+    test is marked ``empty_db`` (tests of the migrations themselves)."""
     if not pg_available():
         if os.environ.get("CI"):
             pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL}")
         pytest.skip("PostgreSQL not reachable")
     import psycopg
 
+    template = None
+    if request.node.get_closest_marker("empty_db") is None:
+        template = request.getfixturevalue("_pg_template")
     name = f"kvw_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+        conn.execute(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else ""))
     try:
-        yield f"postgresql+psycopg://{base.split('://', 1)[1]}/{name}"
+        yield _sa_url(name)
     finally:
         with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

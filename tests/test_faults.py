@@ -212,6 +212,7 @@ def _heads(db_url: str) -> set[str]:
     return set(ScriptDirectory.from_config(migrate.alembic_config(db_url)).get_heads())
 
 
+@pytest.mark.empty_db
 def test_migrations_killed_at_any_point_are_recovered_by_the_next_run(
     db_url: str, tmp_path: Path
 ) -> None:

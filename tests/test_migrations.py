@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -11,6 +12,8 @@ from sqlalchemy import create_engine, inspect
 from collector import migrate
 from collector.models import Base
 from collector.partitions import pg_only
+
+pytestmark = pytest.mark.empty_db  # the migrations themselves, from an empty database
 
 
 def test_migrations_match_models(db_url: str) -> None:

@@ -90,6 +90,7 @@ def _fill(url: str, n_per_month: int = 4000) -> None:
         db.dispose()
 
 
+@pytest.mark.empty_db
 def test_the_migration_partitions_by_month_and_ensure_keeps_months_ahead(pg_url: str) -> None:
     migrate.upgrade(pg_url)
     for table in partitions.PARTITIONED:
