@@ -7,7 +7,7 @@ For each (pool size, batch size) it builds engines with one and the same ``Engin
 * **off** (the ceiling): no observer at all;
 * **off_b** (the A/A control): a second engine with no observer; its ratio to ``off`` is the
   noise floor of this run on this machine;
-* **ledger**: ``engine_probe.refengine_adapter.attach(..., ledger=True, canary=False)``;
+* **ledger**: ``engine_probe.adapters.refengine.attach(..., ledger=True, canary=False)``;
 * **canary**: ``attach(..., ledger=False, canary=True)``;
 * **zeroize**: ``EngineConfig(zeroize_on_free=True)``, no observer.
 
@@ -75,9 +75,9 @@ from typing import Any
 import torch
 
 from bench.common import BenchError, bench_main
+from engine_probe.adapters.refengine import attach
 from engine_probe.events import CanaryHit, Event, PageStaleRead
 from engine_probe.probe import BaseProbe
-from engine_probe.refengine_adapter import attach
 from refengine.config import EngineConfig
 from refengine.engine import Engine
 from refengine.hooks import EngineObserver

@@ -1,4 +1,4 @@
-"""``kvwatch gateway``: the guarding OpenAI-compatible proxy (``engine_probe.gateway``)."""
+"""``kvwatch gateway``: the guarding OpenAI-compatible proxy (``kvwatch.gateway``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 from kvwatch.cli_common import err
 
 if TYPE_CHECKING:
-    from engine_probe.gateway import GatewaySettings
+    from kvwatch.gateway import GatewaySettings
 
 
 class Tokenizer(StrEnum):
@@ -23,7 +23,7 @@ def _gateway_settings(overrides: dict[str, Any]) -> GatewaySettings:
     environment variable) and exits 2. Values are never echoed: they may hold keys."""
     from pydantic import ValidationError
 
-    from engine_probe.gateway import GatewaySettings
+    from kvwatch.gateway import GatewaySettings
 
     try:
         return GatewaySettings(**{k: v for k, v in overrides.items() if v is not None})
@@ -123,7 +123,7 @@ def gateway(
     from pydantic import ValidationError
 
     from engine_probe import ProbeSettings, configure_probe, shutdown_probe
-    from engine_probe.gateway import create_app
+    from kvwatch.gateway import create_app
 
     settings = _gateway_settings(
         {

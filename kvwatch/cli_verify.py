@@ -1,5 +1,5 @@
 """``kvwatch verify``: the sweep against any OpenAI-compatible endpoint (see
-``engine_probe.verifier``). Exit 0 pass, 1 a leak or another finding, 2 could not run."""
+``kvwatch.verify``). Exit 0 pass, 1 a leak or another finding, 2 could not run."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from rich.markup import escape
 from kvwatch.cli_common import err
 
 if TYPE_CHECKING:
-    from engine_probe.verifier import Progress as VerifyProgress
-    from engine_probe.verifier import Report, UploadResult, VerifierSettings, VerifyOptions
+    from kvwatch.verify import Progress as VerifyProgress
+    from kvwatch.verify import Report, UploadResult, VerifierSettings, VerifyOptions
 
 EXIT_PASS, EXIT_FINDING, EXIT_COULD_NOT_RUN = 0, 1, 2
 
@@ -43,7 +43,7 @@ def _keys(values: list[str]) -> dict[str, str]:
 def _settings(deployment: str | None) -> VerifierSettings:
     from pydantic import ValidationError
 
-    from engine_probe.verifier import VerifierSettings
+    from kvwatch.verify import VerifierSettings
 
     try:
         return VerifierSettings(deployment_id=deployment) if deployment else VerifierSettings()
@@ -117,9 +117,9 @@ def verify(
     """Find an endpoint's verified safe context: prompts grown to the rejection point and
     bisected, clean-refusal checks, cross-tenant canaries under load. Only synthetic text,
     at most --budget requests. Exit 0 pass, 1 leak or finding, 2 could not run."""
-    from engine_probe.verifier import VerifyOptions
-    from engine_probe.verifier.client import redact_url
-    from engine_probe.verifier.crosstenant import (
+    from kvwatch.verify import VerifyOptions
+    from kvwatch.verify.client import redact_url
+    from kvwatch.verify.crosstenant import (
         BACKGROUND_PARALLEL,
         READ_PARALLEL,
         reader_max_tokens,
@@ -174,7 +174,7 @@ def verify(
         typer.echo(line)
     upload_result: UploadResult | None = None
     if uploading and report.result != "error":
-        from engine_probe.verifier import upload
+        from kvwatch.verify import upload
 
         upload_result = upload(report, settings)
         if upload_result.ok:
@@ -197,7 +197,7 @@ def _run_with_progress(options: VerifyOptions) -> Report:
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
     from rich.progress import Progress as Bar
 
-    from engine_probe.verifier import verify as run_verification
+    from kvwatch.verify import verify as run_verification
 
     bar = Bar(
         TextColumn("{task.description:<34}"),

@@ -158,7 +158,7 @@ def _replay(mode: str, probe: Probe) -> Replay:
     """Ordinary traffic from five tenants, then one prompt longer than the prefill pool."""
     import torch
 
-    from engine_probe.refengine_adapter import attach
+    from engine_probe.adapters.refengine import attach
     from refengine.config import EngineConfig
     from refengine.engine import Engine
     from refengine.errors import ContextLengthExceeded

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from engine_probe import events as ev
+from engine_probe.adapters.refengine import RefengineAdapter, attach
 from engine_probe.canary import SENTINEL
 from engine_probe.probe import BaseProbe, Probe
-from engine_probe.refengine_adapter import RefengineAdapter, attach
 from engine_probe.settings import ProbeSettings
 from refengine import ContextLengthExceeded, Engine, EngineConfig, EngineObserver, KVPool, Request
 from tests.conftest import Collector

@@ -25,11 +25,11 @@ from sqlalchemy import create_engine, inspect, text
 from typer.testing import CliRunner
 
 from engine_probe import events as ev
-from engine_probe.gateway import GatewaySettings, create_app
-from engine_probe.gateway.limits import SafeContexts, VerificationSource, latest_passing
 from engine_probe.probe import BaseProbe, Probe
 from engine_probe.settings import ProbeSettings
 from kvwatch.embedded import free_port, serve_in_thread
+from kvwatch.gateway import GatewaySettings, create_app
+from kvwatch.gateway.limits import SafeContexts, VerificationSource, latest_passing
 from refengine import Engine, EngineConfig
 from refengine.server import create_app as refengine_app
 from tests.conftest import Collector
@@ -492,7 +492,7 @@ def test_latest_passing_verification_and_keeping_the_last_known(
         async with httpx.AsyncClient(timeout=5) as h:
             return await source.refresh(h)
 
-    with caplog.at_level(logging.WARNING, logger="engine_probe.gateway"):
+    with caplog.at_level(logging.WARNING, logger="kvwatch.gateway"):
         assert asyncio.run(refresh()) is False
     assert (limits.limit("a"), limits.limit("c")) == (20, 7)  # the last known stay
     assert "cannot read verifications of d1" in caplog.text and "keeping" in caplog.text

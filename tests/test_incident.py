@@ -24,8 +24,8 @@ import httpx
 import pytest
 import torch
 
+from engine_probe.adapters.refengine import RefengineAdapter, attach
 from engine_probe.probe import Probe
-from engine_probe.refengine_adapter import RefengineAdapter, attach
 from engine_probe.settings import ProbeSettings
 from refengine import (
     Completion,

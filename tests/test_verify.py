@@ -20,13 +20,13 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from engine_probe.adapters.refengine import attach
 from engine_probe.probe import Probe
-from engine_probe.refengine_adapter import attach
 from engine_probe.settings import ProbeSettings
-from engine_probe.verifier.canaries import LeakMatcher, TenantText, new_canaries
-from engine_probe.verifier.client import Outcome, classify, redact_url
 from kvwatch.cli import app
 from kvwatch.embedded import free_port, serve_in_thread
+from kvwatch.verify.canaries import LeakMatcher, TenantText, new_canaries
+from kvwatch.verify.client import Outcome, classify, redact_url
 from refengine import Engine, EngineConfig
 from refengine.server import create_app
 from tests.conftest import Collector

@@ -208,9 +208,9 @@ def main(argv: list[str]) -> int:
     ``{KVWATCH_DEPLOYMENT_ID}-{scenario}``; flushes the probe and prints the counters."""
     from sglang.srt.runtime_context import get_parallel
 
+    from engine_probe.adapters.sglang import attach
     from engine_probe.probe import configure_probe, shutdown_probe
     from engine_probe.settings import ProbeSettings
-    from engine_probe.sglang import attach
 
     scenarios = argv or ["incident"]
     if not set(scenarios) <= {"incident", "clean"}:

@@ -20,6 +20,7 @@ from sglang_incident import (
     serve_tenant_b,
 )
 
+from engine_probe.adapters.sglang import SGLangAdapter, attach
 from engine_probe.events import (
     EngineConfig,
     KvTransfer,
@@ -28,7 +29,6 @@ from engine_probe.events import (
     RequestFinished,
     RequestRejected,
 )
-from engine_probe.sglang import SGLangAdapter, attach
 
 
 @pytest.fixture
@@ -145,10 +145,10 @@ def test_plugin_entry_point_is_what_sglang_loads(monkeypatch: pytest.MonkeyPatch
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
 
-    from engine_probe.sglang import plugin
+    from engine_probe.adapters.sglang import plugin
 
     names = {ep.name: ep.value for ep in entry_points(group=GENERAL_PLUGINS_GROUP)}
-    assert names.get("kvwatch") == "engine_probe.sglang.plugin:register"
+    assert names.get("kvwatch") == "engine_probe.adapters.sglang.plugin:register"
     loaded = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
     register = loaded["kvwatch"][0]
     original = ModelRunner.alloc_memory_pool

@@ -25,8 +25,8 @@ from sglang_incident import (
     run_layers,
 )
 
+from engine_probe.adapters.sglang import attach
 from engine_probe.events import EngineConfig, PageStaleRead, RequestAdmitted, RequestFinished
-from engine_probe.sglang import attach
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import BLOCK, RecordingProbe
 
+from engine_probe.adapters.vllm.adapter import VllmAdapter, attach
 from engine_probe.events import (
     EngineConfig,
     PageReuse,
@@ -24,7 +25,6 @@ from engine_probe.events import (
     RequestAdmitted,
     RequestFinished,
 )
-from engine_probe.vllm.adapter import VllmAdapter, attach
 
 DRIVERS: list[Driver] = []
 

@@ -47,7 +47,7 @@ def test_without_a_collector_url_the_plugin_changes_nothing(
 def test_with_a_collector_url_every_scheduler_gets_the_adapter(
     pristine_scheduler: Any, make_scheduler: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engine_probe.vllm.adapter import VllmAdapter
+    from engine_probe.adapters.vllm.adapter import VllmAdapter
 
     # nothing listens there: the exporter retries in the background, the engine never waits
     monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
@@ -83,7 +83,7 @@ def test_a_vllm_without_the_scheduler_it_patches_still_starts(
     # the import system's own answer for a module that is not there
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", None)
     before = pristine_scheduler.__dict__["__init__"]
-    with caplog.at_level(logging.ERROR, logger="engine_probe.vllm"):
+    with caplog.at_level(logging.ERROR, logger="engine_probe.adapters.vllm"):
         _load_plugins()
     assert "could not patch vLLM's scheduler" in caplog.text
     monkeypatch.undo()

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any, Final
 
-log = logging.getLogger("engine_probe.sglang")
+log = logging.getLogger("engine_probe.adapters.sglang")
 
 ENV_FLAG: Final = "KVWATCH_SGLANG_PROBE"
 _state: dict[str, Any] = {}
@@ -34,8 +34,8 @@ def register() -> None:
     try:
         from sglang.srt.model_executor.model_runner import ModelRunner
 
+        from engine_probe.adapters.sglang.adapter import SGLangAdapter
         from engine_probe.probe import configure_probe
-        from engine_probe.sglang.adapter import SGLangAdapter
 
         configure_probe()
         adapter = SGLangAdapter(

@@ -89,7 +89,8 @@ from typing import Any, Final
 
 import torch
 
-from engine_probe.adapter_common import safe_id
+from engine_probe.adapters.common import safe_id
+from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY
 from engine_probe.events import (
     MAX_PAGE_IDS,
     EngineConfig,
@@ -103,11 +104,10 @@ from engine_probe.events import (
 )
 from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
 from engine_probe.probe import BaseProbe, get_probe
-from engine_probe.vllm import ROUTE_KEY, TENANT_KEY
 
 __all__ = ["VllmAdapter", "attach"]
 
-log = logging.getLogger("engine_probe.vllm")
+log = logging.getLogger("engine_probe.adapters.vllm")
 
 _UNKNOWN: Final = "unknown"
 # vLLM's RequestStatus names of finished requests → the wire contract's FinishStatus.

@@ -6,11 +6,11 @@ probe core (never text, never keys), and refuses prompts above the model's verif
 context with OpenAI's 400 ``context_length_exceeded`` before the upstream sees them.
 
 Public API: :func:`create_app`, :class:`GatewaySettings`, the errors in
-:mod:`engine_probe.gateway.errors`. Nothing is built at import time.
+:mod:`kvwatch.gateway.errors`. Nothing is built at import time.
 """
 
-from engine_probe.gateway.app import create_app
-from engine_probe.gateway.errors import GatewayError
-from engine_probe.gateway.settings import GatewaySettings
+from kvwatch.gateway.app import create_app
+from kvwatch.gateway.errors import GatewayError
+from kvwatch.gateway.settings import GatewaySettings
 
 __all__ = ["GatewayError", "GatewaySettings", "create_app"]

@@ -70,7 +70,7 @@ from typing import Any, Final, Protocol
 import torch
 from torch import Tensor
 
-from engine_probe.adapter_common import chunks, safe_id
+from engine_probe.adapters.common import chunks, safe_id
 from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
     CanaryHit,

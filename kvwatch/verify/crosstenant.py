@@ -26,15 +26,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Final
 
-from engine_probe.verifier.canaries import SEPARATOR, canary_length
-from engine_probe.verifier.session import (
+from kvwatch.verify.canaries import SEPARATOR, canary_length
+from kvwatch.verify.session import (
     BudgetExhausted,
     CouldNotRun,
     EndpointGone,
     ProbeRecord,
     Session,
 )
-from engine_probe.verifier.sweep import SweepResult
+from kvwatch.verify.sweep import SweepResult
 
 PLANT_FRACTIONS: Final = (1 / 2, 1 / 4, 1 / 8)
 #: Two tokens: enough for a disaggregated engine to move the request to decode (so the

@@ -12,10 +12,10 @@ and bisection), ``crosstenant`` (the canary phase), ``report`` (JSON, evidence, 
 ``upload`` (the collector), ``run`` (one verification end to end).
 """
 
-from engine_probe.verifier.report import Report
-from engine_probe.verifier.run import DEFAULT_BUDGET, VerifyOptions, minimum_budget, verify
-from engine_probe.verifier.session import Progress
-from engine_probe.verifier.upload import UploadResult, VerifierSettings, upload
+from kvwatch.verify.report import Report
+from kvwatch.verify.run import DEFAULT_BUDGET, VerifyOptions, minimum_budget, verify
+from kvwatch.verify.session import Progress
+from kvwatch.verify.upload import UploadResult, VerifierSettings, upload
 
 __all__ = [
     "DEFAULT_BUDGET",

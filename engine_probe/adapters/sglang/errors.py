@@ -8,6 +8,6 @@ class SGLangProbeError(Exception):
 
 
 class NotAttachableError(SGLangProbeError, TypeError):
-    """An object handed to :func:`engine_probe.sglang.attach` is not the SGLang class the
+    """An object handed to :func:`engine_probe.adapters.sglang.attach` is not the SGLang class the
     adapter hooks (or lacks the method it wraps): the SGLang version differs from the one
     the adapter was written against."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from engine_probe.verifier.session import Finding, Leak, ProbeRecord
-from engine_probe.verifier.sweep import SWEEP_MAX_TOKENS, SweepResult
+from kvwatch.verify.session import Finding, Leak, ProbeRecord
+from kvwatch.verify.sweep import SWEEP_MAX_TOKENS, SweepResult
 
 Result = Literal["pass", "fail", "error"]
 REPORT_VERSION = 1

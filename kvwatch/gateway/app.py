@@ -18,17 +18,17 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from engine_probe.gateway.auth import TenantKeys
-from engine_probe.gateway.counting import PromptCounter
-from engine_probe.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, NotFound
-from engine_probe.gateway.limits import SafeContexts, VerificationSource
-from engine_probe.gateway.records import Recorder
-from engine_probe.gateway.service import ProxyService
-from engine_probe.gateway.settings import GatewaySettings
-from engine_probe.gateway.upstream import Upstream
 from engine_probe.probe import BaseProbe
+from kvwatch.gateway.auth import TenantKeys
+from kvwatch.gateway.counting import PromptCounter
+from kvwatch.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, NotFound
+from kvwatch.gateway.limits import SafeContexts, VerificationSource
+from kvwatch.gateway.records import Recorder
+from kvwatch.gateway.service import ProxyService
+from kvwatch.gateway.settings import GatewaySettings
+from kvwatch.gateway.upstream import Upstream
 
-log = logging.getLogger("engine_probe.gateway")
+log = logging.getLogger("kvwatch.gateway")
 
 
 def _error_response(exc: GatewayError) -> JSONResponse:

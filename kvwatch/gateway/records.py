@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from engine_probe.events import NAME_MAX, FinishStatus, RequestFinished, RequestRejected
-from engine_probe.gateway.counting import PromptCount
-from engine_probe.gateway.errors import ContextLengthExceeded, GatewayError
 from engine_probe.probe import BaseProbe, get_probe
+from kvwatch.gateway.counting import PromptCount
+from kvwatch.gateway.errors import ContextLengthExceeded, GatewayError
 
-log = logging.getLogger("engine_probe.gateway")
+log = logging.getLogger("kvwatch.gateway")
 
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 

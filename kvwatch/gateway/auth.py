@@ -8,7 +8,7 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine_probe.gateway.errors import AuthenticationFailed
+from kvwatch.gateway.errors import AuthenticationFailed
 
 
 @dataclass(frozen=True, slots=True)

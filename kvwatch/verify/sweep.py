@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from engine_probe.verifier.client import Outcome, limit_in_message
-from engine_probe.verifier.session import ProbeRecord, Session
+from kvwatch.verify.client import Outcome, limit_in_message
+from kvwatch.verify.session import ProbeRecord, Session
 
 START_TOKENS: Final = 64
 GROWTH: Final = 2

@@ -57,7 +57,8 @@ from typing import Any, Final, Literal, TypeVar
 import torch
 from torch import Tensor
 
-from engine_probe.adapter_common import chunks, safe_id
+from engine_probe.adapters.common import chunks, safe_id
+from engine_probe.adapters.sglang.errors import NotAttachableError
 from engine_probe.events import (
     EngineConfig,
     Event,
@@ -71,11 +72,10 @@ from engine_probe.events import (
 )
 from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
 from engine_probe.probe import BaseProbe, get_probe
-from engine_probe.sglang.errors import NotAttachableError
 
 __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
 
-log = logging.getLogger("engine_probe.sglang")
+log = logging.getLogger("engine_probe.adapters.sglang")
 
 Role = Literal["prefill", "decode", "both"]
 _UNKNOWN: Final = "unknown"

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from engine_probe.events import PromptCountMethod
-from engine_probe.gateway.auth import Caller
-from engine_probe.gateway.settings import GatewaySettings
-from engine_probe.gateway.upstream import NoTokenizeEndpoint, Upstream
+from kvwatch.gateway.auth import Caller
+from kvwatch.gateway.settings import GatewaySettings
+from kvwatch.gateway.upstream import NoTokenizeEndpoint, Upstream
 
-log = logging.getLogger("engine_probe.gateway")
+log = logging.getLogger("kvwatch.gateway")
 
 Kind = Literal["completion", "chat"]
 

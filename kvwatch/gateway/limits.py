@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 
-from engine_probe.gateway.settings import GatewaySettings
+from kvwatch.gateway.settings import GatewaySettings
 
-log = logging.getLogger("engine_probe.gateway")
+log = logging.getLogger("kvwatch.gateway")
 
 
 def latest_passing(records: list[Any]) -> dict[str, int]:

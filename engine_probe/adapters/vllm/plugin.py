@@ -4,7 +4,7 @@ vLLM calls :func:`register` in every process it starts (the API server, the engi
 the workers), possibly more than once. It reads the ``KVWATCH_*`` settings; without
 ``KVWATCH_COLLECTOR_URL`` it returns at once and changes nothing. With it, it patches the v1
 ``Scheduler`` class so that every scheduler built afterwards gets a
-:class:`~engine_probe.vllm.adapter.VllmAdapter`. Only the engine-core process builds a
+:class:`~engine_probe.adapters.vllm.adapter.VllmAdapter`. Only the engine-core process builds a
 scheduler, so only it configures a probe and exports events; the other processes import
 nothing but this module and kvwatch's settings.
 
@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any, Final
 
-log = logging.getLogger("engine_probe.vllm")
+log = logging.getLogger("engine_probe.adapters.vllm")
 
 _PATCHED: Final = "_kvwatch_patched"
 #: Set to "0" to keep the plugin off while the other KVWATCH_* settings stay exported.
@@ -59,9 +59,9 @@ def _register() -> None:
 
 def _attach(scheduler: Any) -> None:
     try:
+        from engine_probe.adapters.vllm.adapter import attach
         from engine_probe.probe import configure_probe, get_probe
         from engine_probe.settings import ProbeSettings
-        from engine_probe.vllm.adapter import attach
 
         probe = get_probe()
         if not probe.enabled:

@@ -20,9 +20,9 @@ import httpx
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from engine_probe.gateway.auth import Caller
-from engine_probe.gateway.counting import Kind, PromptCounter, uncountable
-from engine_probe.gateway.errors import (
+from kvwatch.gateway.auth import Caller
+from kvwatch.gateway.counting import Kind, PromptCounter, uncountable
+from kvwatch.gateway.errors import (
     BadUpstreamResponse,
     ContextLengthExceeded,
     GatewayError,
@@ -30,12 +30,12 @@ from engine_probe.gateway.errors import (
     UnsupportedContent,
     UpstreamError,
 )
-from engine_probe.gateway.limits import SafeContexts
-from engine_probe.gateway.records import Flight, Recorder, finish_status
-from engine_probe.gateway.sse import SseScanner
-from engine_probe.gateway.upstream import Upstream
+from kvwatch.gateway.limits import SafeContexts
+from kvwatch.gateway.records import Flight, Recorder, finish_status
+from kvwatch.gateway.sse import SseScanner
+from kvwatch.gateway.upstream import Upstream
 
-log = logging.getLogger("engine_probe.gateway")
+log = logging.getLogger("kvwatch.gateway")
 
 ROUTES: Final[dict[Kind, str]] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _JSON: Final = "application/json"

@@ -16,16 +16,16 @@ from typing import Any
 import httpx
 import msgspec
 
-from engine_probe.gateway.auth import Caller
-from engine_probe.gateway.errors import (
+from kvwatch.gateway.auth import Caller
+from kvwatch.gateway.errors import (
     GatewayError,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from engine_probe.gateway.settings import GatewaySettings
+from kvwatch.gateway.settings import GatewaySettings
 
-log = logging.getLogger("engine_probe.gateway")
+log = logging.getLogger("kvwatch.gateway")
 
 
 class _NoCookies(CookieJar):

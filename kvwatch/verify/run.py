@@ -13,17 +13,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Final
 
-from engine_probe.verifier.canaries import (
+from kvwatch.verify.canaries import (
     MIN_FRAGMENT_CEILING,
     MIN_FRAGMENT_FLOOR,
     LeakMatcher,
     TenantText,
     new_canaries,
 )
-from engine_probe.verifier.client import EndpointClient, Outcome, Route, base_url, redact_url
-from engine_probe.verifier.crosstenant import make_plan, planned_requests, run_cross_tenant
-from engine_probe.verifier.report import Report
-from engine_probe.verifier.session import (
+from kvwatch.verify.client import EndpointClient, Outcome, Route, base_url, redact_url
+from kvwatch.verify.crosstenant import make_plan, planned_requests, run_cross_tenant
+from kvwatch.verify.report import Report
+from kvwatch.verify.session import (
     BudgetExhausted,
     CouldNotRun,
     EndpointGone,
@@ -31,7 +31,7 @@ from engine_probe.verifier.session import (
     Progress,
     Session,
 )
-from engine_probe.verifier.sweep import run_sweep
+from kvwatch.verify.sweep import run_sweep
 
 #: The preflight prompt: one per tenant, checks reachability, keys and the model.
 PREFLIGHT_BYTES: Final = 32

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from engine_probe.settings import ProducerSettings
-from engine_probe.verifier.report import Report
+from kvwatch.verify.report import Report
 
 # kvwatch verify reads exactly what every producer reads.
 VerifierSettings = ProducerSettings

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from engine_probe.verifier.canaries import LeakMatcher, TenantText
-from engine_probe.verifier.client import (
+from kvwatch.verify.canaries import LeakMatcher, TenantText
+from kvwatch.verify.client import (
     EndpointClient,
     Outcome,
     Reply,
