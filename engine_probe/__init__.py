@@ -1,18 +1,39 @@
 """kvwatch's in-engine probe: typed events, a never-blocking buffer, an exporter with a spool.
 
-Public API: :func:`get_probe`, :func:`configure_probe`, :class:`Probe`, :class:`ProbeSettings`.
-This package never imports torch (adapters that need it live in their own modules).
+Public API: :func:`get_probe`, :func:`configure_probe`, :func:`shutdown_probe`,
+:class:`Probe`, :class:`NoopProbe`, :class:`BaseProbe`, :class:`ProbeSettings`.
+
+The top level is lazy (PEP 562): ``import engine_probe.events`` — the wire contract that
+``policies`` and the collector share — must not load the exporter, httpx, pydantic-settings
+or register the probe's ``atexit`` hook. The runtime loads on first use of a name below.
+This package never imports torch (the adapters that need it live in ``adapters/``).
 """
 
-from engine_probe.probe import (
-    BaseProbe,
-    NoopProbe,
-    Probe,
-    configure_probe,
-    get_probe,
-    shutdown_probe,
-)
-from engine_probe.settings import ProbeSettings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine_probe.probe import (
+        BaseProbe,
+        NoopProbe,
+        Probe,
+        configure_probe,
+        get_probe,
+        shutdown_probe,
+    )
+    from engine_probe.settings import ProbeSettings
+
+_LAZY = {
+    "BaseProbe": "engine_probe.probe",
+    "NoopProbe": "engine_probe.probe",
+    "Probe": "engine_probe.probe",
+    "configure_probe": "engine_probe.probe",
+    "get_probe": "engine_probe.probe",
+    "shutdown_probe": "engine_probe.probe",
+    "ProbeSettings": "engine_probe.settings",
+}
 
 __all__ = [
     "BaseProbe",
@@ -23,3 +44,16 @@ __all__ = [
     "get_probe",
     "shutdown_probe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine_probe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"collector", "engine_probe", "policies", "dashboard", "refengine", "kvwatch", "migrations"}
 
@@ -89,3 +91,57 @@ def test_torch_free_packages_import_without_torch() -> None:
         "assert 'torch' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# What the wire contract and the pure policy engine must never pull in: the probe's runtime
+# (exporter, spool, its HTTP client and settings, its atexit hook), the collector's web and
+# database stack, and torch.
+HEAVY = (
+    "httpx",
+    "torch",
+    "fastapi",
+    "sqlalchemy",
+    "pydantic_settings",
+    "engine_probe.exporter",
+    "engine_probe.probe",
+    "engine_probe.spool",
+)
+
+
+@pytest.mark.parametrize("module", ["engine_probe.events", "policies"])
+def test_contract_and_policies_import_light(module: str) -> None:
+    """In a fresh interpreter: importing the contract or the policies loads none of HEAVY
+    and registers no atexit hook (engine_probe's top level is lazy)."""
+    code = (
+        "import atexit, sys\n"
+        "before = atexit._ncallbacks()\n"
+        f"import {module}\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "assert not heavy, f'loaded {heavy}'\n"
+        "assert atexit._ncallbacks() == before, 'an atexit hook was registered'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_probe_api_still_reachable_from_the_top_level() -> None:
+    """The lazy top level still hands out the public API, and only on first use."""
+    code = (
+        "import sys, engine_probe\n"
+        "assert 'engine_probe.probe' not in sys.modules\n"
+        "from engine_probe import Probe, ProbeSettings, get_probe\n"
+        "assert Probe.__module__ == 'engine_probe.probe'\n"
+        "assert ProbeSettings.__module__ == 'engine_probe.settings'\n"
+        "try:\n"
+        "    engine_probe.nothing_here\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('an unknown name did not raise AttributeError')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
