@@ -1,14 +1,21 @@
 """What every engine adapter (refengine, vLLM, SGLang) does the same way when it turns engine
-objects into wire events: ids that always pass the wire's id check, and page-id lists cut to
-the wire's per-event limit."""
+objects into wire events: ids that always pass the wire's id check, page-id lists cut to the
+wire's per-event limit, and stale-read reports turned into events (:class:`StaleReadEmitter`).
+
+Imports no torch: the ledger module is imported for its report type only."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Final
 
-from engine_probe.events import MAX_PAGE_IDS, is_valid_id
+from engine_probe.events import MAX_PAGE_IDS, PageStaleRead, is_valid_id
 
-__all__ = ["chunks", "safe_id"]
+if TYPE_CHECKING:
+    from engine_probe.ledger import StaleRead
+
+__all__ = ["UNKNOWN", "StaleReadEmitter", "chunks", "safe_id"]
 
 
 def safe_id(value: str, prefix: str) -> str:
@@ -22,3 +29,107 @@ def safe_id(value: str, prefix: str) -> str:
 def chunks(pages: list[int]) -> list[list[int]]:
     """``pages`` in runs of at most ``MAX_PAGE_IDS`` (at least one run, maybe empty)."""
     return [pages[i : i + MAX_PAGE_IDS] for i in range(0, len(pages), MAX_PAGE_IDS)] or [[]]
+
+
+UNKNOWN: Final = "unknown"
+"""The tenant (or request) name reported when the adapter cannot name it."""
+
+#: (request id, tenant name) of a ledger request handle; ``(f"handle-{h}", UNKNOWN)`` when
+#: the adapter has no record of it.
+RequestNames = Callable[[int], tuple[str, str]]
+#: The name of a ledger tenant handle, or ``None`` when the adapter cannot name it.
+TenantNames = Callable[[int], str | None]
+
+
+class StaleReadEmitter:
+    """Turns the ledger's :class:`~engine_probe.ledger.StaleRead` reports into
+    ``page.stale_read`` events, the same way for every engine adapter.
+
+    Invariants:
+
+    * A reader request reports a given (pool, page, previous writer, zeroized) at most once
+      while it is tracked (``dedupe=True``, decode gathers: a decode step re-reads the same
+      stale pages every token); :meth:`forget` ends the tracking when the request finishes.
+      Transfer reads (``dedupe=False``) are reported every time: each transfer is its own
+      exposure.
+    * A page read by several tokens of one report is reported once.
+    * Each report counts once in ``counters["stale_reads"]`` and becomes one event per
+      ``MAX_PAGE_IDS`` pages.
+    * Tenants: the ledger's tenant handle (what the ledger recorded when the page was written,
+      or when the reader allocated) names the tenant when the adapter can name that handle;
+      otherwise the tenant the adapter recorded for the request; otherwise ``"unknown"``.
+      A never-written page names no previous request nor tenant.
+    """
+
+    __slots__ = ("_counters", "_emit", "_request_names", "_seen", "_tenant_names")
+
+    def __init__(
+        self,
+        emit: Callable[..., None],
+        counters: dict[str, int],
+        request_names: RequestNames,
+        tenant_names: TenantNames,
+    ) -> None:
+        self._emit = emit
+        self._counters = counters
+        self._request_names = request_names
+        self._tenant_names = tenant_names
+        self._seen: dict[int, set[tuple[str, int, int | None, bool]]] = {}
+
+    def forget(self, reader: int) -> None:
+        """The request ``reader`` finished: drop what it reported."""
+        self._seen.pop(reader, None)
+
+    def report(
+        self,
+        reports: Iterable[StaleRead],
+        *,
+        node: str,
+        role: str,
+        dedupe: bool,
+        reader: int | None = None,
+    ) -> None:
+        """Emit ``reports`` read on ``node`` (of ``role``).
+
+        ``reader``: the request that did the read, when it is not the report's
+        ``reader_request`` (vLLM checks a prefix-cache hit as a read by the request that
+        computed the block, but the request that read it is the one exposed).
+        """
+        for r in reports:
+            who = r.reader_request if reader is None else reader
+            pages = list(dict.fromkeys(r.page_ids))
+            if dedupe:
+                seen = self._seen.setdefault(who, set())
+                keys = [(r.pool, p, r.previous_request, r.zeroized) for p in pages]
+                pages = [p for p, key in zip(pages, keys, strict=True) if key not in seen]
+                seen.update(keys)
+                if not pages:
+                    continue
+            self._counters["stale_reads"] += 1
+            reader_id, reader_tenant = self._request_names(who)
+            if reader is None:
+                reader_tenant = self._tenant(r.reader_tenant, reader_tenant)
+            prev_id = prev_tenant = None
+            if r.previous_request is not None:
+                prev_id, prev_tenant = self._request_names(r.previous_request)
+                prev_tenant = self._tenant(r.previous_tenant, prev_tenant)
+            for chunk in chunks(pages):
+                self._emit(
+                    PageStaleRead,
+                    node=node,
+                    role=role,
+                    read_kind=r.read_kind,
+                    reader_request_id=reader_id,
+                    reader_tenant=reader_tenant,
+                    page_ids=chunk,
+                    previous_request_id=prev_id,
+                    previous_tenant=prev_tenant,
+                    zeroized=r.zeroized,
+                )
+
+    def _tenant(self, ledger_tenant: int | None, recorded: str) -> str:
+        if ledger_tenant is not None and ledger_tenant >= 0:
+            name = self._tenant_names(ledger_tenant)
+            if name is not None:
+                return name
+        return recorded

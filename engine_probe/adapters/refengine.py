@@ -70,7 +70,7 @@ from typing import Any, Final, Protocol
 import torch
 from torch import Tensor
 
-from engine_probe.adapters.common import chunks, safe_id
+from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, chunks, safe_id
 from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
     CanaryHit,
@@ -78,13 +78,12 @@ from engine_probe.events import (
     Event,
     KvTransfer,
     PageReuse,
-    PageStaleRead,
     PoolSample,
     RequestAdmitted,
     RequestFinished,
     RequestRejected,
 )
-from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
+from engine_probe.ledger import PageLedger
 from engine_probe.probe import BaseProbe, get_probe
 
 __all__ = ["REJECT_REASONS", "RefengineAdapter", "attach"]
@@ -96,7 +95,6 @@ REJECT_REASONS: Final[Mapping[str, str]] = {
     "kv_pool_exceeded": "pool_exhausted",
 }
 _FINISH_STATUS: Final[Mapping[str, str]] = {"stop": "completed", "length": "length"}
-_UNKNOWN: Final = "unknown"
 
 
 # -- what the adapter reads from refengine's objects (duck-typed) ---------------------------
@@ -196,9 +194,7 @@ class RefengineAdapter:
         # handle -> (request id, tenant handle), for naming previous writers of stale pages
         self._requests: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self._tenant_ids: dict[int, str] = {}
-        # what was reported, per reader handle: (pool, page, previous writer, zeroized) and
-        # (pool, page, painting tenant)
-        self._seen_stale: dict[int, set[tuple[str, int, int | None, bool]]] = {}
+        # canary findings reported, per reader handle: (pool, page, painting tenant)
         self._seen_canary: dict[int, set[tuple[str, int, int]]] = {}
         # attached mid-flight: reads by requests older than the first one seen are not checked
         self._pre_attach_pages = False
@@ -210,6 +206,7 @@ class RefengineAdapter:
             "canary_hits": 0,
             "reuse_events": 0,
         }
+        self._stale = StaleReadEmitter(self._emit, self.counters, self._names, self._tenant_name)
 
     # -- public helpers ------------------------------------------------------------------
 
@@ -327,7 +324,7 @@ class RefengineAdapter:
         full prompt token count, which is what context-pressure rules need."""
 
     def on_request_finished(self, req: _Request) -> None:
-        self._seen_stale.pop(req.handle, None)
+        self._stale.forget(req.handle)
         self._seen_canary.pop(req.handle, None)
         if req.status == "aborted":
             status = "aborted"
@@ -433,7 +430,7 @@ class RefengineAdapter:
                 dst.ledger.write(dst_pages, req.handle)  # trusted: older than the attach
             else:
                 reports = src.ledger.transfer(src_pages, dst.ledger, dst_pages, req.handle)
-                self._emit_stale(src, reports, dedupe=False)
+                self._stale.report(reports, node=src.node, role=src.role, dedupe=False)
         if src.canary is not None and dst.canary is not None:
             dst.canary.on_transfer(src.canary, src_pages, dst_pages)
 
@@ -481,7 +478,7 @@ class RefengineAdapter:
             if self._pre_attach_pages:
                 first = self._first_handle or 0
                 reports = [r for r in reports if r.reader_request >= first]
-            self._emit_stale(st, reports, dedupe=True)
+            self._stale.report(reports, node=st.node, role=st.role, dedupe=True)
         if st.canary is not None and values[len(flags) - 1]:
             self._emit_canary(st, st.canary.findings(pages, readers, k, v, valid))
 
@@ -549,50 +546,20 @@ class RefengineAdapter:
             if name is None and self._engine is not None:
                 name = self._engine.tenant_name(handle)
             if name is None:
-                return _UNKNOWN
+                return UNKNOWN
             tid = self._tenant_ids[handle] = safe_id(name, "tenant")
         return tid
 
-    def _names(self, reader: int, ledger_tenant: int = UNKNOWN_TENANT) -> tuple[str, str]:
+    def _names(self, reader: int) -> tuple[str, str]:
         """(request id, tenant id) of a request handle seen on a vectorised hook."""
         known = self._requests.get(reader)
         if known is not None:
             return known[0], self._tenant_id(known[1])
-        tenant = _UNKNOWN if ledger_tenant == UNKNOWN_TENANT else self._tenant_id(ledger_tenant)
-        return f"handle-{reader}", tenant
+        return f"handle-{reader}", UNKNOWN
 
-    def _emit_stale(self, st: _PoolState, reports: list[StaleRead], *, dedupe: bool) -> None:
-        for r in reports:
-            pages = r.page_ids
-            if dedupe:
-                seen = self._seen_stale.setdefault(r.reader_request, set())
-                keys = [(st.name, p, r.previous_request, r.zeroized) for p in pages]
-                pages = [p for p, key in zip(pages, keys, strict=True) if key not in seen]
-                seen.update(keys)
-                if not pages:
-                    continue
-            self.counters["stale_reads"] += 1
-            reader_id, reader_tenant = self._names(r.reader_request, r.reader_tenant)
-            prev_id = prev_tenant = None
-            if r.previous_request is not None:
-                prev_id = self._request_id(r.previous_request)
-                pt = r.previous_tenant
-                prev_tenant = (
-                    _UNKNOWN if pt is None or pt == UNKNOWN_TENANT else self._tenant_id(pt)
-                )
-            for chunk in chunks(pages):
-                self._emit(
-                    PageStaleRead,
-                    node=st.node,
-                    role=st.role,
-                    read_kind=r.read_kind,
-                    reader_request_id=reader_id,
-                    reader_tenant=reader_tenant,
-                    page_ids=chunk,
-                    previous_request_id=prev_id,
-                    previous_tenant=prev_tenant,
-                    zeroized=r.zeroized,
-                )
+    def _tenant_name(self, handle: int) -> str | None:
+        name = self._tenant_id(handle)
+        return None if name == UNKNOWN else name
 
     def _emit_canary(self, st: _PoolState, findings: list[CanaryFinding]) -> None:
         for f in findings:

@@ -51,26 +51,25 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
-from engine_probe.adapters.common import chunks, safe_id
+from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.sglang.errors import NotAttachableError
 from engine_probe.events import (
     EngineConfig,
     Event,
     KvTransfer,
     PageReuse,
-    PageStaleRead,
     PoolSample,
     RequestAdmitted,
     RequestFinished,
     RequestRejected,
 )
-from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
+from engine_probe.ledger import UNKNOWN_TENANT, PageLedger
 from engine_probe.probe import BaseProbe, get_probe
 
 __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
@@ -78,7 +77,6 @@ __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
 log = logging.getLogger("engine_probe.adapters.sglang")
 
 Role = Literal["prefill", "decode", "both"]
-_UNKNOWN: Final = "unknown"
 _MARK: Final = "__kvwatch_wrapped__"
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -173,7 +171,6 @@ class SGLangAdapter:
         self._by_room: _Bounded[int, int] = _Bounded(request_capacity)  # room -> handle
         self._rejected: _Bounded[int, None] = _Bounded(request_capacity)  # aborted at intake
         self._rooms: _Bounded[int, _Room] = _Bounded(request_capacity)
-        self._seen_stale: dict[int, set[tuple[str, int, int | None, bool]]] = {}
         self._restore: list[Callable[[], None]] = []
         self._class_hooks = False
         self.counters: dict[str, int] = {
@@ -183,6 +180,9 @@ class SGLangAdapter:
             "reads_checked": 0,
             "capture_skipped": 0,
         }
+        self._stale = StaleReadEmitter(
+            self._emit, self.counters, self._request_names, self._tenant_names.get
+        )
 
     # -- public ----------------------------------------------------------------------------
 
@@ -459,7 +459,7 @@ class SGLangAdapter:
                 self._handles[rid] = handle
                 tenant = self.tenant_of(req)
                 th = self._tenant_handle(tenant)
-                tname = _UNKNOWN if tenant is None else self._tenant_names[th]
+                tname = UNKNOWN if tenant is None else self._tenant_names[th]
                 self._names[handle] = (safe_id(rid, "req"), th, tname)
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
@@ -479,18 +479,13 @@ class SGLangAdapter:
 
     def _request_names(self, handle: int | None) -> tuple[str, str]:
         if handle is None:
-            return _UNKNOWN, _UNKNOWN
-        rid, _, tenant = self._names.get(handle, (f"handle-{handle}", UNKNOWN_TENANT, _UNKNOWN))
+            return UNKNOWN, UNKNOWN
+        rid, _, tenant = self._names.get(handle, (f"handle-{handle}", UNKNOWN_TENANT, UNKNOWN))
         return rid, tenant
-
-    def _tenant_name(self, tenant: int | None) -> str:
-        if tenant is None or tenant < 0:
-            return _UNKNOWN
-        return self._tenant_names.get(tenant, _UNKNOWN)
 
     def _tenant_of_handle(self, handle: int) -> int:
         """The ledger tenant of a request handle (unknown tenants share ``_NO_TENANT``)."""
-        _, tenant, _ = self._names.get(handle, ("", UNKNOWN_TENANT, _UNKNOWN))
+        _, tenant, _ = self._names.get(handle, ("", UNKNOWN_TENANT, UNKNOWN))
         return tenant if tenant >= 0 else _NO_TENANT
 
     def _on_rows(self, st: _Node, rows: list[int] | None, reqs: list[Any]) -> None:
@@ -545,7 +540,7 @@ class SGLangAdapter:
         if st.role == "prefill" and self._node_by_role("decode") is not None:
             return  # the request finishes on its decode node, watched here too
         rejected = handle in self._rejected
-        self._seen_stale.pop(handle, None)
+        self._stale.forget(handle)
         self._forget(handle, getattr(req, "bootstrap_room", None))
         rid = str(getattr(req, "rid", "") or f"anon-{id(req)}")
         if self._handles.get(rid) == handle:
@@ -803,20 +798,15 @@ class SGLangAdapter:
         if not bool(st.ledger.any_stale(pages, readers, upto)):
             return
         if not granted:
-            self._emit_stale(st, st.ledger.read(pages, readers, upto), dedupe=True)
+            reports = st.ledger.read(pages, readers, upto)
+            self._stale.report(reports, node=st.name, role=st.role, dedupe=True)
             return
         # a granted read is checked as its owner's: report it as the row's request's
         stale = st.ledger.stale_mask(pages, readers, upto)
         for i in which[stale].unique().tolist():
             mine = stale & (which == i)
             reports = st.ledger.read(pages[mine], readers[mine], upto[mine])
-            h = handles[i]
-            tenant = st.ledger.tenant_of(h)
-            self._emit_stale(
-                st,
-                [replace(r, reader_request=h, reader_tenant=tenant) for r in reports],
-                dedupe=True,
-            )
+            self._stale.report(reports, node=st.name, role=st.role, dedupe=True, reader=handles[i])
 
     def _flush_reuse(self, st: _Node) -> None:
         reused, cross, zeroized = st.reuse
@@ -878,7 +868,7 @@ class SGLangAdapter:
         reports = src.ledger.transfer(
             src_pages.to(src.ledger.device), dst.ledger, dst_pages.to(dst.ledger.device), handle
         )
-        self._emit_stale(src, reports, dedupe=False)
+        self._stale.report(reports, node=src.name, role=src.role, dedupe=False)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -891,37 +881,6 @@ class SGLangAdapter:
 
     def _emit(self, event_type: type[Event], **fields: Any) -> None:
         self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
-
-    def _emit_stale(self, st: _Node, reports: list[StaleRead], *, dedupe: bool) -> None:
-        for r in reports:
-            pages = list(dict.fromkeys(r.page_ids))  # a page read by several tokens: once
-            if dedupe:
-                seen = self._seen_stale.setdefault(r.reader_request, set())
-                keys = [(st.name, p, r.previous_request, r.zeroized) for p in pages]
-                pages = [p for p, key in zip(pages, keys, strict=True) if key not in seen]
-                seen.update(keys)
-                if not pages:
-                    continue
-            self.counters["stale_reads"] += 1
-            reader_id, reader_tenant = self._request_names(r.reader_request)
-            prev_id = prev_tenant = None
-            if r.previous_request is not None:
-                prev_id, prev_tenant = self._request_names(r.previous_request)
-                if r.previous_tenant is not None and r.previous_tenant >= 0:
-                    prev_tenant = self._tenant_name(r.previous_tenant)
-            for chunk in chunks(pages):
-                self._emit(
-                    PageStaleRead,
-                    node=st.name,
-                    role=st.role,
-                    read_kind=r.read_kind,
-                    reader_request_id=reader_id,
-                    reader_tenant=reader_tenant,
-                    page_ids=chunk,
-                    previous_request_id=prev_id,
-                    previous_tenant=prev_tenant,
-                    zeroized=r.zeroized,
-                )
 
 
 # The ledger's tenant handles are non-negative: requests of an unknown tenant share this one,

@@ -89,27 +89,24 @@ from typing import Any, Final
 
 import torch
 
-from engine_probe.adapters.common import safe_id
+from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY
 from engine_probe.events import (
-    MAX_PAGE_IDS,
     EngineConfig,
     Event,
     PageReuse,
-    PageStaleRead,
     PoolSample,
     PrefixCacheHit,
     RequestAdmitted,
     RequestFinished,
 )
-from engine_probe.ledger import UNKNOWN_TENANT, PageLedger, StaleRead
+from engine_probe.ledger import PageLedger
 from engine_probe.probe import BaseProbe, get_probe
 
 __all__ = ["VllmAdapter", "attach"]
 
 log = logging.getLogger("engine_probe.adapters.vllm")
 
-_UNKNOWN: Final = "unknown"
 # vLLM's RequestStatus names of finished requests → the wire contract's FinishStatus.
 _FINISH_STATUS: Final[Mapping[str, str]] = {
     "FINISHED_STOPPED": "completed",
@@ -146,8 +143,6 @@ class _Req:
     trusted: set[int] = field(default_factory=set)
     #: token range [start, end) a KV connector claimed to load, not confirmed yet
     pending_load: tuple[int, int] | None = None
-    #: what was reported: (block, previous writer, zeroized)
-    seen_stale: set[tuple[int, int | None, bool]] = field(default_factory=set)
     #: output tokens of a streaming-input session's earlier chunks (vLLM drops them from
     #: the request when the next chunk comes)
     earlier_completion_tokens: int = 0
@@ -222,6 +217,10 @@ class VllmAdapter:
             "prefix_hits_unknown_owner": 0,
             "failed_loads": 0,
         }
+        # vLLM knows no tenant handle's name apart from its requests: the recorded tenant
+        self._stale = StaleReadEmitter(
+            self._emit, self.counters, self._request_names, lambda _handle: None
+        )
         self._wrap()
         self._emit_config()
         self.sample_pool()
@@ -386,7 +385,7 @@ class VllmAdapter:
         params = request.sampling_params
         extra = (getattr(params, "extra_args", None) or {}) if params is not None else {}
         tenant_raw = extra.get(TENANT_KEY)
-        tenant = safe_id(str(tenant_raw), "tenant") if tenant_raw else _UNKNOWN
+        tenant = safe_id(str(tenant_raw), "tenant") if tenant_raw else UNKNOWN
         route_raw = extra.get(ROUTE_KEY)
         route = str(route_raw)[:256] if route_raw else None
         handle = self._new_handle()
@@ -553,6 +552,7 @@ class VllmAdapter:
             req = self._reqs.pop(request.request_id, None)
             if req is None:
                 continue
+            self._stale.forget(req.handle)
             status = getattr(request.status, "name", str(request.status))
             closed = request.request_id == self._closing
             self._emit(
@@ -634,38 +634,9 @@ class VllmAdapter:
             req = owners[rows[0]]
             sel = torch.tensor(rows)
             reports = self.ledger.read(p[sel], r[sel], u[sel])
-            self._emit_stale(req, reports)
-
-    def _emit_stale(self, req: _Req, reports: list[StaleRead]) -> None:
-        for rep in reports:
-            keys = [(pg, rep.previous_request, rep.zeroized) for pg in rep.page_ids]
-            pages = [
-                pg for pg, key in zip(rep.page_ids, keys, strict=True) if key not in req.seen_stale
-            ]
-            req.seen_stale.update(keys)
-            if not pages:
-                continue
-            self.counters["stale_reads"] += 1
-            prev_id = prev_tenant = None
-            if rep.previous_request is not None:
-                prev_id, prev_tenant = self._names.get(
-                    rep.previous_request, (f"handle-{rep.previous_request}", _UNKNOWN)
-                )
-                if rep.previous_tenant == UNKNOWN_TENANT:
-                    prev_tenant = _UNKNOWN
-            for i in range(0, len(pages), MAX_PAGE_IDS):
-                self._emit(
-                    PageStaleRead,
-                    node=self.node,
-                    role=self.role,
-                    read_kind="decode",
-                    reader_request_id=req.request_id,
-                    reader_tenant=req.tenant,
-                    page_ids=pages[i : i + MAX_PAGE_IDS],
-                    previous_request_id=prev_id,
-                    previous_tenant=prev_tenant,
-                    zeroized=rep.zeroized,
-                )
+            self._stale.report(
+                reports, node=self.node, role=self.role, dedupe=True, reader=req.handle
+            )
 
     # -- internals -----------------------------------------------------------------------
 
@@ -685,6 +656,9 @@ class VllmAdapter:
         if len(handles) > self._handle_capacity:
             handles.popitem(last=False)
         return th
+
+    def _request_names(self, handle: int) -> tuple[str, str]:
+        return self._names.get(handle, (f"handle-{handle}", UNKNOWN))
 
     def _remember(self, handle: int, request_id: str, tenant: str) -> None:
         names = self._names
