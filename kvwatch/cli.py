@@ -10,7 +10,8 @@ import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach
-from kvwatch.cli_common import DbUrl, err, settings
+from kvwatch.cli_common import DbUrl, err
+from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
 from kvwatch.cli_lifecycle import erase, retention_app
@@ -45,10 +46,6 @@ app.command("scrape")(scrape)
 app.add_typer(retention_app, name="retention")
 app.command("erase")(erase)
 
-# kept under its old name: the commands here call it
-_settings = settings
-
-
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [KVWATCH_HOST].")] = None,
@@ -66,7 +63,7 @@ def serve(
     from collector import migrate
     from collector.app import create_app
 
-    settings = _settings(database_url)
+    settings = collector_settings(database_url)
     n = workers or settings.workers
     if n == 1:
         app_or_path: object = create_app(settings)
@@ -93,7 +90,7 @@ def db_upgrade(database_url: DbUrl = None) -> None:
     """Apply Alembic migrations up to head."""
     from collector import migrate
 
-    settings = _settings(database_url)
+    settings = collector_settings(database_url)
     migrate.upgrade(settings.database_url)
     err.print(f"[green]database at head[/] ({_redact(settings.database_url)})")
 
@@ -116,7 +113,7 @@ def tokens_create(
     from collector.tokens import create_token
     from engine_probe.events import utcnow
 
-    settings = _settings(database_url)
+    settings = collector_settings(database_url)
     migrate.upgrade(settings.database_url)
     db = Database(settings.database_url)
     try:

@@ -11,11 +11,14 @@ vectorised hooks are the int handles ``Request.handle`` / ``Request.tenant_handl
 tensors passed in are the engine's own: read them, do not modify them (the pool's K/V, on
 the other hand, may be painted by a canary observer inside ``on_free``).
 
-Order within one engine step: prefill (``on_alloc``, ``on_kv_write``, maybe
-``on_request_rejected``), transfers (``on_alloc`` on the decode pool, ``on_kv_transfer``,
-``on_free`` of the prefill pages), decode (``on_kv_write_batch`` for the tokens fed back,
-then ``on_kv_read`` of everything attended), finishes (``on_free``, ``on_request_finished``),
-then ``on_step``.
+At ``submit`` (in the caller's thread): ``on_request_admitted``, or ``on_request_rejected``
+when the prompt is over the advertised context (or, ``hardened``, over the pool). Then, within
+one engine step: prefill (``on_request_rejected`` for a prompt over a disaggregated prefill
+pool, which still gets a one-token placeholder; else maybe ``on_request_truncated``; then
+``on_alloc`` and ``on_kv_write``), transfers (``on_alloc`` on the decode pool,
+``on_kv_transfer``, ``on_free`` of the prefill pages), decode (``on_kv_write_batch`` for the
+tokens fed back, then ``on_kv_read`` of everything attended), finishes (``on_free``,
+``on_request_finished``), then ``on_step``.
 
 With no observer attached the engine skips building hook arguments entirely.
 """
