@@ -56,15 +56,22 @@ def test_import_direction() -> None:
 
 
 def test_scrape_stands_alone() -> None:
-    """engine_probe.scrape runs inside the collector: of ours it imports only the events."""
+    """engine_probe.scrape runs inside the collector: of ours it imports only the events and
+    the package's exception classes (its errors are ProbeErrors)."""
+    rules = {"engine_probe.events", "engine_probe.errors", "engine_probe.scrape"}
     bad = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in (ROOT / "engine_probe" / "scrape").rglob("*.py")
         for name in _imports(path)
-        if name.split(".")[0] in OURS
-        and not _allowed(name, {"engine_probe.events", "engine_probe.scrape"})
+        if name.split(".")[0] in OURS and not _allowed(name, rules)
     ]
     assert bad == []
+
+
+def test_probe_errors_are_a_leaf() -> None:
+    """engine_probe.errors is what the contract and the scraper import beside the events: it
+    must stay plain classes that import nothing (no runtime, no third-party package)."""
+    assert _imports(ROOT / "engine_probe" / "errors.py") <= {"__future__.annotations"}
 
 
 def test_nothing_imports_the_front_door() -> None:
