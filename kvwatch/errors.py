@@ -19,6 +19,7 @@ class KvwatchError(Exception):
       never leaves the gateway (it counts the prompt locally instead);
     - :class:`kvwatch.verify.session.CouldNotRun`, :class:`~kvwatch.verify.session.EndpointGone`
       and :class:`~kvwatch.verify.session.BudgetExhausted`: end a verification early;
-      :func:`kvwatch.verify.run.verify` records them as the report's ``error`` and
-      ``kvwatch verify`` exits 2 (could not run).
+      :func:`kvwatch.verify.run.verify` records them as the report's ``error``, and
+      ``kvwatch verify`` exits 2 (could not run), or 1 when the run already has a finding
+      (``EndpointGone`` records one before it is raised).
     """
