@@ -223,7 +223,6 @@ def test_pool_samples_over_a_long_window_come_from_rollups(collector: Collector)
     day = {"since": f.T0.isoformat(), "until": (f.T0 + timedelta(days=1)).isoformat()}
     doc = get(collector, "/v1/pool-samples", **day, max_points=48)
     assert doc["bucket_seconds"] == 1800
-    assert (doc["since"], doc["until"]) == (iso(f.T0), iso(f.T0 + timedelta(hours=2)))
     (bucket,) = doc["items"]
     assert bucket["samples"] == len(used)
     assert bucket["used_max"] == max(used)
