@@ -25,6 +25,7 @@ import msgspec
 from sqlalchemy import Connection, insert, select, text, update
 
 from collector import models as m
+from collector.timefmt import as_micros
 
 GENESIS = "0" * 64
 _PG_LOCK = 0x6B7677617564  # serialises appenders across collector replicas
@@ -132,7 +133,7 @@ def verify(conn: Connection) -> ChainCheck:
         ).order_by(m.AuditEntry.id)
     ):
         n += 1
-        ts = row.ts if isinstance(row.ts, int) else m.to_micros(row.ts)
+        ts = as_micros(row.ts)
         covered = row.detail if row.detail_sha256 is None else row.detail_sha256
         edited = "entry content does not match its hash (edited or forged)"
         if _digest(row.prev_hash, ts, row.actor, row.action, row.subject, covered) != row.hash:

@@ -1,4 +1,5 @@
-"""The collector's exception tree. Services raise these; the HTTP layer translates them into
+"""The collector's exception tree: one base, :class:`CollectorError`, and a subclass per HTTP
+status. Services raise these; the HTTP layer translates them into
 ``{"error": {"code", "message", "details"}}`` with the status each class names."""
 
 from __future__ import annotations
@@ -7,6 +8,17 @@ from typing import Any
 
 
 class CollectorError(Exception):
+    """Base class of every error the collector raises on purpose: bad input, a refused token,
+    something missing or conflicting, the database unavailable.
+
+    Translated at two boundaries: the exception handler in :mod:`collector.app` answers it
+    with ``status`` and ``{"error": {"code", "message", "details"}}``; the ``kvwatch``
+    commands that open the database (``kvwatch.cli_common.database``) print ``message`` and
+    exit 2. Errors of the parts the collector calls are translated into it where it calls
+    them (a wire-contract ``DecodeError`` in :mod:`collector.ingest`, a driver error in
+    :mod:`collector.db`).
+    """
+
     status = 500
     code = "internal"
 

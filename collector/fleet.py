@@ -17,6 +17,7 @@ from sqlalchemy import select
 from collector import models as m
 from collector.db import Database
 from collector.reports.limits import LimitsService
+from collector.timefmt import parse_iso
 
 _RANK = {"green": 0, "amber": 1, "red": 2}
 
@@ -59,7 +60,7 @@ class FleetService:
                 v = mod["verified"]
                 age = None
                 if v is not None:
-                    at = datetime.fromisoformat(v["verified_at"].replace("Z", "+00:00"))
+                    at = parse_iso(v["verified_at"])
                     age = round((now - at).total_seconds() / 86400, 1)
                 pool, adv = mod["prefill_pool_tokens"], mod["advertised_context"]
                 models.append(

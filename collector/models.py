@@ -3,12 +3,13 @@
 Times are stored as integer microseconds since the Unix epoch (UTC) in every table: the same
 representation on SQLite and PostgreSQL, cheap to write from the ingest fast path, and
 sortable/range-scannable with plain B-tree indexes. ``UtcMicros`` turns them back into aware
-datetimes for ORM reads.
+datetimes for ORM reads. The conversions are :mod:`collector.timefmt`'s ``to_micros`` and
+``from_micros``, which this module uses and callers also reach as ``models.to_micros``.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -28,6 +29,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from collector.timefmt import from_micros, to_micros
 from engine_probe.events import ID_MAX, NAME_MAX
 
 NAMING = {
@@ -42,26 +44,12 @@ NAMING = {
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_US = timedelta(microseconds=1)
-
-
-def to_micros(dt: datetime) -> int:
-    if dt.tzinfo is None:
-        raise ValueError("naive datetime: kvwatch stores UTC instants only")
-    return (dt - EPOCH) // _US
-
-
 def requests_since(cols: Any, since: datetime | int) -> Any:
     """``first_ts >= since`` over requests (``cols``: the model or its table's ``.c``), with
     the bound on ``part_ts`` it implies (part_ts >= first_ts): PostgreSQL then skips the
     months of requests before ``since`` instead of searching each one's index."""
     us = since if isinstance(since, int) else to_micros(since)
     return and_(cols.first_ts >= since, cols.part_ts >= us)
-
-
-def from_micros(us: int) -> datetime:
-    return EPOCH + timedelta(microseconds=us)
 
 
 class UtcMicros(TypeDecorator[datetime]):

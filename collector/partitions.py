@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, text
 
-from collector.models import to_micros
+from collector.timefmt import to_micros
 
 #: partitioned table -> its partition key column
 KEYS = {"pool_samples": "ts", "page_events": "ts", "requests": "part_ts"}

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, func, select, tuple_
 
 from collector import models as m
 from collector.rollups.buckets import POOL_BUCKET_US, floor_to
+from collector.timefmt import to_micros
 
 # Buckets at least this wide come from the per-minute pool rollups.
 ROLLUP_MIN_WIDTH_US = 5 * 60 * 1_000_000
@@ -163,7 +164,7 @@ def list_requests(
     for r in conn.execute(q):
         row: dict[str, Any] = {k: getattr(r, k) for k in REQUEST_FIELDS}
         row["data_categories"] = _json_list(r.data_categories)
-        row["_key"] = (m.to_micros(r.first_ts), r.id)
+        row["_key"] = (to_micros(r.first_ts), r.id)
         out.append(row)
     return out
 
@@ -330,7 +331,7 @@ def list_page_events(
                 "page_count": r.page_count,
                 "cross_tenant": r.cross_tenant,
                 "detail": msgspec.json.decode(r.detail),
-                "_key": (m.to_micros(r.ts), r.id),
+                "_key": (to_micros(r.ts), r.id),
             }
         )
     return out

@@ -11,7 +11,7 @@ from typing import Any
 from collector import queries
 from collector.db import Database
 from collector.errors import BadRequest, InvalidInput
-from collector.models import to_micros
+from collector.timefmt import as_micros, to_micros
 from collector.tokens import Principal
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -32,10 +32,6 @@ def decode_cursor(cursor: str | None) -> tuple[int, int] | None:
         return a, b
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise BadRequest("cursor is not one this API returned", {"field": "cursor"}) from None
-
-
-def _us(dt: datetime | None) -> int | None:
-    return None if dt is None else to_micros(dt)
 
 
 def _page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
@@ -89,8 +85,8 @@ class ReadService:
             model_id=model_id,
             tenant=who.tenant_filter(tenant),
             route=route,
-            since_us=_us(since),
-            until_us=_us(until),
+            since_us=as_micros(since),
+            until_us=as_micros(until),
             min_prompt_tokens=min_prompt_tokens,
         )
         with self.db.read() as conn:
@@ -154,8 +150,8 @@ class ReadService:
                 deployment_id=deployment_id,
                 kind=kind,
                 tenant=scope,
-                since_us=_us(since),
-                until_us=_us(until),
+                since_us=as_micros(since),
+                until_us=as_micros(until),
                 limit=limit + 1,
                 after=decode_cursor(cursor),
             )

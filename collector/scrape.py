@@ -48,6 +48,7 @@ from collector.db import Database
 from collector.errors import CollectorError, Unavailable
 from collector.ingest import IngestService
 from collector.settings import ScrapeTarget, Settings
+from collector.timefmt import from_micros, to_micros
 from collector.tokens import Principal, create_token
 from engine_probe import events as ev
 from engine_probe.scrape import (
@@ -182,7 +183,7 @@ class ScheduledScraper:
         if self.db.dialect == "postgresql":
             epoch = extract("epoch", func.statement_timestamp())
             return cast(func.floor(epoch * 1_000_000), BigInteger)
-        return m.to_micros(self._clock())
+        return to_micros(self._clock())
 
     def _claim(self, t: _Target) -> tuple[Principal, datetime] | None:
         """Claim ``t`` for one interval: the principal its events are stored under and the
@@ -227,7 +228,7 @@ class ScheduledScraper:
                 if revoked is not None:
                     self._failed(t, "not_stored", f"its ingest token {token_id} is revoked")
                     return None
-        claimed = m.from_micros(now_us)
+        claimed = from_micros(now_us)
         if token_id is not None:
             return Principal(token_id, "ingest", None, t.config.deployment_id, _ACTOR), claimed
         try:
@@ -290,7 +291,7 @@ class ScheduledScraper:
             conn.execute(
                 update(m.ScrapeTarget)
                 .where(m.ScrapeTarget.target_key == t.key)
-                .values(last_ok_at=m.to_micros(now), last_error=None, failures=0, **saved)
+                .values(last_ok_at=to_micros(now), last_error=None, failures=0, **saved)
             )
         self.scrapes.labels(t.config.deployment_id, "ok").inc()
 

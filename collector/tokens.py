@@ -11,7 +11,6 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Literal
 
 from sqlalchemy import Connection, insert, or_, select, update
@@ -20,6 +19,7 @@ from collector import audit
 from collector import models as m
 from collector.db import Database
 from collector.errors import CollectorError, Forbidden, InvalidInput, Unauthorized
+from collector.timefmt import now_micros
 
 log = logging.getLogger("kvwatch.tokens")
 
@@ -189,7 +189,7 @@ class Authenticator:
                 record_use(
                     conn,
                     principal,
-                    now_us=m.to_micros(datetime.now(UTC)),
+                    now_us=now_micros(),
                     every_us=int(self.use_audit_s * 1_000_000),
                 )
         except CollectorError as exc:  # the database is busy or down: try on a later miss

@@ -8,7 +8,7 @@ from pathlib import Path
 import streamlit as st
 
 from dashboard import ui
-from dashboard.client import DashboardError
+from dashboard.errors import DashboardError
 
 HERE = Path(__file__).parent
 # The page scripts live in views/, not pages/: Streamlit would also read a pages/ folder as

@@ -1,8 +1,9 @@
 """A small typed client for the collector's HTTP API: the dashboard's only way to its data.
 
-Every failure becomes one of a few exceptions a page can explain to a person:
-:class:`CollectorDown` (unreachable, timed out, 5xx), :class:`TokenRejected` (401/403) and
-:class:`BadRequest` (other 4xx, with the collector's own message).
+Every failure becomes one of a few exceptions a page can explain to a person (see
+:mod:`dashboard.errors`): :class:`CollectorDown` (unreachable, timed out, 5xx),
+:class:`TokenRejected` (401/403) and :class:`BadRequest` (other 4xx, with the collector's
+own message).
 """
 
 from __future__ import annotations
@@ -14,40 +15,10 @@ from typing import Any, Literal, Self
 
 import httpx
 
+from dashboard.errors import BadRequest, CollectorDown, DashboardError, TokenRejected
+
 JSON = dict[str, Any]
 FileFormat = Literal["json", "csv", "pdf"]
-
-
-class DashboardError(Exception):
-    """Anything that keeps a page from its data; ``message`` is for people."""
-
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-
-
-class CollectorDown(DashboardError):
-    """No usable answer: connection refused, timeout, or a server error."""
-
-
-class TokenRejected(DashboardError):
-    """401 (missing, unknown or revoked token) or 403 (the token may not do this)."""
-
-    @property
-    def forbidden(self) -> bool:
-        return self.status == 403
-
-
-class BadRequest(DashboardError):
-    """Another 4xx: the collector refused the request and said why."""
-
-    def __init__(
-        self, message: str, *, status: int, code: str | None = None, details: Any = None
-    ) -> None:
-        super().__init__(message, status=status, code=code)
-        self.details = details
 
 
 def iso(dt: datetime) -> str:

@@ -14,12 +14,8 @@ import streamlit as st
 from pydantic import ValidationError
 from streamlit.delta_generator import DeltaGenerator
 
-from dashboard.client import (
-    CollectorClient,
-    CollectorDown,
-    DashboardError,
-    TokenRejected,
-)
+from dashboard.client import CollectorClient
+from dashboard.errors import CollectorDown, DashboardError, TokenRejected
 from dashboard.settings import DashboardSettings
 
 Scope = Literal["admin", "operator", "tenant"]

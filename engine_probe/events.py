@@ -24,6 +24,8 @@ from typing import Annotated, Any, Final, Literal, cast, get_type_hints
 
 import msgspec
 
+from engine_probe.errors import ProbeError
+
 SCHEMA_VERSION: Final = 1
 
 # Limits shared by the decoder and the database column sizes (collector.models uses them).
@@ -393,8 +395,9 @@ class FieldError:
         return {"index": self.index, "field": self.field, "message": self.message}
 
 
-class DecodeError(ValueError):
-    """A batch that cannot be accepted, with every problem found in it."""
+class DecodeError(ProbeError, ValueError):
+    """A batch that cannot be accepted, with every problem found in it (the collector's
+    ingest answers it as 422, listing ``errors``)."""
 
     def __init__(self, errors: Sequence[FieldError]):
         self.errors = list(errors)
@@ -521,7 +524,10 @@ def decode_event(data: bytes) -> Event:
     return _decode_each([data], offset=0)[0]
 
 
-class BatchTooLarge(ValueError):
+class BatchTooLarge(ProbeError, ValueError):
+    """A batch with more events than the decoder was told to take (the collector's ingest
+    answers it as 413)."""
+
     def __init__(self, count: int, limit: int):
         self.count, self.limit = count, limit
         super().__init__(f"batch holds {count} events; the limit is {limit}")

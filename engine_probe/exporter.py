@@ -50,7 +50,7 @@ import msgspec
 
 from engine_probe import events as ev
 from engine_probe.buffer import DropCounter, EventBuffer
-from engine_probe.errors import SpoolError, SpoolFullError
+from engine_probe.errors import ProbeError, SpoolError, SpoolFullError
 from engine_probe.settings import ProbeSettings
 from engine_probe.spool import Spool
 
@@ -105,8 +105,9 @@ class _Retry:
     refusal: _Refusal | None = None
 
 
-class _MemoryFull(Exception):
-    pass
+class _MemoryFull(ProbeError):
+    """Control flow inside the exporter (the in-memory backlog is full: the batch is counted
+    as dropped); it never leaves this module."""
 
 
 class _Backlog(Protocol):

@@ -109,9 +109,8 @@ def tokens_create(
     from collector import migrate
     from collector.db import Database
     from collector.errors import CollectorError
-    from collector.models import to_micros
+    from collector.timefmt import now_micros
     from collector.tokens import create_token
-    from engine_probe.events import utcnow
 
     settings = collector_settings(database_url)
     migrate.upgrade(settings.database_url)
@@ -124,7 +123,7 @@ def tokens_create(
                 tenant=tenant,
                 deployment_id=deployment,
                 name=name,
-                now_us=to_micros(utcnow()),
+                now_us=now_micros(),
             )
     except CollectorError as exc:
         err.print(f"[red]error:[/] {exc.message}")

@@ -3,12 +3,13 @@ JSON, CSV (the affected requests) and the audit PDF."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from collector.timefmt import parse_iso
 from kvwatch.cli_common import DbUrl, database, err
 
 
@@ -16,11 +17,10 @@ def _when(value: str | None, name: str) -> datetime | None:
     if value is None:
         return None
     try:
-        dt = datetime.fromisoformat(value)
+        return parse_iso(value)
     except ValueError:
         err.print(f"[red]error:[/] {name}: not an ISO 8601 time: {value!r}")
         raise typer.Exit(2) from None
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
 
 
 def breach(

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from collector.timefmt import iso, parse_iso
 from kvwatch.cli_common import DbUrl, database, err
 
 # `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
@@ -29,15 +30,14 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 def _when(value: str) -> datetime:
     """An ISO 8601 instant (naive: UTC); a bad one is a usage error (exit 2)."""
     try:
-        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        return parse_iso(value)
     except ValueError:
         raise typer.BadParameter(f"{value!r} is not an ISO 8601 time") from None
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
 
 
 def _json_default(o: Any) -> Any:
     if isinstance(o, datetime):
-        return o.isoformat().replace("+00:00", "Z")
+        return iso(o)
     raise TypeError(f"cannot serialise {type(o).__name__}")
 
 
@@ -45,8 +45,9 @@ def _dumps(doc: Any) -> str:
     return json.dumps(doc, indent=2, default=_json_default)
 
 
-def _iso(dt: datetime | None) -> str:
-    return "" if dt is None else dt.isoformat(timespec="seconds").replace("+00:00", "Z")
+def _cell_time(dt: datetime | None) -> str:
+    """A table cell: the JSON format, to the second."""
+    return "" if dt is None else iso(dt.replace(microsecond=0))
 
 
 Since = Annotated[
@@ -95,7 +96,11 @@ def report_inventory(
         if min_prompt_tokens is not None:
             cells.append(str(r["at_or_above"]))
         mx = r["max_prompt_tokens"]
-        cells += ["" if mx is None else str(mx), _iso(r["first_seen"]), _iso(r["last_seen"])]
+        cells += [
+            "" if mx is None else str(mx),
+            _cell_time(r["first_seen"]),
+            _cell_time(r["last_seen"]),
+        ]
         t.add_row(*cells)
     out.print(t)
     tot = doc["totals"]

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from sqlalchemy import Connection
 
+from collector.timefmt import now_micros
 from kvwatch.cli_common import DbUrl, database, err
 
 webhooks_app = typer.Typer(
@@ -23,13 +24,6 @@ def _db(database_url: str | None, *, write: bool = True) -> Iterator[Connection]
     """A transaction on the migrated database; collector errors become exit code 2."""
     with database(database_url) as (db, _), db.write() if write else db.read() as conn:
         yield conn
-
-
-def _now_us() -> int:
-    from collector.models import to_micros
-    from engine_probe.events import utcnow
-
-    return to_micros(utcnow())
 
 
 @webhooks_app.command("add")
@@ -68,7 +62,7 @@ def add(
             format=format,
             min_severity=min_severity,
             secret=secret,
-            now_us=_now_us(),
+            now_us=now_micros(),
         )
     err.print(f"added {kind} endpoint #{endpoint_id} {name!r} -> {url}")
     if new_secret is not None:
@@ -99,7 +93,7 @@ def remove(name: str, database_url: DbUrl = None) -> None:
     from collector.notify.outbox import remove_endpoint
 
     with _db(database_url) as conn:
-        dropped = remove_endpoint(conn, name, now_us=_now_us())
+        dropped = remove_endpoint(conn, name, now_us=now_micros())
     err.print(f"removed {name!r}; {dropped} undelivered message(s) dropped with it")
 
 
@@ -109,7 +103,7 @@ def enable(name: str, database_url: DbUrl = None) -> None:
     from collector.notify.outbox import enable_endpoint
 
     with _db(database_url) as conn:
-        enable_endpoint(conn, name, now_us=_now_us())
+        enable_endpoint(conn, name, now_us=now_micros())
     err.print(f"enabled {name!r}")
 
 

@@ -19,7 +19,6 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,8 @@ from rich.table import Table
 from collector import migrate
 from collector.app import create_app
 from collector.db import Database
-from collector.models import to_micros
 from collector.settings import Settings
+from collector.timefmt import now_micros
 from collector.tokens import create_token
 from engine_probe import Probe, ProbeSettings
 from kvwatch.embedded import serve_in_thread
@@ -77,7 +76,7 @@ def run_demo(out_dir: Path | None) -> int:
 
     migrate.upgrade(db_url)
     db = Database(db_url)
-    now_us = to_micros(datetime.now(UTC))
+    now_us = now_micros()
     with db.write() as conn:
         _, ingest_token = create_token(conn, kind="ingest", now_us=now_us, name="demo probe")
         _, admin_token = create_token(conn, kind="admin", now_us=now_us, name="demo admin")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class PolicyError(Exception):
-    """Anything the policies package refuses."""
+    """Anything the policies package refuses.
+
+    :class:`PackError` (a rule pack that does not load) reaches whoever loads the packs:
+    ``kvwatch policies check`` prints it and exits 1, and the collector refuses to start
+    with it. :class:`RuleError` (a rule failing while it evaluates) is recorded as that
+    rule's health and never reaches ingest or the HTTP API.
+    """
 
 
 class PackError(PolicyError):

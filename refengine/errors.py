@@ -1,4 +1,4 @@
-"""Exceptions raised by refengine.
+"""Exceptions raised by refengine: one tree under :class:`RefEngineError`.
 
 Every error a client can cause is a subclass of :class:`RefEngineError` and is raised before
 the engine allocates, writes or transfers anything for that request, so a server can turn it
@@ -14,7 +14,16 @@ if TYPE_CHECKING:
 
 
 class RefEngineError(Exception):
-    """Base class of every error refengine raises on purpose."""
+    """Base class of every error refengine raises on purpose.
+
+    :class:`InvalidRequest` and :class:`ContextLengthExceeded` are the client's doing;
+    :class:`PoolExhausted` is an engine bug. The HTTP server (:mod:`refengine.server`)
+    translates them at its boundary into its ``APIError`` (400 in OpenAI's error shape for
+    the first two; anything else becomes a 500). ``APIError`` is deliberately not a
+    ``RefEngineError``: it is the HTTP answer, raised only inside the server's routes, and
+    keeping it apart means an ``except RefEngineError`` around engine calls never swallows
+    an answer the route already chose.
+    """
 
 
 class InvalidRequest(RefEngineError, ValueError):

@@ -100,7 +100,10 @@ Kind = Literal["completion", "chat"]
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's shape."""
+    """An error answered in OpenAI's shape: the HTTP boundary's type, raised only inside this
+    module's routes and turned into a response by its exception handler. The engine's
+    :class:`~refengine.errors.RefEngineError` is translated into it where a route calls the
+    engine; it is deliberately not one itself (see that class)."""
 
     def __init__(
         self,

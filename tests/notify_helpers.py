@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from collector import timefmt
 from collector.notify.signing import WebhookVerificationError, verify
 from kvwatch.embedded import free_port
 
@@ -140,7 +141,8 @@ class FakeClock:
 
 
 def iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """How alert and incident documents write a time (collector.timefmt's format)."""
+    return timefmt.iso(datetime.fromtimestamp(ts, UTC))
 
 
 def alert_doc(

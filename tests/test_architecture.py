@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import subprocess
 import sys
 from pathlib import Path
@@ -56,15 +57,22 @@ def test_import_direction() -> None:
 
 
 def test_scrape_stands_alone() -> None:
-    """engine_probe.scrape runs inside the collector: of ours it imports only the events."""
+    """engine_probe.scrape runs inside the collector: of ours it imports only the events and
+    the package's exception classes (its errors are ProbeErrors)."""
+    rules = {"engine_probe.events", "engine_probe.errors", "engine_probe.scrape"}
     bad = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in (ROOT / "engine_probe" / "scrape").rglob("*.py")
         for name in _imports(path)
-        if name.split(".")[0] in OURS
-        and not _allowed(name, {"engine_probe.events", "engine_probe.scrape"})
+        if name.split(".")[0] in OURS and not _allowed(name, rules)
     ]
     assert bad == []
+
+
+def test_probe_errors_are_a_leaf() -> None:
+    """engine_probe.errors is what the contract and the scraper import beside the events: it
+    must stay plain classes that import nothing (no runtime, no third-party package)."""
+    assert _imports(ROOT / "engine_probe" / "errors.py") <= {"__future__.annotations"}
 
 
 def test_nothing_imports_the_front_door() -> None:
@@ -145,3 +153,38 @@ def test_probe_api_still_reachable_from_the_top_level() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+# Each package's one exception root (httpx's model: one documented base per package, errors
+# translated at the boundaries), and the boundary types that are deliberately not under it.
+EXCEPTION_ROOTS = {
+    "collector": {"collector/errors.py:CollectorError"},
+    "engine_probe": {"engine_probe/errors.py:ProbeError"},
+    "policies": {"policies/errors.py:PolicyError"},
+    # APIError is the HTTP answer (see RefEngineError's docstring)
+    "refengine": {"refengine/errors.py:RefEngineError", "refengine/server.py:APIError"},
+    "dashboard": {"dashboard/errors.py:DashboardError"},
+    "kvwatch": {"kvwatch/errors.py:KvwatchError"},
+}
+
+
+def _builtin_exception(base: ast.expr) -> bool:
+    value = getattr(builtins, base.id, None) if isinstance(base, ast.Name) else None
+    return isinstance(value, type) and issubclass(value, BaseException)
+
+
+def test_one_exception_root_per_package() -> None:
+    """No class in our packages derives from builtin exceptions only (``Exception``,
+    ``ValueError``, ...) except the package's documented base: everything else hangs under
+    it (and may add a builtin base beside it, as ``ProbeConfigError(ProbeError, ValueError)``)."""
+    roots = set()
+    for pkg in EXCEPTION_ROOTS:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.ClassDef)
+                    and node.bases
+                    and all(_builtin_exception(b) for b in node.bases)
+                ):
+                    roots.add(f"{path.relative_to(ROOT)}:{node.name}")
+    assert roots == set().union(*EXCEPTION_ROOTS.values())

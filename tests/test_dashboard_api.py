@@ -19,6 +19,7 @@ from collector.db import Database
 from collector.rollups.buckets import ALL_TENANTS, BINS_PER_OCTAVE, bin_high, bin_low, bin_of
 from collector.rollups.refresh import RollupRefresher
 from collector.rollups.stats import _Dist
+from collector.timefmt import iso
 from tests import factories as f
 from tests.conftest import Collector, wait_rollups
 
@@ -99,6 +100,8 @@ def test_prompt_token_stats_match_the_ingested_requests(collector: Collector) ->
         "critical_line": SAFE,
     }
     assert doc["bucket_seconds"] == 300
+    # times are ISO text like every other answer; fields named *_us stay microseconds
+    assert (doc["since"], doc["until"]) == (iso(f.T0), iso(f.T0 + timedelta(hours=2)))
     routes = {x["route"]: x for x in doc["routes"]}
     chat = [p for _, route, p, _ in reqs if route == CHAT]
     c = routes[CHAT]
@@ -248,6 +251,7 @@ def test_page_event_stats_count_stale_reads_per_bucket(collector: Collector) -> 
     )
     doc = get(collector, "/v1/stats/page-events", **WINDOW, max_points=4)
     assert doc["bucket_seconds"] == 1800
+    assert (doc["since"], doc["until"]) == (iso(f.T0), iso(f.T0 + timedelta(hours=2)))
     rows = [(x["kind"], x["events"], x["pages"], x["cross_tenant"]) for x in doc["items"]]
     assert rows == [("page.stale_read", 2, 4, 2), ("page.stale_read", 1, 3, 0)]
     # initech is party to none of them.

@@ -7,21 +7,16 @@ scan of history.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, func, select, text
 
 from collector import models as m
-from collector.models import from_micros
+from collector.timefmt import as_datetime
 from engine_probe import events as ev
 from policies import DeploymentFacts, NodeConfig, ProbeFact, TimerFacts, VerificationFact
 
 _CONFIG_HISTORY = 64  # per deployment: configs are stored only when they change
-
-
-def _dt(value: int | datetime) -> datetime:
-    return from_micros(value) if isinstance(value, int) else value
 
 
 def _node_config(r: Any) -> NodeConfig:
@@ -40,7 +35,7 @@ def _node_config(r: Any) -> NodeConfig:
         disaggregated=bool(r.disaggregated),
         prefix_caching=bool(r.prefix_caching),
         prefix_cache_salting=bool(r.prefix_cache_salting),
-        ts=_dt(r.ts),
+        ts=as_datetime(r.ts),
     )
 
 
@@ -95,7 +90,7 @@ def verifications(
                 quantization=r.quantization,
                 tp_size=r.tp_size,
                 cuda_graphs=r.cuda_graphs,
-                verified_at=_dt(r.verified_at),
+                verified_at=as_datetime(r.verified_at),
             ),
         )
     return out
@@ -168,7 +163,7 @@ def timer_facts(conn: Connection) -> TimerFacts:
     deps = {d for d, _ in configs} | set(conn.execute(select(m.Deployment.id)).scalars())
     facts = deployment_facts(configs, verifications(conn, None), tenant_counts(conn, None), deps)
     probes = [
-        ProbeFact(probe_id=p, deployment_id=d, last_seen=_dt(seen))
+        ProbeFact(probe_id=p, deployment_id=d, last_seen=as_datetime(seen))
         for p, d, seen in conn.execute(
             text("SELECT probe_id, deployment_id, last_seen FROM probes ORDER BY probe_id")
         )

@@ -31,6 +31,7 @@ from collector.db import Database
 from collector.errors import InvalidInput, NotFound
 from collector.rollups import refresh as rollups
 from collector.rollups.buckets import REQUEST_BUCKET_US, floor_to
+from collector.timefmt import iso, to_micros
 
 ERASED = "<erased>"
 
@@ -86,7 +87,7 @@ class ErasureService:
         if not tenant or len(tenant) > 128:
             raise InvalidInput("tenant must be 1-128 characters", {"field": "tenant"})
         match = _Matcher(tenant)
-        now_us = m.to_micros(now)
+        now_us = to_micros(now)
         with self.db.write() as conn:
             if not self._known(conn, tenant):
                 raise NotFound(f"no records of tenant {tenant!r}", {"field": "tenant"})
@@ -106,7 +107,7 @@ class ErasureService:
             )
             counts["audit_entries_redacted"] = audit.redact(conn, doomed, audit.last_id(conn))
             counts["audit_entries_unredactable"] = len(doomed) - counts["audit_entries_redacted"]
-        return {"erased_at": now.isoformat().replace("+00:00", "Z"), "removed": counts}
+        return {"erased_at": iso(now), "removed": counts}
 
     @staticmethod
     def _known(conn: Connection, tenant: str) -> bool:

@@ -24,6 +24,7 @@ from collector.db import Database
 from collector.errors import InvalidInput, NotFound
 from collector.rollups import refresh as rollups
 from collector.rollups.buckets import HOUR_US, POOL_BUCKET_US, REQUEST_BUCKET_US, floor_to
+from collector.timefmt import iso, to_micros
 
 EVIDENCE_KINDS = ("page.stale_read", "canary.hit")
 CHART_LEAD_US = 3600 * 10**6
@@ -58,10 +59,6 @@ def _us(col: Any) -> Any:
     return type_coerce(col, BigInteger)
 
 
-def _iso(us: int) -> str:
-    return m.from_micros(us).isoformat().replace("+00:00", "Z")
-
-
 class RetentionService:
     def __init__(self, db: Database, default_days: int | None):
         self.db = db
@@ -73,7 +70,7 @@ class RetentionService:
                 f"keep_days must be between 1 and {MAX_KEEP_DAYS}, not {keep_days}",
                 {"field": "keep_days"},
             )
-        now_us = m.to_micros(now)
+        now_us = to_micros(now)
         with self.db.write() as conn:
             if (
                 conn.execute(
@@ -122,7 +119,7 @@ class RetentionService:
     def apply(self, *, now: datetime, by: str, dry_run: bool = False) -> dict[str, Any]:
         """Delete what each deployment's policy no longer keeps (or count it: ``dry_run``)."""
         results = []
-        now_us = m.to_micros(now)
+        now_us = to_micros(now)
         pols = self.policies()
         dropped, months = self._drop_months(pols, now, dry_run)
         for pol in pols:
@@ -144,7 +141,7 @@ class RetentionService:
                             detail=res.as_dict(),
                         )
             results.append(res.as_dict())
-        return {"generated_at": _iso(now_us), "dry_run": dry_run, "deployments": results}
+        return {"generated_at": iso(now_us), "dry_run": dry_run, "deployments": results}
 
     def _drop_months(
         self, pols: list[dict[str, Any]], now: datetime, dry: bool
@@ -161,7 +158,7 @@ class RetentionService:
                 self._incident_holds(
                     conn,
                     p["deployment_id"],
-                    m.to_micros(now - timedelta(days=p["keep_days"])),
+                    to_micros(now - timedelta(days=p["keep_days"])),
                     DeploymentResult(p["deployment_id"], p["keep_days"]),
                 )
                 for p in pols
@@ -200,9 +197,9 @@ class RetentionService:
     ) -> None:
         dep = res.deployment_id
         assert res.keep_days is not None
-        cutoff = m.to_micros(now - timedelta(days=res.keep_days))
+        cutoff = to_micros(now - timedelta(days=res.keep_days))
         keep_from, protected = self._incident_holds(conn, dep, cutoff, res)
-        res.cutoff = _iso(keep_from)
+        res.cutoff = iso(keep_from)
         r, ps, pe = m.Request, m.PoolSample, m.PageEvent
         named = protected.subquery()
         req_cond = [

@@ -7,7 +7,8 @@ written in the same transaction as the alert or incident change that caused it::
     {
       "type": "alert.firing" | "alert.resolved" | "alert.repeat"
               | "incident.opened" | "incident.reminder" | "incident.closed",
-      "created_at": "2026-11-29T18:00:00.000000Z",     # when the change happened (UTC)
+      "created_at": "2026-11-29T18:00:00.123456Z",     # when the change happened (UTC; see
+                                                       # collector.timefmt)
       "group_key": "{alertname=\\"stale_page_read\\",deployment_id=\\"d1\\"}" | null,
       "group_labels": {"alertname": "...", "deployment_id": "..."},
       "alerts": [AlertDoc, ...],          # [] for incident-only notifications

@@ -47,6 +47,7 @@ from collector.db import Database
 from collector.errors import CollectorError
 from collector.notify import payloads, signing
 from collector.settings import Settings
+from collector.timefmt import iso
 
 log = logging.getLogger(__name__)
 
@@ -412,8 +413,7 @@ class Dispatcher:
 
     def _disable_gone(self, conn: Connection, endpoint: _Endpoint, now_us: int) -> None:
         reason = (
-            f"the receiver answered 410 Gone at {m.from_micros(now_us).isoformat()}; "
-            "`kvwatch webhooks enable` to resume"
+            f"the receiver answered 410 Gone at {iso(now_us)}; `kvwatch webhooks enable` to resume"
         )
         conn.execute(
             update(m.NotifyEndpoint)

@@ -24,6 +24,8 @@ from typing import Any
 
 import msgspec
 
+from collector.timefmt import iso, parse_iso
+
 KINDS = ("webhook", "alertmanager")
 FORMATS = ("kvwatch", "alertmanager")
 KVWATCH_VERSION = 1
@@ -104,10 +106,10 @@ def am_postable_alerts(
 ) -> list[dict[str, Any]]:
     """The body of ``POST /api/v2/alerts``: firing alerts end a horizon ahead, resolved
     alerts at their ``ends_at`` (in the past, which is how Alertmanager learns they ended)."""
-    base = _parse(doc["created_at"])
+    base = parse_iso(doc["created_at"])
     if now is not None:
         base = max(base, datetime.fromtimestamp(now, UTC))
-    horizon = _iso(base + timedelta(seconds=AM_FIRING_HORIZON_S))
+    horizon = iso(base + timedelta(seconds=AM_FIRING_HORIZON_S))
     out = []
     for a in _alerts(doc, external_url):
         alert: dict[str, Any] = {
@@ -207,12 +209,3 @@ def _common(maps: list[dict[str, str]]) -> dict[str, str]:
         return {}
     first, *rest = maps
     return {k: v for k, v in first.items() if all(m.get(k) == v for m in rest)}
-
-
-def _parse(iso: str) -> datetime:
-    dt = datetime.fromisoformat(iso.replace("Z", "+00:00"))
-    return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
-
-
-def _iso(dt: datetime) -> str:
-    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

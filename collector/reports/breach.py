@@ -33,6 +33,7 @@ from collector.db import Database
 from collector.errors import InvalidInput, NotFound
 from collector.reports.stored import ReportStore, canonical
 from collector.settings import Settings
+from collector.timefmt import iso, parse_iso, to_micros
 
 CHUNK_ROWS = 50_000
 MAX_LISTED = 100_000
@@ -107,25 +108,18 @@ class BreachScope:
                 )
         if self.since is not None and self.until is not None and self.since >= self.until:
             raise InvalidInput(
-                f"inverted window: since ({_iso(self.since)}) must be before until "
-                f"({_iso(self.until)})",
-                {"since": _iso(self.since), "until": _iso(self.until)},
+                f"inverted window: since ({iso(self.since)}) must be before until "
+                f"({iso(self.until)})",
+                {"since": iso(self.since), "until": iso(self.until)},
             )
         if self.min_prompt_tokens is not None and self.min_prompt_tokens < 0:
             raise InvalidInput("min_prompt_tokens must be >= 0")
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["since"] = _iso(self.since)
-        d["until"] = _iso(self.until)
+        d["since"] = iso(self.since)
+        d["until"] = iso(self.until)
         return d
-
-
-def _iso(v: datetime | int | None) -> str | None:
-    if v is None:
-        return None
-    dt = m.from_micros(v) if isinstance(v, int) else v
-    return dt.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def evidence_digest(report: dict[str, Any]) -> str:
@@ -171,7 +165,7 @@ class _Buckets:
     def points(self) -> list[dict[str, Any]]:
         width = (self.hi - self.lo) / BUCKETS
         return [
-            {"ts": _iso(int(self.lo + i * width)), "value": v}
+            {"ts": iso(int(self.lo + i * width)), "value": v}
             for i, v in enumerate(self.vals)
             if v is not None
         ]
@@ -238,7 +232,8 @@ class _RequestAgg:
 
 
 def iso_series(us: pd.Series) -> pd.Series:
-    """Microseconds since the epoch → the same strings as ``_iso`` (``...Z``, no zero micros)."""
+    """Microseconds since the epoch → the same strings as :func:`collector.timefmt.iso`
+    (``...Z``, no zero micros), for a whole column at once."""
     text = np.datetime_as_string(us.to_numpy(dtype="int64").astype("datetime64[us]"), unit="us")
     s = pd.Series(text, index=us.index, dtype=object)
     return s.str.removesuffix(".000000") + "Z"
@@ -316,10 +311,10 @@ class BreachService:
                 body = self._window(conn, scope, now)
         body["report_id"] = "rpt_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
         body["kind"] = "breach"
-        body["generated_at"] = _iso(now)
+        body["generated_at"] = iso(now)
         body["schema_version"] = 1
         tl = body["timeline"]
-        if tl["deadline_at"] is not None and m.to_micros(now) > tl["deadline_us"]:
+        if tl["deadline_at"] is not None and to_micros(now) > tl["deadline_us"]:
             tl["late"] = True
             tl["late_reason"] = late_reason or (
                 f"{NEEDS_PERSON}: generated after the 72-hour deadline; Art. 33(1) requires "
@@ -360,8 +355,8 @@ class BreachService:
                 m.Incident.id < inc.id,
             )
         ).scalar()
-        lo = m.to_micros(scope.since) if scope.since else (prev_close or 0)
-        hi = m.to_micros(scope.until) if scope.until else (inc.closed_at or m.to_micros(now) + 1)
+        lo = to_micros(scope.since) if scope.since else (prev_close or 0)
+        hi = to_micros(scope.until) if scope.until else (inc.closed_at or to_micros(now) + 1)
         deps = [inc.deployment_id]
         reads = self._stale_reads(conn, deps, lo, hi)
         roles: dict[tuple[str, str], str] = {}
@@ -391,18 +386,18 @@ class BreachService:
             "title": inc.title,
             "state": inc.state,
             "cause_rule": inc.cause_rule,
-            "opened_at": _iso(inc.opened_at),
-            "closed_at": _iso(inc.closed_at),
+            "opened_at": iso(inc.opened_at),
+            "closed_at": iso(inc.closed_at),
         }
         # Charts: an hour before the first stale read to a minute after the last.
-        series_lo, series_hi = lo, min(hi, m.to_micros(now) + 1)
+        series_lo, series_hi = lo, min(hi, to_micros(now) + 1)
         if reads:
-            series_lo = max(lo, _us(reads[0]["ts"]) - 3600 * 10**6)
-            series_hi = min(hi, _us(reads[-1]["ts"]) + 60 * 10**6)
+            series_lo = max(lo, to_micros(parse_iso(reads[0]["ts"])) - 3600 * 10**6)
+            series_hi = min(hi, to_micros(parse_iso(reads[-1]["ts"])) + 60 * 10**6)
         series = self._series(conn, deps, model_ids, series_lo, max(series_hi, series_lo + 1))
         return self._assemble(
             conn,
-            scope_json={**scope.as_json(), "since": _iso(lo), "until": _iso(hi)},
+            scope_json={**scope.as_json(), "since": iso(lo), "until": iso(hi)},
             agg=agg,
             reads=reads,
             deps=deps,
@@ -416,7 +411,7 @@ class BreachService:
 
     def _window(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
         assert scope.since is not None and scope.until is not None and scope.model_id
-        lo, hi = m.to_micros(scope.since), m.to_micros(scope.until)
+        lo, hi = to_micros(scope.since), to_micros(scope.until)
         r = m.Request
         conds = [r.model_id == scope.model_id, m.requests_since(r, lo), r.first_ts < hi]
         if scope.min_prompt_tokens is not None:
@@ -481,7 +476,7 @@ class BreachService:
             detail = json.loads(row.detail or "{}")
             out.append(
                 {
-                    "ts": _iso(row.ts),
+                    "ts": iso(row.ts),
                     "deployment_id": row.deployment_id,
                     "node": row.node,
                     "reader_request_id": row.request_id,
@@ -539,8 +534,8 @@ class BreachService:
             for df in _chunks(conn, stale_stmt):
                 stale.add(df["ts"].astype("int64"), pd.Series(1, index=df.index))
         return {
-            "since": _iso(lo),
-            "until": _iso(hi),
+            "since": iso(lo),
+            "until": iso(hi),
             "prompt_tokens_max": prompt.points(),
             "pool_occupancy_max": pool.points(),
             "stale_reads": stale.points(),
@@ -554,7 +549,7 @@ class BreachService:
             c = m.DeploymentConfig
             configs = [
                 {
-                    "ts": _iso(row.ts),
+                    "ts": iso(row.ts),
                     "node": row.node,
                     "role": row.role,
                     "engine": row.engine,
@@ -600,7 +595,7 @@ class BreachService:
                     "verified_safe_context": _int(row.verified_safe_context),
                     "engine_version": row.engine_version,
                     "pool_capacity_tokens": _int(row.pool_capacity_tokens),
-                    "verified_at": _iso(row.verified_at),
+                    "verified_at": iso(row.verified_at),
                     "created_by": row.created_by,
                 }
                 for row in conn.execute(
@@ -695,18 +690,18 @@ class BreachService:
         for r in agg.listed:
             if (r["deployment_id"], r["request_id"]) in exposed_keys:
                 exposed_cats.update(r["data_categories"])
-        times = [_us(s["ts"]) for s in reads]
+        times = [to_micros(parse_iso(s["ts"])) for s in reads]
         if agg.first_ts is not None:
             times += [agg.first_ts]
         if agg.last_ts is not None:
             times += [agg.last_ts]
         timeline = {
-            "first_event_at": _iso(min(times)) if times else None,
-            "last_event_at": _iso(max(times)) if times else None,
+            "first_event_at": iso(min(times)) if times else None,
+            "last_event_at": iso(max(times)) if times else None,
             "first_stale_read_at": reads[0]["ts"] if reads else None,
             "last_stale_read_at": reads[-1]["ts"] if reads else None,
-            "awareness_at": _iso(awareness_us),
-            "deadline_at": _iso(deadline_us),
+            "awareness_at": iso(awareness_us),
+            "deadline_at": iso(deadline_us),
             "deadline_us": deadline_us,
             "deadline_rule": "GDPR Art. 33(1): 72 hours from awareness",
         }
@@ -876,10 +871,6 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
         "needs_person": True,
         "note": "decision support only: a person decides under Art. 34(1) and (3)",
     }
-
-
-def _us(iso: str) -> int:
-    return m.to_micros(datetime.fromisoformat(iso.replace("Z", "+00:00")))
 
 
 def to_csv(report: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ checklist and Art. 34 decision support; every page's footer names the report and
 from __future__ import annotations
 
 import io
-from datetime import datetime, timedelta
+from datetime import timedelta
 from itertools import pairwise
 from typing import Any
 
@@ -17,12 +17,9 @@ import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
 
 from collector.reports.pdf import ReportPdf
+from collector.timefmt import parse_iso
 
 MAX_TABLE_ROWS = 200
-
-
-def _when(iso: str) -> datetime:
-    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
 
 
 def _chart(
@@ -34,7 +31,7 @@ def _chart(
 ) -> bytes | None:
     if not series:
         return None
-    x: Any = [_when(p["ts"]) for p in series]
+    x: Any = [parse_iso(p["ts"]) for p in series]
     y = [p["value"] for p in series]
     # A window of one point (or a few close together) still needs a readable time axis:
     # pad it to at least ten minutes around the data.

@@ -17,6 +17,7 @@ from sqlalchemy import Connection, Table, case, func, select
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput
+from collector.timefmt import as_datetime
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
 
@@ -84,15 +85,11 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
                 "max_prompt_tokens": (
                     int(r.max_prompt_tokens) if r.max_prompt_tokens is not None else None
                 ),
-                "first_seen": _dt(r.first_seen),
-                "last_seen": _dt(r.last_seen),
+                "first_seen": as_datetime(r.first_seen),
+                "last_seen": as_datetime(r.last_seen),
             }
         )
     return out
-
-
-def _dt(value: int | datetime) -> datetime:
-    return m.from_micros(value) if isinstance(value, int) else value
 
 
 class InventoryService:

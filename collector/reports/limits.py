@@ -14,11 +14,8 @@ from collector import models as m
 from collector.alerting import facts as F
 from collector.db import Database
 from collector.errors import NotFound
+from collector.timefmt import iso
 from policies.facts import verified_nodes
-
-
-def _iso(dt: datetime | None) -> str | None:
-    return None if dt is None else dt.isoformat().replace("+00:00", "Z")
 
 
 def deployment_exists(conn: Connection, deployment_id: str) -> bool:
@@ -65,7 +62,7 @@ class LimitsService:
                     if v is None
                     else {
                         "safe_context": v.verified_safe_context,
-                        "verified_at": _iso(v.verified_at),
+                        "verified_at": iso(v.verified_at),
                         "engine_version": v.engine_version,
                         "pool_capacity_tokens": v.pool_capacity_tokens,
                         "quantization": v.quantization,
@@ -82,7 +79,7 @@ class LimitsService:
             )
         return {
             "deployment_id": deployment_id,
-            "generated_at": _iso(now),
+            "generated_at": iso(now),
             "nodes": [
                 {
                     "node": c.node,
@@ -92,7 +89,7 @@ class LimitsService:
                     "engine_version": c.engine_version,
                     "advertised_context": c.advertised_context,
                     "pool_capacity_tokens": c.pool_capacity_tokens,
-                    "config_since": _iso(c.ts),
+                    "config_since": iso(c.ts),
                 }
                 for c in nodes
             ],

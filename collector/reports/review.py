@@ -30,6 +30,7 @@ from collector.alerting import facts as F
 from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.stored import ReportStore, canonical
+from collector.timefmt import iso, to_micros
 from policies.kinds.context import safe_context
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
@@ -70,14 +71,10 @@ class ReviewScope:
         since = self.since or until - timedelta(days=DEFAULT_DAYS)
         if since >= until:
             raise InvalidInput(
-                f"inverted window: since ({_iso(since)}) must be before until ({_iso(until)})",
-                {"field": "since", "since": _iso(since), "until": _iso(until)},
+                f"inverted window: since ({iso(since)}) must be before until ({iso(until)})",
+                {"field": "since", "since": iso(since), "until": iso(until)},
             )
         return since, until
-
-
-def _iso(dt: datetime | None) -> str | None:
-    return None if dt is None else dt.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def nearest_rank(n: int, q: float = QUANTILE) -> int:
@@ -103,7 +100,7 @@ class ReviewService:
     def build(self, scope: ReviewScope, *, now: datetime | None = None) -> dict[str, Any]:
         now = now or datetime.now(UTC)
         since, until = scope.resolve(now)
-        lo, hi = m.to_micros(since), m.to_micros(until)
+        lo, hi = to_micros(since), to_micros(until)
         weeks = max(1, math.ceil((hi - lo) / WEEK_US))
         with self.db.read() as conn:
             groups = self._groups(conn, lo, hi, scope.deployment_id)
@@ -127,7 +124,7 @@ class ReviewService:
                     series.append(
                         {
                             "week": week,
-                            "start": _iso(m.from_micros(w_lo)),
+                            "start": iso(w_lo),
                             "requests": w_n,
                             "max": w_max,
                             "p99": self._quantile(conn, w_lo, w_hi, dep, route, model, w_n),
@@ -169,10 +166,10 @@ class ReviewService:
         doc: dict[str, Any] = {
             "report_id": rid,
             "kind": "review",
-            "generated_at": _iso(now),
+            "generated_at": iso(now),
             "scope": {
-                "since": _iso(since),
-                "until": _iso(until),
+                "since": iso(since),
+                "until": iso(until),
                 "deployment_id": scope.deployment_id,
                 "weeks": weeks,
             },

@@ -5,7 +5,6 @@ per highlighted route: weekly max and p99 against the 80% and 100% lines."""
 from __future__ import annotations
 
 import io
-from datetime import datetime
 from typing import Any
 
 import matplotlib
@@ -16,6 +15,7 @@ import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
 
 from collector.reports.pdf import ReportPdf
+from collector.timefmt import parse_iso
 
 
 def _n(v: Any) -> str:
@@ -30,7 +30,7 @@ def _chart(row: dict[str, Any]) -> bytes | None:
     weeks = row["trend"]["weeks"]
     if not weeks:
         return None
-    x: Any = [datetime.fromisoformat(w["start"].replace("Z", "+00:00")) for w in weeks]
+    x: Any = [parse_iso(w["start"]) for w in weeks]
     fig, ax = plt.subplots(figsize=(7.5, 2.6), dpi=110)
     try:
         ax.plot(x, [w["max"] for w in weeks], marker="o", markersize=3, label="max per week")

@@ -18,6 +18,7 @@ from collector import audit
 from collector import models as m
 from collector.db import Database
 from collector.errors import NotFound
+from collector.timefmt import iso, to_micros
 
 ID_PATTERN = r"(rpt|rev)_[A-Za-z0-9]{1,60}"
 
@@ -27,17 +28,13 @@ def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _iso(us: int) -> str:
-    return m.from_micros(us).isoformat().replace("+00:00", "Z")
-
-
 class ReportStore:
     def __init__(self, db: Database):
         self.db = db
 
     def save(self, report: dict[str, Any], *, created_by: str, now: datetime) -> None:
         """Store ``report`` (with ``report_id``, ``kind``, ``scope``, ``evidence_sha256``)."""
-        now_us = m.to_micros(now)
+        now_us = to_micros(now)
         with self.db.write() as conn:
             conn.execute(
                 sa.insert(m.Report).values(
@@ -97,7 +94,7 @@ class ReportStore:
                 "report_id": x.report_id,
                 "kind": x.kind,
                 "scope": json.loads(x.scope),
-                "generated_at": _iso(x.created_at),
+                "generated_at": iso(x.created_at),
                 "created_by": x.created_by,
                 "evidence_sha256": x.sha256,
             }

@@ -34,6 +34,7 @@ from collector.rollups.buckets import (
     UNKNOWN_BIN,
     floor_to,
 )
+from collector.timefmt import to_micros
 
 log = logging.getLogger("kvwatch.rollups")
 SETTLE_US = 10_000_000  # late events of a just-closed bucket usually land within this
@@ -71,7 +72,7 @@ class RollupRefresher:
 
     def pending(self, now: datetime | None = None) -> int:
         """Marks due for recomputation at ``now`` (default: the clock)."""
-        now_us = m.to_micros(now or datetime.now(UTC))
+        now_us = to_micros(now or datetime.now(UTC))
         with self.db.read() as conn:
             q = select(sa.func.count()).select_from(m.RollupDirty).where(_due(now_us))
             return int(conn.execute(q).scalar_one())
@@ -83,7 +84,7 @@ class RollupRefresher:
         ``everything``: every marked bucket, due or not (a collector's first pass, so what
         was ingested before it started shows at once)."""
         out = RefreshResult()
-        now_us = 2**62 if everything else m.to_micros(now or datetime.now(UTC))
+        now_us = 2**62 if everything else to_micros(now or datetime.now(UTC))
         for _ in range(max_passes):
             # A read first: an idle refresher must not take SQLite's write lock every pass.
             with self.db.read() as conn:

@@ -8,6 +8,10 @@ percentiles are bin upper bounds clipped to the exact maximum, and counts at or 
 count a whole bin when its largest prompt reaches the line (an upper bound, never an
 undercount). The open bucket is recomputed at most once a minute, so the newest minute
 (plus ``KVWATCH_ROLLUP_INTERVAL_S``) may not be in these figures yet.
+
+Times are ISO 8601 UTC text (:func:`collector.timefmt.iso`) like every other answer of the
+API, except the fields whose names end in ``_us`` (``bucket_start_us``, ``first_ts_us``),
+which are microseconds since the epoch, as ``/v1/pool-samples``' ``bucket_start_us``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collector.rollups.buckets import (
     bin_low,
     floor_to,
 )
+from collector.timefmt import iso
 from policies.kinds.context import safe_context
 
 WARN_RATIO, CRITICAL_RATIO = 0.8, 1.0
@@ -185,8 +190,8 @@ class StatsService:
             lines = thresholds(conn, pairs)
             series = self._series(conn, rr, scope, in_window, lo, width, lines)
         return {
-            "since": window.since_us,
-            "until": window.until_us,
+            "since": iso(window.since_us),
+            "until": iso(window.until_us),
             "bucket_seconds": width / 1_000_000,
             "thresholds": [lines[k] for k in sorted(lines)],
             "series": series,
@@ -376,8 +381,8 @@ class StatsService:
         with self.db.read() as conn:
             rows = conn.execute(q).all()
         return {
-            "since": window.since_us,
-            "until": window.until_us,
+            "since": iso(window.since_us),
+            "until": iso(window.until_us),
             "bucket_seconds": width / 1_000_000,
             "items": [
                 {

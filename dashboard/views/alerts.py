@@ -9,7 +9,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import ui
-from dashboard.client import JSON, BadRequest, CollectorClient
+from dashboard.client import JSON, CollectorClient
+from dashboard.errors import BadRequest
 
 ANY = "(any)"
 STATES = {"Firing": "firing", "Pending": "pending", "Resolved": "resolved", "All": None}

@@ -8,7 +8,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, ui
-from dashboard.client import JSON, CollectorClient, TokenRejected
+from dashboard.client import JSON, CollectorClient
+from dashboard.errors import TokenRejected
 
 _BADGE = {"red": ("RED", "red"), "amber": ("AMBER", "orange"), "green": ("GREEN", "green")}
 # Streamlit's bundled icon font, not emoji: they render on machines without an emoji font.

@@ -1,14 +1,18 @@
 """What a scrape raises. Every message names the target and what was missing or wrong.
 
-The scrape package stands alone (the collector imports it; see ``engine_probe.scrape``), so
-its errors are their own small tree rather than part of :mod:`engine_probe.errors`.
+The scrape package stands alone (the collector imports it; see ``engine_probe.scrape``): of
+the probe it imports only the contract and :mod:`engine_probe.errors`, a module of plain
+classes, so its errors still hang under the package's :class:`ProbeError`.
 """
 
 from __future__ import annotations
 
+from engine_probe.errors import ProbeError
 
-class ScrapeError(Exception):
-    """Base class: the target could not be turned into events."""
+
+class ScrapeError(ProbeError):
+    """Base class: the target could not be turned into events. ``kvwatch scrape`` exits 2 on
+    it; the collector's scheduled scraper records it as the target's last error."""
 
 
 class BadTarget(ScrapeError, ValueError):

@@ -27,8 +27,9 @@ from typing import Any, Final, Literal
 
 from engine_probe.events import PromptCountMethod
 from kvwatch.gateway.auth import Caller
+from kvwatch.gateway.errors import NoTokenizeEndpoint
 from kvwatch.gateway.settings import GatewaySettings
-from kvwatch.gateway.upstream import NoTokenizeEndpoint, Upstream
+from kvwatch.gateway.upstream import Upstream
 
 log = logging.getLogger("kvwatch.gateway")
 

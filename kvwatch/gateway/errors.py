@@ -11,12 +11,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from engine_probe.events import RejectReason
+from kvwatch.errors import KvwatchError
 
 Outcome = Literal["rejected", "error"]
 
 
-class GatewayError(Exception):
-    """An error answered to the client with ``status`` and OpenAI's error body."""
+class GatewayError(KvwatchError):
+    """An error answered to the client with ``status`` and OpenAI's error body (by the
+    exception handler in :mod:`kvwatch.gateway.app`)."""
 
     status: int = 500
     type: str = "server_error"
@@ -127,6 +129,14 @@ class UpstreamTimeout(GatewayError):
 
     status = 504
     code = "upstream_timeout"
+
+
+class NoTokenizeEndpoint(KvwatchError):
+    """The upstream has no ``POST /tokenize`` (it answered 405, 501, or a 404 that is not
+    about the model: vLLM answers an unknown model's tokenize request with a 404 too).
+
+    Not a :class:`GatewayError`: it is never answered to a client; the prompt counter catches
+    it and counts locally."""
 
 
 REDACTED = "***"

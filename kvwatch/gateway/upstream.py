@@ -19,6 +19,7 @@ import msgspec
 from kvwatch.gateway.auth import Caller
 from kvwatch.gateway.errors import (
     GatewayError,
+    NoTokenizeEndpoint,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -36,11 +37,6 @@ class _NoCookies(CookieJar):
 
     def set_cookie_if_ok(self, cookie: Cookie, request: Any) -> None:
         return None
-
-
-class NoTokenizeEndpoint(Exception):
-    """The upstream has no ``POST /tokenize`` (it answered 405, 501, or a 404 that is not
-    about the model: vLLM answers an unknown model's tokenize request with a 404 too)."""
 
 
 def _names_model(content: bytes) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from collector.timefmt import iso
 from kvwatch.verify.session import Finding, Leak, ProbeRecord
 from kvwatch.verify.sweep import SWEEP_MAX_TOKENS, SweepResult
 
@@ -129,8 +130,8 @@ class Report:
             "max_context": self.max_context,
             "timeout_s": self.timeout_s,
             "sweep_max_tokens": SWEEP_MAX_TOKENS,
-            "started_at": self.started_at.isoformat(),
-            "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
+            "started_at": iso(self.started_at),
+            "finished_at": iso(self.finished_at),
             "duration_s": round(duration, 3),
             "durations_s": {k: round(v, 3) for k, v in self.durations_s.items()},
             "largest_accepted_tokens": self.largest_accepted_tokens,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from kvwatch.errors import KvwatchError
 from kvwatch.verify.canaries import LeakMatcher, TenantText
 from kvwatch.verify.client import (
     EndpointClient,
@@ -41,15 +42,18 @@ _FINDING_KINDS: Final = {
 }
 
 
-class CouldNotRun(Exception):
+# The verifier's errors end a run early; verify() records each as the report's error.
+
+
+class CouldNotRun(KvwatchError):
     """The verification cannot be carried out (unreachable, key refused, rate limited)."""
 
 
-class EndpointGone(Exception):
+class EndpointGone(KvwatchError):
     """The endpoint stopped accepting connections mid-run (recorded as a finding)."""
 
 
-class BudgetExhausted(Exception):
+class BudgetExhausted(KvwatchError):
     """Every request of the budget has been sent."""
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from collector.timefmt import iso
 from engine_probe.settings import ProducerSettings
 from kvwatch.verify.report import Report
 
@@ -34,7 +35,7 @@ def verification_body(report: Report, deployment_id: str) -> dict[str, Any]:
         "evidence": report.evidence(),
     }
     if report.finished_at is not None:
-        body["verified_at"] = report.finished_at.isoformat()
+        body["verified_at"] = iso(report.finished_at)
     safe = report.verified_safe_context
     if safe is not None:
         body["verified_safe_context"] = safe

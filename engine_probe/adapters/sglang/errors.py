@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from engine_probe.errors import ProbeError
 
-class SGLangProbeError(Exception):
-    """Base of the SGLang adapter's errors."""
+
+class SGLangProbeError(ProbeError):
+    """Base of the SGLang adapter's errors (a :class:`ProbeError` like every error of the
+    package)."""
 
 
 class NotAttachableError(SGLangProbeError, TypeError):

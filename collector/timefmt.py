@@ -1,0 +1,86 @@
+"""Times as kvwatch writes and reads them: one ISO 8601 format for every JSON output, and the
+microseconds since the epoch that the database stores.
+
+The format is UTC with a ``Z``, microseconds written only when there are some::
+
+    2026-09-01T12:00:00Z
+    2026-09-01T12:00:00.123456Z
+
+It is what pydantic writes for the datetimes the HTTP API serialises (requests, pool samples,
+page events, probes, ...), so the documents kvwatch builds by hand (reports, alerts,
+incidents, webhooks, the verifier's report) read the same. Fields documented as microsecond
+integers (their names end in ``_us``) stay integers.
+
+This module imports only the standard library: the CLI, the verifier and the gateway use it
+without loading the collector's database stack.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Final, overload
+
+EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_US: Final = timedelta(microseconds=1)
+
+
+def to_micros(dt: datetime) -> int:
+    """Microseconds since the epoch of an aware datetime (a naive one is a bug: kvwatch stores
+    UTC instants only)."""
+    if dt.tzinfo is None:
+        raise ValueError("naive datetime: kvwatch stores UTC instants only")
+    return (dt - EPOCH) // _US
+
+
+def from_micros(us: int) -> datetime:
+    """The aware UTC datetime of microseconds since the epoch."""
+    return EPOCH + timedelta(microseconds=us)
+
+
+def now_micros() -> int:
+    """The current time in microseconds since the epoch."""
+    return to_micros(datetime.now(UTC))
+
+
+@overload
+def as_micros(value: None) -> None: ...
+@overload
+def as_micros(value: int | datetime) -> int: ...
+def as_micros(value: int | datetime | None) -> int | None:
+    """Microseconds since the epoch, from microseconds or an aware datetime (Core selects on
+    the models' tables return datetimes, raw ones integers); None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    return to_micros(value)
+
+
+@overload
+def as_datetime(value: None) -> None: ...
+@overload
+def as_datetime(value: int | datetime) -> datetime: ...
+def as_datetime(value: int | datetime | None) -> datetime | None:
+    """An aware datetime, from microseconds since the epoch or a datetime; None stays None."""
+    if value is None or isinstance(value, datetime):
+        return value
+    return from_micros(value)
+
+
+@overload
+def iso(value: None) -> None: ...
+@overload
+def iso(value: int | datetime) -> str: ...
+def iso(value: int | datetime | None) -> str | None:
+    """The ISO 8601 UTC text of an instant (microseconds since the epoch, or a datetime: an
+    aware one in any zone, a naive one taken as UTC); None stays None."""
+    if value is None:
+        return None
+    dt = from_micros(value) if isinstance(value, int) else value
+    dt = dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+    return dt.isoformat().removesuffix("+00:00") + "Z"
+
+
+def parse_iso(text: str) -> datetime:
+    """An aware datetime from ISO 8601 text (``Z`` or an offset; none: UTC). Raises
+    ``ValueError`` on anything else."""
+    dt = datetime.fromisoformat(text)
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
