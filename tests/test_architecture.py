@@ -1,4 +1,5 @@
-"""The import direction in DESIGN.md, and the packages that must import without torch."""
+"""The import directions of docs/architecture.md, and what must import light (no torch, no
+probe runtime)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,88 @@ def test_import_direction() -> None:
                     continue
                 if not _allowed(name, rules):
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert bad == []
+
+
+# Layers inside collector/, top to bottom. An import may run down or sideways, never up:
+# routes call services, services call repositories, and nothing below the routes knows HTTP.
+# A module belongs to the layer of its longest listed prefix; "collector" (services) is the
+# default for anything not named.
+COLLECTOR_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("wiring", ("collector.app",)),
+    ("routes", ("collector.api",)),
+    ("services", ("collector",)),
+    (
+        "repositories",
+        (
+            "collector.store",
+            "collector.queries",
+            "collector.alerting.repository",
+            "collector.notify.outbox",
+            "collector.audit",
+            "collector.deployment_facts",
+            "collector.partitions",
+        ),
+    ),
+    (
+        "foundation",
+        (
+            "collector.models",
+            "collector.db",
+            "collector.errors",
+            "collector.settings",
+            "collector.timefmt",
+            "collector.migrate",
+            "collector.rollups.buckets",
+            "collector.notify.payloads",
+            "collector.notify.signing",
+        ),
+    ),
+)
+
+
+def _collector_layer(name: str) -> tuple[int, str]:
+    """(rank, layer) of a module or imported name under collector/: longest prefix wins."""
+    best = (-1, 0, "")
+    for rank, (layer, prefixes) in enumerate(COLLECTOR_LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best[0]:
+                best = (len(prefix), rank, layer)
+    return best[1], best[2]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_collector_imports_never_run_back_up() -> None:
+    bad = []
+    for path in (ROOT / "collector").rglob("*.py"):
+        here = _module_name(path)
+        rank, layer = _collector_layer(here)
+        for name in _imports(path):
+            if not name.startswith("collector."):
+                continue
+            their_rank, their_layer = _collector_layer(name)
+            if their_rank < rank:
+                bad.append(f"{here} ({layer}) imports {name} ({their_layer})")
+    assert bad == []
+
+
+# engine_probe runs inside other people's engines: nothing that serves HTTP, stores, or
+# drives a terminal belongs there (those are the collector's and kvwatch's).
+NOT_IN_AN_ENGINE = {"fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "streamlit",
+                    "typer", "rich", "pandas", "collector", "kvwatch", "dashboard"}  # fmt: skip
+
+
+def test_engine_probe_holds_only_what_observes_an_engine() -> None:
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in (ROOT / "engine_probe").rglob("*.py")
+        for name in _imports(path)
+        if name.split(".")[0] in NOT_IN_AN_ENGINE
+    ]
     assert bad == []
 
 
