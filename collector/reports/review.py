@@ -3,7 +3,7 @@ days), the request count, the largest and the p99 prompt, and the weekly trend (
 per week, and the least-squares slope of each in tokens per week), against the safe threshold
 of the deployment and model: the latest passing verification whose settings still match the
 nodes, else min(advertised context, prefill pool), labelled unverified
-(:func:`policies.kinds.context.safe_context` over :mod:`collector.alerting.facts`). A route
+(:func:`policies.safe_context.safe_context` over :mod:`collector.alerting.facts`). A route
 whose max or p99 reaches ``HIGHLIGHT_RATIO`` of its threshold is highlighted.
 
 Bounded memory whatever the window holds: counts and maxima are SQL ``GROUP BY``s, and each
@@ -31,7 +31,7 @@ from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.stored import ReportStore, canonical
 from collector.timefmt import iso, to_micros
-from policies.kinds.context import safe_context
+from policies.safe_context import safe_context
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
 DEFAULT_DAYS = 90

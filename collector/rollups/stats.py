@@ -35,7 +35,7 @@ from collector.rollups.buckets import (
     floor_to,
 )
 from collector.timefmt import iso
-from policies.kinds.context import safe_context
+from policies.safe_context import safe_context
 
 WARN_RATIO, CRITICAL_RATIO = 0.8, 1.0
 

@@ -10,9 +10,10 @@ from typing import Annotated, cast
 import msgspec
 
 from engine_probe import events as ev
-from policies.facts import BatchFacts, DeploymentFacts, verified_nodes
+from policies.facts import BatchFacts
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
+from policies.safe_context import safe_context
 from policies.signals import Severity, Signal
 
 Ratio = Annotated[float, msgspec.Meta(gt=0, le=10)]
@@ -24,25 +25,6 @@ RequestEvent = ev.RequestAdmitted | ev.RequestRejected | ev.RequestFinished
 class ContextPressureParams(msgspec.Struct, forbid_unknown_fields=True):
     warn_ratio: Ratio = 0.8
     critical_ratio: Ratio = 1.0
-
-
-def safe_context(d: DeploymentFacts, model_id: str) -> tuple[int | None, bool]:
-    """(the context prompts are measured against, whether it is verified).
-
-    A passing verification for the model whose settings still match every node serving it
-    gives its verified safe context; otherwise min(advertised context, prefill pool), which
-    is what the incident lacked: nothing compared the two."""
-    v = d.verifications.get(model_id)
-    serving = verified_nodes(d.configs.values(), model_id) or list(d.configs.values())
-    if (
-        v is not None
-        and v.passed
-        and v.verified_safe_context
-        and not any(v.stale_against(c) for c in serving)
-    ):
-        return v.verified_safe_context, True
-    bounds = [b for b in (d.advertised_context(model_id), d.prefill_pool_tokens()) if b]
-    return (min(bounds) if bounds else None), False
 
 
 class ContextPressure(RuleKind):
