@@ -93,7 +93,7 @@ from bench.ingest import (
     ingest_client,
     verify,
 )
-from collector.alerting import facts as F
+from collector import deployment_facts as F
 from collector.db import Database
 from collector.notify.outbox import add_endpoint
 from collector.notify.signing import WebhookVerificationError

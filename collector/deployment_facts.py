@@ -1,4 +1,7 @@
-"""Loading what the policy engine evaluates over, from the database (repository layer).
+"""What is known of each deployment, from the database (repository layer): its nodes' latest
+configs, its verifications, the tenants it served and its probes. The policy engine evaluates
+over these facts (:mod:`collector.alerting`); the limits card, the quarterly review and the
+dashboard's safe-context lines read them too.
 
 Per batch, the cost is a few indexed queries for the deployments the batch touches: never a
 scan of history.

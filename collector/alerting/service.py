@@ -22,8 +22,8 @@ from typing import Any
 from sqlalchemy import Connection, text
 
 from collector import audit
+from collector import deployment_facts as F
 from collector.alerting import docs
-from collector.alerting import facts as F
 from collector.alerting import repository as repo
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound

@@ -10,8 +10,8 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
+from collector import deployment_facts as F
 from collector import models as m
-from collector.alerting import facts as F
 from collector.db import Database
 from collector.errors import NotFound
 from collector.timefmt import iso

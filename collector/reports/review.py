@@ -3,7 +3,7 @@ days), the request count, the largest and the p99 prompt, and the weekly trend (
 per week, and the least-squares slope of each in tokens per week), against the safe threshold
 of the deployment and model: the latest passing verification whose settings still match the
 nodes, else min(advertised context, prefill pool), labelled unverified
-(:func:`policies.safe_context.safe_context` over :mod:`collector.alerting.facts`). A route
+(:func:`policies.safe_context.safe_context` over :mod:`collector.deployment_facts`). A route
 whose max or p99 reaches ``HIGHLIGHT_RATIO`` of its threshold is highlighted.
 
 Bounded memory whatever the window holds: counts and maxima are SQL ``GROUP BY``s, and each
@@ -25,8 +25,8 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Connection, Table, func, select, type_coerce
 
+from collector import deployment_facts as F
 from collector import models as m
-from collector.alerting import facts as F
 from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.stored import ReportStore, canonical

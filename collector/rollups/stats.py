@@ -23,8 +23,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
+from collector import deployment_facts as F
 from collector import models as m
-from collector.alerting import facts as F
 from collector.rollups.buckets import (
     ALL_TENANTS,
     HOUR_US,
