@@ -1,5 +1,5 @@
-"""Alerts and incidents as JSON documents: the API's shape and the notification contract's
-(see ``collector.notify``)."""
+"""Alerts, incidents, silences and verifications as JSON documents: the API's shape and the
+notification contract's (see ``collector.notify``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from collector.notify.payloads import label_string
-from collector.timefmt import iso
+from collector.timefmt import as_micros, iso
 
 # collector/alerting/service.py (being split into modules on another branch) still calls
 # docs.iso and docs.iso_dt: both are collector.timefmt.iso. Remove iso_dt, and have the
@@ -84,3 +84,37 @@ def group_key(labels: dict[str, str], group_by: tuple[str, ...]) -> tuple[str, d
     """Alertmanager's way of naming a group: ``{a="x",b="y"}`` over the group-by labels."""
     chosen = {k: labels.get(k, "") for k in group_by}
     return label_string(chosen), chosen
+
+
+def verification_doc(v: Any) -> dict[str, Any]:
+    return {
+        "id": v.id,
+        "deployment_id": v.deployment_id,
+        "model_id": v.model_id,
+        "passed": bool(v.passed),
+        "verified_safe_context": v.verified_safe_context,
+        "engine_version": v.engine_version,
+        "pool_capacity_tokens": v.pool_capacity_tokens,
+        "quantization": v.quantization,
+        "tp_size": v.tp_size,
+        "cuda_graphs": v.cuda_graphs,
+        "verified_at": iso(v.verified_at),
+        "created_at": iso(v.created_at),
+        "created_by": v.created_by,
+        "evidence": json.loads(v.evidence),
+    }
+
+
+def silence_doc(s: Any, now_us: int) -> dict[str, Any]:
+    active = s.expired_at is None and as_micros(s.starts_at) <= now_us < as_micros(s.ends_at)
+    return {
+        "id": s.id,
+        "matchers": json.loads(s.matchers),
+        "starts_at": iso(s.starts_at),
+        "ends_at": iso(s.ends_at),
+        "created_by": s.created_by,
+        "comment": s.comment,
+        "created_at": iso(s.created_at),
+        "expired_at": iso(s.expired_at),
+        "active": active,
+    }

@@ -29,6 +29,7 @@ from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
 from collector.models import from_micros, to_micros
 from collector.notify.outbox import enqueue
+from collector.timefmt import as_micros
 from engine_probe import events as ev
 from policies import (
     AlertState,
@@ -74,10 +75,6 @@ class PassResult:
 
 def _dt(value: int | datetime) -> datetime:
     return from_micros(value) if isinstance(value, int) else value
-
-
-def _as_us(value: int | datetime) -> int:
-    return value if isinstance(value, int) else to_micros(value)
 
 
 def _state(r: Any) -> AlertState:
@@ -429,7 +426,7 @@ class AlertingService:
             rule = self.rules.rule(a.rule)
             if a.state != "firing" or a.acked_at is not None or rule is None:
                 continue
-            last = _as_us(a.last_notified_at or a.fired_at or a.active_since)
+            last = as_micros(a.last_notified_at or a.fired_at or a.active_since)
             if now_us - last < rule.repeat_interval_s * 1e6:
                 continue
             labels = json.loads(a.labels)
@@ -542,7 +539,7 @@ class AlertingService:
             rule = self.rules.rule(inc.cause_rule)
             reminders = rule.reminders_before_s if rule else ()
             done = set(json.loads(inc.reminders_sent))
-            deadline = _as_us(inc.deadline_at)
+            deadline = as_micros(inc.deadline_at)
             due = [int(r) for r in reminders if int(r) not in done and now_us >= deadline - r * 1e6]
             if not due:
                 continue
@@ -636,7 +633,7 @@ class AlertingService:
                 subject=f"silence:{sid}",
                 detail={"matchers": matchers, "ends_at": docs.iso_dt(ends_at), "comment": comment},
             )
-            return silence_doc(repo.get_silence(conn, sid), now_us)
+            return docs.silence_doc(repo.get_silence(conn, sid), now_us)
 
     def expire_silence(self, silence_id: int, by: str, now: datetime) -> dict[str, Any]:
         now_us = to_micros(now)
@@ -653,7 +650,7 @@ class AlertingService:
                     action="silence.expire",
                     subject=f"silence:{silence_id}",
                 )
-            return silence_doc(repo.get_silence(conn, silence_id), now_us)
+            return docs.silence_doc(repo.get_silence(conn, silence_id), now_us)
 
     def close_incident(
         self, incident_id: int, by: str, reason: str, now: datetime
@@ -734,7 +731,7 @@ class AlertingService:
     def list_silences(self) -> list[dict[str, Any]]:
         now_us = to_micros(datetime.now().astimezone())
         with self.db.read() as conn:
-            return [silence_doc(s, now_us) for s in repo.list_silences(conn)]
+            return [docs.silence_doc(s, now_us) for s in repo.list_silences(conn)]
 
     def list_incidents(self, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         with self.db.read() as conn:
@@ -799,14 +796,15 @@ class AlertingService:
                     "passed": row["passed"],
                 },
             )
-            return verification_doc(repo.get_verification(conn, vid))
+            return docs.verification_doc(repo.get_verification(conn, vid))
 
     def list_verifications(
         self, deployment_id: str | None, limit: int = 100
     ) -> list[dict[str, Any]]:
         with self.db.read() as conn:
             return [
-                verification_doc(v) for v in repo.list_verifications(conn, deployment_id, limit)
+                docs.verification_doc(v)
+                for v in repo.list_verifications(conn, deployment_id, limit)
             ]
 
     def rules_health(self) -> list[dict[str, Any]]:
@@ -831,37 +829,3 @@ class AlertingService:
                 }
             )
         return out
-
-
-def verification_doc(v: Any) -> dict[str, Any]:
-    return {
-        "id": v.id,
-        "deployment_id": v.deployment_id,
-        "model_id": v.model_id,
-        "passed": bool(v.passed),
-        "verified_safe_context": v.verified_safe_context,
-        "engine_version": v.engine_version,
-        "pool_capacity_tokens": v.pool_capacity_tokens,
-        "quantization": v.quantization,
-        "tp_size": v.tp_size,
-        "cuda_graphs": v.cuda_graphs,
-        "verified_at": docs.iso(v.verified_at),
-        "created_at": docs.iso(v.created_at),
-        "created_by": v.created_by,
-        "evidence": json.loads(v.evidence),
-    }
-
-
-def silence_doc(s: Any, now_us: int) -> dict[str, Any]:
-    active = s.expired_at is None and _as_us(s.starts_at) <= now_us < _as_us(s.ends_at)
-    return {
-        "id": s.id,
-        "matchers": json.loads(s.matchers),
-        "starts_at": docs.iso(s.starts_at),
-        "ends_at": docs.iso(s.ends_at),
-        "created_by": s.created_by,
-        "comment": s.comment,
-        "created_at": docs.iso(s.created_at),
-        "expired_at": docs.iso(s.expired_at),
-        "active": active,
-    }
