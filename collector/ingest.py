@@ -11,7 +11,8 @@ from itertools import pairwise
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from collector.alerting.service import AlertingService, PassResult
+from collector.alerting.evaluation import PassResult
+from collector.alerting.service import AlertingService
 from collector.db import DRIVER_ERRORS, Database
 from collector.errors import (
     CollectorError,
