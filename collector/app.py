@@ -23,17 +23,22 @@ from collector.api import params
 from collector.api import schemas as s
 from collector.api.alerts import build_router
 from collector.api.reports import build_router as build_reports_router
+from collector.audit import AuditLog
 from collector.db import Database
 from collector.errors import CollectorError, PayloadTooLarge
+from collector.fleet import FleetService
 from collector.ingest import IngestService
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
 from collector.periodic import Periodic
 from collector.reads import ReadService
 from collector.reports.breach import BreachService
+from collector.reports.inventory import InventoryService
+from collector.reports.limits import LimitsService
 from collector.reports.review import ReviewService
 from collector.reports.stored import ReportStore
 from collector.rollups.refresh import RollupRefresher
+from collector.rollups.stats import StatsService
 from collector.scrape import ScheduledScraper
 from collector.settings import Settings
 from collector.tokens import Authenticator, Principal
@@ -159,6 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.metrics = metrics
+    app.state.authenticator = authenticator  # collector.api.caller resolves tokens with it
     app.state.alerting = alerting
     app.state.policy_timer = timer
     app.state.dispatcher = dispatcher
@@ -311,14 +317,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         who = await principal(authorization)
         return await anyio.to_thread.run_sync(reads.probes, who)
 
-    app.include_router(build_router(alerting, principal))
+    reviews = ReviewService(db)
+    app.include_router(build_router(alerting))
     app.include_router(
-        breach_api.build_router(
-            BreachService(db, settings), ReviewService(db), ReportStore(db), principal
-        )
+        breach_api.build_router(BreachService(db, settings), reviews, ReportStore(db))
     )
-    app.include_router(build_reports_router(db, principal))
-    app.include_router(dashboard_api.build_router(db, principal))
+    app.include_router(
+        build_reports_router(InventoryService(db), LimitsService(db), reviews, AuditLog(db))
+    )
+    app.include_router(dashboard_api.build_router(FleetService(db), StatsService(db)))
 
     @app.get("/metrics", include_in_schema=True, response_class=Response)
     async def get_metrics() -> Response:

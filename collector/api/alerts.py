@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-import anyio
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import BaseModel, Field
 
 from collector.alerting.service import AlertingService
-from collector.api import params
+from collector.api import caller, params
+from collector.api.caller import Caller, in_thread
 from collector.errors import Forbidden, InvalidInput
 from collector.tokens import Principal
 from policies.durations import parse_duration
 
-Auth = params.Auth
 _ERRORS = params.errors(401, 403, 404, 409, 422, 503)
 Text = Annotated[str, Field(min_length=1, max_length=2000)]
 Who = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
@@ -76,16 +74,13 @@ def _operator(who: Principal) -> None:
     who.require("admin", "read")
 
 
-def build_router(
-    service: AlertingService, principal: Callable[[str | None], Awaitable[Principal]]
-) -> APIRouter:
-    r = APIRouter()
-    run = anyio.to_thread.run_sync
+def build_router(service: AlertingService) -> APIRouter:
+    r = caller.router()
 
     @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
     async def list_alerts(
         request: Request,
-        authorization: Auth = None,
+        who: Caller,
         state: Literal["pending", "firing", "resolved"] | None = None,
         severity: Literal["info", "warning", "critical"] | None = None,
         rule: str | None = None,
@@ -95,40 +90,36 @@ def build_router(
         ] = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        _operator(await principal(authorization))
+        _operator(who)
         params.known_params(
             request, {"state", "severity", "rule", "deployment_id", "before_id", "limit"}
         )
-        return await run(
-            lambda: service.list_alerts(
-                state=state,
-                severity=severity,
-                rule=rule,
-                deployment_id=deployment_id,
-                after_id=before_id,
-                limit=limit,
-            )
+        return await in_thread(
+            service.list_alerts,
+            state=state,
+            severity=severity,
+            rule=rule,
+            deployment_id=deployment_id,
+            after_id=before_id,
+            limit=limit,
         )
 
     @r.get("/v1/alerts/{alert_id}", responses=_ERRORS, summary="One alert and its history")
-    async def get_alert(alert_id: Id, authorization: Auth = None) -> dict[str, Any]:
-        _operator(await principal(authorization))
-        return await run(service.alert, alert_id)
+    async def get_alert(alert_id: Id, who: Caller) -> dict[str, Any]:
+        _operator(who)
+        return await in_thread(service.alert, alert_id)
 
     @r.post("/v1/alerts/{alert_id}/ack", responses=_ERRORS, summary="Acknowledge an alert")
-    async def ack_alert(
-        alert_id: Id, body: AckIn | None = None, authorization: Auth = None
-    ) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def ack_alert(alert_id: Id, who: Caller, body: AckIn | None = None) -> dict[str, Any]:
         who.require("admin")
         body = body or AckIn()
         by = body.by or who.label
-        return await run(lambda: service.ack(alert_id, by, body.comment, datetime.now(UTC)))
+        return await in_thread(service.ack, alert_id, by, body.comment, datetime.now(UTC))
 
     @r.get("/v1/silences", responses=_ERRORS, summary="Silences, newest first")
-    async def list_silences(authorization: Auth = None) -> list[dict[str, Any]]:
-        _operator(await principal(authorization))
-        return await run(service.list_silences)
+    async def list_silences(who: Caller) -> list[dict[str, Any]]:
+        _operator(who)
+        return await in_thread(service.list_silences)
 
     @r.post(
         "/v1/silences",
@@ -136,8 +127,7 @@ def build_router(
         status_code=201,
         summary="Silence matching alerts' notifications",
     )
-    async def create_silence(body: SilenceIn, authorization: Auth = None) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def create_silence(body: SilenceIn, who: Caller) -> dict[str, Any]:
         who.require("admin")
         now = datetime.now(UTC)
         starts = _aware(body.starts_at) or now
@@ -155,56 +145,51 @@ def build_router(
         assert ends is not None
         matchers = [m.model_dump() for m in body.matchers]
         by = body.created_by or who.label
-        return await run(lambda: service.silence(matchers, starts, ends, by, body.comment, now))
+        return await in_thread(service.silence, matchers, starts, ends, by, body.comment, now)
 
     @r.delete("/v1/silences/{silence_id}", responses=_ERRORS, summary="Expire a silence now")
-    async def expire_silence(silence_id: Id, authorization: Auth = None) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def expire_silence(silence_id: Id, who: Caller) -> dict[str, Any]:
         who.require("admin")
-        return await run(lambda: service.expire_silence(silence_id, who.label, datetime.now(UTC)))
+        return await in_thread(service.expire_silence, silence_id, who.label, datetime.now(UTC))
 
     @r.get("/v1/incidents", responses=_ERRORS, summary="Incidents, newest first")
     async def list_incidents(
         request: Request,
-        authorization: Auth = None,
+        who: Caller,
         state: Literal["open", "closed"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        _operator(await principal(authorization))
+        _operator(who)
         params.known_params(request, {"state", "limit"})
-        return await run(lambda: service.list_incidents(state, limit))
+        return await in_thread(service.list_incidents, state, limit)
 
     @r.get("/v1/incidents/{incident_id}", responses=_ERRORS, summary="One incident and its alerts")
-    async def get_incident(incident_id: Id, authorization: Auth = None) -> dict[str, Any]:
-        _operator(await principal(authorization))
-        return await run(service.incident, incident_id)
+    async def get_incident(incident_id: Id, who: Caller) -> dict[str, Any]:
+        _operator(who)
+        return await in_thread(service.incident, incident_id)
 
     @r.post(
         "/v1/incidents/{incident_id}/close",
         responses=_ERRORS,
         summary="Close an incident (a person, with a reason)",
     )
-    async def close_incident(
-        incident_id: Id, body: CloseIn, authorization: Auth = None
-    ) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def close_incident(incident_id: Id, body: CloseIn, who: Caller) -> dict[str, Any]:
         who.require("admin")
         by = body.by or who.label
-        return await run(
-            lambda: service.close_incident(incident_id, by, body.reason, datetime.now(UTC))
+        return await in_thread(
+            service.close_incident, incident_id, by, body.reason, datetime.now(UTC)
         )
 
     @r.get("/v1/verifications", responses=_ERRORS, summary="Verifications, newest first")
     async def list_verifications(
         request: Request,
-        authorization: Auth = None,
+        who: Caller,
         deployment_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        who = await principal(authorization)
         who.require("admin", "read", "ingest")
         params.known_params(request, {"deployment_id", "limit"})
-        items = await run(lambda: service.list_verifications(deployment_id, limit))
+        items = await in_thread(service.list_verifications, deployment_id, limit)
         if who.tenant_filter(None) is not None:
             # The evidence names the tenants whose keys the sweep used: not for one tenant.
             for v in items:
@@ -214,18 +199,17 @@ def build_router(
     @r.post(
         "/v1/verifications", responses=_ERRORS, status_code=201, summary="Record a verification"
     )
-    async def add_verification(body: VerificationIn, authorization: Auth = None) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def add_verification(body: VerificationIn, who: Caller) -> dict[str, Any]:
         who.require("admin", "ingest")
         if who.kind == "ingest" and who.deployment_id not in (None, body.deployment_id):
             raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
         values = body.model_dump()
         values["verified_at"] = _aware(body.verified_at)
-        return await run(lambda: service.add_verification(values, who.label, datetime.now(UTC)))
+        return await in_thread(service.add_verification, values, who.label, datetime.now(UTC))
 
     @r.get("/v1/rules", responses=_ERRORS, summary="The rules in force and their health")
-    async def list_rules(authorization: Auth = None) -> list[dict[str, Any]]:
-        _operator(await principal(authorization))
-        return await run(service.rules_health)
+    async def list_rules(who: Caller) -> list[dict[str, Any]]:
+        _operator(who)
+        return await in_thread(service.rules_health)
 
     return r

@@ -5,26 +5,23 @@ rows) or its PDF."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-import anyio
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.convertors import Convertor, register_url_convertor
 
-from collector.api import params
+from collector.api import caller, params
+from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
 from collector.errors import InvalidInput
 from collector.reports.breach import BreachScope, BreachService, to_csv
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
 from collector.reports.stored import ID_PATTERN, ReportStore
-from collector.tokens import Principal
 
-Auth = params.Auth
 _ERRORS = params.errors(
     401,
     403,
@@ -78,10 +75,8 @@ def build_router(
     service: BreachService,
     reviews: ReviewService,
     store: ReportStore,
-    principal: Callable[[str | None], Awaitable[Principal]],
 ) -> APIRouter:
-    r = APIRouter()
-    run = anyio.to_thread.run_sync
+    r = caller.router()
 
     def _review(body: ReportIn, created_by: str) -> dict[str, Any]:
         given = [f for f in _BREACH_ONLY if getattr(body, f) is not None]
@@ -102,11 +97,10 @@ def build_router(
         summary="Generate a breach assessment or quarterly review (stored, and written to the "
         "audit log)",
     )
-    async def create_report(body: ReportIn, authorization: Auth = None) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def create_report(body: ReportIn, who: Caller) -> dict[str, Any]:
         who.require("admin")
         if body.kind == "review":
-            doc = await run(_review, body, who.label)
+            doc = await in_thread(_review, body, who.label)
             return _created(doc)
         scope = BreachScope(
             incident_id=body.incident_id,
@@ -116,20 +110,19 @@ def build_router(
             min_prompt_tokens=body.min_prompt_tokens,
             deployment_id=body.deployment_id,
         )
-        report = await run(
-            lambda: service.create(scope, created_by=who.label, late_reason=body.late_reason)
+        report = await in_thread(
+            service.create, scope, created_by=who.label, late_reason=body.late_reason
         )
         return _created(report)
 
     @r.get("/v1/reports", responses=_ERRORS, summary="Stored reports, newest first")
     async def list_reports(
-        authorization: Auth = None,
+        who: Caller,
         kind: Literal["breach", "review"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict[str, Any]:
-        who = await principal(authorization)
         who.require("admin")
-        return {"items": await run(store.listing, limit, kind)}
+        return {"items": await in_thread(store.listing, limit, kind)}
 
     @r.get(
         "/v1/reports/{report_id:rpt}",
@@ -142,12 +135,11 @@ def build_router(
     )
     async def get_report(
         report_id: str,
-        authorization: Auth = None,
+        who: Caller,
         format: Annotated[Literal["json", "csv", "pdf"], Query()] = "json",
     ) -> Response:
-        who = await principal(authorization)
         who.require("admin")
-        report = await run(store.get, report_id)
+        report = await in_thread(store.get, report_id)
         kind = report.get("kind", "breach")
         name = f"{kind}-{report_id}"
         if format == "csv":
@@ -157,7 +149,7 @@ def build_router(
             from collector.reports.review_pdf import render_pdf as review_pdf
 
             render = review_pdf if kind == "review" else breach_pdf
-            return attachment(await run(render, report), name, "pdf")
+            return attachment(await in_thread(render, report), name, "pdf")
         return JSONResponse(report)
 
     return r

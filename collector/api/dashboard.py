@@ -4,22 +4,18 @@ bounded top list. A tenant-scoped read token sees only its tenant's traffic."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-import anyio
 from fastapi import APIRouter, Query, Request
 
-from collector.api import params
-from collector.db import Database
+from collector.api import caller, params
+from collector.api.caller import Caller, in_thread
 from collector.errors import InvalidInput
 from collector.fleet import FleetService
 from collector.models import to_micros
 from collector.rollups.stats import Scope, StatsService, Window
-from collector.tokens import Principal
 
-Auth = params.Auth
 _ERRORS = params.errors(401, 403, 422, 503)
 Label = Annotated[str | None, Query(min_length=1, max_length=256)]
 Points = Annotated[int, Query(ge=1, le=2_000, description="Buckets per series")]
@@ -41,13 +37,8 @@ def _window(since: datetime | None, until: datetime | None, points: int) -> Wind
     return Window(to_micros(lo), to_micros(hi), points)
 
 
-def build_router(
-    db: Database, principal: Callable[[str | None], Awaitable[Principal]]
-) -> APIRouter:
-    r = APIRouter()
-    run = anyio.to_thread.run_sync
-    fleet = FleetService(db)
-    stats = StatsService(db)
+def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
+    r = caller.router()
 
     @r.get(
         "/v1/fleet",
@@ -59,10 +50,9 @@ def build_router(
         "verified or a warning firing) with its reasons, and counts of firing alerts and "
         "open incidents.",
     )
-    async def get_fleet(authorization: Auth = None) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def get_fleet(who: Caller) -> dict[str, Any]:
         who.require("admin", "read")
-        return await run(lambda: fleet.fleet(datetime.now(UTC)))
+        return await in_thread(fleet.fleet, datetime.now(UTC))
 
     @r.get(
         "/v1/stats/prompt-tokens",
@@ -78,7 +68,7 @@ def build_router(
     )
     async def get_prompt_tokens(
         request: Request,
-        authorization: Auth = None,
+        who: Caller,
         model_id: Label = None,
         route: Label = None,
         deployment_id: Label = None,
@@ -86,12 +76,11 @@ def build_router(
         until: datetime | None = None,
         max_points: Points = 200,
     ) -> dict[str, Any]:
-        who = await principal(authorization)
         who.require("admin", "read")
         params.known_params(request, _WINDOW | {"model_id", "route", "deployment_id"})
         scope = Scope(model_id, route, deployment_id, who.tenant_filter(None))
         window = _window(since, until, max_points)
-        return await run(stats.prompt_tokens, scope, window)
+        return await in_thread(stats.prompt_tokens, scope, window)
 
     @r.get(
         "/v1/stats/top-prompts",
@@ -102,7 +91,7 @@ def build_router(
     )
     async def get_top_prompts(
         request: Request,
-        authorization: Auth = None,
+        who: Caller,
         model_id: Label = None,
         route: Label = None,
         deployment_id: Label = None,
@@ -110,14 +99,13 @@ def build_router(
         until: datetime | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 20,
     ) -> dict[str, Any]:
-        who = await principal(authorization)
         who.require("admin", "read")
         params.known_params(
             request, {"since", "until", "limit", "model_id", "route", "deployment_id"}
         )
         scope = Scope(model_id, route, deployment_id, who.tenant_filter(None))
         window = _window(since, until, 1)
-        return await run(stats.top_prompts, scope, window, limit)
+        return await in_thread(stats.top_prompts, scope, window, limit)
 
     @r.get(
         "/v1/stats/page-events",
@@ -128,16 +116,15 @@ def build_router(
     )
     async def get_page_event_stats(
         request: Request,
-        authorization: Auth = None,
+        who: Caller,
         deployment_id: Label = None,
         since: datetime | None = None,
         until: datetime | None = None,
         max_points: Points = 200,
     ) -> dict[str, Any]:
-        who = await principal(authorization)
         who.require("admin", "read")
         params.known_params(request, _WINDOW | {"deployment_id"})
         scope = Scope(deployment_id=deployment_id, tenant=who.tenant_filter(None))
-        return await run(stats.page_events, scope, _window(since, until, max_points))
+        return await in_thread(stats.page_events, scope, _window(since, until, max_points))
 
     return r

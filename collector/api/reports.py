@@ -1,27 +1,24 @@
-"""HTTP routes for reports: the inventory, limits cards and the audit-log check; a thin layer
-over :mod:`collector.reports` and :func:`collector.audit.verify`."""
+"""HTTP routes for reports: the inventory, limits cards, the quarterly review and the
+audit-log check; a thin layer over :mod:`collector.reports` and
+:class:`collector.audit.AuditLog`."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-import anyio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
-from collector import audit
-from collector.api import params
+from collector.api import caller, params
+from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
-from collector.db import Database
+from collector.audit import AuditLog
 from collector.reports.inventory import InventoryQuery, InventoryService
 from collector.reports.limits import LimitsService, to_markdown
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
-from collector.tokens import Principal
 
-Auth = params.Auth
 _ERRORS = params.errors(401, 403, 404, 422, 503)
 _INVENTORY_PARAMS = {"model_id", "since", "until", "min_prompt_tokens", "deployment_id"}
 
@@ -31,13 +28,9 @@ _known_params = params.known_params
 
 
 def build_router(
-    db: Database, principal: Callable[[str | None], Awaitable[Principal]]
+    inventory: InventoryService, limits: LimitsService, review: ReviewService, audit_log: AuditLog
 ) -> APIRouter:
-    r = APIRouter()
-    run = anyio.to_thread.run_sync
-    inventory = InventoryService(db)
-    limits = LimitsService(db)
-    review = ReviewService(db)
+    r = caller.router()
 
     @r.get(
         "/v1/inventory",
@@ -52,11 +45,10 @@ def build_router(
         model_id: Annotated[str, Query(min_length=1, max_length=256)],
         since: datetime,
         until: datetime,
+        who: Caller,
         min_prompt_tokens: Annotated[int | None, Query(ge=0, le=2**62)] = None,
         deployment_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
-        authorization: Auth = None,
     ) -> dict[str, Any]:
-        who = await principal(authorization)
         who.require("admin", "read")
         _known_params(request, _INVENTORY_PARAMS)
         q = InventoryQuery(
@@ -67,7 +59,7 @@ def build_router(
             deployment_id=deployment_id,
             tenant=who.tenant_filter(None),
         )
-        return await run(inventory.inventory, q)
+        return await in_thread(inventory.inventory, q)
 
     @r.get(
         "/v1/deployments/{deployment_id}/limits-card",
@@ -77,13 +69,12 @@ def build_router(
     async def get_limits_card(
         request: Request,
         deployment_id: str,
+        who: Caller,
         format: Literal["json", "md"] = "json",
-        authorization: Auth = None,
     ) -> Any:
-        who = await principal(authorization)
         who.require("admin", "read")
         _known_params(request, {"format"})
-        card = await run(lambda: limits.card(deployment_id, datetime.now(UTC)))
+        card = await in_thread(limits.card, deployment_id, datetime.now(UTC))
         if format == "md":
             return PlainTextResponse(to_markdown(card), media_type="text/markdown")
         return card
@@ -101,13 +92,12 @@ def build_router(
     )
     async def get_review(
         request: Request,
+        who: Caller,
         since: datetime | None = None,
         until: datetime | None = None,
         deployment_id: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
         format: Literal["json", "csv", "pdf"] = "json",
-        authorization: Auth = None,
     ) -> Any:
-        who = await principal(authorization)
         who.require("admin", "read")
         if who.tenant_filter(None) is not None:
             who.require("admin")  # every tenant's routes: not for a tenant-scoped token
@@ -117,32 +107,26 @@ def build_router(
             until=None if until is None else _aware(until),
             deployment_id=deployment_id,
         )
-        doc = await run(review.build, scope)
+        doc = await in_thread(review.build, scope)
         name = f"review-{doc['report_id']}"
         if format == "csv":
             return attachment(review_csv(doc), name, "csv")
         if format == "pdf":
             from collector.reports.review_pdf import render_pdf
 
-            return attachment(await run(render_pdf, doc), name, "pdf")
+            return attachment(await in_thread(render_pdf, doc), name, "pdf")
         return doc
 
     @r.get("/v1/audit/verify", responses=_ERRORS, summary="Check the audit log's hash chain")
-    async def verify_audit(authorization: Auth = None) -> dict[str, Any]:
-        who = await principal(authorization)
+    async def verify_audit(who: Caller) -> dict[str, Any]:
         who.require("admin")
-
-        def check() -> dict[str, Any]:
-            with db.read() as conn:
-                c = audit.verify(conn)
-            return {
-                "ok": c.ok,
-                "entries": c.entries,
-                "first_bad_id": c.first_bad_id,
-                "problem": c.problem,
-                "head": c.head,
-            }
-
-        return await run(check)
+        c = await in_thread(audit_log.verify)
+        return {
+            "ok": c.ok,
+            "entries": c.entries,
+            "first_bad_id": c.first_bad_id,
+            "problem": c.problem,
+            "head": c.head,
+        }
 
     return r

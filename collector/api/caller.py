@@ -1,0 +1,95 @@
+"""Who is calling, and calling a service off the event loop: what every route module shares
+besides its parameters (:mod:`collector.api.params`).
+
+A route names its caller with a parameter typed :data:`Caller`: the principal of the
+request's bearer token, resolved by the app's authenticator (``app.state.authenticator``)
+in a worker thread. Routes of the routers :func:`router` builds resolve it only once FastAPI
+has validated the request, as the routes always did: a request both unauthenticated and
+invalid is answered 422 (not 401), and an invalid one never reaches the token store nor its
+use audit. (A FastAPI dependency runs before the route's own parameters are validated; the
+dependency therefore only reads the header, and :class:`CallerRoute` resolves it.)
+
+``POST /v1/events`` authenticates its own way (:meth:`collector.ingest.IngestService.authenticate`)
+and takes no :data:`Caller`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Annotated, Any, ParamSpec, TypeVar
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
+
+from collector.api.params import Auth
+from collector.tokens import Principal
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+async def in_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args, **kwargs)`` in a worker thread: services block on the database."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    """A request's ``Authorization`` header, not resolved yet."""
+
+    authenticate: Callable[[str | None], Principal]
+    authorization: str | None
+
+    async def principal(self) -> Principal:
+        return await in_thread(self.authenticate, self.authorization)
+
+
+async def _token(request: Request, authorization: Auth = None) -> Principal | _Token:
+    token = _Token(request.app.state.authenticator, authorization)
+    if isinstance(request.scope.get("route"), CallerRoute):
+        return token  # resolved after validation, by the route
+    return await token.principal()  # a route of some other router: resolve it now
+
+
+Caller = Annotated[Principal, Depends(_token)]
+
+_RESOLVES = "_kvwatch_resolves_caller"
+
+
+def _resolving_caller(
+    endpoint: Callable[..., Coroutine[Any, Any, Any]],
+) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """``endpoint`` with its :data:`Caller` parameters resolved first (FastAPI has validated
+    the request by the time it calls this)."""
+    if getattr(endpoint, _RESOLVES, False):
+        return endpoint
+    if not inspect.iscoroutinefunction(endpoint):
+        raise TypeError(f"{endpoint.__name__}: routes here are async (they await the caller)")
+
+    @functools.wraps(endpoint)  # FastAPI reads the signature, the name and the annotations
+    async def resolved(**values: Any) -> Any:
+        for name, value in values.items():
+            if isinstance(value, _Token):
+                values[name] = await value.principal()
+        return await endpoint(**values)
+
+    setattr(resolved, _RESOLVES, True)
+    return resolved
+
+
+class CallerRoute(APIRoute):
+    """A route whose :data:`Caller` is resolved after the request is validated."""
+
+    def __init__(
+        self, path: str, endpoint: Callable[..., Coroutine[Any, Any, Any]], **kwargs: Any
+    ) -> None:
+        super().__init__(path, _resolving_caller(endpoint), **kwargs)
+
+
+def router() -> APIRouter:
+    """A router for routes that take a :data:`Caller`."""
+    return APIRouter(route_class=CallerRoute)
