@@ -1,0 +1,40 @@
+"""The routes a load balancer and Prometheus call, without a token: ``/healthz`` (the process
+answers), ``/readyz`` (the database answers too) and ``/metrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from collector.api import schemas as s
+from collector.api.caller import in_thread
+from collector.errors import CollectorError
+from collector.metrics import CollectorMetrics
+
+
+def build_router(metrics: CollectorMetrics, ping: Callable[[], None]) -> APIRouter:
+    """``ping``: raises a :class:`CollectorError` when the database does not answer."""
+    r = APIRouter()
+
+    @r.get("/metrics", include_in_schema=True, response_class=Response)
+    async def get_metrics() -> Response:
+        data = await in_thread(generate_latest, metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    @r.get("/healthz", response_model=s.Health)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @r.get("/readyz", response_model=s.Health, responses={503: {"model": s.Health}})
+    async def readyz() -> Any:
+        try:
+            await in_thread(ping)
+        except CollectorError as exc:
+            return JSONResponse({"status": "unavailable", "detail": exc.message}, 503)
+        return {"status": "ok"}
+
+    return r
