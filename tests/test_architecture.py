@@ -271,3 +271,17 @@ def test_one_exception_root_per_package() -> None:
                 ):
                     roots.add(f"{path.relative_to(ROOT)}:{node.name}")
     assert roots == set().union(*EXCEPTION_ROOTS.values())
+
+
+def test_alerting_parts_sit_under_their_facade() -> None:
+    """collector.alerting.service is the one object the app, ingest and the CLI hold; the
+    parts it delegates to (evaluation, notifications, incidents, commands, queries, the facts
+    cache) never import it."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in (ROOT / "collector" / "alerting").rglob("*.py")
+        if path.name != "service.py"
+        for name in _imports(path)
+        if _allowed(name, {"collector.alerting.service"})
+    ]
+    assert bad == []
