@@ -19,7 +19,7 @@ from collector.alerting.notifications import Notifier
 from collector.alerting.queries import incident_with_alerts
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
-from collector.models import to_micros
+from collector.timefmt import iso, to_micros
 from policies.facts import VERIFIED_SETTINGS
 
 LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -109,7 +109,7 @@ class OperatorCommands:
                 actor=by,
                 action="silence.create",
                 subject=f"silence:{sid}",
-                detail={"matchers": matchers, "ends_at": docs.iso_dt(ends_at), "comment": comment},
+                detail={"matchers": matchers, "ends_at": iso(ends_at), "comment": comment},
             )
             return docs.silence_doc(repo.get_silence(conn, sid), now_us)
 
@@ -184,9 +184,7 @@ class OperatorCommands:
                 first = min(prefill, key=lambda c: c.pool_capacity_tokens)
                 for k in VERIFIED_SETTINGS:
                     row[k] = getattr(first, k)
-                evidence["settings_from"] = (
-                    f"engine.config of node {first.node} at {docs.iso_dt(first.ts)}"
-                )
+                evidence["settings_from"] = f"engine.config of node {first.node} at {iso(first.ts)}"
             pools = [c.pool_capacity_tokens for c in configs if c.role != "decode"]
             safe = row.get("verified_safe_context")
             if safe is not None and pools and safe > min(pools):

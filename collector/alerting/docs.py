@@ -9,11 +9,6 @@ from typing import Any
 from collector.notify.payloads import label_string
 from collector.timefmt import as_micros, iso
 
-# collector/alerting/service.py (being split into modules on another branch) still calls
-# docs.iso and docs.iso_dt: both are collector.timefmt.iso. Remove iso_dt, and have the
-# service import iso from collector.timefmt, once that split has landed.
-iso_dt = iso
-
 
 def alert_doc(r: Any, *, silenced: bool = False) -> dict[str, Any]:
     return {

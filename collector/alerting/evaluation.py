@@ -23,7 +23,7 @@ from collector.alerting import repository as repo
 from collector.alerting.facts_cache import FactsCache
 from collector.alerting.notifications import Change, Notifier
 from collector.db import Database
-from collector.models import from_micros, to_micros
+from collector.timefmt import as_datetime, as_micros, to_micros
 from engine_probe import events as ev
 from policies import (
     AlertState,
@@ -57,27 +57,19 @@ class PassResult:
     configs: dict[tuple[str, str], NodeConfig] = field(default_factory=dict)
 
 
-def _dt(value: int | datetime) -> datetime:
-    return from_micros(value) if isinstance(value, int) else value
-
-
 def _state(r: Any) -> AlertState:
     return AlertState(
         fingerprint=r.fingerprint,
         state=r.state,
         mode=r.mode,
-        active_since=_dt(r.active_since),
-        last_seen_at=_dt(r.last_seen_at),
-        fired_at=None if r.fired_at is None else _dt(r.fired_at),
-        resolved_at=None if r.resolved_at is None else _dt(r.resolved_at),
+        active_since=as_datetime(r.active_since),
+        last_seen_at=as_datetime(r.last_seen_at),
+        fired_at=None if r.fired_at is None else as_datetime(r.fired_at),
+        resolved_at=None if r.resolved_at is None else as_datetime(r.resolved_at),
         occurrences=r.occurrences,
         value=r.value,
         acked=r.acked_at is not None,
     )
-
-
-def _us(dt: datetime | None) -> int | None:
-    return None if dt is None else to_micros(dt)
 
 
 class Evaluator:
@@ -216,10 +208,10 @@ class Evaluator:
         a = step.alert
         values: dict[str, Any] = {
             "state": a.state,
-            "active_since": _us(a.active_since),
-            "fired_at": _us(a.fired_at),
-            "resolved_at": _us(a.resolved_at),
-            "last_seen_at": _us(a.last_seen_at),
+            "active_since": as_micros(a.active_since),
+            "fired_at": as_micros(a.fired_at),
+            "resolved_at": as_micros(a.resolved_at),
+            "last_seen_at": as_micros(a.last_seen_at),
             "occurrences": a.occurrences,
             "value": a.value,
             "updated_at": now_us,

@@ -12,9 +12,9 @@ from typing import Any
 from sqlalchemy import Connection
 
 from collector import audit
-from collector.alerting import docs
 from collector.alerting import repository as repo
 from collector.alerting.notifications import Notifier
+from collector.timefmt import iso
 from policies import Rule, Signal
 
 
@@ -59,7 +59,7 @@ def open_or_link(
             "deployment_id": dep,
             "alert_id": alert.id,
             "rule": rule.name,
-            "deadline_at": docs.iso(deadline),
+            "deadline_at": iso(deadline),
         },
     )
     notifier.incident(conn, incident_id, "incident.opened", now_us)

@@ -20,7 +20,7 @@ from sqlalchemy import Connection
 from collector.alerting import docs
 from collector.alerting import repository as repo
 from collector.notify.outbox import enqueue
-from collector.timefmt import as_micros
+from collector.timefmt import as_micros, iso
 from policies import Rule, RuleSet, severity_rank
 
 # Alertmanager ends an alert at its endsAt unless it is sent again (the sender sets endsAt an
@@ -77,7 +77,7 @@ class Notifier:
             severity = max((a.severity for a in alerts), key=severity_rank)
             doc = {
                 "type": event_type,
-                "created_at": docs.iso(now_us),
+                "created_at": iso(now_us),
                 "group_key": key,
                 "group_labels": chosen,
                 "alerts": [docs.notification_alert(docs.alert_doc(a)) for a in alerts],
@@ -122,7 +122,7 @@ class Notifier:
             return 0
         doc: dict[str, Any] = {
             "type": "alert.repeat",
-            "created_at": docs.iso(now_us),
+            "created_at": iso(now_us),
             "group_key": None,
             "group_labels": {},
             "alerts": [docs.notification_alert(docs.alert_doc(a)) for a in firing],
@@ -147,7 +147,7 @@ class Notifier:
         ]
         doc = {
             "type": event_type,
-            "created_at": docs.iso(now_us),
+            "created_at": iso(now_us),
             "group_key": None,
             "group_labels": {"deployment_id": inc.deployment_id},
             "alerts": alerts,

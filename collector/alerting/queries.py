@@ -15,7 +15,7 @@ from collector.alerting import docs
 from collector.alerting import repository as repo
 from collector.db import Database
 from collector.errors import NotFound
-from collector.models import to_micros
+from collector.timefmt import iso, to_micros
 from policies import RuleSet
 
 
@@ -69,7 +69,7 @@ class AlertQueries:
             out = docs.alert_doc(r)
             out["history"] = [
                 {
-                    "at": docs.iso(t.at),
+                    "at": iso(t.at),
                     "from": t.from_state,
                     "to": t.to_state,
                     "value": t.value,
@@ -118,8 +118,8 @@ class AlertQueries:
                     "source": r.source,
                     "health": h.health if h else "unknown",
                     "last_error": h.last_error if h else None,
-                    "last_error_at": docs.iso(h.last_error_at) if h else None,
-                    "last_evaluated_at": docs.iso(h.last_evaluated_at) if h else None,
+                    "last_error_at": iso(h.last_error_at) if h else None,
+                    "last_evaluated_at": iso(h.last_evaluated_at) if h else None,
                     "errors": h.errors if h else 0,
                 }
             )
