@@ -46,6 +46,7 @@ app.command("scrape")(scrape)
 app.add_typer(retention_app, name="retention")
 app.command("erase")(erase)
 
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [KVWATCH_HOST].")] = None,

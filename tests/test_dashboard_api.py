@@ -306,6 +306,9 @@ def test_fleet_is_green_when_verified_and_the_pool_covers_the_context(
         ("/v1/stats/top-prompts", {"limit": 0}, "limit"),
         ("/v1/stats/page-events", {"max_points": 0}, "max_points"),
         ("/v1/stats/prompt-tokens", {"model": MODEL}, "model"),
+        # its UTC instant is in year 0: refused, never a 500 when the window is written back
+        ("/v1/stats/prompt-tokens", {"since": "0001-01-01T00:00:00+00:01"}, "since"),
+        ("/v1/requests", {"until": "0001-01-01T00:00:00+00:01"}, "until"),
     ],
 )
 def test_bad_parameters_get_a_clear_422(

@@ -130,11 +130,11 @@ def build_router(service: AlertingService) -> APIRouter:
     async def create_silence(body: SilenceIn, who: Caller) -> dict[str, Any]:
         who.require("admin")
         now = datetime.now(UTC)
-        starts = _aware(body.starts_at) or now
+        starts = _aware(body.starts_at, "starts_at") or now
         if body.ends_at is not None and body.duration is not None:
             raise InvalidInput("give ends_at or duration, not both", {"field": "duration"})
         if body.ends_at is not None:
-            ends = _aware(body.ends_at)
+            ends = _aware(body.ends_at, "ends_at")
         elif body.duration is not None:
             try:
                 ends = starts + timedelta(seconds=parse_duration(body.duration))
@@ -204,7 +204,7 @@ def build_router(service: AlertingService) -> APIRouter:
         if who.kind == "ingest" and who.deployment_id not in (None, body.deployment_id):
             raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
         values = body.model_dump()
-        values["verified_at"] = _aware(body.verified_at)
+        values["verified_at"] = _aware(body.verified_at, "verified_at")
         return await in_thread(service.add_verification, values, who.label, datetime.now(UTC))
 
     @r.get("/v1/rules", responses=_ERRORS, summary="The rules in force and their health")

@@ -86,7 +86,9 @@ def build_router(
                 [{"field": f, "message": "not a review parameter"} for f in given],
             )
         scope = ReviewScope(
-            since=_aware(body.since), until=_aware(body.until), deployment_id=body.deployment_id
+            since=_aware(body.since, "since"),
+            until=_aware(body.until, "until"),
+            deployment_id=body.deployment_id,
         )
         return reviews.create(scope, created_by=created_by)
 
@@ -105,8 +107,8 @@ def build_router(
         scope = BreachScope(
             incident_id=body.incident_id,
             model_id=body.model_id,
-            since=_aware(body.since),
-            until=_aware(body.until),
+            since=_aware(body.since, "since"),
+            until=_aware(body.until, "until"),
             min_prompt_tokens=body.min_prompt_tokens,
             deployment_id=body.deployment_id,
         )

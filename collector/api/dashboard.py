@@ -24,9 +24,9 @@ _WINDOW = {"since", "until", "max_points"}
 
 def _window(since: datetime | None, until: datetime | None, points: int) -> Window:
     """Default: the 24 hours before ``until`` (default now)."""
-    hi = params.aware(until) or datetime.now(UTC)
+    hi = params.aware(until, "until") or datetime.now(UTC)
     try:
-        lo = params.aware(since) or hi - timedelta(hours=24)
+        lo = params.aware(since, "since") or hi - timedelta(hours=24)
     except OverflowError:
         raise InvalidInput("until is too early for a 24-hour window", {"field": "until"}) from None
     if lo >= hi:

@@ -37,12 +37,24 @@ def errors(*codes: int, **overrides: str) -> dict[int | str, dict[str, Any]]:
 
 
 @overload
-def aware(dt: datetime) -> datetime: ...
+def aware(dt: datetime, field: str) -> datetime: ...
 @overload
-def aware(dt: None) -> None: ...
-def aware(dt: datetime | None) -> datetime | None:
-    # Naive query times are read as UTC: what a person typing ?since=2026-08-27 means.
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+def aware(dt: None, field: str) -> None: ...
+def aware(dt: datetime | None, field: str) -> datetime | None:
+    """A query time as an aware UTC instant. Naive times are read as UTC: what a person
+    typing ?since=2026-08-27 means. A time whose UTC instant falls outside the years 1-9999
+    (0001-01-01T00:00+00:01) is refused here, before any service formats it."""
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        return dt.replace(tzinfo=UTC)
+    try:
+        return dt.astimezone(UTC)
+    except OverflowError:
+        raise InvalidInput(
+            f"{field}: {dt.isoformat()} is outside the years 1-9999 in UTC",
+            [{"field": field, "message": "outside the years 1-9999 in UTC"}],
+        ) from None
 
 
 def known_params(request: Request, known: set[str]) -> None:

@@ -53,8 +53,8 @@ def build_router(
         _known_params(request, _INVENTORY_PARAMS)
         q = InventoryQuery(
             model_id=model_id,
-            since=_aware(since),
-            until=_aware(until),
+            since=_aware(since, "since"),
+            until=_aware(until, "until"),
             min_prompt_tokens=min_prompt_tokens,
             deployment_id=deployment_id,
             tenant=who.tenant_filter(None),
@@ -103,8 +103,8 @@ def build_router(
             who.require("admin")  # every tenant's routes: not for a tenant-scoped token
         _known_params(request, {"since", "until", "deployment_id", "format"})
         scope = ReviewScope(
-            since=None if since is None else _aware(since),
-            until=None if until is None else _aware(until),
+            since=None if since is None else _aware(since, "since"),
+            until=None if until is None else _aware(until, "until"),
             deployment_id=deployment_id,
         )
         doc = await in_thread(review.build, scope)
