@@ -285,3 +285,36 @@ def test_alerting_parts_sit_under_their_facade() -> None:
         if _allowed(name, {"collector.alerting.service"})
     ]
     assert bad == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Package-level edges, read from the same AST walk the tests use: who imports whom.
+    engine_probe and kvwatch are split into their subpackages, their ``errors`` and the
+    contract (``engine_probe.events``), collector into its layers."""
+
+    def node(name: str) -> str:
+        parts = name.split(".")
+        if (
+            parts[0] in {"engine_probe", "kvwatch"}
+            and len(parts) > 1
+            and (ROOT.joinpath(*parts[:2]).is_dir() or parts[1] in {"events", "errors"})
+        ):
+            return ".".join(parts[:2])
+        if parts[0] == "collector":
+            return f"collector/{_collector_layer(name)[1]}"
+        return parts[0]
+
+    graph: dict[str, set[str]] = {}
+    for pkg in sorted(OURS):
+        for path in (ROOT / pkg).rglob("*.py"):
+            here = node(_module_name(path))
+            for name in _imports(path):
+                if name.split(".")[0] in OURS and node(name) != here:
+                    graph.setdefault(here, set()).add(node(name))
+    return graph
+
+
+if __name__ == "__main__":
+    # `python tests/test_architecture.py`: the import graph, one line per importer.
+    for src, dsts in sorted(import_graph().items()):
+        print(f"{src} -> {', '.join(sorted(dsts))}")
