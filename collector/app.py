@@ -14,7 +14,6 @@ from fastapi import FastAPI
 from collector import migrate, partitions
 from collector.alerting.service import AlertingService
 from collector.api import alerts, breach, dashboard, errors, health, ingest, openapi, reads, reports
-from collector.audit import AuditLog
 from collector.db import Database
 from collector.fleet import FleetService
 from collector.ingest import IngestService
@@ -22,6 +21,7 @@ from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
 from collector.periodic import Periodic
 from collector.reads import ReadService
+from collector.reports.audit import AuditLog
 from collector.reports.breach import BreachService
 from collector.reports.inventory import InventoryService
 from collector.reports.limits import LimitsService

@@ -25,7 +25,6 @@ import msgspec
 from sqlalchemy import Connection, insert, select, text, update
 
 from collector import models as m
-from collector.db import Database
 from collector.timefmt import as_micros
 
 GENESIS = "0" * 64
@@ -172,14 +171,3 @@ def verify(conn: Connection) -> ChainCheck:
     if orphan:
         return ChainCheck(False, n, orphan[0], "redacted, but no erasure entry claims it")
     return ChainCheck(True, n, head=prev if n else None)
-
-
-class AuditLog:
-    """The chain check as a service: a read transaction of its own (``GET /v1/audit/verify``)."""
-
-    def __init__(self, db: Database):
-        self.db = db
-
-    def verify(self) -> ChainCheck:
-        with self.db.read() as conn:
-            return verify(conn)

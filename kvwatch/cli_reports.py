@@ -154,10 +154,10 @@ def report_limits(
 def audit_verify(database_url: DbUrl = None) -> None:
     """Check the audit log's hash chain. Exit 0 intact; 1 naming the first entry where it
     breaks (edited, inserted, deleted or reordered)."""
-    from collector import audit
+    from collector.reports.audit import AuditLog
 
-    with database(database_url) as (db, _), db.read() as conn:
-        check = audit.verify(conn)
+    with database(database_url) as (db, _):
+        check = AuditLog(db).verify()
     if check.ok:
         err.print(f"[green]intact:[/] {check.entries} entries; head {check.head or '-'}")
         return

@@ -1,6 +1,6 @@
 """HTTP routes for reports: the inventory, limits cards, the quarterly review and the
 audit-log check; a thin layer over :mod:`collector.reports` and
-:class:`collector.audit.AuditLog`."""
+:class:`collector.reports.audit.AuditLog`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
-from collector.audit import AuditLog
+from collector.reports.audit import AuditLog
 from collector.reports.inventory import InventoryQuery, InventoryService
 from collector.reports.limits import LimitsService, to_markdown
 from collector.reports.review import ReviewScope, ReviewService
