@@ -492,7 +492,7 @@ def test_latest_passing_verification_and_keeping_the_last_known(
         async with httpx.AsyncClient(timeout=5) as h:
             return await source.refresh(h)
 
-    with caplog.at_level(logging.WARNING, logger="kvwatch.gateway"):
+    with caplog.at_level(logging.WARNING, logger="engine_probe.gateway"):
         assert asyncio.run(refresh()) is False
     assert (limits.limit("a"), limits.limit("c")) == (20, 7)  # the last known stay
     assert "cannot read verifications of d1" in caplog.text and "keeping" in caplog.text

@@ -28,7 +28,7 @@ from kvwatch.gateway.service import ProxyService
 from kvwatch.gateway.settings import GatewaySettings
 from kvwatch.gateway.upstream import Upstream
 
-log = logging.getLogger("kvwatch.gateway")
+log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 
 def _error_response(exc: GatewayError) -> JSONResponse:

@@ -31,7 +31,7 @@ from kvwatch.gateway.errors import NoTokenizeEndpoint
 from kvwatch.gateway.settings import GatewaySettings
 from kvwatch.gateway.upstream import Upstream
 
-log = logging.getLogger("kvwatch.gateway")
+log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 Kind = Literal["completion", "chat"]
 

@@ -23,7 +23,7 @@ import httpx
 
 from kvwatch.gateway.settings import GatewaySettings
 
-log = logging.getLogger("kvwatch.gateway")
+log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 
 def latest_passing(records: list[Any]) -> dict[str, int]:

@@ -20,7 +20,7 @@ from engine_probe.probe import BaseProbe, get_probe
 from kvwatch.gateway.counting import PromptCount
 from kvwatch.gateway.errors import ContextLengthExceeded, GatewayError
 
-log = logging.getLogger("kvwatch.gateway")
+log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f]")
 

@@ -35,7 +35,7 @@ from kvwatch.gateway.records import Flight, Recorder, finish_status
 from kvwatch.gateway.sse import SseScanner
 from kvwatch.gateway.upstream import Upstream
 
-log = logging.getLogger("kvwatch.gateway")
+log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 ROUTES: Final[dict[Kind, str]] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _JSON: Final = "application/json"

@@ -26,7 +26,7 @@ from kvwatch.gateway.errors import (
 )
 from kvwatch.gateway.settings import GatewaySettings
 
-log = logging.getLogger("kvwatch.gateway")
+log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 
 class _NoCookies(CookieJar):

@@ -83,7 +83,7 @@ def test_a_vllm_without_the_scheduler_it_patches_still_starts(
     # the import system's own answer for a module that is not there
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", None)
     before = pristine_scheduler.__dict__["__init__"]
-    with caplog.at_level(logging.ERROR, logger="engine_probe.adapters.vllm"):
+    with caplog.at_level(logging.ERROR, logger="engine_probe.vllm"):
         _load_plugins()
     assert "could not patch vLLM's scheduler" in caplog.text
     monkeypatch.undo()
