@@ -62,36 +62,44 @@ def test_a_transfer_is_reported_every_time() -> None:
     assert [e["read_kind"] for e in sent] == ["transfer", "transfer"]
 
 
-def test_names_come_from_the_ledger_tenant_then_the_adapters_record() -> None:
+def test_names_come_from_the_ledger_and_an_unknown_writer_stays_unknown() -> None:
     em, sent, _ = _emitter()
     em.report([_read([1])], node="n0", role="both", dedupe=True)
     first = sent[-1]
     assert (first["reader_request_id"], first["reader_tenant"]) == ("req-b", "globex")
     assert (first["previous_request_id"], first["previous_tenant"]) == ("req-a", "acme")
-    # the ledger does not know the writer's tenant: the adapter's record of the request
+    # the ledger does not know who wrote it: "unknown" (another tenant to the rules), even
+    # though the adapter has a record of the request: a stale read must never be taken for
+    # a same-tenant one on a guess
     em.report([_read([2], previous_tenant=UNKNOWN_TENANT)], node="n0", role="both", dedupe=True)
+    assert sent[-1]["previous_tenant"] == UNKNOWN
+    # a ledger tenant the adapter can no longer name: its record of the writing request
+    em.report([_read([3], previous_tenant=77)], node="n0", role="both", dedupe=True)
     assert sent[-1]["previous_tenant"] == "acme"
     # neither knows: "unknown", never dropped
-    em.report(
-        [_read([3], prev=99, previous_tenant=UNKNOWN_TENANT)], node="n0", role="both", dedupe=True
-    )
+    em.report([_read([4], prev=99, previous_tenant=77)], node="n0", role="both", dedupe=True)
     assert (sent[-1]["previous_request_id"], sent[-1]["previous_tenant"]) == (
         "handle-99",
         UNKNOWN,
     )
     # never written: no previous writer at all
-    em.report([_read([4], prev=None)], node="n0", role="both", dedupe=True)
+    em.report([_read([5], prev=None)], node="n0", role="both", dedupe=True)
     assert (sent[-1]["previous_request_id"], sent[-1]["previous_tenant"]) == (None, None)
+    # a reader the adapter has no record of: named by the ledger's tenant
+    em.report([_read([6], reader=5, reader_tenant=20)], node="n0", role="both", dedupe=True)
+    assert (sent[-1]["reader_request_id"], sent[-1]["reader_tenant"]) == ("handle-5", "globex")
 
 
 def test_an_explicit_reader_names_the_request_that_read() -> None:
     """A granted (prefix-cache) read is checked as its computing request's; the request
-    that read it is the one reported, and the one its dedupe state belongs to."""
+    that read it is the one reported, by the names the adapter passes, and the one its
+    dedupe state belongs to."""
     em, sent, _ = _emitter()
-    em.report([_read([5], reader=1)], node="n0", role="both", dedupe=True, reader=2)
-    assert (sent[-1]["reader_request_id"], sent[-1]["reader_tenant"]) == ("req-b", "globex")
+    reader = (2, "req-live", "globex")  # names from the live request, not a bounded cache
+    em.report([_read([5], reader=1)], node="n0", role="both", dedupe=True, reader=reader)
+    assert (sent[-1]["reader_request_id"], sent[-1]["reader_tenant"]) == ("req-live", "globex")
     em.forget(1)  # not the reader: its state is kept
-    em.report([_read([5], reader=1)], node="n0", role="both", dedupe=True, reader=2)
+    em.report([_read([5], reader=1)], node="n0", role="both", dedupe=True, reader=reader)
     assert len(sent) == 1
 
 

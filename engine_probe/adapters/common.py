@@ -55,10 +55,13 @@ class StaleReadEmitter:
     * A page read by several tokens of one report is reported once.
     * Each report counts once in ``counters["stale_reads"]`` and becomes one event per
       ``MAX_PAGE_IDS`` pages.
-    * Tenants: the ledger's tenant handle (what the ledger recorded when the page was written,
-      or when the reader allocated) names the tenant when the adapter can name that handle;
-      otherwise the tenant the adapter recorded for the request; otherwise ``"unknown"``.
-      A never-written page names no previous request nor tenant.
+    * Tenants, safe side first. The previous writer's tenant is what the ledger recorded
+      when the page was written: unknown to the ledger (``UNKNOWN_TENANT``) is reported as
+      ``"unknown"``, which rules treat as another tenant, so a stale read of it is never
+      taken for a same-tenant one; a ledger handle the adapter can no longer name (evicted)
+      falls back to the adapter's record of the writing request, else ``"unknown"``. The
+      reader's tenant is the adapter's record of the reading request, else the ledger's,
+      else ``"unknown"``. A never-written page names no previous request nor tenant.
     """
 
     __slots__ = ("_counters", "_emit", "_request_names", "_seen", "_tenant_names")
@@ -87,16 +90,17 @@ class StaleReadEmitter:
         node: str,
         role: str,
         dedupe: bool,
-        reader: int | None = None,
+        reader: tuple[int, str, str] | None = None,
     ) -> None:
         """Emit ``reports`` read on ``node`` (of ``role``).
 
-        ``reader``: the request that did the read, when it is not the report's
-        ``reader_request`` (vLLM checks a prefix-cache hit as a read by the request that
-        computed the block, but the request that read it is the one exposed).
+        ``reader``: (handle, request id, tenant) of the request that did the read, when it
+        is not the report's ``reader_request`` (vLLM and SGLang check a prefix-cache hit as a
+        read by the request that computed the block, but the request that read it is the one
+        exposed).
         """
         for r in reports:
-            who = r.reader_request if reader is None else reader
+            who = r.reader_request if reader is None else reader[0]
             pages = list(dict.fromkeys(r.page_ids))
             if dedupe:
                 seen = self._seen.setdefault(who, set())
@@ -106,13 +110,19 @@ class StaleReadEmitter:
                 if not pages:
                     continue
             self._counters["stale_reads"] += 1
-            reader_id, reader_tenant = self._request_names(who)
-            if reader is None:
-                reader_tenant = self._tenant(r.reader_tenant, reader_tenant)
+            if reader is not None:
+                _, reader_id, reader_tenant = reader
+            else:
+                reader_id, reader_tenant = self._request_names(who)
+                if reader_tenant == UNKNOWN:
+                    reader_tenant = self._ledger_tenant(r.reader_tenant) or UNKNOWN
             prev_id = prev_tenant = None
             if r.previous_request is not None:
-                prev_id, prev_tenant = self._request_names(r.previous_request)
-                prev_tenant = self._tenant(r.previous_tenant, prev_tenant)
+                prev_id, recorded = self._request_names(r.previous_request)
+                if r.previous_tenant is None or r.previous_tenant < 0:
+                    prev_tenant = UNKNOWN
+                else:
+                    prev_tenant = self._ledger_tenant(r.previous_tenant) or recorded
             for chunk in chunks(pages):
                 self._emit(
                     PageStaleRead,
@@ -127,9 +137,5 @@ class StaleReadEmitter:
                     zeroized=r.zeroized,
                 )
 
-    def _tenant(self, ledger_tenant: int | None, recorded: str) -> str:
-        if ledger_tenant is not None and ledger_tenant >= 0:
-            name = self._tenant_names(ledger_tenant)
-            if name is not None:
-                return name
-        return recorded
+    def _ledger_tenant(self, handle: int) -> str | None:
+        return self._tenant_names(handle) if handle >= 0 else None

@@ -74,7 +74,7 @@ from engine_probe.probe import BaseProbe, get_probe
 
 __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
 
-log = logging.getLogger("engine_probe.adapters.sglang")
+log = logging.getLogger("engine_probe.sglang")  # its name before the move: log filters use it
 
 Role = Literal["prefill", "decode", "both"]
 _MARK: Final = "__kvwatch_wrapped__"
@@ -806,7 +806,14 @@ class SGLangAdapter:
         for i in which[stale].unique().tolist():
             mine = stale & (which == i)
             reports = st.ledger.read(pages[mine], readers[mine], upto[mine])
-            self._stale.report(reports, node=st.name, role=st.role, dedupe=True, reader=handles[i])
+            h = handles[i]
+            self._stale.report(
+                reports,
+                node=st.name,
+                role=st.role,
+                dedupe=True,
+                reader=(h, *self._request_names(h)),
+            )
 
     def _flush_reuse(self, st: _Node) -> None:
         reused, cross, zeroized = st.reuse

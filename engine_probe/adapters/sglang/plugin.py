@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any, Final
 
-log = logging.getLogger("engine_probe.adapters.sglang")
+log = logging.getLogger("engine_probe.sglang")  # its name before the move: log filters use it
 
 ENV_FLAG: Final = "KVWATCH_SGLANG_PROBE"
 _state: dict[str, Any] = {}

@@ -105,7 +105,7 @@ from engine_probe.probe import BaseProbe, get_probe
 
 __all__ = ["VllmAdapter", "attach"]
 
-log = logging.getLogger("engine_probe.adapters.vllm")
+log = logging.getLogger("engine_probe.vllm")  # its name before the move: log filters use it
 
 # vLLM's RequestStatus names of finished requests → the wire contract's FinishStatus.
 _FINISH_STATUS: Final[Mapping[str, str]] = {
@@ -635,7 +635,11 @@ class VllmAdapter:
             sel = torch.tensor(rows)
             reports = self.ledger.read(p[sel], r[sel], u[sel])
             self._stale.report(
-                reports, node=self.node, role=self.role, dedupe=True, reader=req.handle
+                reports,
+                node=self.node,
+                role=self.role,
+                dedupe=True,
+                reader=(req.handle, req.request_id, req.tenant),
             )
 
     # -- internals -----------------------------------------------------------------------

@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any, Final
 
-log = logging.getLogger("engine_probe.adapters.vllm")
+log = logging.getLogger("engine_probe.vllm")  # its name before the move: log filters use it
 
 _PATCHED: Final = "_kvwatch_patched"
 #: Set to "0" to keep the plugin off while the other KVWATCH_* settings stay exported.
