@@ -79,8 +79,19 @@ def iso(value: int | datetime | None) -> str | None:
     return dt.isoformat().removesuffix("+00:00") + "Z"
 
 
+def utc(dt: datetime) -> datetime:
+    """``dt`` as an aware UTC datetime (naive: taken as UTC). Raises ``ValueError`` when its
+    UTC instant falls outside the years 1-9999 (0001-01-01T00:00+00:01 is year 0 in UTC):
+    nothing could format or store it."""
+    if dt.tzinfo is None:
+        return dt.replace(tzinfo=UTC)
+    try:
+        return dt.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"{dt.isoformat()} is outside the years 1-9999 in UTC") from None
+
+
 def parse_iso(text: str) -> datetime:
-    """An aware datetime from ISO 8601 text (``Z`` or an offset; none: UTC). Raises
-    ``ValueError`` on anything else."""
-    dt = datetime.fromisoformat(text)
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+    """An aware UTC datetime from ISO 8601 text (``Z`` or an offset; none: UTC). Raises
+    ``ValueError`` on anything else, or on an instant outside the years 1-9999 in UTC."""
+    return utc(datetime.fromisoformat(text))

@@ -18,8 +18,8 @@ def _when(value: str | None, name: str) -> datetime | None:
         return None
     try:
         return parse_iso(value)
-    except ValueError:
-        err.print(f"[red]error:[/] {name}: not an ISO 8601 time: {value!r}")
+    except ValueError as exc:
+        err.print(f"[red]error:[/] {name}: not an ISO 8601 time in range: {value!r} ({exc})")
         raise typer.Exit(2) from None
 
 

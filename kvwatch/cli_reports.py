@@ -31,8 +31,8 @@ def _when(value: str) -> datetime:
     """An ISO 8601 instant (naive: UTC); a bad one is a usage error (exit 2)."""
     try:
         return parse_iso(value)
-    except ValueError:
-        raise typer.BadParameter(f"{value!r} is not an ISO 8601 time") from None
+    except ValueError as exc:
+        raise typer.BadParameter(f"{value!r} is not an ISO 8601 time in range ({exc})") from None
 
 
 def _json_default(o: Any) -> Any:

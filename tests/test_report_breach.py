@@ -263,6 +263,20 @@ def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
     assert "inverted window" in bad.output
     assert not (tmp_path / "bad").exists()
 
+    # a time that is year 0 in UTC: a clear error naming the option, never a traceback
+    for opt in ("--since", "--until"):
+        args = {"--since": since.isoformat(), "--until": until.isoformat()}
+        args[opt] = "0001-01-01T00:00:00+00:01"
+        bad = CliRunner().invoke(
+            cli,
+            ["report", "breach", "--model", MODEL, *[x for kv in args.items() for x in kv]]
+            + ["--out", str(tmp_path / "bad"), "--database-url", env.c.db_url],
+        )
+        assert bad.exit_code == 2, bad.output
+        assert opt in bad.output and "1-9999" in bad.output and bad.exception is not None
+        assert isinstance(bad.exception, SystemExit)
+        assert not (tmp_path / "bad").exists()
+
 
 def test_late_report_asks_for_a_reason(env: Env) -> None:
     svc = BreachService(env.db, Settings(database_url=env.c.db_url, dpo_contact="dpo@x.example"))

@@ -3,13 +3,14 @@ document, naive times read as UTC, and refusing unknown query parameters."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, overload
 
 from fastapi import Header, Request
 
 from collector.api import schemas as s
 from collector.errors import InvalidInput
+from collector.timefmt import utc
 
 Auth = Annotated[str | None, Header(include_in_schema=False)]
 
@@ -43,18 +44,14 @@ def aware(dt: None, field: str) -> None: ...
 def aware(dt: datetime | None, field: str) -> datetime | None:
     """A query time as an aware UTC instant. Naive times are read as UTC: what a person
     typing ?since=2026-08-27 means. A time whose UTC instant falls outside the years 1-9999
-    (0001-01-01T00:00+00:01) is refused here, before any service formats it."""
+    (0001-01-01T00:00+00:01) is refused here, naming ``field``, before any service formats
+    it."""
     if dt is None:
         return None
-    if dt.tzinfo is None:
-        return dt.replace(tzinfo=UTC)
     try:
-        return dt.astimezone(UTC)
-    except OverflowError:
-        raise InvalidInput(
-            f"{field}: {dt.isoformat()} is outside the years 1-9999 in UTC",
-            [{"field": field, "message": "outside the years 1-9999 in UTC"}],
-        ) from None
+        return utc(dt)
+    except ValueError as exc:
+        raise InvalidInput(f"{field}: {exc}", [{"field": field, "message": str(exc)}]) from None
 
 
 def known_params(request: Request, known: set[str]) -> None:
