@@ -70,9 +70,9 @@ def _fill(conninfo: str, n: int, now: datetime) -> None:
 def measure(conninfo: str, url: str, n: int) -> dict[str, Any]:
     from collector import migrate
     from collector.db import Database
-    from collector.models import to_micros
     from collector.rollups.refresh import RollupRefresher
     from collector.rollups.stats import Scope, StatsService, Window
+    from collector.timefmt import to_micros
 
     migrate.upgrade(url)
     now = datetime.now(UTC)

@@ -116,7 +116,7 @@ class Collector:
 
 def make_token(db_url: str, kind: str, **kw: str | None) -> str:
     from collector.db import Database
-    from collector.models import to_micros
+    from collector.timefmt import to_micros
     from collector.tokens import create_token
     from engine_probe.events import utcnow
 

@@ -134,8 +134,8 @@ def _start_collector(workdir: Path) -> EngineCollector:
     from collector import migrate
     from collector.app import create_app
     from collector.db import Database
-    from collector.models import to_micros
     from collector.settings import Settings
+    from collector.timefmt import to_micros
     from collector.tokens import create_token
     from engine_probe.events import utcnow
     from kvwatch.embedded import serve_in_thread

@@ -17,9 +17,9 @@ from collector import audit
 from collector import models as m
 from collector.alerting.service import AlertingService
 from collector.db import Database
-from collector.models import to_micros
 from collector.notify.outbox import add_endpoint
 from collector.notify.signing import verify
+from collector.timefmt import to_micros
 from policies import load_ruleset
 from tests import factories as f
 from tests.conftest import Collector

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from collector import audit
 from collector import models as m
 from collector.db import Database
+from collector.timefmt import to_micros
 from kvwatch.cli import app
 from tests import factories as f
 from tests.conftest import Collector
@@ -285,7 +286,7 @@ def test_audit_chain_verifies_and_names_tampered_rows(collector: Collector) -> N
         with db.write() as conn:
             fid = conn.execute(insert(t).values(**forged).returning(t.c.id)).scalar_one()
         broken_at(fid, "does not match its hash")
-        ts_us = m.to_micros(forged["ts"])
+        ts_us = to_micros(forged["ts"])
         spliced = dict(forged, prev_hash=mid["hash"])
         spliced["hash"] = audit._digest(mid["hash"], ts_us, "mallory", "alert.ack", "alert:1", "{}")
         with db.write() as conn:

@@ -16,6 +16,7 @@ from collector import audit
 from collector import models as m
 from collector.db import Database
 from collector.notify.outbox import add_endpoint
+from collector.timefmt import to_micros
 from kvwatch.cli import app
 from tests import factories as f
 from tests.conftest import Collector, wait_rollups
@@ -151,7 +152,7 @@ def test_erasing_a_tenant_leaves_nothing_of_it_in_any_table(collector: Collector
     db = Database(collector.db_url)
     try:
         with db.write() as conn:
-            add_endpoint(conn, "sink", "http://127.0.0.1:9/hook", now_us=m.to_micros(NOW))
+            add_endpoint(conn, "sink", "http://127.0.0.1:9/hook", now_us=to_micros(NOW))
     finally:
         db.dispose()
     zeta_token = collector.token("read", tenant=ZETA)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from collector import migrate, partitions
 from collector.db import Database
 from collector.lifecycle.retention import RetentionService
-from collector.models import to_micros
+from collector.timefmt import to_micros
 from kvwatch.cli import app
 from tests import factories as f
 from tests.conftest import Collector

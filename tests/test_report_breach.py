@@ -269,8 +269,11 @@ def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
         args[opt] = "0001-01-01T00:00:00+00:01"
         bad = CliRunner().invoke(
             cli,
-            ["report", "breach", "--model", MODEL, *[x for kv in args.items() for x in kv]]
-            + ["--out", str(tmp_path / "bad"), "--database-url", env.c.db_url],
+            [
+                *("report", "breach", "--model", MODEL),
+                *(x for kv in args.items() for x in kv),
+                *("--out", str(tmp_path / "bad"), "--database-url", env.c.db_url),
+            ],
         )
         assert bad.exit_code == 2, bad.output
         assert opt in bad.output and "1-9999" in bad.output and bad.exception is not None

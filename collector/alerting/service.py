@@ -68,10 +68,6 @@ class AlertingService:
         that, a rolled-back and retried batch would find it remembered and skip it)."""
         self.facts.committed(result.new_tenants, result.configs)
 
-    def forget_facts(self, deployment_id: str | None = None) -> None:
-        """Drop cached facts (all, or one deployment's): the next batch reads them again."""
-        self.facts.forget(deployment_id)
-
     # ------------------------------------------------------------------ the timer
 
     def tick(self, now: datetime) -> PassResult | None:

@@ -13,8 +13,8 @@ from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.errors import InvalidInput
 from collector.fleet import FleetService
-from collector.models import to_micros
 from collector.rollups.stats import Scope, StatsService, Window
+from collector.timefmt import to_micros
 
 _ERRORS = params.errors(401, 403, 422, 503)
 Label = Annotated[str | None, Query(min_length=1, max_length=256)]
