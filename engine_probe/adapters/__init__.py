@@ -2,6 +2,7 @@
 
 ``refengine`` (the reference engine, observer hooks), ``vllm`` (a ``vllm.general_plugins``
 entry point) and ``sglang`` (an ``sglang.srt.plugins`` entry point) share ``common``: wire-safe
-ids, page-id chunking and the stale-read emitter. Each imports torch or its engine; nothing
-here is imported by ``engine_probe``'s top level.
+ids, page-id chunking and the stale-read emitter. The adapter modules import torch (the
+ledger's tensors); the vLLM plugin package imports neither vLLM nor torch until it attaches.
+Nothing here is imported by ``engine_probe``'s top level.
 """
