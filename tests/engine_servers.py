@@ -11,7 +11,8 @@ a ``vllm_server: VllmServer`` argument. The first test that asks starts, in this
    active (``KVWATCH_COLLECTOR_URL``/``KVWATCH_INGEST_TOKEN``/``KVWATCH_DEPLOYMENT_ID`` set;
    the plugin is found through the ``vllm.general_plugins`` entry point of the kvwatch
    installed in that venv), ``--block-size 32``, ``--optimization-level 0`` (no
-   torch.compile), ``VLLM_CPU_KVCACHE_SPACE=1``, ``HF_HUB_OFFLINE=1``.
+   torch.compile), ``--max-num-batched-tokens 128`` (chunked prefill: a long prompt takes
+   many steps), ``VLLM_CPU_KVCACHE_SPACE=1``, ``HF_HUB_OFFLINE=1``.
 
 Every later test (any module) gets the same running server: the fixture is session scoped
 and the server a process-wide singleton, so importing the fixture into several modules
@@ -105,6 +106,37 @@ class VllmServer:
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=timeout_s)
+
+    def abandon(
+        self,
+        prompt: list[int],
+        *,
+        tenant: str,
+        after_s: float,
+        stream: bool = False,
+        max_tokens: int = 64,
+    ) -> None:
+        """Send a completion and disconnect ``after_s`` seconds later, as a client that
+        gives up does (vLLM's front end then aborts the request in the engine core)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+            "vllm_xargs": {"kvwatch_tenant": tenant},
+        }
+        timeout = httpx.Timeout(30.0, read=after_s)
+        url = f"{self.base_url}/v1/completions"
+        started = time.monotonic()
+        try:
+            with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+                for _ in r.iter_raw():
+                    if time.monotonic() - started >= after_s:
+                        return  # leaving the block closes the connection
+        except httpx.ReadTimeout:
+            return
 
     def metrics_text(self) -> str:
         """The server's Prometheus exposition (GET /metrics)."""
@@ -200,6 +232,11 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
             str(MAX_MODEL_LEN),
             "--max-num-seqs",
             "8",
+            # chunked prefill in steps of at most 128 tokens: a long prompt takes many
+            # steps, as one of tens of thousands of tokens does on a real model (this one
+            # prefills 2k tokens in milliseconds), so a client can leave mid-prefill
+            "--max-num-batched-tokens",
+            "128",
             # no torch.compile: on 2 CPU cores it costs over a minute of start-up and changes
             # nothing the probe sees (the scheduler and its KV cache manager are the same)
             "--optimization-level",

@@ -1,8 +1,9 @@
 """The vLLM adapter: a v1 ``Scheduler``'s KV cache decisions → page ledger → probe events.
 
 ``attach(scheduler)`` wraps methods of one scheduler instance (its class is untouched):
-``add_request``, ``finish_requests``, ``update_from_output``, ``_update_request_as_session``
-(where vLLM has it) and its KV cache manager's ``allocate_slots``. Everything runs in the
+``add_request``, ``schedule``, ``finish_requests``, ``update_from_output``,
+``_update_request_as_session`` (where vLLM has it) and its KV cache manager's
+``allocate_slots``. Everything runs in the
 engine-core process, on the scheduler's thread, in host memory; the model runner (another
 process, or another device) is never touched.
 
@@ -48,6 +49,21 @@ blocks past R's prefix-cache hits) is ``alloc``-ed to R: R is its *computing* re
 Every scheduled step writes R's positions ``[computed, computed + scheduled)`` and reads
 ``[0, computed + scheduled)`` of R's block table (attention); the adapter applies both when
 the step's output reaches ``update_from_output``, writes first.
+
+A request finished from outside while a step that schedules it runs was still run by that
+step. vLLM 0.32's ``EngineCore.step`` runs the model, then ``_process_aborts_queue`` (the
+aborts that came meanwhile: ``finish_requests(ids, FINISHED_ABORTED)``, which frees the
+request's blocks, still cached by hash), then ``update_from_output``; with a batch queue
+(async scheduling, pipeline parallelism) ``step_with_batch_queue`` does the same, and the
+busy loop's input queue may abort a request between any two steps while one or two steps
+scheduling it are in flight. So the adapter keeps the scheduler outputs ``schedule()``
+handed out until ``update_from_output`` gets them; a request finished while one of them
+schedules it keeps its record and its block table (as at its finish) until the last such
+output comes, and that step's writes and reads are applied like any other's (blocks vLLM
+has handed out fresh since are left to their new holder). Forgetting the request at the
+abort would leave that step's KV unwritten in the ledger, and a later prefix-cache hit on
+those blocks would be a false stale read; the reads of the step, and a failed load it
+reports, are checked as usual: an abort hides no real stale read.
 
 A block R holds legitimately without having written it:
 
@@ -122,6 +138,8 @@ _ROLES: Final[Mapping[str, str]] = {
     "kv_both": "both",
 }
 _ATTACHED: Final = "_kvwatch_adapter"
+#: more scheduler outputs in flight than any vLLM batch queue holds: the oldest never came back
+_MAX_IN_FLIGHT: Final = 16
 
 
 @dataclass(eq=False)
@@ -208,6 +226,14 @@ class VllmAdapter:
         self._closing: str | None = None
         self._computed_by: dict[int, int] = {}
         self._pending_reuse: torch.Tensor | None = None
+        # scheduler outputs schedule() handed out and update_from_output() has not had yet
+        # (one in vLLM's plain step, up to its batch queue's size with async scheduling or
+        # pipeline parallelism), oldest first
+        self._in_flight: list[Any] = []
+        # request id → (its record, its block table at its finish), for requests finished
+        # (aborted) while scheduled in an in-flight output: that step still runs and writes
+        # their KV, which the adapter applies when the step's output comes
+        self._finished_in_flight: dict[str, tuple[_Req, list[int]]] = {}
         self._steps = 0
         self.counters: dict[str, int] = {
             "steps": 0,
@@ -252,6 +278,7 @@ class VllmAdapter:
         sch = self.scheduler
         mgr = sch.kv_cache_manager
         add_request = sch.add_request
+        schedule = sch.schedule
         finish_requests = sch.finish_requests
         update_from_output = sch.update_from_output
         allocate_slots = mgr.allocate_slots
@@ -277,16 +304,24 @@ class VllmAdapter:
 
         # The hooks pass vLLM's arguments through untouched and call the original whatever
         # the adapter does: everything of the adapter's own runs inside _guard.
+        def schedule_hook(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self._guard(self._on_scheduled, out)
+            return out
+
         def finish_requests_hook(request_ids: Any, *args: Any, **kwargs: Any) -> Any:
             reqs: list[Any] = []
             self._guard(self._snapshot_finishing, request_ids, reqs)
+            self._guard(self._keep_in_flight, reqs)
             out = finish_requests(request_ids, *args, **kwargs)
             self._guard(self._on_finished, reqs)
             return out
 
         def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
             reqs: list[Any] = []
+            self._guard(self._landed, scheduler_output)
             self._guard(self._on_step, scheduler_output, model_runner_output, reqs)
+            self._guard(self._drop_finished_in_flight)
             out = update_from_output(scheduler_output, model_runner_output)
             self._guard(self._on_finished, reqs)
             self._guard(self._after_step)
@@ -325,6 +360,7 @@ class VllmAdapter:
             return out
 
         sch.add_request = add_request_hook
+        sch.schedule = schedule_hook
         if update_session is not None:
             sch._update_request_as_session = update_session_hook
         sch.finish_requests = finish_requests_hook
@@ -352,6 +388,48 @@ class VllmAdapter:
             return
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         out.extend(r for r in (requests.get(rid) for rid in ids) if r is not None)
+
+    def _on_scheduled(self, scheduler_output: Any) -> None:
+        """``schedule()`` handed out a step: in flight until its output comes."""
+        flight = self._in_flight
+        flight.append(scheduler_output)
+        if len(flight) > _MAX_IN_FLIGHT:  # outputs that never came back (an engine error)
+            del flight[0]
+
+    def _landed(self, scheduler_output: Any) -> None:
+        """A step's output reached ``update_from_output``: no longer in flight."""
+        flight = self._in_flight
+        for i, o in enumerate(flight):
+            if o is scheduler_output:
+                del flight[i]
+                return
+
+    def _keep_in_flight(self, finishing: list[Any]) -> None:
+        """Requests about to be finished from outside (vLLM's engine core aborts them
+        after running a step and before handing its output to ``update_from_output``, and
+        with a batch queue between any two steps) while a step that schedules them is in
+        flight: that step runs and writes their KV all the same. Keep what applying its
+        writes needs (their block table is freed with them)."""
+        if not self._in_flight:
+            return
+        mgr = self.scheduler.kv_cache_manager
+        for request in finishing:
+            rid = request.request_id
+            req = self._reqs.get(rid)
+            if req is None or request.is_finished():
+                continue
+            if any(rid in o.num_scheduled_tokens for o in self._in_flight):
+                self._finished_in_flight[rid] = (req, list(mgr.get_block_ids(rid)[0]))
+
+    def _drop_finished_in_flight(self) -> None:
+        """Forget finished requests no step in flight schedules any more."""
+        kept = self._finished_in_flight
+        if not kept:
+            return
+        for rid in list(kept):
+            if not any(rid in o.num_scheduled_tokens for o in self._in_flight):
+                req, _ = kept.pop(rid)
+                self._stale.forget(req.handle)
 
     def _held_before(self, request: Any, out: list[int]) -> None:
         """[blocks the request holds, its computed tokens], before an allocation."""
@@ -512,10 +590,16 @@ class VllmAdapter:
         starts = _computed_at_schedule(scheduler_output)
         checks: list[tuple[_Req, list[int], int]] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
+            if self.ledger is None:
+                break
             req = self._reqs.get(rid)
-            if req is None or self.ledger is None:
+            if req is not None:
+                blocks = list(mgr.get_block_ids(rid)[0])
+            elif rid in self._finished_in_flight:
+                req, blocks = self._finished_in_flight[rid]
+                blocks = self._still_held(req, blocks)
+            else:
                 continue
-            blocks = list(mgr.get_block_ids(rid)[0])
             start = starts.get(rid)
             if start is None:
                 continue
@@ -525,6 +609,21 @@ class VllmAdapter:
             checks.append((req, blocks, start + int(n)))
         if checks:
             self._check_reads(checks, invalid)
+
+    def _still_held(self, req: _Req, blocks: list[int]) -> list[int]:
+        """A finished request's block table at its finish, less the blocks vLLM has handed
+        out fresh since (the null block in their place): the new holder's writes come after
+        this step's on the device, and its allocation is what the ledger must keep."""
+        computed_by = self._computed_by
+
+        def held(b: int) -> bool:
+            if b in req.grants:  # a hit: its computing request's, as long as vLLM keeps it
+                return computed_by.get(b) == req.grants[b]
+            if b in req.trusted:
+                return b not in computed_by
+            return computed_by.get(b) == req.handle
+
+        return [b if held(b) else self._null_block for b in blocks]
 
     def _after_step(self) -> None:
         self.counters["steps"] += 1
