@@ -14,11 +14,15 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   size, CUDA graphs, prefix caching, and the KV connector's role (``kv_producer`` → prefill,
   ``kv_consumer`` → decode, ``kv_both`` → both; any connector → disaggregated);
 * ``request.admitted`` when the engine core receives a request, ``request.finished`` when it
-  leaves (token counts only, never text). A streaming-input session (vLLM 0.32: each input
-  chunk is an ``add_request`` with the session's id) is one request under one handle: its
-  prompt tokens add up every chunk's, its completion tokens every chunk's output; closed by
-  its client while it waits for input, vLLM aborts it, and the adapter reports
-  ``completed``;
+  leaves (token counts only, never text). vLLM's front end ends a request whose output
+  matched a stop string by aborting it (``FINISHED_ABORTED``, as for a client that left);
+  the plugin marks those aborts in the front end (``engine_probe.adapters.vllm.STOP_MARK``,
+  with the completion tokens the client's ``usage`` reports), and the adapter reports them
+  ``completed`` with that count (the engine core may have generated more meanwhile). A
+  streaming-input session (vLLM 0.32: each input chunk is an ``add_request`` with the
+  session's id) is one request under one handle: its prompt tokens add up every chunk's,
+  its completion tokens every chunk's output; closed by its client while it waits for
+  input, vLLM aborts it, and the adapter reports ``completed``;
 * ``pool.sample`` at attach and every ``pool_sample_every`` steps;
 * ``page.reuse`` per step whose allocations handed out blocks still holding another
   request's KV;
@@ -90,6 +94,11 @@ which vLLM 0.32 uses only for models that need it), speculative-decoding rollbac
 models with several KV cache groups (sliding-window hybrids): the adapter reads only group
 0 and reports no stale reads for the others.
 
+Test-only fault injection (``test_lose_kv_write_of_tenant``, set by the plugin only under
+its ``KVWATCH_TEST_FAULT_INJECTION`` flag): the first request of that tenant has its KV writes
+left out of the ledger, so reads of those blocks are stale reads: the positive control of
+kvwatch's live tests. Never in production.
+
 Cost: the scheduler is Python and loops over blocks itself; the adapter adds a few host
 dict operations per allocated block and, per step, one batched ledger check over the
 scheduled requests' block tables (one host sync) plus the reuse counts (one more).
@@ -106,7 +115,7 @@ from typing import Any, Final
 import torch
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
-from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY
+from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.events import (
     EngineConfig,
     Event,
@@ -164,6 +173,8 @@ class _Req:
     #: output tokens of a streaming-input session's earlier chunks (vLLM drops them from
     #: the request when the next chunk comes)
     earlier_completion_tokens: int = 0
+    #: TEST ONLY (fault injection): its KV writes are not recorded
+    lose_writes: bool = False
 
 
 class VllmAdapter:
@@ -186,6 +197,7 @@ class VllmAdapter:
         pool_sample_every: int = 16,
         ledger: bool = True,
         handle_capacity: int = 1 << 16,
+        test_lose_kv_write_of_tenant: str | None = None,
     ) -> None:
         if pool_sample_every < 1:
             raise ValueError("pool_sample_every must be >= 1")
@@ -194,6 +206,11 @@ class VllmAdapter:
         self.node = safe_id(node, "node")
         self.pool_sample_every = pool_sample_every
         self._handle_capacity = handle_capacity
+        # TEST ONLY (the plugin's KVWATCH_TEST_FAULT_INJECTION): the first request of this
+        # tenant gets its KV writes left out of the ledger, a stale read to be caught
+        self._lose_write_of: str | None = test_lose_kv_write_of_tenant
+        #: what attach() wrapped (for the plugin's log line)
+        self.hooked: list[str] = []
         self.scheduler = scheduler
         cfg = scheduler.vllm_config
         self._model_id = _model_id(cfg)
@@ -234,6 +251,9 @@ class VllmAdapter:
         # (aborted) while scheduled in an in-flight output: that step still runs and writes
         # their KV, which the adapter applies when the step's output comes
         self._finished_in_flight: dict[str, tuple[_Req, list[int]]] = {}
+        # during a finish_requests call: request id → completion tokens vLLM's front end
+        # reported, for the requests it aborts because their output matched a stop string
+        self._stop_finishes: dict[str, int] = {}
         self._steps = 0
         self.counters: dict[str, int] = {
             "steps": 0,
@@ -313,8 +333,10 @@ class VllmAdapter:
             reqs: list[Any] = []
             self._guard(self._snapshot_finishing, request_ids, reqs)
             self._guard(self._keep_in_flight, reqs)
+            self._guard(self._read_stop_marks, request_ids)
             out = finish_requests(request_ids, *args, **kwargs)
             self._guard(self._on_finished, reqs)
+            self._stop_finishes.clear()
             return out
 
         def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -366,6 +388,13 @@ class VllmAdapter:
         sch.finish_requests = finish_requests_hook
         sch.update_from_output = update_from_output_hook
         mgr.allocate_slots = allocate_slots_hook
+        self.hooked = [
+            f"{type(sch).__name__}.{name}"
+            for name in ("add_request", "schedule", "finish_requests", "update_from_output")
+        ]
+        if update_session is not None:
+            self.hooked.append(f"{type(sch).__name__}._update_request_as_session")
+        self.hooked.append(f"{type(mgr).__name__}.allocate_slots")
         setattr(sch, _ATTACHED, self)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
@@ -403,6 +432,11 @@ class VllmAdapter:
             if o is scheduler_output:
                 del flight[i]
                 return
+
+    def _read_stop_marks(self, request_ids: Any) -> None:
+        """The front end's marks of stop-string finishes among the ids to finish."""
+        if isinstance(request_ids, list | tuple | set | frozenset):
+            self._stop_finishes = parse_stop_marks(request_ids)
 
     def _keep_in_flight(self, finishing: list[Any]) -> None:
         """Requests about to be finished from outside (vLLM's engine core aborts them
@@ -479,6 +513,9 @@ class VllmAdapter:
             salted=getattr(request, "cache_salt", None) is not None,
             prompt_tokens=int(request.num_prompt_tokens),
         )
+        if self._lose_write_of is not None and tenant == self._lose_write_of:
+            req.lose_writes = True  # TEST ONLY, once
+            self._lose_write_of = None
         self._reqs[request.request_id] = req
         self._remember(handle, rid, tenant)
         max_tokens = getattr(params, "max_tokens", None) if params is not None else None
@@ -654,6 +691,10 @@ class VllmAdapter:
             self._stale.forget(req.handle)
             status = getattr(request.status, "name", str(request.status))
             closed = request.request_id == self._closing
+            # vLLM's front end aborts a request whose output matched a stop string, with the
+            # output tokens it kept (the engine core may have generated more meanwhile)
+            stopped = self._stop_finishes.get(request.request_id)
+            output = int(request.num_output_tokens) if stopped is None else stopped
             self._emit(
                 RequestFinished,
                 request_id=req.request_id,
@@ -661,8 +702,12 @@ class VllmAdapter:
                 route=req.route,
                 model_id=req.model_id,
                 prompt_tokens=req.prompt_tokens,
-                completion_tokens=req.earlier_completion_tokens + int(request.num_output_tokens),
-                status="completed" if closed else _FINISH_STATUS.get(status, "error"),
+                completion_tokens=req.earlier_completion_tokens + output,
+                status=(
+                    "completed"
+                    if closed or stopped is not None
+                    else _FINISH_STATUS.get(status, "error")
+                ),
                 node=self.node,
             )
 
@@ -679,7 +724,7 @@ class VllmAdapter:
 
     def _write(self, req: _Req, blocks: list[int], start: int, end: int, skip: set[int]) -> None:
         """``req`` wrote positions ``[start, end)`` of its block table (not into ``skip``)."""
-        if self.ledger is None or end <= start:
+        if self.ledger is None or end <= start or req.lose_writes:
             return
         bs = self.block_size
         pages: list[int] = []
