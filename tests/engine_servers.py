@@ -11,7 +11,9 @@ a ``vllm_server: VllmServer`` argument. The first test that asks starts, in this
    active (``KVWATCH_COLLECTOR_URL``/``KVWATCH_INGEST_TOKEN``/``KVWATCH_DEPLOYMENT_ID`` set;
    the plugin is found through the ``vllm.general_plugins`` entry point of the kvwatch
    installed in that venv), ``--block-size 32``, ``--optimization-level 0`` (no
-   torch.compile), ``VLLM_CPU_KVCACHE_SPACE=1``, ``HF_HUB_OFFLINE=1``.
+   torch.compile), ``--max-num-batched-tokens 128`` (chunked prefill: a long prompt takes
+   many steps), ``VLLM_CPU_KVCACHE_SPACE=1``, ``HF_HUB_OFFLINE=1``, and the plugin's
+   test-only fault injection for :data:`FAULT_TENANT` (the positive control).
 
 Every later test (any module) gets the same running server: the fixture is session scoped
 and the server a process-wide singleton, so importing the fixture into several modules
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -48,6 +51,9 @@ DEPLOYMENT = "vllm-tiny"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 420.0
+#: the tenant whose first request's KV writes the probe is told to lose (a test-only fault:
+#: reads of those blocks must be reported as stale reads); no other test may use it
+FAULT_TENANT = "vsrv-injected-fault"
 
 
 @dataclass
@@ -85,9 +91,11 @@ class VllmServer:
         max_tokens: int = 4,
         cache_salt: str | None = None,
         route: str | None = None,
+        stop: list[str] | None = None,
         timeout_s: float = 120.0,
     ) -> httpx.Response:
-        """POST /v1/completions (greedy, ``ignore_eos``: exactly ``max_tokens`` tokens)."""
+        """POST /v1/completions (greedy, ``ignore_eos``: exactly ``max_tokens`` tokens, unless
+        the output matches one of the ``stop`` strings first)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -95,6 +103,8 @@ class VllmServer:
             "temperature": 0.0,
             "ignore_eos": True,
         }
+        if stop is not None:
+            body["stop"] = stop
         xargs = {}
         if tenant is not None:
             xargs["kvwatch_tenant"] = tenant
@@ -105,6 +115,39 @@ class VllmServer:
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         return httpx.post(f"{self.base_url}/v1/completions", json=body, timeout=timeout_s)
+
+    def abandon(
+        self,
+        prompt: list[int],
+        *,
+        tenant: str,
+        after_s: float,
+        stream: bool = False,
+        max_tokens: int = 64,
+    ) -> None:
+        """Send a completion and disconnect ``after_s`` seconds later, as a client that
+        gives up does (vLLM's front end then aborts the request in the engine core)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": stream,
+            "vllm_xargs": {"kvwatch_tenant": tenant},
+        }
+        # a raw socket: the client is gone exactly ``after_s`` after sending, whatever
+        # the server has sent meanwhile
+        payload = json.dumps(body).encode()
+        host, _, port = self.base_url.removeprefix("http://").partition(":")
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        )
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(head.encode() + payload)
+            time.sleep(after_s)
 
     def metrics_text(self) -> str:
         """The server's Prometheus exposition (GET /metrics)."""
@@ -178,6 +221,10 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         "KVWATCH_INGEST_TOKEN": collector.ingest,
         "KVWATCH_DEPLOYMENT_ID": DEPLOYMENT,
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+        # TEST ONLY: the positive control's injected fault (engine_probe/adapters/vllm/
+        # plugin.py): the first request of FAULT_TENANT has its KV writes left unrecorded
+        "KVWATCH_TEST_FAULT_INJECTION": "i-know-this-probe-will-report-false-stale-reads",
+        "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
     }
     log_path = workdir / "vllm-server.log"
     log = log_path.open("wb")
@@ -200,6 +247,11 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
             str(MAX_MODEL_LEN),
             "--max-num-seqs",
             "8",
+            # chunked prefill in steps of at most 128 tokens: a long prompt takes many
+            # steps, as one of tens of thousands of tokens does on a real model (this one
+            # prefills 2k tokens in milliseconds), so a client can leave mid-prefill
+            "--max-num-batched-tokens",
+            "128",
             # no torch.compile: on 2 CPU cores it costs over a minute of start-up and changes
             # nothing the probe sees (the scheduler and its KV cache manager are the same)
             "--optimization-level",

@@ -1,8 +1,9 @@
 """The vLLM adapter: a v1 ``Scheduler``'s KV cache decisions → page ledger → probe events.
 
 ``attach(scheduler)`` wraps methods of one scheduler instance (its class is untouched):
-``add_request``, ``finish_requests``, ``update_from_output``, ``_update_request_as_session``
-(where vLLM has it) and its KV cache manager's ``allocate_slots``. Everything runs in the
+``add_request``, ``schedule``, ``finish_requests``, ``update_from_output``,
+``_update_request_as_session`` (where vLLM has it) and its KV cache manager's
+``allocate_slots``. Everything runs in the
 engine-core process, on the scheduler's thread, in host memory; the model runner (another
 process, or another device) is never touched.
 
@@ -13,11 +14,15 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   size, CUDA graphs, prefix caching, and the KV connector's role (``kv_producer`` → prefill,
   ``kv_consumer`` → decode, ``kv_both`` → both; any connector → disaggregated);
 * ``request.admitted`` when the engine core receives a request, ``request.finished`` when it
-  leaves (token counts only, never text). A streaming-input session (vLLM 0.32: each input
-  chunk is an ``add_request`` with the session's id) is one request under one handle: its
-  prompt tokens add up every chunk's, its completion tokens every chunk's output; closed by
-  its client while it waits for input, vLLM aborts it, and the adapter reports
-  ``completed``;
+  leaves (token counts only, never text). vLLM's front end ends a request whose output
+  matched a stop string by aborting it (``FINISHED_ABORTED``, as for a client that left);
+  the plugin marks those aborts in the front end (``engine_probe.adapters.vllm.STOP_MARK``,
+  with the completion tokens the client's ``usage`` reports), and the adapter reports them
+  ``completed`` with that count (the engine core may have generated more meanwhile). A
+  streaming-input session (vLLM 0.32: each input chunk is an ``add_request`` with the
+  session's id) is one request under one handle: its prompt tokens add up every chunk's,
+  its completion tokens every chunk's output; closed by its client while it waits for
+  input, vLLM aborts it, and the adapter reports ``completed``;
 * ``pool.sample`` at attach and every ``pool_sample_every`` steps;
 * ``page.reuse`` per step whose allocations handed out blocks still holding another
   request's KV;
@@ -49,6 +54,21 @@ Every scheduled step writes R's positions ``[computed, computed + scheduled)`` a
 ``[0, computed + scheduled)`` of R's block table (attention); the adapter applies both when
 the step's output reaches ``update_from_output``, writes first.
 
+A request finished from outside while a step that schedules it runs was still run by that
+step. vLLM 0.32's ``EngineCore.step`` runs the model, then ``_process_aborts_queue`` (the
+aborts that came meanwhile: ``finish_requests(ids, FINISHED_ABORTED)``, which frees the
+request's blocks, still cached by hash), then ``update_from_output``; with a batch queue
+(async scheduling, pipeline parallelism) ``step_with_batch_queue`` does the same, and the
+busy loop's input queue may abort a request between any two steps while one or two steps
+scheduling it are in flight. So the adapter keeps the scheduler outputs ``schedule()``
+handed out until ``update_from_output`` gets them; a request finished while one of them
+schedules it keeps its record and its block table (as at its finish) until the last such
+output comes, and that step's writes and reads are applied like any other's (blocks vLLM
+has handed out fresh since are left to their new holder). Forgetting the request at the
+abort would leave that step's KV unwritten in the ledger, and a later prefix-cache hit on
+those blocks would be a false stale read; the reads of the step, and a failed load it
+reports, are checked as usual: an abort hides no real stale read.
+
 A block R holds legitimately without having written it:
 
 * a prefix-cache hit: vLLM matched the block by the hash of its tokens (and R's salt). R's
@@ -74,6 +94,11 @@ which vLLM 0.32 uses only for models that need it), speculative-decoding rollbac
 models with several KV cache groups (sliding-window hybrids): the adapter reads only group
 0 and reports no stale reads for the others.
 
+Test-only fault injection (``test_lose_kv_write_of_tenant``, set by the plugin only under
+its ``KVWATCH_TEST_FAULT_INJECTION`` flag): the first request of that tenant has its KV writes
+left out of the ledger, so reads of those blocks are stale reads: the positive control of
+kvwatch's live tests. Never in production.
+
 Cost: the scheduler is Python and loops over blocks itself; the adapter adds a few host
 dict operations per allocated block and, per step, one batched ledger check over the
 scheduled requests' block tables (one host sync) plus the reuse counts (one more).
@@ -90,7 +115,7 @@ from typing import Any, Final
 import torch
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
-from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY
+from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.events import (
     EngineConfig,
     Event,
@@ -122,6 +147,8 @@ _ROLES: Final[Mapping[str, str]] = {
     "kv_both": "both",
 }
 _ATTACHED: Final = "_kvwatch_adapter"
+#: more scheduler outputs in flight than any vLLM batch queue holds: the oldest never came back
+_MAX_IN_FLIGHT: Final = 16
 
 
 @dataclass(eq=False)
@@ -146,6 +173,8 @@ class _Req:
     #: output tokens of a streaming-input session's earlier chunks (vLLM drops them from
     #: the request when the next chunk comes)
     earlier_completion_tokens: int = 0
+    #: TEST ONLY (fault injection): its KV writes are not recorded
+    lose_writes: bool = False
 
 
 class VllmAdapter:
@@ -168,6 +197,7 @@ class VllmAdapter:
         pool_sample_every: int = 16,
         ledger: bool = True,
         handle_capacity: int = 1 << 16,
+        test_lose_kv_write_of_tenant: str | None = None,
     ) -> None:
         if pool_sample_every < 1:
             raise ValueError("pool_sample_every must be >= 1")
@@ -176,6 +206,11 @@ class VllmAdapter:
         self.node = safe_id(node, "node")
         self.pool_sample_every = pool_sample_every
         self._handle_capacity = handle_capacity
+        # TEST ONLY (the plugin's KVWATCH_TEST_FAULT_INJECTION): the first request of this
+        # tenant gets its KV writes left out of the ledger, a stale read to be caught
+        self._lose_write_of: str | None = test_lose_kv_write_of_tenant
+        #: what attach() wrapped (for the plugin's log line)
+        self.hooked: list[str] = []
         self.scheduler = scheduler
         cfg = scheduler.vllm_config
         self._model_id = _model_id(cfg)
@@ -208,6 +243,17 @@ class VllmAdapter:
         self._closing: str | None = None
         self._computed_by: dict[int, int] = {}
         self._pending_reuse: torch.Tensor | None = None
+        # scheduler outputs schedule() handed out and update_from_output() has not had yet
+        # (one in vLLM's plain step, up to its batch queue's size with async scheduling or
+        # pipeline parallelism), oldest first
+        self._in_flight: list[Any] = []
+        # request id → (its record, its block table at its finish), for requests finished
+        # (aborted) while scheduled in an in-flight output: that step still runs and writes
+        # their KV, which the adapter applies when the step's output comes
+        self._finished_in_flight: dict[str, tuple[_Req, list[int]]] = {}
+        # during a finish_requests call: request id → completion tokens vLLM's front end
+        # reported, for the requests it aborts because their output matched a stop string
+        self._stop_finishes: dict[str, int] = {}
         self._steps = 0
         self.counters: dict[str, int] = {
             "steps": 0,
@@ -252,6 +298,7 @@ class VllmAdapter:
         sch = self.scheduler
         mgr = sch.kv_cache_manager
         add_request = sch.add_request
+        schedule = sch.schedule
         finish_requests = sch.finish_requests
         update_from_output = sch.update_from_output
         allocate_slots = mgr.allocate_slots
@@ -277,16 +324,26 @@ class VllmAdapter:
 
         # The hooks pass vLLM's arguments through untouched and call the original whatever
         # the adapter does: everything of the adapter's own runs inside _guard.
+        def schedule_hook(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            self._guard(self._on_scheduled, out)
+            return out
+
         def finish_requests_hook(request_ids: Any, *args: Any, **kwargs: Any) -> Any:
             reqs: list[Any] = []
             self._guard(self._snapshot_finishing, request_ids, reqs)
+            self._guard(self._keep_in_flight, reqs)
+            self._guard(self._read_stop_marks, request_ids)
             out = finish_requests(request_ids, *args, **kwargs)
             self._guard(self._on_finished, reqs)
+            self._stop_finishes.clear()
             return out
 
         def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
             reqs: list[Any] = []
+            self._guard(self._landed, scheduler_output)
             self._guard(self._on_step, scheduler_output, model_runner_output, reqs)
+            self._guard(self._drop_finished_in_flight)
             out = update_from_output(scheduler_output, model_runner_output)
             self._guard(self._on_finished, reqs)
             self._guard(self._after_step)
@@ -325,11 +382,19 @@ class VllmAdapter:
             return out
 
         sch.add_request = add_request_hook
+        sch.schedule = schedule_hook
         if update_session is not None:
             sch._update_request_as_session = update_session_hook
         sch.finish_requests = finish_requests_hook
         sch.update_from_output = update_from_output_hook
         mgr.allocate_slots = allocate_slots_hook
+        self.hooked = [
+            f"{type(sch).__name__}.{name}"
+            for name in ("add_request", "schedule", "finish_requests", "update_from_output")
+        ]
+        if update_session is not None:
+            self.hooked.append(f"{type(sch).__name__}._update_request_as_session")
+        self.hooked.append(f"{type(mgr).__name__}.allocate_slots")
         setattr(sch, _ATTACHED, self)
 
     def _guard(self, fn: Any, *args: Any) -> Any:
@@ -352,6 +417,53 @@ class VllmAdapter:
             return
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         out.extend(r for r in (requests.get(rid) for rid in ids) if r is not None)
+
+    def _on_scheduled(self, scheduler_output: Any) -> None:
+        """``schedule()`` handed out a step: in flight until its output comes."""
+        flight = self._in_flight
+        flight.append(scheduler_output)
+        if len(flight) > _MAX_IN_FLIGHT:  # outputs that never came back (an engine error)
+            del flight[0]
+
+    def _landed(self, scheduler_output: Any) -> None:
+        """A step's output reached ``update_from_output``: no longer in flight."""
+        flight = self._in_flight
+        for i, o in enumerate(flight):
+            if o is scheduler_output:
+                del flight[i]
+                return
+
+    def _read_stop_marks(self, request_ids: Any) -> None:
+        """The front end's marks of stop-string finishes among the ids to finish."""
+        if isinstance(request_ids, list | tuple | set | frozenset):
+            self._stop_finishes = parse_stop_marks(request_ids)
+
+    def _keep_in_flight(self, finishing: list[Any]) -> None:
+        """Requests about to be finished from outside (vLLM's engine core aborts them
+        after running a step and before handing its output to ``update_from_output``, and
+        with a batch queue between any two steps) while a step that schedules them is in
+        flight: that step runs and writes their KV all the same. Keep what applying its
+        writes needs (their block table is freed with them)."""
+        if not self._in_flight:
+            return
+        mgr = self.scheduler.kv_cache_manager
+        for request in finishing:
+            rid = request.request_id
+            req = self._reqs.get(rid)
+            if req is None or request.is_finished():
+                continue
+            if any(rid in o.num_scheduled_tokens for o in self._in_flight):
+                self._finished_in_flight[rid] = (req, list(mgr.get_block_ids(rid)[0]))
+
+    def _drop_finished_in_flight(self) -> None:
+        """Forget finished requests no step in flight schedules any more."""
+        kept = self._finished_in_flight
+        if not kept:
+            return
+        for rid in list(kept):
+            if not any(rid in o.num_scheduled_tokens for o in self._in_flight):
+                req, _ = kept.pop(rid)
+                self._stale.forget(req.handle)
 
     def _held_before(self, request: Any, out: list[int]) -> None:
         """[blocks the request holds, its computed tokens], before an allocation."""
@@ -401,6 +513,9 @@ class VllmAdapter:
             salted=getattr(request, "cache_salt", None) is not None,
             prompt_tokens=int(request.num_prompt_tokens),
         )
+        if self._lose_write_of is not None and tenant == self._lose_write_of:
+            req.lose_writes = True  # TEST ONLY, once
+            self._lose_write_of = None
         self._reqs[request.request_id] = req
         self._remember(handle, rid, tenant)
         max_tokens = getattr(params, "max_tokens", None) if params is not None else None
@@ -512,10 +627,16 @@ class VllmAdapter:
         starts = _computed_at_schedule(scheduler_output)
         checks: list[tuple[_Req, list[int], int]] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
+            if self.ledger is None:
+                break
             req = self._reqs.get(rid)
-            if req is None or self.ledger is None:
+            if req is not None:
+                blocks = list(mgr.get_block_ids(rid)[0])
+            elif rid in self._finished_in_flight:
+                req, blocks = self._finished_in_flight[rid]
+                blocks = self._still_held(req, blocks)
+            else:
                 continue
-            blocks = list(mgr.get_block_ids(rid)[0])
             start = starts.get(rid)
             if start is None:
                 continue
@@ -525,6 +646,21 @@ class VllmAdapter:
             checks.append((req, blocks, start + int(n)))
         if checks:
             self._check_reads(checks, invalid)
+
+    def _still_held(self, req: _Req, blocks: list[int]) -> list[int]:
+        """A finished request's block table at its finish, less the blocks vLLM has handed
+        out fresh since (the null block in their place): the new holder's writes come after
+        this step's on the device, and its allocation is what the ledger must keep."""
+        computed_by = self._computed_by
+
+        def held(b: int) -> bool:
+            if b in req.grants:  # a hit: its computing request's, as long as vLLM keeps it
+                return computed_by.get(b) == req.grants[b]
+            if b in req.trusted:
+                return b not in computed_by
+            return computed_by.get(b) == req.handle
+
+        return [b if held(b) else self._null_block for b in blocks]
 
     def _after_step(self) -> None:
         self.counters["steps"] += 1
@@ -555,6 +691,10 @@ class VllmAdapter:
             self._stale.forget(req.handle)
             status = getattr(request.status, "name", str(request.status))
             closed = request.request_id == self._closing
+            # vLLM's front end aborts a request whose output matched a stop string, with the
+            # output tokens it kept (the engine core may have generated more meanwhile)
+            stopped = self._stop_finishes.get(request.request_id)
+            output = int(request.num_output_tokens) if stopped is None else stopped
             self._emit(
                 RequestFinished,
                 request_id=req.request_id,
@@ -562,8 +702,12 @@ class VllmAdapter:
                 route=req.route,
                 model_id=req.model_id,
                 prompt_tokens=req.prompt_tokens,
-                completion_tokens=req.earlier_completion_tokens + int(request.num_output_tokens),
-                status="completed" if closed else _FINISH_STATUS.get(status, "error"),
+                completion_tokens=req.earlier_completion_tokens + output,
+                status=(
+                    "completed"
+                    if closed or stopped is not None
+                    else _FINISH_STATUS.get(status, "error")
+                ),
                 node=self.node,
             )
 
@@ -580,7 +724,7 @@ class VllmAdapter:
 
     def _write(self, req: _Req, blocks: list[int], start: int, end: int, skip: set[int]) -> None:
         """``req`` wrote positions ``[start, end)`` of its block table (not into ``skip``)."""
-        if self.ledger is None or end <= start:
+        if self.ledger is None or end <= start or req.lose_writes:
             return
         bs = self.block_size
         pages: list[int] = []

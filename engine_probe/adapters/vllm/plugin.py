@@ -15,16 +15,33 @@ server from starting (vLLM does not catch what a plugin's ``register`` raises).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger("engine_probe.vllm")  # its name before the move: log filters use it
+#: The plugin's lines in vLLM's own log (vLLM's logging handles the ``vllm`` loggers only).
+vllm_log = logging.getLogger("vllm.kvwatch")
 
 _PATCHED: Final = "_kvwatch_patched"
+# on an OutputProcessor during process_outputs: request id → output tokens kept, of the
+# requests it finished
+_KEPT: Final = "_kvwatch_kept"
 #: Set to "0" to keep the plugin off while the other KVWATCH_* settings stay exported.
 ENABLE_VAR: Final = "KVWATCH_VLLM_PROBE"
+
+# TEST ONLY: fault injection for the positive control of kvwatch's own live tests (a probe
+# that reports no stale read must be one that could). Read only when TEST_FAULTS_VAR holds
+# exactly TEST_FAULTS_ON; then the adapter does not record the KV writes of the first
+# request of the tenant LOSE_WRITE_VAR names, so that reads of those blocks are reported as
+# stale reads. Never set these outside a test engine: that engine's probe then reports a
+# stale read that did not happen (the plugin logs a WARNING saying so).
+TEST_FAULTS_VAR: Final = "KVWATCH_TEST_FAULT_INJECTION"
+TEST_FAULTS_ON: Final = "i-know-this-probe-will-report-false-stale-reads"
+LOSE_WRITE_VAR: Final = "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT"
 
 
 def register() -> None:
@@ -32,8 +49,14 @@ def register() -> None:
     vLLM calls it unguarded at the start of every process it runs."""
     try:
         _register()
-    except Exception:
-        log.exception("kvwatch: could not patch vLLM's scheduler; vLLM runs without the probe")
+    except Exception as exc:
+        vllm_log.warning(
+            "kvwatch: KVWATCH_COLLECTOR_URL is set but the probe cannot attach: could not "
+            "patch vLLM's scheduler (%s: %s); vLLM runs without the probe",
+            type(exc).__name__,
+            exc,
+            exc_info=True,
+        )
 
 
 def _register() -> None:
@@ -55,6 +78,62 @@ def _register() -> None:
     # setattr: a subclass built later (AsyncScheduler) inherits the patched __init__
     setattr(Scheduler, "__init__", __init__)  # noqa: B010
     setattr(Scheduler, _PATCHED, True)
+    try:
+        _mark_stop_string_aborts()
+    except Exception:
+        log.warning(
+            "kvwatch: could not patch vLLM's output processor; stop-string finishes will "
+            "be reported as aborted",
+            exc_info=True,
+        )
+
+
+def _mark_stop_string_aborts() -> None:
+    """In vLLM's front end (the API server; ``LLM`` in-process): vLLM's output processor
+    finds stop strings (the engine core has no detokenizer) and has the engine core abort
+    those requests, as it does for a client that left. Add to that same abort message one
+    :func:`~engine_probe.adapters.vllm.stop_mark` per such request, with the output tokens
+    the front end kept (its ``usage.completion_tokens``), so that the engine core's adapter
+    reports it completed. Same message, so ordered with the abort however vLLM's engine
+    core batches aborts; a scheduler skips ids it does not hold. (vLLM's data-parallel
+    load-balancing client drops ids it did not send: there they stay aborted.)"""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from engine_probe.adapters.vllm import stop_mark
+
+    if getattr(OutputProcessor, _PATCHED, False):
+        return
+    process_outputs = OutputProcessor.process_outputs
+    finish_request = OutputProcessor._finish_request
+
+    @functools.wraps(finish_request)
+    def _finish_request(self: Any, req_state: Any) -> None:
+        kept = getattr(self, _KEPT, None)
+        if kept is not None:
+            # (a pooling request has no detokenizer, and no stop strings)
+            with contextlib.suppress(Exception):
+                kept[req_state.request_id] = req_state.detokenizer.num_output_tokens()
+        finish_request(self, req_state)
+
+    @functools.wraps(process_outputs)
+    def _process_outputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kept: dict[str, int] = {}
+        setattr(self, _KEPT, kept)
+        try:
+            out = process_outputs(self, *args, **kwargs)
+        finally:
+            setattr(self, _KEPT, None)
+        aborts = out.reqs_to_abort
+        if aborts:
+            try:
+                aborts.extend([stop_mark(r, kept[r]) for r in aborts if r in kept])
+            except Exception:
+                log.warning("kvwatch: could not mark stop-string finishes", exc_info=True)
+        return out
+
+    setattr(OutputProcessor, "_finish_request", _finish_request)  # noqa: B010
+    setattr(OutputProcessor, "process_outputs", _process_outputs)  # noqa: B010
+    setattr(OutputProcessor, _PATCHED, True)
 
 
 def _attach(scheduler: Any) -> None:
@@ -67,11 +146,69 @@ def _attach(scheduler: Any) -> None:
         if not probe.enabled:
             probe = configure_probe(ProbeSettings())
         if not probe.enabled:
+            vllm_log.warning(
+                "kvwatch: KVWATCH_COLLECTOR_URL is set but the probe cannot attach: the "
+                "probe is disabled after configuration (%s); vLLM runs without it",
+                probe.stats(),
+            )
             return
-        attach(scheduler)
-        log.info("kvwatch: probe attached to the vLLM scheduler (probe id %s)", _id(probe))
-    except Exception:
-        log.exception("kvwatch: could not attach the probe; vLLM runs without it")
+        adapter = attach(scheduler, **_test_faults())
+        settings = getattr(probe, "settings", None)
+        vllm_log.info(
+            "kvwatch: probe attached to vLLM's %s (probe id %s): collector %s, deployment "
+            "%s; hooked %s; page ledger %s",
+            type(scheduler).__name__,
+            _id(probe),
+            redact_url(getattr(settings, "collector_url", None)),
+            adapter.deployment_id or getattr(settings, "deployment_id", "?"),
+            ", ".join(adapter.hooked),
+            (
+                f"on ({adapter.num_blocks} blocks of {adapter.block_size} tokens)"
+                if adapter.ledger is not None
+                else "off (several KV cache groups: no stale-read checks)"
+            ),
+        )
+    except Exception as exc:
+        vllm_log.warning(
+            "kvwatch: KVWATCH_COLLECTOR_URL is set but the probe cannot attach (%s: %s); "
+            "vLLM runs without it",
+            type(exc).__name__,
+            exc,
+            exc_info=True,
+        )
+
+
+def _test_faults() -> dict[str, Any]:
+    """The adapter's test-only fault options (see TEST_FAULTS_VAR): none unless enabled."""
+    if os.environ.get(TEST_FAULTS_VAR, "") != TEST_FAULTS_ON:
+        return {}
+    tenant = os.environ.get(LOSE_WRITE_VAR, "").strip()
+    if not tenant:
+        return {}
+    vllm_log.warning(
+        "kvwatch: TEST FAULT INJECTION ON (%s): the KV writes of tenant %r's first request "
+        "will not be recorded, so reads of them are reported as stale reads. Never in "
+        "production.",
+        TEST_FAULTS_VAR,
+        tenant,
+    )
+    return {"test_lose_kv_write_of_tenant": tenant}
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` without credentials: user info and query string replaced by ``***``."""
+    if not url:
+        return "(none)"
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+        netloc = f"***@{host}" if "@" in parts.netloc else host
+        query = "***" if parts.query else ""
+        return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    except ValueError:
+        return "(unparseable)"
 
 
 def _id(probe: Any) -> str:

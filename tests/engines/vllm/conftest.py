@@ -97,8 +97,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_scheduler(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., Any]]:
-    """``make_scheduler(num_blocks=..., connector=False, policy="recompute")`` → a real
-    vLLM Scheduler; with ``connector``, vLLM's ExampleConnector (storage under tmp_path)."""
+    """``make_scheduler(num_blocks=..., connector=False, policy="recompute",
+    max_batched=1024, async_scheduling=False)`` → a real vLLM Scheduler (its
+    ``AsyncScheduler`` with ``async_scheduling``: steps overlap, as with vLLM's batch queue);
+    with ``connector``, vLLM's ExampleConnector (storage under tmp_path)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -107,6 +109,7 @@ def make_scheduler(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., A
         SchedulerConfig,
         VllmConfig,
     )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -115,7 +118,13 @@ def make_scheduler(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., A
     )
     from vllm.v1.structured_output import StructuredOutputManager
 
-    def build(num_blocks: int = 64, connector: bool = False, policy: str = "recompute") -> Any:
+    def build(
+        num_blocks: int = 64,
+        connector: bool = False,
+        policy: str = "recompute",
+        max_batched: int = 1024,
+        async_scheduling: bool = False,
+    ) -> Any:
         model_config = ModelConfig(
             model=str(tiny_model),
             tokenizer=None,
@@ -137,7 +146,7 @@ def make_scheduler(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., A
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
-                max_num_batched_tokens=1024,
+                max_num_batched_tokens=max_batched,
                 max_model_len=1024,
                 is_encoder_decoder=False,
             ),
@@ -156,7 +165,8 @@ def make_scheduler(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., A
             ],
         )
         vllm_config.cache_config.num_gpu_blocks = num_blocks
-        return Scheduler(
+        cls = AsyncScheduler if async_scheduling else Scheduler
+        return cls(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
             structured_output_manager=StructuredOutputManager(vllm_config),

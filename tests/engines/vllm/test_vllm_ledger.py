@@ -93,9 +93,15 @@ class Driver:
         return req
 
     def step(self, invalid_blocks: set[int] | None = None) -> Any:
+        out = self.scheduler.schedule()
+        self.finish_step(out, invalid_blocks)
+        return out
+
+    def finish_step(self, out: Any, invalid_blocks: set[int] | None = None) -> None:
+        """Hand the scheduler the model runner's output of the step it scheduled as ``out``
+        (a request finished meanwhile was still run: the worker learns of it next step)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        out = self.scheduler.schedule()
         ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in ids:
@@ -112,7 +118,6 @@ class Driver:
                 kv_connector_output=kvo,
             ),
         )
-        return out
 
     def blocks(self, rid: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
@@ -232,11 +237,13 @@ def _plant_external_kv(scheduler: Any, tokens: list[int]) -> None:
 
 
 def _external_load_scenario(
-    make_scheduler: Any, *, abort_loader: bool
+    make_scheduler: Any, *, abort_loader: bool, mid_step: bool = False
 ) -> tuple[RecordingProbe, Driver, list[int]]:
     """a's request writes blocks and finishes; b's request loads 3 blocks through the KV
     connector into blocks a wrote, and c sends the same prompt in the same step (a
-    prefix-cache hit on b's blocks). The load of b's second block fails."""
+    prefix-cache hit on b's blocks). The load of b's second block fails. With
+    ``abort_loader`` b is aborted after that step's output came, or, ``mid_step``, while
+    the step runs (after vLLM's schedule, before its update_from_output)."""
     probe = RecordingProbe()
     d = Driver(make_scheduler(num_blocks=9, connector=True, policy="recompute"), probe)
     d.add("a-1", prompt(6, 7 * BLOCK), "tenant-a")
@@ -251,6 +258,10 @@ def _external_load_scenario(
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     ids = list(first.num_scheduled_tokens)
+    from vllm.v1.request import RequestStatus
+
+    if abort_loader and mid_step:
+        d.scheduler.finish_requests("b-1", RequestStatus.FINISHED_ABORTED)
     d.scheduler.update_from_output(
         first,
         ModelRunnerOutput(
@@ -260,9 +271,7 @@ def _external_load_scenario(
             kv_connector_output=KVConnectorOutput(invalid_block_ids={failed}),
         ),
     )
-    if abort_loader:
-        from vllm.v1.request import RequestStatus
-
+    if abort_loader and not mid_step:
         d.scheduler.finish_requests("b-1", RequestStatus.FINISHED_ABORTED)
     d.run_until_done()
     return probe, d, [failed]
@@ -275,10 +284,15 @@ def test_failed_load_that_vllm_recomputes_is_no_finding(make_scheduler: Any) -> 
     assert [(h.reader_tenant, h.owner_tenant) for h in hits] == [("tenant-c", "tenant-b")]
 
 
+@pytest.mark.parametrize("mid_step", [False, True], ids=["after-step", "mid-step"])
 def test_failed_load_treated_as_computed_is_a_stale_read_naming_both_tenants(
-    make_scheduler: Any,
+    make_scheduler: Any, mid_step: bool
 ) -> None:
-    probe, d, failed = _external_load_scenario(make_scheduler, abort_loader=True)
+    """The loading request is aborted, so vLLM recomputes nothing, and the block whose
+    load failed stays cached as computed. An abort is no excuse: aborted while the step
+    ran (vLLM's engine core processes aborts before the step's output), the step's failed
+    load is still known as failed when its output comes, and c's read is still stale."""
+    probe, d, failed = _external_load_scenario(make_scheduler, abort_loader=True, mid_step=mid_step)
     (stale,) = probe.of(PageStaleRead)
     assert (stale.reader_request_id, stale.reader_tenant) == ("c-1", "tenant-c")
     assert stale.page_ids == failed
@@ -406,3 +420,40 @@ def test_a_streaming_input_session_is_one_request(make_scheduler: Any, queued: b
     assert fin.status == ("length" if queued else "completed")
     assert probe.of(PageStaleRead) == []
     assert d.adapter._reqs == {}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "batch-queue"])
+def test_a_request_aborted_while_its_step_runs_wrote_that_steps_kv(
+    make_scheduler: Any, overlap: bool
+) -> None:
+    """vLLM's engine core runs a step, then processes the aborts that came meanwhile
+    (``finish_requests(..., FINISHED_ABORTED)``), then hands the step's output to
+    ``update_from_output``; with a batch queue (async scheduling) a request may also be
+    aborted between steps while one or two steps scheduling it are still running. Those
+    steps wrote its KV: a later prefix-cache hit on its blocks is no stale read."""
+    from vllm.v1.request import RequestStatus
+
+    probe = RecordingProbe()
+    # chunked prefill of two blocks per step
+    d = Driver(make_scheduler(max_batched=2 * BLOCK, async_scheduling=overlap), probe)
+    shared = prompt(40, 5 * BLOCK)
+    d.add("a-1", shared, "tenant-a", max_tokens=4)
+    if overlap:
+        running = [d.scheduler.schedule(), d.scheduler.schedule()]
+        assert all("a-1" in o.num_scheduled_tokens for o in running)
+    else:
+        d.step()  # the first chunk
+        running = [d.scheduler.schedule()]  # the second, which the client leaves during
+    d.scheduler.finish_requests(["a-1"], RequestStatus.FINISHED_ABORTED)
+    for out in running:
+        d.finish_step(out)
+    d.add("b-1", shared, "tenant-b", max_tokens=2)
+    d.run_until_done()
+
+    (fin,) = [e for e in probe.of(RequestFinished) if e.request_id == "a-1"]
+    assert (fin.status, fin.completion_tokens) == ("aborted", 0)
+    (hit,) = probe.of(PrefixCacheHit)
+    assert (hit.reader_request_id, hit.owner_request_id) == ("b-1", "a-1")
+    assert hit.pages == 4  # both chunks' blocks: vLLM cached them when it scheduled them
+    assert probe.of(PageStaleRead) == []
+    assert d.adapter._finished_in_flight == {} and d.adapter._in_flight == []

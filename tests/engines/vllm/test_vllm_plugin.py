@@ -25,6 +25,31 @@ def pristine_scheduler() -> Iterator[Any]:
     shutdown_probe(0.1)
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at(self, level: int) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@pytest.fixture
+def vllm_log() -> Iterator[_Lines]:
+    """The plugin's lines in vLLM's log (the ``vllm`` loggers do not propagate to root)."""
+    logger = logging.getLogger("vllm.kvwatch")
+    lines = _Lines()
+    logger.addHandler(lines)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(lines)
+    logger.setLevel(level)
+
+
 def _load_plugins() -> None:
     """vLLM's own loader, which every vLLM process calls at start."""
     import vllm.plugins as plugins
@@ -75,17 +100,80 @@ def test_a_vllm_without_the_scheduler_it_patches_still_starts(
     pristine_scheduler: Any,
     make_scheduler: Any,
     monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    vllm_log: _Lines,
 ) -> None:
     """vLLM calls every plugin's ``register`` without catching: had the scheduler module
-    moved (another vLLM version), an import error would stop every vLLM process."""
+    moved (another vLLM version), an import error would stop every vLLM process. The
+    operator who configured a collector is told, in vLLM's log, why there is no probe."""
     monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
     # the import system's own answer for a module that is not there
     monkeypatch.setitem(sys.modules, "vllm.v1.core.sched.scheduler", None)
     before = pristine_scheduler.__dict__["__init__"]
-    with caplog.at_level(logging.ERROR, logger="engine_probe.vllm"):
-        _load_plugins()
-    assert "could not patch vLLM's scheduler" in caplog.text
+    _load_plugins()
+    (warning,) = vllm_log.at(logging.WARNING)
+    assert "KVWATCH_COLLECTOR_URL is set but the probe cannot attach" in warning
+    assert "could not patch vLLM's scheduler (ModuleNotFoundError" in warning
+    assert vllm_log.at(logging.INFO) == []
     monkeypatch.undo()
     assert pristine_scheduler.__dict__["__init__"] is before
     assert not hasattr(make_scheduler(), "_kvwatch_adapter")
+
+
+def test_attaching_logs_one_info_line_without_credentials(
+    pristine_scheduler: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_log: _Lines,
+) -> None:
+    monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://kv:s3cret@127.0.0.1:9/base?token=t0k")
+    monkeypatch.setenv("KVWATCH_DEPLOYMENT_ID", "plugin-log-test")
+    _load_plugins()
+    make_scheduler()
+    (line,) = vllm_log.at(logging.INFO)
+    assert "probe attached to vLLM's Scheduler" in line
+    assert "collector http://***@127.0.0.1:9/base?***" in line
+    assert "s3cret" not in line and "t0k" not in line
+    assert "deployment plugin-log-test" in line
+    assert "Scheduler.update_from_output" in line and "KVCacheManager.allocate_slots" in line
+    assert vllm_log.at(logging.WARNING) == []
+
+
+def test_a_probe_that_cannot_be_configured_is_one_warning_saying_why(
+    pristine_scheduler: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_log: _Lines,
+) -> None:
+    monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("KVWATCH_DEPLOYMENT_ID", "not a valid id")
+    _load_plugins()
+    scheduler = make_scheduler()  # vLLM still builds its scheduler
+    assert not hasattr(scheduler, "_kvwatch_adapter")
+    (warning,) = vllm_log.at(logging.WARNING)
+    assert "KVWATCH_COLLECTOR_URL is set but the probe cannot attach" in warning
+    assert "KVWATCH_DEPLOYMENT_ID" in warning  # the settings' own complaint
+    assert vllm_log.at(logging.INFO) == []
+
+
+def test_fault_injection_needs_its_exact_test_flag(
+    pristine_scheduler: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_log: _Lines,
+) -> None:
+    """The positive control's test-only switch: the tenant variable alone does nothing."""
+    from engine_probe.adapters.vllm import plugin
+
+    monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv(plugin.LOSE_WRITE_VAR, "t-x")
+    for flag in (None, "1", "true"):
+        if flag is None:
+            monkeypatch.delenv(plugin.TEST_FAULTS_VAR, raising=False)
+        else:
+            monkeypatch.setenv(plugin.TEST_FAULTS_VAR, flag)
+        assert plugin._test_faults() == {}
+    monkeypatch.setenv(plugin.TEST_FAULTS_VAR, plugin.TEST_FAULTS_ON)
+    _load_plugins()
+    adapter = make_scheduler()._kvwatch_adapter
+    assert adapter._lose_write_of == "t-x"
+    assert any("TEST FAULT INJECTION ON" in w for w in vllm_log.at(logging.WARNING))
