@@ -166,9 +166,18 @@ def timer_facts(conn: Connection) -> TimerFacts:
     deps = {d for d, _ in configs} | set(conn.execute(select(m.Deployment.id)).scalars())
     facts = deployment_facts(configs, verifications(conn, None), tenant_counts(conn, None), deps)
     probes = [
-        ProbeFact(probe_id=p, deployment_id=d, last_seen=as_datetime(seen))
-        for p, d, seen in conn.execute(
-            text("SELECT probe_id, deployment_id, last_seen FROM probes ORDER BY probe_id")
+        ProbeFact(
+            probe_id=p,
+            deployment_id=d,
+            last_seen=as_datetime(seen),
+            first_seen=as_datetime(first),
+            stopped_at=as_datetime(stopped),
+        )
+        for p, d, first, seen, stopped in conn.execute(
+            text(
+                "SELECT probe_id, deployment_id, first_seen, last_seen, stopped_at FROM probes "
+                "ORDER BY probe_id"
+            )
         )
     ]
     return TimerFacts(deployments=facts, probes=probes)

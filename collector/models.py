@@ -3,8 +3,8 @@
 Times are stored as integer microseconds since the Unix epoch (UTC) in every table: the same
 representation on SQLite and PostgreSQL, cheap to write from the ingest fast path, and
 sortable/range-scannable with plain B-tree indexes. ``UtcMicros`` turns them back into aware
-datetimes for ORM reads. The conversions are :mod:`collector.timefmt`'s ``to_micros`` and
-``from_micros``, which this module uses and callers also reach as ``models.to_micros``.
+datetimes for ORM reads, with :mod:`collector.timefmt`'s conversions (import them from
+there).
 """
 
 from __future__ import annotations
@@ -326,6 +326,8 @@ class Probe(Base):
     duplicates: Mapped[int] = mapped_column(BigInteger)
     first_seen: Mapped[datetime] = mapped_column(UtcMicros)
     last_seen: Mapped[datetime] = mapped_column(UtcMicros)
+    #: when the probe said it shut down cleanly (its probe.stopped event); None while it runs
+    stopped_at: Mapped[datetime | None] = mapped_column(UtcMicros, nullable=True)
 
 
 class SeqGap(Base):

@@ -12,6 +12,7 @@ from sqlalchemy import Connection, func, select, tuple_
 from collector import models as m
 from collector.rollups.buckets import POOL_BUCKET_US, floor_to
 from collector.timefmt import to_micros
+from policies.facts import ProbeFact, superseded
 
 # Buckets at least this wide come from the per-minute pool rollups.
 ROLLUP_MIN_WIDTH_US = 5 * 60 * 1_000_000
@@ -270,8 +271,13 @@ def list_probes(conn: Connection) -> list[dict[str, Any]]:
         )
     ):
         drops.setdefault(d[0], {})[d[1]] = int(d[2])
+    probes = list(conn.execute(select(m.Probe).order_by(m.Probe.probe_id)))
+    successors = superseded(
+        ProbeFact(p.probe_id, p.deployment_id, p.last_seen, p.first_seen, p.stopped_at)
+        for p in probes
+    )
     out = []
-    for p in conn.execute(select(m.Probe).order_by(m.Probe.probe_id)):
+    for p in probes:
         probe_gaps = gaps.get(p.probe_id, [])
         out.append(
             {
@@ -285,6 +291,8 @@ def list_probes(conn: Connection) -> list[dict[str, Any]]:
                 "reported_drops": drops.get(p.probe_id, {}),
                 "first_seen": p.first_seen,
                 "last_seen": p.last_seen,
+                "stopped_at": p.stopped_at,
+                "superseded_by": successors.get(p.probe_id),
             }
         )
     return out

@@ -118,6 +118,8 @@ class Rows:
     requests: dict[tuple[str, str], list[Any]] = field(default_factory=dict)
     configs: list[ev.EngineConfig] = field(default_factory=list)
     deployments: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: when the batch's probe said it shut down cleanly (probe.stopped), µs
+    stopped_at: int | None = None
 
 
 # Request status: "admitted" is provisional; any terminal status replaces it.
@@ -236,6 +238,8 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
             case ev.ProbeDrops():
                 for reason, count in sorted(e.counts.items()):
                     rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
+            case ev.ProbeStopped():
+                rows.stopped_at = ts if rows.stopped_at is None else max(rows.stopped_at, ts)
             case _:  # pragma: no cover - the decoder only yields the kinds above
                 raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
     if cur_dep:
@@ -437,6 +441,11 @@ class IngestStore:
                 accepted=m.Probe.accepted + len(new),
                 duplicates=m.Probe.duplicates + duplicates,
                 last_seen=now_us,
+                **(
+                    {}
+                    if rows is None or rows.stopped_at is None
+                    else {"stopped_at": rows.stopped_at}
+                ),
             )
         )
         return result

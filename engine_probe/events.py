@@ -41,6 +41,18 @@ _ID_RULE = "ids start with a letter or digit and use only letters, digits and ._
 # fullmatch, not match with "$": "$" also matches before a trailing newline.
 _ID_RE = re.compile(_ID_PATTERN[1:-1])
 
+# A probe id is "{root}-{pid}-{6 hex}" (engine_probe.settings.derive_probe_id): the root is the
+# configured KVWATCH_PROBE_ID or the host name, the same across an engine's restarts.
+_PROBE_ID_RE = re.compile(r"(?P<root>.+)-\d{1,10}-[0-9a-f]{6}")
+
+
+def probe_root(probe_id: str) -> str | None:
+    """The root of a probe id the probe derived (shared by an engine's successive probes
+    on one host), or None for an id of another shape (e.g. a scrape target's)."""
+    m = _PROBE_ID_RE.fullmatch(probe_id)
+    return m.group("root") if m else None
+
+
 # The id pattern is checked after decoding (``_check_ids``), not by msgspec: a regex per
 # field per event was most of the decode time, and ids repeat, so known-good ones are cached.
 # The JSON Schema still states the pattern.
@@ -271,6 +283,12 @@ class ProbeDrops(Event, tag="probe.drops", kw_only=True, frozen=True):
     counts: dict[DropReason, Count]
 
 
+class ProbeStopped(Event, tag="probe.stopped", kw_only=True, frozen=True):
+    """A probe's last event: it shut down cleanly (``Probe.shutdown``). The collector stops
+    expecting it: a stopped probe is not "silent". Sent by the probe itself, never by an
+    adapter."""
+
+
 AnyEvent = (
     EngineConfig
     | RequestAdmitted
@@ -283,6 +301,7 @@ AnyEvent = (
     | PrefixCacheHit
     | CanaryHit
     | ProbeDrops
+    | ProbeStopped
 )
 
 EVENT_TYPES: Final[tuple[type[Event], ...]] = (
@@ -297,6 +316,7 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     PrefixCacheHit,
     CanaryHit,
     ProbeDrops,
+    ProbeStopped,
 )
 KINDS: Final[tuple[str, ...]] = tuple(str(t.__struct_config__.tag) for t in EVENT_TYPES)
 

@@ -33,14 +33,17 @@ from typing import Any, Final
 
 from engine_probe.buffer import DROP_REASONS, DropCounter, EventBuffer
 from engine_probe.errors import InvalidEventError, ProbeConfigError
-from engine_probe.events import EVENT_TYPES, Event, ProbeDrops, utcnow
+from engine_probe.events import EVENT_TYPES, Event, ProbeDrops, ProbeStopped, utcnow
 from engine_probe.exporter import Exporter
 from engine_probe.settings import ProbeSettings, derive_probe_id
 
 log = logging.getLogger("engine_probe")
 
-# ProbeDrops is the probe's own report; an adapter sending one would corrupt gap accounting.
-_EMITTABLE: Final[frozenset[type[Event]]] = frozenset(t for t in EVENT_TYPES if t is not ProbeDrops)
+# ProbeDrops and ProbeStopped are the probe's own reports: an adapter sending one would
+# corrupt gap accounting, or tell the collector a live probe had stopped.
+_EMITTABLE: Final[frozenset[type[Event]]] = frozenset(
+    t for t in EVENT_TYPES if t not in (ProbeDrops, ProbeStopped)
+)
 
 
 class BaseProbe(ABC):
@@ -200,8 +203,9 @@ class Probe(BaseProbe):
         return self._exporter.flush(target, timeout_s)
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
-        """Deliver what can be delivered in ``timeout_s``, spool the rest (or, without a
-        spool, count it as "shutdown" drops), stop the exporter, release the spool.
+        """Send ``probe.stopped`` (when the probe ever started), deliver what can be delivered
+        in ``timeout_s``, spool the rest (or, without a spool, count it as "shutdown" drops),
+        stop the exporter, release the spool.
 
         Idempotent: later calls return the first call's result. Events emitted afterwards
         are counted as "shutdown" drops.
@@ -209,6 +213,9 @@ class Probe(BaseProbe):
         with self._control:
             if self._shutdown_result is not None:
                 return self._shutdown_result
+            if self._started:
+                # the last event of the seq stream: the collector stops expecting this probe
+                self._buffer.append(ProbeStopped, utcnow(), self._deployment_id, {})
             self._buffer.close()
             exporter = self._exporter if self._started else None
             result = True if exporter is None else exporter.shutdown(timeout_s)

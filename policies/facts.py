@@ -130,9 +130,38 @@ class SeqGapFact:
 
 @dataclass(frozen=True, slots=True)
 class ProbeFact:
+    """What the collector knows of one probe: when it was first and last heard from, and
+    when it said it stopped (``probe.stopped``; None while it runs)."""
+
     probe_id: str
     deployment_id: str
     last_seen: datetime
+    first_seen: datetime | None = None
+    stopped_at: datetime | None = None
+
+
+def superseded(probes: Iterable[ProbeFact]) -> dict[str, str]:
+    """probe id -> the probe that took its place: a later probe of the same deployment and
+    the same id root (the same engine on the same host, restarted: see
+    ``events.probe_root``) first heard from at or after the older one was last heard from.
+
+    Two probes running side by side (replicas on one host, a forked worker) overlap in time,
+    so neither supersedes the other; a probe that went quiet while its sibling kept running
+    is not superseded either: its engine did not come back."""
+    by_root: dict[tuple[str, str], list[ProbeFact]] = {}
+    for p in probes:
+        root = ev.probe_root(p.probe_id)
+        if root is not None and p.first_seen is not None:
+            by_root.setdefault((p.deployment_id, root), []).append(p)
+    out: dict[str, str] = {}
+    for group in by_root.values():
+        group.sort(key=lambda p: (p.first_seen, p.probe_id))
+        for i, old in enumerate(group):
+            later = (q for q in group[i + 1 :] if q.first_seen and q.first_seen >= old.last_seen)
+            successor = next(later, None)
+            if successor is not None:
+                out[old.probe_id] = successor.probe_id
+    return out
 
 
 def index_by_type(events: Iterable[ev.Event]) -> dict[type, list[ev.Event]]:

@@ -92,6 +92,7 @@ def _samples(seq: int, variant: int = 0) -> dict[str, dict[str, Any]]:
             page_ids=[1 + v],
         ),
         ev.ProbeDrops(**f.base(seq, **at), counts={"buffer_full": 2 + v}),
+        ev.ProbeStopped(**f.base(seq, **at)),
         f.prefix_hit(
             seq, reader_request_id=f"r-{v}", owner_tenant=f"o{v}", pages=2 + v, tokens=64 + v, **at
         ),

@@ -38,6 +38,7 @@ ALL = [
         page_ids=[1],
     ),
     ev.ProbeDrops(**f.base(10), counts={"buffer_full": 3}),
+    ev.ProbeStopped(**f.base(11)),
     f.prefix_hit(11),
 ]
 

@@ -123,7 +123,7 @@ def test_sigkill_mid_stream_loses_nothing(db_url: str, tmp_path: Path) -> None:
                 text("SELECT max_seq, accepted FROM probes WHERE probe_id = :p"),
                 {"p": probe.probe_id},
             ).one()
-            assert tuple(probe_row) == (total, total)
+            assert tuple(probe_row) == (total + 1, total + 1)  # and probe.stopped
             assert conn.execute(text("SELECT count(*) FROM seq_gaps")).scalar_one() == 0
     finally:
         engine.dispose()

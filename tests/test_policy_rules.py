@@ -13,6 +13,7 @@ from collector.alerting.service import AlertingService
 from collector.db import Database
 from engine_probe import events as ev
 from policies import load_ruleset
+from policies.facts import ProbeFact, superseded
 from tests import factories as f
 from tests.conftest import Collector
 
@@ -266,6 +267,64 @@ def test_telemetry_gaps_missing_fields_and_silent_probes(env: Env) -> None:
     env.tick(timedelta(hours=2))
     assert env.alerts("telemetry_gap", "firing")[0]["labels"]["problem"] == "silent"
     assert problems["seq_gap"]["id"] in [a["id"] for a in env.alerts("telemetry_gap", "resolved")]
+
+
+def test_a_probe_that_stopped_or_restarted_is_not_silent(env: Env) -> None:
+    """A probe that said probe.stopped is not silent; nor one whose engine came back on the
+    same host under a new probe (same id root, first heard from after the old went quiet),
+    and the alert the old one raised resolves when the new one arrives. A probe that went
+    quiet while a sibling of its root kept running is still silent."""
+    stopped, crashed, sibling = "h1-101-aaaaaa", "h1-102-bbbbbb", "h2-201-cccccc"
+    for probe in (stopped, crashed, sibling):
+        env.send(f.pool(1, probe=probe))
+    env.send(ev.ProbeStopped(**f.base(2, probe=stopped)))
+    env.tick(timedelta(minutes=10))
+    silent = {
+        a["labels"]["probe_id"]: a["state"]
+        for a in env.alerts("telemetry_gap")
+        if a["labels"]["problem"] == "silent"
+    }
+    assert silent == {crashed: "firing", sibling: "firing"}
+    # the crashed engine restarts on h1 under a new probe; nothing comes back on h2
+    env.send(f.pool(1, probe="h1-103-dddddd"))
+    env.tick(timedelta(minutes=10))
+    state = {
+        a["labels"]["probe_id"]: a["state"]
+        for a in env.alerts("telemetry_gap")
+        if a["labels"]["problem"] == "silent"
+    }
+    assert state[crashed] == "resolved" and state[sibling] == "firing"
+    (old,) = [a for a in env.alerts("telemetry_gap") if a["labels"]["probe_id"] == crashed]
+    assert "replaced by probe h1-103-dddddd" in old["annotations"]["summary"]
+    with env.c.client(env.c.admin) as h:
+        probes = {p["probe_id"]: p for p in h.get("/v1/probes").json()}
+    assert probes[stopped]["stopped_at"] is not None
+    assert probes[crashed]["superseded_by"] == "h1-103-dddddd"
+    assert probes[sibling]["superseded_by"] is None and probes[sibling]["stopped_at"] is None
+
+
+def test_probes_running_side_by_side_never_supersede_each_other() -> None:
+    """Two replicas on one host overlap in time: neither replaces the other (pure)."""
+    t0 = datetime(2026, 12, 1, tzinfo=UTC)
+    a = ProbeFact("host-1-aaaaaa", "d", last_seen=t0 + timedelta(hours=1), first_seen=t0)
+    b = ProbeFact(
+        "host-2-bbbbbb",
+        "d",
+        last_seen=t0 + timedelta(hours=1),
+        first_seen=t0 + timedelta(minutes=5),
+    )
+    later = ProbeFact(
+        "host-3-cccccc", "d", last_seen=t0 + timedelta(hours=3), first_seen=t0 + timedelta(hours=2)
+    )
+    other_dep = ProbeFact(
+        "host-4-dddddd", "e", last_seen=t0 + timedelta(hours=3), first_seen=t0 + timedelta(hours=2)
+    )
+    not_derived = ProbeFact("scrape-target", "d", last_seen=t0, first_seen=t0)
+    assert superseded([a, b]) == {}
+    assert superseded([a, b, later, other_dep, not_derived]) == {
+        "host-1-aaaaaa": "host-3-cccccc",
+        "host-2-bbbbbb": "host-3-cccccc",
+    }
 
 
 def test_a_resent_batch_raises_nothing_twice(env: Env) -> None:

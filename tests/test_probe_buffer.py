@@ -217,7 +217,11 @@ def test_noop_probe_until_configured(fake_collector: FakeCollector) -> None:
         # Reconfiguring shuts the previous probe down (flushing it) and installs the new one.
         replacement = configure_probe(settings(fake_collector))
         assert replacement is not probe and probe.stats()["shut_down"]
-        assert [e.probe_id for e in fake_collector.events()] == [probe.probe_id]
+        sent = fake_collector.events()
+        assert [(e.probe_id, ev.kind_of(e)) for e in sent] == [
+            (probe.probe_id, "pool.sample"),
+            (probe.probe_id, "probe.stopped"),
+        ]
     finally:
         assert shutdown_probe(2.0)
     assert get_probe() is noop

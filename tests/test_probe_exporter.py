@@ -516,9 +516,10 @@ def test_shutdown_during_an_outage_spools_what_it_cannot_send(
     for i in range(6):
         pool(probe, used=i)
     assert probe.shutdown(2)
-    assert probe.stats()["spooled"]["events"] == 6  # released; the files stay on disk
+    # the six samples and probe.stopped; released, the files stay on disk
+    assert probe.stats()["spooled"]["events"] == 7
     files = spool_files(tmp_path / "spool")
-    assert sum(len(json.loads(f.read_bytes())) for f in files) == 6
+    assert sum(len(json.loads(f.read_bytes())) for f in files) == 7
 
 
 def test_shutdown_without_a_spool_counts_what_it_could_not_send(
@@ -529,7 +530,7 @@ def test_shutdown_without_a_spool_counts_what_it_could_not_send(
     for i in range(4):
         pool(probe, used=i)
     assert not probe.shutdown(1)
-    assert probe.stats()["dropped"]["shutdown"] == 4
+    assert probe.stats()["dropped"]["shutdown"] == 5  # the four samples and probe.stopped
     assert not exporter_threads()
 
 
@@ -549,10 +550,11 @@ def test_a_new_probe_adopts_the_spool_a_stopped_probe_left(
 
     fake_collector.start()
     second = make_probe(settings(fake_collector, probe_spool_dir=spool_dir))
-    wait_for(lambda: len(delivered(fake_collector, first.probe_id)) == 10, what="the adoption")
+    wait_for(lambda: len(delivered(fake_collector, first.probe_id)) == 11, what="the adoption")
     events = delivered(fake_collector, first.probe_id)
-    assert [e.seq for e in events] == list(range(1, 11))
+    assert [e.seq for e in events] == list(range(1, 12))
     assert used_tokens(events) == list(range(10))
+    assert isinstance(events[-1], ev.ProbeStopped)  # its shutdown, delivered last
     assert second.stats()["adopted_files"] == 3
     wait_for(lambda: second.stats()["spooled"]["files"] == 0, what="the spool to drain")
     assert sorted(p.name for p in spool_dir.iterdir()) == [second.stats()["probe_id"]]
@@ -630,5 +632,5 @@ def test_a_forked_child_gets_its_own_probe_id_and_seq_space(
     assert set(by_probe) == {parent_id, child["id"]}
     assert [e.seq for e in by_probe[parent_id]] == list(range(1, 8))
     assert used_tokens(by_probe[parent_id]) == [0, 1, 2, 3, 4, 10, 11]
-    assert [e.seq for e in by_probe[child["id"]]] == [1, 2, 3]
+    assert [e.seq for e in by_probe[child["id"]]] == [1, 2, 3, 4]  # 4: probe.stopped
     assert used_tokens(by_probe[child["id"]]) == [50, 51, 52]

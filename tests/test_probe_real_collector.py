@@ -131,8 +131,8 @@ def test_one_invalid_event_is_dead_lettered_and_everything_else_stored_once(
     stats = probe.stats()
     assert stats["dropped"]["rejected_by_collector"] == 1
     assert sum(stats["dropped"].values()) == 1
-    # 29 samples plus the drop report that explains the one missing seq.
-    assert probe_row(db, probe.probe_id) == (31, 30, 0)
+    # 29 samples, the drop report that explains the one missing seq, and probe.stopped.
+    assert probe_row(db, probe.probe_id) == (32, 31, 0)
     assert seq_gaps(db, probe.probe_id) == [(16, 16)]
     [(kept, note)] = dead_letters(spool_dir)
     assert [(e["seq"], e["used_tokens"]) for e in kept] == [(16, -5)]
@@ -180,8 +180,9 @@ def test_an_adopted_batch_refused_with_403_is_dead_lettered_after_the_cap(
     assert stats["adopted_files"] == 3
     assert stats["dropped"]["rejected_by_collector"] == 6  # the orphan's events, not ours
     assert [used for _, used in pool_rows(db, probe.probe_id)] == list(range(25))
-    # Foreign drops are not this probe's to report: its own stream has no gap at all.
-    assert probe_row(db, probe.probe_id) == (25, 25, 0)
+    # Foreign drops are not this probe's to report: its own stream has no gap at all (25
+    # samples, then probe.stopped).
+    assert probe_row(db, probe.probe_id) == (26, 26, 0)
     assert seq_gaps(db, probe.probe_id) == []
     assert pool_rows(db, orphan_id) == [(1, 1)]
     kept = dead_letters(spool_dir)
@@ -215,7 +216,7 @@ def test_restarts_with_a_fixed_probe_id_root_store_every_event(
     for run, probe_id in enumerate(ids):
         rows = pool_rows(db, probe_id)
         assert rows == [(i + 1, run * 100 + i) for i in range(15)]
-        assert probe_row(db, probe_id) == (15, 15, 0)
+        assert probe_row(db, probe_id) == (16, 16, 0)  # and seq 16: probe.stopped
     with db.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM pool_samples")).scalar_one() == 30
 
@@ -232,3 +233,27 @@ def test_the_collector_answers_what_the_exporter_expects(collector: Collector) -
     assert [d["index"] for d in bad.json()["error"]["details"]] == [0]
     with httpx.Client(base_url=collector.url) as client:
         assert client.post("/v1/events", content=b"[]").status_code == 401
+
+
+def test_a_clean_shutdown_tells_the_collector_and_a_restart_supersedes_the_old_probe(
+    collector: Collector, probes: list[Probe]
+) -> None:
+    """The last event of a probe that shuts down is probe.stopped; the collector's probe
+    list shows when. An engine restarted on the same host (same id root) whose old probe
+    died without a word shows as superseded by the new one."""
+    crashed = Probe(probe_settings(collector, collector.ingest, probe_id="engine-7"))
+    probes.append(crashed)
+    assert emit_pool(crashed, 1) and crashed.force_flush(10)
+    # it goes quiet without shutting down (as a killed engine does): no probe.stopped
+    restarted = Probe(probe_settings(collector, collector.ingest, probe_id="engine-7"))
+    probes.append(restarted)
+    assert emit_pool(restarted, 2) and restarted.force_flush(10)
+    assert restarted.shutdown(5)
+    with collector.client(collector.admin) as h:
+        r = h.get("/v1/probes")
+    assert r.status_code == 200, r.text
+    mine = {p["probe_id"]: p for p in r.json() if p["probe_id"].startswith("engine-7-")}
+    old, new = mine[crashed.probe_id], mine[restarted.probe_id]
+    assert old["stopped_at"] is None and old["superseded_by"] == restarted.probe_id
+    assert new["stopped_at"] is not None and new["superseded_by"] is None
+    assert new["max_seq"] == 2 and new["missing"] == 0

@@ -315,7 +315,9 @@ def test_the_loop_sends_config_on_change_and_loses_nothing_while_the_target_is_d
         (probe,) = [p for p in c.get("/v1/probes").json() if p["deployment_id"] == "loop"]
         history = c.get("/v1/deployments/loop/config-history").json()
     assert probe["probe_id"] == out["probe_id"] and probe["probe_id"].startswith("scrape-loop-")
-    assert (probe["max_seq"], probe["accepted"], probe["gaps"]) == (out["events"],) * 2 + ([],)
+    # ... and the probe's probe.stopped when the loop ended
+    assert (probe["max_seq"], probe["accepted"], probe["gaps"]) == (out["events"] + 1,) * 2 + ([],)
+    assert probe["stopped_at"] is not None
     assert [h["pool_capacity_tokens"] for h in history] == [681_280, 4_194_304]
     assert {r.capacity_tokens for r in rows} == {681_280, 4_194_304}
 

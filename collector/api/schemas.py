@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class ErrorBody(BaseModel):
@@ -122,6 +122,12 @@ class ProbeOut(BaseModel):
     reported_drops: dict[str, int]
     first_seen: datetime
     last_seen: datetime
+    stopped_at: datetime | None = Field(
+        None, description="When the probe said it shut down cleanly (probe.stopped)"
+    )
+    superseded_by: str | None = Field(
+        None, description="The probe that took its place when its engine restarted"
+    )
 
 
 class Health(BaseModel):

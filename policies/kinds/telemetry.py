@@ -12,7 +12,7 @@ import msgspec
 
 from engine_probe import events as ev
 from policies.durations import format_duration, parse_duration
-from policies.facts import BatchFacts, TimerFacts
+from policies.facts import BatchFacts, TimerFacts, superseded
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
 from policies.signals import Signal
@@ -35,7 +35,9 @@ class TelemetryGap(RuleKind):
     default_resolve_after_s = 3600.0
     description = (
         "Seq gaps (events lost), requests without prompt/completion token counts or model "
-        "ID, and probes silent for longer than silent_after (forgotten after forget_after)."
+        "ID, and probes silent for longer than silent_after (forgotten after forget_after); "
+        "a probe that stopped cleanly, or was replaced by its restarted engine's new probe, "
+        "is not silent."
     )
 
     def check(self, params: TelemetryParams) -> None:
@@ -98,8 +100,22 @@ class TelemetryGap(RuleKind):
 
     def on_timer(self, rule: Rule, facts: TimerFacts, now: datetime) -> Iterable[Signal]:
         p: TelemetryParams = rule.params
+        successors = superseded(facts.probes)
         for probe in facts.probes:
             quiet = (now - probe.last_seen).total_seconds()
+            # A probe that said it stopped, or whose engine came back under a new probe, is
+            # not silent: it left no events behind that kvwatch could be missing.
+            successor = successors.get(probe.probe_id)
+            if probe.stopped_at is not None:
+                why = "stopped cleanly"
+            elif successor is not None:
+                why = f"replaced by probe {successor}"
+            else:
+                why = None
+            summary = (
+                f"probe {probe.probe_id} of {probe.deployment_id} silent for "
+                f"{format_duration(round(quiet))} (limit {format_duration(p.silent_after_s)})"
+            )
             yield rule.signal(
                 "state",
                 {
@@ -107,10 +123,7 @@ class TelemetryGap(RuleKind):
                     "probe_id": probe.probe_id,
                     "problem": "silent",
                 },
-                firing=p.silent_after_s < quiet <= p.forget_after_s,
+                firing=why is None and p.silent_after_s < quiet <= p.forget_after_s,
                 value=round(quiet, 1),
-                annotations={
-                    "summary": f"probe {probe.probe_id} of {probe.deployment_id} silent for "
-                    f"{format_duration(round(quiet))} (limit {format_duration(p.silent_after_s)})"
-                },
+                annotations={"summary": summary if why is None else f"{summary}; {why}"},
             )
