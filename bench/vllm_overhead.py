@@ -37,8 +37,9 @@ and nothing else. Export is the exporter thread's work, off the engine's thread 
 a running exporter with no collector would retry with backoff on its own thread, which is
 not the engine core's cost, and on this 2-core machine would only add noise.
 
-**Timing**: ``time.thread_time()`` (the engine-core thread's CPU) around what the engine
-core does per step, all of which the adapter hooks: the step's arrivals (``add_request``),
+**Timing**: ``time.process_time()`` (the process's CPU: the engine-core thread's and any
+torch worker thread's; the probe starts no thread here) around what the engine core does per
+step, all of which the adapter hooks: the step's arrivals (``add_request``),
 the aborts between steps (``finish_requests``), ``schedule()``, the aborts while the step
 runs and ``update_from_output()``. Building the model runner's output is the benchmark's
 and is not timed. Garbage collection is off while a run is timed (collected before). Runs
@@ -357,7 +358,7 @@ def run_once(
             by.setdefault(s.arrive + s.abort_after, []).append(s.rid)
     last_arrival = max(arrivals)
     index = {s.rid: s.index for s in specs}
-    thread_time = time.thread_time
+    cpu_time = time.process_time
     aborted = RequestStatus.FINISHED_ABORTED
     digest = hashlib.sha256()
     cpu = 0.0
@@ -374,13 +375,13 @@ def run_once(
                     break
                 step = min(k for k in arrivals if k >= step)  # idle until the next arrival
             live_between = [r for r in aborts_between.get(step, ()) if r in sched.requests]
-            t0 = thread_time()
+            t0 = cpu_time()
             for r in arrivals.get(step, ()):
                 sched.add_request(r)
             if live_between:
                 sched.finish_requests(live_between, aborted)
             out = sched.schedule()
-            t1 = thread_time()
+            t1 = cpu_time()
             # the model runner's part (not timed)
             ids = list(out.num_scheduled_tokens)
             sampled: list[list[int]] = []
@@ -396,11 +397,11 @@ def run_once(
                 sampled_token_ids=sampled,
             )
             live_mid = [r for r in aborts_mid.get(step, ()) if r in sched.requests]
-            t2 = thread_time()
+            t2 = cpu_time()
             if live_mid:
                 sched.finish_requests(live_mid, aborted)
             sched.update_from_output(out, mro)
-            t3 = thread_time()
+            t3 = cpu_time()
             cpu += (t1 - t0) + (t3 - t2)
             # bookkeeping (not timed)
             steps += 1
