@@ -206,8 +206,8 @@ def build_workload(n: int, seed: int) -> list[Spec]:
 
 
 def write_model_config(path: Path) -> None:
-    """A 2-layer Llama config (config only: the scheduler never loads weights), as
-    tests/engines/vllm/conftest.py's."""
+    """A 2-layer Llama config (config only: the scheduler never loads weights); the in-process
+    vLLM tests (tests/engines/vllm/conftest.py) use it too."""
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

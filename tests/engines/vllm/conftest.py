@@ -10,7 +10,6 @@ vLLM).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -73,25 +72,10 @@ class RecordingProbe(BaseProbe):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama config directory (config only: the scheduler never loads weights)."""
+    from bench.vllm_overhead import write_model_config  # one definition: the bench's
+
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "dtype": "float32",
-        "tie_word_embeddings": False,
-    }
-    (path / "config.json").write_text(json.dumps(config))
+    write_model_config(path)
     return path
 
 
