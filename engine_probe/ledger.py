@@ -368,26 +368,57 @@ class PageLedger:
 
     # ------------------------------------------------------------------ operations
 
-    def alloc_counts(self, pages: PageIds, request: int, tenant: int) -> Tensor:
+    def alloc_counts(self, pages: PageIds, request: Tensor | int, tenant: Tensor | int) -> Tensor:
         """:meth:`alloc` without the host sync: returns the counts as an int64 tensor of
         shape (3,) on the ledger's device: ``[reused, cross_tenant, zeroized]``. Lets the
-        adapter sum a whole step's allocations before syncing once."""
-        _check_handle(request, "request")
-        _check_handle(tenant, "tenant")
+        adapter sum a whole step's allocations before syncing once.
+
+        ``request`` and ``tenant`` are one handle each, or integer tensors like ``pages``
+        (one owner per page: several requests' allocations in one call, as a host-side
+        engine's batched operations make; pages must then be distinct). The tensor form
+        copies the handles to the host once, to remember each request's tenant."""
         self._settle()
         p = self._index(pages)
+        rt: Tensor | int
+        tt: Tensor | int
+        if isinstance(request, Tensor) or isinstance(tenant, Tensor):
+            shape = p.shape
+            r = self._handles(request, shape, "request")
+            t = self._handles(tenant, shape, "tenant")
+            rt = r if isinstance(r, Tensor) else torch.full_like(p, r)
+            tt = t if isinstance(t, Tensor) else torch.full_like(p, t)
+            if bool(((rt < 0) | (tt < 0)).any()):
+                raise ValueError("request and tenant handles must be non-negative")
+        else:
+            rt = _check_handle(request, "request")
+            tt = _check_handle(tenant, "tenant")
         writer = self._writer_rows.index_select(0, p)
         zeroized = writer[:, _ZERO] != 0
         holds = (writer[:, _REQ] != NEVER) & ~zeroized
-        cross = holds & (writer[:, _TEN] != tenant)
+        cross = holds & (writer[:, _TEN] != tt)
         counts = torch.stack([holds.sum(), cross.sum(), zeroized.sum()])
-        self._owner_req.index_fill_(0, p, request)
-        self._owner_ten.index_fill_(0, p, tenant)
+        if isinstance(rt, Tensor):
+            assert isinstance(tt, Tensor)
+            self._owner_req.index_copy_(0, p, rt)
+            self._owner_ten.index_copy_(0, p, tt)
+        else:
+            assert isinstance(tt, int)
+            self._owner_req.index_fill_(0, p, rt)
+            self._owner_ten.index_fill_(0, p, tt)
         self._gen.index_add_(0, p, torch.ones_like(p))
         self._set_read_state(p, NOBODY, 0)
         # invariant 6 (a no-op unless the page was still valid: a double allocation)
         self._prev_rows.index_copy_(0, p, writer)
-        self._remember_tenant(request, tenant)
+        if isinstance(rt, Tensor):
+            assert isinstance(tt, Tensor)
+            last = None
+            for pair in zip(rt.tolist(), tt.tolist(), strict=True):
+                if pair != last:
+                    self._remember_tenant(*pair)
+                    last = pair
+        else:
+            assert isinstance(tt, int)
+            self._remember_tenant(rt, tt)
         return counts
 
     def alloc(self, pages: PageIds, request: int, tenant: int) -> ReuseStats:
