@@ -484,6 +484,29 @@ def test_alloc_counts_is_sync_free_variant() -> None:
     assert counts.tolist() == [1, 1, 1]
 
 
+def test_alloc_counts_with_one_owner_per_page_equals_one_call_per_owner() -> None:
+    """A batch of several requests' allocations in one call (a host-side engine's
+    deferred operations) leaves the ledger as the calls one by one would."""
+
+    def history(led: PageLedger) -> None:
+        led.alloc(ids(0, 1, 2), 1, 10)
+        led.write(ids(0, 1), 1)
+        led.free(ids(0, 1, 2))
+        led.free(ids(2), zeroized=True)
+
+    one_by_one, batched = PageLedger(8), PageLedger(8)
+    history(one_by_one)
+    history(batched)
+    a = one_by_one.alloc_counts(ids(0, 3), 2, 20) + one_by_one.alloc_counts(ids(1, 2), 3, 10)
+    b = batched.alloc_counts(ids(0, 3, 1, 2), ids(2, 2, 3, 3), ids(20, 20, 10, 10))
+    assert b.tolist() == a.tolist() == [2, 1, 1]
+    assert batched.snapshot() == one_by_one.snapshot()
+    assert [batched.tenant_of(r) for r in (2, 3)] == [20, 10]
+    assert not batched.check_invariants()
+    with pytest.raises(ValueError, match="non-negative"):
+        batched.alloc_counts(ids(4), ids(-1), 1)
+
+
 def test_tenant_memory_is_bounded() -> None:
     led = PageLedger(4, tenant_capacity=2)
     for r in range(3):
@@ -1273,3 +1296,52 @@ class TestLedgerOpsCuda(LedgerMachineCuda.TestCase):
 @needs_cuda
 class TestBuggyEngineCuda(BuggyEngineMachineCuda.TestCase):
     settings = ON_CUDA
+
+
+# ------------------------------------------- deferred operations (a host-side engine's)
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_pending_ops_flushed_leave_the_ledger_as_applying_each_op_in_turn(seed: int) -> None:
+    """``PendingLedgerOps``' layering and merging against the ledger applied op by op:
+    random allocations (double ones too), owner's and foreign writes, appends, holes and
+    rewrites, flushed at random points; same state, same reuse counts."""
+    from engine_probe.adapters.ledger_ops import PendingLedgerOps
+
+    rng = random.Random(seed)
+    pages, ps = 6, 8
+    direct, deferred = PageLedger(pages, page_size=ps), PageLedger(pages, page_size=ps)
+    ops = PendingLedgerOps(deferred)
+    want = torch.zeros(3, dtype=torch.long)
+    got = torch.zeros(3, dtype=torch.long)
+    tenants = {r: r % 3 for r in range(5)}
+    fill = [0] * pages  # a writer's next slot per page, so that appends are common
+    for _ in range(rng.randint(1, 60)):
+        roll = rng.random()
+        if roll < 0.25:
+            chosen = rng.sample(range(pages), rng.randint(1, 3))
+            r = rng.randrange(5)
+            want += direct.alloc_counts(ids(*chosen), r, tenants[r])
+            ops.alloc(chosen, r, tenants[r])
+            for p in chosen:
+                fill[p] = 0
+        elif roll < 0.9:
+            p, r = rng.randrange(pages), rng.randrange(5)
+            # mostly appends, sometimes a hole or a rewrite
+            lo = fill[p] if rng.random() < 0.7 and fill[p] < ps else rng.randrange(ps)
+            hi = rng.randint(lo + 1, min(lo + 3, ps))
+            fill[p] = hi
+            direct.write(ids(p), r, start=lo, end=hi, tenant=tenants[r])
+            ops.write(p, r, lo, hi, tenants[r])
+        else:
+            counts = ops.flush()
+            if counts is not None:
+                got += counts
+            assert deferred.snapshot() == direct.snapshot()
+    counts = ops.flush()
+    if counts is not None:
+        got += counts
+    assert ops.pending == 0 and ops.flush() is None
+    assert deferred.snapshot() == direct.snapshot()
+    assert got.tolist() == want.tolist()
+    assert deferred.check_invariants() == []
