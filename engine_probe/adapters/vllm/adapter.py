@@ -24,8 +24,10 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   its completion tokens every chunk's output; closed by its client while it waits for
   input, vLLM aborts it, and the adapter reports ``completed``;
 * ``pool.sample`` at attach and every ``pool_sample_every`` steps;
-* ``page.reuse`` per step whose allocations handed out blocks still holding another
-  request's KV;
+* ``page.reuse`` when allocations that handed out blocks still holding another request's
+  KV are applied to the ledger (they are gathered: at most every ``flush_every`` steps,
+  64 by default, before any read check, when the scheduler runs out of requests and at
+  shutdown), with their summed counts;
 * ``prefix_cache.hit`` when a request is admitted with blocks another tenant's request
   computed (``salted``: the request carried a ``cache_salt``, so the hit means the two
   tenants share a salt). Hits on the same tenant's blocks are counted, not sent: every turn
@@ -52,7 +54,12 @@ events without the ledger). A block allocated fresh to request R (``allocate_slo
 blocks past R's prefix-cache hits) is ``alloc``-ed to R: R is its *computing* request.
 Every scheduled step writes R's positions ``[computed, computed + scheduled)`` and reads
 ``[0, computed + scheduled)`` of R's block table (attention); the adapter applies both when
-the step's output reaches ``update_from_output``, writes first.
+the step's output reaches ``update_from_output``, writes first. The writes are gathered
+(:class:`~engine_probe.adapters.ledger_ops.PendingLedgerOps`) and the ledger checks only
+the reads it cannot already vouch for: a step that only appends to R's own blocks from
+within the prefix R is known to hold valid keeps every read in that prefix (see
+:class:`VllmAdapter`'s invariant 4, and what cuts the prefix: a block handed out again
+or written by another request while R holds it, a table that shrank).
 
 A request finished from outside while a step that schedules it runs was still run by that
 step. vLLM 0.32's ``EngineCore.step`` runs the model, then ``_process_aborts_queue`` (the
@@ -99,18 +106,18 @@ its ``KVWATCH_TEST_FAULT_INJECTION`` flag): the first request of that tenant has
 left out of the ledger, so reads of those blocks are stale reads: the positive control of
 kvwatch's live tests. Never in production.
 
-Cost: the scheduler is Python and loops over blocks itself; the adapter adds a few host
-dict operations per allocated block and, per step, one batched ledger write and one batched
-ledger check over the scheduled requests' block tables (one host sync) plus the reuse counts
-(one more). Measured by ``bench/vllm_overhead.py``: about twice the probe-off scheduler's own
-CPU per step (~240 µs on ~125 µs on the development VM), far above its 5% goal; see
-``bench/README.md`` for what it is made of.
+Cost: the scheduler is Python and loops over blocks itself; the adapter adds, per
+``allocate_slots`` call, two reads of the request's table length (more only when blocks
+were added), and per scheduled request and step, a few dict operations (its own blocks'
+owner, the gathered write); the ledger's torch calls come only with a flush (a few per
+flush) and with the read checks of requests that need one (prefix-cache hits at
+admission, KV loads, resumption after preemption). Measured by ``bench/vllm_overhead.py``
+against the scheduler alone; see ``bench/README.md``.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -119,6 +126,7 @@ from typing import Any, Final
 import torch
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
+from engine_probe.adapters.ledger_ops import PendingLedgerOps, longs
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.events import (
     EngineConfig,
@@ -179,27 +187,43 @@ class _Req:
     earlier_completion_tokens: int = 0
     #: TEST ONLY (fault injection): its KV writes are not recorded
     lose_writes: bool = False
-
-
-@dataclass(eq=False)
-class _Writes:
-    """KV writes gathered for one ledger call: ``pages[i]`` written over slots
-    ``[lo[i], hi[i])``; ``segments``: (writer handle, first, end) index ranges, in order."""
-
-    pages: list[int] = field(default_factory=list)
-    lo: list[int] = field(default_factory=list)
-    hi: list[int] = field(default_factory=list)
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    #: positions ``[0, valid_upto)`` of its block table whose reads the ledger holds valid
+    #: (checked, or written by this request itself since; see ``VllmAdapter``)
+    valid_upto: int = 0
+    #: ids of the leading blocks of its table that ``valid_upto`` covers (any part of),
+    #: each registered in the adapter's ``_holders``
+    covered: list[int] = field(default_factory=list)
 
 
 class VllmAdapter:
     """Observer of one vLLM v1 ``Scheduler`` (see the module docstring).
 
-    Invariants: ``_reqs`` holds exactly the requests the scheduler has admitted and not yet
-    finished since the attach; ``_computed_by`` maps every block the adapter saw allocated
-    fresh to the handle of the request it was allocated to (its computing request), until
-    vLLM hands the block out fresh again; ``_pending_reuse`` is None outside a step's
-    allocations-to-sync window.
+    Invariants:
+
+    1. ``_reqs`` holds exactly the requests the scheduler has admitted and not yet finished
+       since the attach.
+    2. ``_computed_by`` maps every block the adapter saw allocated fresh to the handle of the
+       request it was allocated to (its computing request), until vLLM hands the block out
+       fresh again. It is the ledger's owner of the block once ``_ops`` is flushed.
+    3. The ledger, with ``_ops`` applied, is what applying every allocation and write the
+       adapter saw, in order, would make it.
+    4. For every live request R, a read by R of positions ``[0, R.valid_upto)`` of its block
+       table is valid in the ledger (with ``_ops`` applied), and ``R.covered`` lists the
+       first ``ceil(R.valid_upto / block_size)`` blocks of its table, each with R in
+       ``_holders[block]`` at its index.
+
+    Invariant 4 is why most steps check no read in the ledger: a step that only writes
+    R's own blocks (``_computed_by`` names R) from a position within ``[0, valid_upto]``
+    extends R's valid prefix to the step's end, by the ledger's own rule (an owner writing
+    from within its page's written prefix extends the prefix: ``PageLedger.write``), and its
+    reads ``[0, end)`` then lie in it. Anything else is checked in the ledger: a request's
+    first step after prefix-cache hits, a KV load, a block not its own, a hole, a failed
+    load in the step, or a finished request's in-flight step. What could make a valid read
+    stale, the ledger's only ways, keeps invariant 4: a block allocated fresh, or written by
+    a request that does not own it, cuts every holder's valid prefix to before that block
+    (in a correct vLLM neither happens to a block a live request holds: this is how the
+    ledger catches it when it does); a block table that shrank (preemption frees it, and the
+    next allocation finds it shorter) cuts its request's prefix to what is left.
     """
 
     def __init__(
@@ -212,10 +236,14 @@ class VllmAdapter:
         pool_sample_every: int = 16,
         ledger: bool = True,
         handle_capacity: int = 1 << 16,
+        flush_every: int = 64,
         test_lose_kv_write_of_tenant: str | None = None,
     ) -> None:
         if pool_sample_every < 1:
             raise ValueError("pool_sample_every must be >= 1")
+        if flush_every < 1:
+            raise ValueError("flush_every must be >= 1")
+        self.flush_every = flush_every
         self._probe = probe
         self.deployment_id = deployment_id
         self.node = safe_id(node, "node")
@@ -245,6 +273,17 @@ class VllmAdapter:
             else None
         )
         self._null_block = int(scheduler.kv_cache_manager.block_pool.null_block.block_id)
+        # The first (only) KV cache group's request id -> its blocks (vLLM's own lists, not
+        # copies: KVCacheManager.get_block_ids builds new lists on every call); None where
+        # this vLLM keeps them elsewhere, and get_block_ids serves
+        self._tables: Mapping[str, list[Any]] | None = _block_tables(scheduler)
+        # allocations and writes not applied to the ledger yet (invariant 3)
+        self._ops: PendingLedgerOps | None = (
+            PendingLedgerOps(self.ledger) if self.ledger is not None else None
+        )
+        # block -> {handle: (request, index of the block in its table)} of the live requests
+        # whose valid prefix covers it (invariant 4)
+        self._holders: dict[int, dict[int, tuple[_Req, int]]] = {}
         self._reqs: dict[str, _Req] = {}
         # handle → (request id, tenant), for naming previous writers after they finished
         self._names: OrderedDict[int, tuple[str, str]] = OrderedDict()
@@ -257,6 +296,7 @@ class VllmAdapter:
         # the id of the streaming-input session an add_request is closing, during that call
         self._closing: str | None = None
         self._computed_by: dict[int, int] = {}
+        # reuse counts of allocations applied to the ledger, not yet sent as page.reuse
         self._pending_reuse: torch.Tensor | None = None
         # scheduler outputs schedule() handed out and update_from_output() has not had yet
         # (one in vLLM's plain step, up to its batch queue's size with async scheduling or
@@ -277,6 +317,8 @@ class VllmAdapter:
             "prefix_hits_same_tenant": 0,
             "prefix_hits_unknown_owner": 0,
             "failed_loads": 0,
+            "read_checks": 0,
+            "ledger_flushes": 0,
         }
         # vLLM knows no tenant handle's name apart from its requests: the recorded tenant
         self._stale = StaleReadEmitter(
@@ -306,6 +348,20 @@ class VllmAdapter:
             used_tokens=(usable - free) * bs,
             free_tokens=free * bs,
         )
+
+    def flush(self) -> None:
+        """Apply the allocations and writes gathered since the last flush to the ledger, and
+        send their reuse counts as one ``page.reuse``. The adapter flushes before every read
+        check it needs the ledger for, every ``flush_every`` steps, when the scheduler runs
+        out of requests and at shutdown; call it before reading the ledger yourself."""
+        ops = self._ops
+        if ops is None or not ops.pending:
+            return
+        self.counters["ledger_flushes"] += 1
+        counts = ops.flush()
+        if counts is not None:
+            pending = self._pending_reuse
+            self._pending_reuse = counts if pending is None else pending + counts
 
     # -- wrapping ------------------------------------------------------------------------
 
@@ -352,6 +408,8 @@ class VllmAdapter:
             out = finish_requests(request_ids, *args, **kwargs)
             self._guard(self._on_finished, reqs)
             self._stop_finishes.clear()
+            if request_ids is None:  # vLLM's shutdown: nothing gathered may stay unsent
+                self._guard(self._after_step, True)
             return out
 
         def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -361,7 +419,7 @@ class VllmAdapter:
             self._guard(self._drop_finished_in_flight)
             out = update_from_output(scheduler_output, model_runner_output)
             self._guard(self._on_finished, reqs)
-            self._guard(self._after_step)
+            self._guard(self._after_step, False)
             return out
 
         def allocate_slots_hook(
@@ -373,8 +431,10 @@ class VllmAdapter:
             num_external_computed_tokens: int = 0,
             **kwargs: Any,
         ) -> Any:
-            before: list[int] = []
-            self._guard(self._held_before, request, before)
+            # vLLM calls this for every scheduled request of every step: the hook's own work is
+            # inline, and a request that only fits its next tokens into the blocks it holds
+            # costs two length reads (one before, one after)
+            held = self._guard(self._held_before, request)
             out = allocate_slots(
                 request,
                 num_new_tokens,
@@ -384,12 +444,20 @@ class VllmAdapter:
                 num_external_computed_tokens=num_external_computed_tokens,
                 **kwargs,
             )
-            if out is not None and before:
+            if (
+                out is not None
+                and held is not None
+                and (
+                    new_computed_blocks is not None
+                    or num_external_computed_tokens
+                    or self._guard(self._num_blocks, request.request_id) != held[0]
+                )
+            ):
                 self._guard(
                     self._on_allocated,
                     request,
-                    before[0],
-                    before[1],
+                    held[0],
+                    held[1],
                     num_new_computed_tokens,
                     new_computed_blocks,
                     num_external_computed_tokens,
@@ -461,14 +529,13 @@ class VllmAdapter:
         writes needs (their block table is freed with them)."""
         if not self._in_flight:
             return
-        mgr = self.scheduler.kv_cache_manager
         for request in finishing:
             rid = request.request_id
             req = self._reqs.get(rid)
             if req is None or request.is_finished():
                 continue
             if any(rid in o.num_scheduled_tokens for o in self._in_flight):
-                self._finished_in_flight[rid] = (req, list(mgr.get_block_ids(rid)[0]))
+                self._finished_in_flight[rid] = (req, self._block_ids(rid))
 
     def _drop_finished_in_flight(self) -> None:
         """Forget finished requests no step in flight schedules any more."""
@@ -478,14 +545,22 @@ class VllmAdapter:
         for rid in list(kept):
             if not any(rid in o.num_scheduled_tokens for o in self._in_flight):
                 req, _ = kept.pop(rid)
+                self._cut(req, 0)
                 self._stale.forget(req.handle)
 
-    def _held_before(self, request: Any, out: list[int]) -> None:
-        """[blocks the request holds, its computed tokens], before an allocation."""
+    def _held_before(self, request: Any) -> tuple[int, int] | None:
+        """(blocks the request holds, its computed tokens) before an allocation; None for a
+        request the adapter does not track. A table shorter than the request's valid prefix
+        covers was freed meanwhile (preemption): the prefix is cut to what is left
+        (invariant 4)."""
         rid = request.request_id
-        mgr = self.scheduler.kv_cache_manager
-        held = len(mgr.get_block_ids(rid)[0]) if rid in self._reqs else 0
-        out.extend((held, int(request.num_computed_tokens)))
+        req = self._reqs.get(rid)
+        if req is None:
+            return None
+        held = self._num_blocks(rid)
+        if held < len(req.covered):
+            self._cut(req, held)
+        return held, int(request.num_computed_tokens)
 
     def _session_state(self, request: Any) -> str | None:
         """None for a new request; for the id of one the scheduler holds (the next chunk
@@ -554,20 +629,23 @@ class VllmAdapter:
         hit_blocks: Any,
         num_external: int,
     ) -> None:
-        req = self._reqs.get(request.request_id)
+        rid = request.request_id
+        req = self._reqs.get(rid)
         if req is None:
             return
-        ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
         hits: list[int] = list(hit_blocks.get_block_ids()[0]) if hit_blocks is not None else []
+        ids = self._block_ids(rid)
         hits = [b for b in hits if b != self._null_block]
         hit_set = set(hits)
         fresh = [b for b in ids[held:] if b != self._null_block and b not in hit_set]
         if hits:
             self._on_hits(req, hits, num_hit_tokens)
-        if fresh and self.ledger is not None:
-            counts = self.ledger.alloc_counts(_longs(fresh), req.handle, req.tenant_handle)
-            pending = self._pending_reuse
-            self._pending_reuse = counts if pending is None else pending + counts
+        if fresh and self._ops is not None:
+            holders = self._holders
+            for b in fresh:
+                if b in holders:  # a block a live request holds, handed out again
+                    self._invalidate(b)
+            self._ops.alloc(fresh, req.handle, req.tenant_handle)
         for b in fresh:
             self._computed_by[b] = req.handle
             req.grants.pop(b, None)
@@ -620,49 +698,102 @@ class VllmAdapter:
         :meth:`_on_finished` after vLLM's update."""
         self._steps += 1
         requests = self.scheduler.requests
-        reqs.extend(
-            r
-            for r in (requests.get(rid) for rid in scheduler_output.num_scheduled_tokens)
-            if r is not None
-        )
+        scheduled = scheduler_output.num_scheduled_tokens
+        reqs.extend(r for r in (requests.get(rid) for rid in scheduled) if r is not None)
         kvo = getattr(model_runner_output, "kv_connector_output", None)
         invalid: set[int] = set(kvo.invalid_block_ids or ()) if kvo is not None else set()
         failed: set[str] = set(kvo.failed_recving or ()) if kvo is not None else set()
         received: set[str] = set(kvo.finished_recving or ()) if kvo is not None else set()
-        mgr = self.scheduler.kv_cache_manager
         for rid in received:
             req = self._reqs.get(rid)
             if req is not None and req.pending_load is not None and rid not in failed:
-                self._confirm_load(req, mgr.get_block_ids(rid)[0], invalid)
+                self._confirm_load(req, self._block_ids(rid), invalid)
         for rid in failed:
             req = self._reqs.get(rid)
             if req is not None and req.pending_load is not None:
                 req.pending_load = None
                 self.counters["failed_loads"] += 1
+        if self.ledger is None:
+            return
         starts = _computed_at_schedule(scheduler_output)
-        checks: list[tuple[_Req, list[int], int]] = []
-        writes = _Writes()
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            if self.ledger is None:
-                break
-            req = self._reqs.get(rid)
-            if req is not None:
-                blocks = list(mgr.get_block_ids(rid)[0])
-            elif rid in self._finished_in_flight:
-                req, blocks = self._finished_in_flight[rid]
-                blocks = self._still_held(req, blocks)
-            else:
-                continue
+        checks: list[tuple[_Req, list[int], int, bool]] = []
+        tables = self._tables
+        for rid, n in scheduled.items():
             start = starts.get(rid)
             if start is None:
                 continue
+            end = start + int(n)
+            req = self._reqs.get(rid)
+            if req is None:
+                kept = self._finished_in_flight.get(rid)
+                if kept is None:
+                    continue
+                req, at_finish = kept
+                blocks = self._still_held(req, at_finish)
+                if req.pending_load is not None and req.pending_load[1] <= start:
+                    self._confirm_load(req, blocks, invalid)
+                self._write(req, blocks, start, end, invalid)
+                checks.append((req, blocks, end, False))
+                continue
             if req.pending_load is not None and req.pending_load[1] <= start:
-                self._confirm_load(req, blocks, invalid)  # a synchronous load, this step
-            self._write(req, blocks, start, start + int(n), invalid, writes)
-            checks.append((req, blocks, start + int(n)))
-        self._apply(writes)  # every step write, then the reads
+                self._confirm_load(req, self._block_ids(rid), invalid)  # synchronous, this step
+            if (
+                start <= req.valid_upto
+                and tables is not None
+                and not invalid
+                and not req.lose_writes
+                and self._own_append(req, tables.get(rid), start, end)
+            ):
+                continue  # invariant 4: every read of this step lies in the valid prefix
+            blocks = self._block_ids(rid)
+            self._write(req, blocks, start, end, invalid)
+            checks.append((req, blocks, end, True))
         if checks:
             self._check_reads(checks, invalid)
+
+    def _own_append(self, req: _Req, table: list[Any] | None, start: int, end: int) -> bool:
+        """Record ``req``'s write of ``[start, end)`` and extend its valid prefix to ``end``
+        (``start <= req.valid_upto``), if every block written is its own (invariant 4's
+        fast path); False, with nothing recorded, if not."""
+        if end <= start:
+            return True  # nothing written, and what it reads lies in its valid prefix
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs
+        if table is None or last >= len(table):
+            return False
+        handle = req.handle
+        computed_by = self._computed_by
+        ops = self._ops
+        assert ops is not None
+        if first == last:  # the common case: a decode step, or a prefill within one block
+            b = table[first].block_id
+            if computed_by.get(b) != handle:
+                return False
+            base = first * bs
+            ops.write(b, handle, start - base, end - base, req.tenant_handle)
+            if end > req.valid_upto:
+                req.valid_upto = end
+                if len(req.covered) == first:
+                    self._holders.setdefault(b, {})[handle] = (req, first)
+                    req.covered.append(b)
+            return True
+        written = [table[i].block_id for i in range(first, last + 1)]
+        for b in written:
+            if computed_by.get(b) != handle:
+                return False
+        tenant = req.tenant_handle
+        for k, b in enumerate(written):
+            base = (first + k) * bs
+            ops.write(b, handle, max(start - base, 0), min(end - base, bs), tenant)
+        if end > req.valid_upto:
+            req.valid_upto = end
+            covered = req.covered
+            holders = self._holders
+            for i in range(len(covered), last + 1):  # the covered blocks are written ones
+                b = written[i - first]
+                holders.setdefault(b, {})[handle] = (req, i)
+                covered.append(b)
+        return True
 
     def _still_held(self, req: _Req, blocks: list[int]) -> list[int]:
         """A finished request's block table at its finish, less the blocks vLLM has handed
@@ -679,8 +810,22 @@ class VllmAdapter:
 
         return [b if held(b) else self._null_block for b in blocks]
 
-    def _after_step(self) -> None:
-        self.counters["steps"] += 1
+    def _after_step(self, flush: bool) -> None:
+        """After a step's update (or, ``flush``, at shutdown): flush the gathered ledger
+        operations when due, send their reuse counts, sample the pool when due."""
+        if not flush:
+            self.counters["steps"] += 1
+        ops = self._ops
+        if (
+            ops is not None
+            and ops.pending
+            and (
+                flush
+                or self.counters["steps"] % self.flush_every == 0
+                or not self._reqs  # idle: nothing is left waiting for a flush that would come
+            )
+        ):
+            self.flush()
         pending = self._pending_reuse
         if pending is not None:
             self._pending_reuse = None
@@ -695,7 +840,7 @@ class VllmAdapter:
                     cross_tenant_pages=cross,
                     zeroized_pages=zeroized,
                 )
-        if self.counters["steps"] % self.pool_sample_every == 0:
+        if not flush and self.counters["steps"] % self.pool_sample_every == 0:
             self.sample_pool()
 
     def _on_finished(self, requests: Iterable[Any]) -> None:
@@ -705,6 +850,7 @@ class VllmAdapter:
             req = self._reqs.pop(request.request_id, None)
             if req is None:
                 continue
+            self._cut(req, 0)
             self._stale.forget(req.handle)
             status = getattr(request.status, "name", str(request.status))
             closed = request.request_id == self._closing
@@ -739,127 +885,143 @@ class VllmAdapter:
             self.counters["failed_loads"] += 1
         self._write(req, blocks, start, end, invalid)
 
-    def _write(
-        self,
-        req: _Req,
-        blocks: list[int],
-        start: int,
-        end: int,
-        skip: set[int],
-        into: _Writes | None = None,
-    ) -> None:
+    def _write(self, req: _Req, blocks: list[int], start: int, end: int, skip: set[int]) -> None:
         """``req`` wrote positions ``[start, end)`` of its block table (not into ``skip``):
-        applied now, or added to ``into`` (a step's writes, applied in one ledger call by
-        :meth:`_apply`)."""
-        if self.ledger is None or end <= start or req.lose_writes:
+        recorded in ``_ops``, applied with the next flush. A block it does not own is
+        another request's no more: whoever held it valid reads it anew (invariant 4)."""
+        if self._ops is None or end <= start or req.lose_writes:
             return
         bs = self.block_size
-        writes = _Writes() if into is None else into
-        pages, lo, hi = writes.pages, writes.lo, writes.hi
-        first = len(pages)
+        ops, computed_by, holders = self._ops, self._computed_by, self._holders
         null, grants, trusted = self._null_block, req.grants, req.trusted
+        handle, tenant = req.handle, req.tenant_handle
         for i in range(start // bs, min((end - 1) // bs + 1, len(blocks))):
             b = blocks[i]
             if b in skip or b == null or b in grants or b in trusted:
                 continue  # a hit block is full and immutable: vLLM never writes into one
-            pages.append(b)
-            lo.append(max(start - i * bs, 0))
-            hi.append(min(end - i * bs, bs))
-        if len(pages) > first:
-            writes.segments.append((req.handle, first, len(pages)))
-        if into is None:
-            self._apply(writes)
+            if computed_by.get(b) != handle and b in holders:
+                self._invalidate(b)
+            ops.write(b, handle, max(start - i * bs, 0), min(end - i * bs, bs), tenant)
 
-    def _apply(self, writes: _Writes) -> None:
-        """Apply writes gathered by :meth:`_write`: one ledger call when their pages are
-        distinct (each page is written by the one request that holds it), else one call per
-        request, in order, as they were gathered."""
-        if not writes.segments:
-            return
+    def _check_reads(self, checks: list[tuple[_Req, list[int], int, bool]], skip: set[int]) -> None:
+        """One batched ledger check of these requests' attention reads this step
+        (``(request, block table, end, live)``): positions ``[0, end)`` of the table, less
+        the blocks not checked (``skip``, the null block, blocks trusted unchecked). A live
+        request's valid prefix becomes ``[0, end)``, or ends at its first block read stale
+        or skipped as a failed load (invariant 4)."""
         assert self.ledger is not None
-        ledger = self.ledger
-        pages, lo, hi = writes.pages, writes.lo, writes.hi
-        if len(writes.segments) > 1 and len(set(pages)) == len(pages):
-            writer: list[int] = []
-            tenant: list[int] = []
-            for handle, i, j in writes.segments:
-                writer += [handle] * (j - i)
-                # a write by a page's non-owner names the tenant write(handle) would
-                tenant += [ledger.tenant_of(handle)] * (j - i)
-            ledger.write(
-                _longs(pages),
-                _longs(writer),
-                start=_longs(lo),
-                end=_longs(hi),
-                tenant=_longs(tenant),
-            )
-            return
-        for handle, i, j in writes.segments:
-            ledger.write(
-                _longs(pages[i:j]),
-                handle,
-                start=_longs(lo[i:j]),
-                end=_longs(hi[i:j]),
-            )
-
-    def _check_reads(self, checks: list[tuple[_Req, list[int], int]], skip: set[int]) -> None:
-        """One batched check of every scheduled request's attention reads this step."""
-        assert self.ledger is not None
+        self.flush()
+        self.counters["read_checks"] += 1
         bs = self.block_size
         pages: list[int] = []
         readers: list[int] = []
         upto: list[int] = []
         owners: list[_Req] = []
+        index: list[int] = []  # each page's index in its request's table
+        valid: dict[int, int] = {}  # id(live request) -> the end of its valid prefix
         null = self._null_block
-        for req, blocks, end in checks:
+        for req, blocks, end, live in checks:
             n = min((end - 1) // bs + 1, len(blocks)) if end > 0 else 0
-            if n == 0:
-                continue
             read = blocks[:n]
+            good = end  # up to its first block skipped as a failed load
             if skip or req.trusted or null in read:
                 for i, b in enumerate(read):
                     if b in skip or b == null or b in req.trusted:
+                        if b in skip:
+                            good = min(good, i * bs)
                         continue
                     pages.append(b)
                     readers.append(req.grants.get(b, req.handle))
                     upto.append(min(end - i * bs, bs))
                     owners.append(req)
-                continue
-            # the common case: every block read is checked (as the list above would)
-            pages += read
-            grants = req.grants
-            if grants:
-                readers += [grants.get(b, req.handle) for b in read]
-            else:
-                readers += [req.handle] * n
-            upto += [bs] * (n - 1)
-            upto.append(min(end - (n - 1) * bs, bs))
-            owners += [req] * n
-        if not pages:
-            return
-        p = _longs(pages)
-        r = _longs(readers)
-        u = _longs(upto)
-        stale = self.ledger.stale_mask(p, r, u)
-        if not bool(stale.any()):  # the step's one sync
-            return
-        idx = stale.nonzero().squeeze(1).tolist()
-        by_req: dict[int, list[int]] = {}
-        for i in idx:
-            by_req.setdefault(id(owners[i]), []).append(i)
-        for rows in by_req.values():
-            req = owners[rows[0]]
-            sel = torch.tensor(rows)
-            reports = self.ledger.read(p[sel], r[sel], u[sel])
-            self._stale.report(
-                reports,
-                node=self.node,
-                role=self.role,
-                dedupe=True,
-                reader=(req.handle, req.request_id, req.tenant),
-            )
+                    index.append(i)
+            elif n:
+                # the common case: every block read is checked (as the list above would)
+                pages += read
+                grants = req.grants
+                if grants:
+                    readers += [grants.get(b, req.handle) for b in read]
+                else:
+                    readers += [req.handle] * n
+                upto += [bs] * (n - 1)
+                upto.append(min(end - (n - 1) * bs, bs))
+                owners += [req] * n
+                index += range(n)
+            if live:
+                valid[id(req)] = good
+        if pages:
+            p, r, u = longs(pages), longs(readers), longs(upto)
+            stale = self.ledger.stale_mask(p, r, u)
+            if bool(stale.any()):  # the step's one sync
+                rows = stale.nonzero().squeeze(1).tolist()
+                by_req: dict[int, list[int]] = {}
+                for i in rows:
+                    by_req.setdefault(id(owners[i]), []).append(i)
+                    key = id(owners[i])
+                    if key in valid:
+                        valid[key] = min(valid[key], index[i] * bs)
+                for found in by_req.values():
+                    req = owners[found[0]]
+                    sel = torch.tensor(found)
+                    self._stale.report(
+                        self.ledger.read(p[sel], r[sel], u[sel]),
+                        node=self.node,
+                        role=self.role,
+                        dedupe=True,
+                        reader=(req.handle, req.request_id, req.tenant),
+                    )
+        for req, blocks, _, live in checks:
+            if live:
+                self._set_valid(req, blocks, valid[id(req)])
 
     # -- internals -----------------------------------------------------------------------
+
+    def _block_ids(self, rid: str) -> list[int]:
+        """The request's block table (group 0) as block ids (a new list)."""
+        tables = self._tables
+        if tables is not None:
+            return [blk.block_id for blk in tables.get(rid) or ()]
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _num_blocks(self, rid: str) -> int:
+        tables = self._tables
+        if tables is not None:
+            return len(tables.get(rid) or ())
+        return len(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _set_valid(self, req: _Req, blocks: list[int], valid: int) -> None:
+        """A check found ``req``'s reads of ``[0, valid)`` of ``blocks`` (its table) valid."""
+        bs = self.block_size
+        self._cut(req, valid // bs)
+        if valid <= req.valid_upto:
+            return
+        req.valid_upto = valid
+        covered, holders, handle = req.covered, self._holders, req.handle
+        for i in range(len(covered), min(-(-valid // bs), len(blocks))):
+            b = blocks[i]
+            holders.setdefault(b, {})[handle] = (req, i)
+            covered.append(b)
+
+    def _cut(self, req: _Req, index: int) -> None:
+        """``req``'s valid prefix ends before block ``index`` of its table, at the latest."""
+        bs = self.block_size
+        if req.valid_upto <= index * bs:
+            return
+        req.valid_upto = index * bs
+        covered, holders, handle = req.covered, self._holders, req.handle
+        for b in covered[index:]:
+            held = holders.get(b)
+            if held is not None:
+                held.pop(handle, None)
+                if not held:
+                    del holders[b]
+        del covered[index:]
+
+    def _invalidate(self, block: int) -> None:
+        """``block``'s ledger state changed under its holders: none of them holds it valid
+        any more (invariant 4)."""
+        for req, index in list(self._holders.get(block, {}).values()):
+            self._cut(req, index)
 
     def _new_handle(self) -> int:
         h = self._next_handle
@@ -944,12 +1106,14 @@ def _cuda_graphs(cfg: Any) -> bool:
     return bool(current_platform.is_cuda_alike())
 
 
-def _longs(values: list[int]) -> torch.Tensor:
-    """``values`` as an int64 CPU tensor: through an ``array`` (a C loop), several times
-    faster than ``torch.tensor`` on a list of Python ints (the tensor keeps the array)."""
-    if not values:
-        return torch.empty(0, dtype=torch.long)
-    return torch.frombuffer(array("q", values), dtype=torch.long)
+def _block_tables(scheduler: Any) -> Mapping[str, list[Any]] | None:
+    """vLLM's own request id -> blocks map of the first KV cache group (the single-type
+    manager's ``req_to_blocks``), or None where this vLLM has no such attribute."""
+    try:
+        tables = scheduler.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return tables if isinstance(tables, Mapping) else None
 
 
 def _computed_at_schedule(scheduler_output: Any) -> dict[str, int]:

@@ -457,3 +457,47 @@ def test_a_request_aborted_while_its_step_runs_wrote_that_steps_kv(
     assert hit.pages == 4  # both chunks' blocks: vLLM cached them when it scheduled them
     assert probe.of(PageStaleRead) == []
     assert d.adapter._finished_in_flight == {} and d.adapter._in_flight == []
+
+
+def test_a_block_handed_out_again_while_held_is_caught_at_its_holders_next_read(
+    make_scheduler: Any,
+) -> None:
+    """The adapter checks most steps' reads without the ledger, from the prefix each request
+    is known to hold valid. A block handed out fresh while a live request holds it (a
+    double allocation: vLLM's block pool made to hand out one of a's blocks to b) must cut
+    that prefix: a's next read of the block, which b has overwritten, is a stale read
+    naming b."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    d.add("a-1", prompt(21, 2 * BLOCK), "tenant-a", max_tokens=8)
+    for _ in range(3):  # a's prefill and two decode steps: its reads are known valid now
+        d.step()
+    assert d.adapter.counters["read_checks"] == 0, "a clean request should need no check"
+    victim_id = d.blocks("a-1")[0]
+    pool = d.scheduler.kv_cache_manager.block_pool
+    real = pool.get_new_blocks
+    handed: list[int] = []
+
+    def double_allocation(num_blocks: int) -> list[Any]:
+        out = real(num_blocks)
+        if out and not handed:
+            spare = out[0]
+            spare.ref_cnt -= 1
+            pool.free_block_queue.append(spare)
+            victim = pool.blocks[victim_id]
+            pool._maybe_evict_cached_block(victim)  # as vLLM does to a block it hands out
+            victim.ref_cnt += 1
+            out[0] = victim
+            handed.append(victim_id)
+        return out
+
+    pool.get_new_blocks = double_allocation
+    d.add("b-1", prompt(22, 2 * BLOCK), "tenant-b", max_tokens=4)
+    d.step()  # b's prefill writes the victim block; a decodes in the same step
+    pool.get_new_blocks = real
+    assert handed == [victim_id] and victim_id in d.blocks("b-1")
+    d.step()
+    stale = [e for e in probe.of(PageStaleRead) if e.reader_request_id == "a-1"]
+    assert stale, "a's read of the block b overwrote went unchecked"
+    assert {p for e in stale for p in e.page_ids} == {victim_id}
+    assert {(e.previous_request_id, e.previous_tenant) for e in stale} == {("b-1", "tenant-b")}
