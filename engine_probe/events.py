@@ -8,6 +8,13 @@ Events describe token counts, pool occupancy and page movements. None of them ha
 prompt or completion text, and unknown fields are rejected, so a producer cannot smuggle text
 into the collector by accident.
 
+Versions: ``schema_version`` changes only for a change that events already sent, or decoders
+already deployed, cannot follow (a field removed, retyped, narrowed or made required). An
+optional field with a default is added within the version: older producers' events decode
+as before. Since unknown fields are refused, a collector must know a field before any
+producer sets it: upgrade collectors first. Optional fields added within version 1 since
+this note: ``request.admitted``'s ``prompt_shared_with``.
+
 Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
 which is what an ingest path taking hundreds of thousands of events per second needs (about
 five times pydantic's ``validate_json`` on the same schema). This module never imports torch.
@@ -129,7 +136,14 @@ class EngineConfig(Event, tag="engine.config", kw_only=True, frozen=True):
 
 class RequestAdmitted(Event, tag="request.admitted", kw_only=True, frozen=True):
     """A request accepted for prefill. ``prompt_tokens``/``model_id`` may be missing when
-    the producer cannot see them; telemetry hygiene rules flag that."""
+    the producer cannot see them; telemetry hygiene rules flag that.
+
+    ``prompt_shared_with``: the request id, in the same deployment, whose prompt this request
+    shares (the same prompt tokens), or None. vLLM fans a request with ``n > 1`` out into n
+    requests (parallel sampling); children 1..n-1 name child 0, so usage counts the shared
+    prompt once while each child still counts as a request (each occupies the context). A
+    request never names itself. Added within version 1 (see the module's "Versions").
+    """
 
     request_id: Id
     tenant: Id
@@ -139,6 +153,14 @@ class RequestAdmitted(Event, tag="request.admitted", kw_only=True, frozen=True):
     max_tokens: Tokens | None = None
     node: Id | None = None
     data_categories: Categories = []
+    prompt_shared_with: Id | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_shared_with is not None and self.prompt_shared_with == self.request_id:
+            raise ValueError(
+                "prompt_shared_with: names the request itself; it must name another request "
+                "whose prompt this one shares"
+            )
 
 
 class RequestRejected(Event, tag="request.rejected", kw_only=True, frozen=True):
@@ -321,12 +343,17 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
 KINDS: Final[tuple[str, ...]] = tuple(str(t.__struct_config__.tag) for t in EVENT_TYPES)
 
 
+def _names_a_request(field: str) -> bool:
+    """Fields holding a request id: unique per request, so never cached as known-good."""
+    return field.endswith("request_id") or field == "prompt_shared_with"
+
+
 def _id_fields(t: type[Event]) -> tuple[Callable[[Event], Any], tuple[str, ...], tuple[str, ...]]:
     """(getter of the low-cardinality id values, their names, request-id fields) of a type."""
     hints = get_type_hints(t, include_extras=True)
     ids = [n for n in t.__struct_fields__ if hints[n] in (Id, Id | None)]
-    repeating = tuple(n for n in ids if not n.endswith("request_id"))
-    unique = tuple(n for n in ids if n.endswith("request_id"))
+    repeating = tuple(n for n in ids if not _names_a_request(n))
+    unique = tuple(n for n in ids if _names_a_request(n))
     # attrgetter of one name returns the value, of several a tuple: always make it a tuple.
     getter = attrgetter(*repeating, repeating[0]) if len(repeating) == 1 else attrgetter(*repeating)
     return getter, repeating, unique

@@ -32,6 +32,26 @@ def admitted(seq: int, rid: str, tenant: str = "acme", prompt: int = 1000, **kw:
     )
 
 
+def parallel_sampling(
+    seq: int, parent: str, n: int, tenant: str = "acme", prompt: int = 1000, **kw: Any
+) -> list[ev.Event]:
+    """A request with ``n > 1`` as vLLM's engine core sees it: n admissions (seqs from
+    ``seq``) of children ``f"{i}_{parent}"`` with the whole prompt each; children 1..n-1 name
+    child 0 in ``prompt_shared_with``. The parent itself is never a request."""
+    first = f"0_{parent}"
+    return [
+        admitted(
+            seq + i,
+            f"{i}_{parent}",
+            tenant,
+            prompt,
+            prompt_shared_with=first if i else None,
+            **kw,
+        )
+        for i in range(n)
+    ]
+
+
 def finished(seq: int, rid: str, tenant: str = "acme", completion: int = 50, **kw: Any) -> ev.Event:
     fields = {"status": "completed"} | kw
     return ev.RequestFinished(

@@ -40,6 +40,7 @@ ALL = [
     ev.ProbeDrops(**f.base(10), counts={"buffer_full": 3}),
     ev.ProbeStopped(**f.base(11)),
     f.prefix_hit(11),
+    *f.parallel_sampling(12, "cmpl-1", 2),  # the second names the first's prompt
 ]
 
 
@@ -76,6 +77,9 @@ def test_no_event_carries_text() -> None:
         ({"prompt_tokens": 1.5}, "prompt_tokens", "Expected `int | null`"),
         ({"data_categories": ["ok"] * 17}, "data_categories", "length <= 16"),
         ({"completion": "leak"}, "completion", "unknown field"),
+        ({"prompt_shared_with": "r1"}, "prompt_shared_with", "names the request itself"),
+        ({"prompt_shared_with": "no spaces"}, "prompt_shared_with", "not a valid id"),
+        ({"prompt_shared_with": ""}, "prompt_shared_with", "length >= 1"),
     ],
 )
 def test_field_errors_name_the_field(patch: dict[str, object], field: str, fragment: str) -> None:
@@ -86,6 +90,20 @@ def test_field_errors_name_the_field(patch: dict[str, object], field: str, fragm
     (err,) = info.value.errors
     assert (err.index, err.field) == (1, field)
     assert fragment in err.message
+
+
+def test_prompt_shared_with_is_an_optional_addition() -> None:
+    """Events from producers that predate the field decode as before (it is None); one that
+    sets it round-trips; a producer building a request that names itself fails at once."""
+    old = f.as_json(f.admitted(1, "0_cmpl-1"))
+    del old["prompt_shared_with"]
+    (e,) = ev.decode_json_batch(json.dumps([old], default=str).encode())
+    assert isinstance(e, ev.RequestAdmitted) and e.prompt_shared_with is None
+    child = f.parallel_sampling(2, "cmpl-1", 2)[1]
+    assert isinstance(child, ev.RequestAdmitted) and child.prompt_shared_with == "0_cmpl-1"
+    assert ev.decode_event(ev.encode_event(child)) == child
+    with pytest.raises(ValueError, match="prompt_shared_with: names the request itself"):
+        f.admitted(3, "0_cmpl-1", prompt_shared_with="0_cmpl-1")
 
 
 def test_batch_limit() -> None:
