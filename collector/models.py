@@ -156,6 +156,9 @@ class Request(Base):
     reject_reason: Mapped[str | None] = mapped_column(String(32))
     limit_tokens: Mapped[int | None] = mapped_column(BigInteger)
     data_categories: Mapped[str | None] = mapped_column(Text)  # JSON array, or NULL
+    #: the request (same deployment) whose prompt this one shares, from its admission (vLLM's
+    #: parallel-sampling children 1..n-1 name child 0); NULL for a prompt of its own
+    prompt_shared_with: Mapped[str | None] = mapped_column(String(ID_MAX))
     first_ts: Mapped[datetime] = mapped_column(UtcMicros)
     last_ts: Mapped[datetime] = mapped_column(UtcMicros)
     #: µs; the request's first_ts when it was first stored, never changed afterwards: the
@@ -228,6 +231,10 @@ class _RequestRollupColumns:
     rejected: Mapped[int] = mapped_column(BigInteger)
     prompt_tokens_max: Mapped[int | None] = mapped_column(BigInteger)
     prompt_tokens_sum: Mapped[int] = mapped_column(BigInteger)
+    #: of ``requests``, those sharing another request's prompt (``prompt_shared_with`` set),
+    #: and the sum of their prompt tokens: usage subtracts them to count each prompt once
+    shared_prompts: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    shared_prompt_tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class RequestRollup(_RequestRollupColumns, Base):

@@ -134,6 +134,7 @@ REQUEST_FIELDS = (
     "status",
     "reject_reason",
     "limit_tokens",
+    "prompt_shared_with",
     "first_ts",
     "last_ts",
 )

@@ -74,6 +74,7 @@ REQ_COLS = (
     "data_categories",
     "first_ts",
     "last_ts",
+    "prompt_shared_with",
 )
 # What is written: a new row's part_ts is its first_ts (never updated by the upsert).
 REQ_WRITE_COLS = (*REQ_COLS, "part_ts")
@@ -144,6 +145,8 @@ REQUEST_MERGE: dict[str, str] = {
     "data_categories": "max",
     "first_ts": "min",
     "last_ts": "max",
+    # Only admissions carry it; NULL from the other events leaves it as it is.
+    "prompt_shared_with": "max",
 }
 STATUS_RANK: dict[str, int] = {
     "admitted": 0,
@@ -154,7 +157,15 @@ STATUS_RANK: dict[str, int] = {
     "error": 5,
 }
 _FOLD = tuple((REQ_COLS.index(c), rule) for c, rule in REQUEST_MERGE.items())
-_TEXT_COLS = {"tenant", "route", "model_id", "reject_reason", "data_categories", "status"}
+_TEXT_COLS = {
+    "tenant",
+    "route",
+    "model_id",
+    "reject_reason",
+    "data_categories",
+    "status",
+    "prompt_shared_with",
+}
 
 
 def shape_rows(events: Iterable[ev.Event]) -> Rows:
@@ -258,18 +269,18 @@ def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> No
     t = type(e)
     if t is ev.RequestFinished:
         new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
-               e.completion_tokens, None, e.status, None, None, None, ts, ts]  # fmt: skip
+               e.completion_tokens, None, e.status, None, None, None, ts, ts, None]  # fmt: skip
     else:
         cats = e.data_categories
         cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
         if t is ev.RequestAdmitted:
             new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
                    e.prompt_tokens, None, e.max_tokens, _PROVISIONAL, None, None, cat_json,
-                   ts, ts]  # fmt: skip
+                   ts, ts, e.prompt_shared_with]  # fmt: skip
         else:
             new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
                    e.prompt_tokens, None, None, "rejected", e.reason, e.limit_tokens, cat_json,
-                   ts, ts]  # fmt: skip
+                   ts, ts, None]  # fmt: skip
     key = (e.deployment_id, e.request_id)
     row = reqs.get(key)
     if row is None:

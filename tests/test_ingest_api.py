@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from sqlalchemy import create_engine, func, select
 
 from collector import models as m
@@ -102,6 +103,52 @@ def test_request_events_merge_across_batches_in_any_order(collector: Collector) 
     )
     assert row["model_id"] == "glm-5.3"
     assert row["first_ts"] < row["last_ts"]
+
+
+def test_shared_prompts_are_stored_and_never_cleared(collector: Collector) -> None:
+    """vLLM's n=3 fan-out: children 1 and 2 name child 0. The admission sets the column;
+    finishes, which never carry it, leave it alone whichever batch lands first, in one batch
+    (the fold) or across batches (the upsert)."""
+    c0, c1, c2 = f.parallel_sampling(1, "cmpl-7", 3, "acme", 3_000)
+    batches = [
+        [c0, c1, f.finished(4, "1_cmpl-7", "acme"), f.admitted(5, "solo", "globex", 500)],
+        [f.finished(1, "2_cmpl-7", "acme", probe="decode")],  # before its admission
+        [msgspec.structs.replace(c2, seq=6), f.finished(7, "0_cmpl-7", "acme")],
+        [f.finished(2, "1_cmpl-7", "acme", 51, probe="decode")],  # after it was stored
+    ]
+    for batch in batches:
+        r = post(collector, batch)
+        assert r.status_code == 200, r.text
+    with collector.client(collector.admin) as c:
+        rows = {x["request_id"]: x for x in c.get("/v1/requests").json()["items"]}
+    assert {k: v["prompt_shared_with"] for k, v in rows.items()} == {
+        "0_cmpl-7": None,
+        "1_cmpl-7": "0_cmpl-7",
+        "2_cmpl-7": "0_cmpl-7",
+        "solo": None,
+    }
+    assert {v["prompt_tokens"] for k, v in rows.items() if k != "solo"} == {3_000}
+    assert rows["1_cmpl-7"]["completion_tokens"] == 51
+    assert rows["2_cmpl-7"]["status"] == "completed"
+
+
+def test_a_request_sharing_its_own_prompt_is_refused(collector: Collector) -> None:
+    good = f.as_json(f.admitted(1, "r1"))
+    bad = f.as_json(f.admitted(2, "r2")) | {"prompt_shared_with": "r2"}
+    for body, ctype in (
+        (json.dumps([good, bad], default=str).encode(), "application/json"),
+        (
+            b"\n".join(json.dumps(e, default=str).encode() for e in (good, bad)),
+            "application/x-ndjson",
+        ),
+    ):
+        r = post(collector, body, headers={"Content-Type": ctype})
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_input"
+        assert [(d["index"], d["field"]) for d in err["details"]] == [(1, "prompt_shared_with")]
+        assert "prompt_shared_with" in err["message"] and "itself" in err["message"]
+    assert all(v == 0 for v in all_counts(collector).values())
 
 
 def test_seq_gaps_are_recorded_and_filled(collector: Collector) -> None:

@@ -7,11 +7,11 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from collector import migrate
 from collector.models import Base
-from collector.partitions import pg_only
+from collector.partitions import partitions, pg_only
 
 pytestmark = pytest.mark.empty_db  # the migrations themselves, from an empty database
 
@@ -52,3 +52,62 @@ def test_each_migration_downgrades_and_upgrades_again(db_url: str) -> None:
     migrate.upgrade(db_url)
     script = ScriptDirectory.from_config(cfg)
     assert migrate.current_heads(db_url) == set(script.get_heads())
+
+
+def test_0012_keeps_old_rows_and_gives_their_rollups_no_shared_prompts(db_url: str) -> None:
+    """Requests and rollups stored before 0012 keep their figures: no request names another's
+    prompt, and each rollup row gets shared_prompts = shared_prompt_tokens = 0. On PostgreSQL
+    the column reaches every monthly partition of requests."""
+    migrate.upgrade(db_url, "0011")
+    engine = create_engine(db_url)
+    rollup = (
+        "(deployment_id, bucket_start, model_id, route, tenant, prompt_bin, requests, "
+        "rejected, prompt_tokens_max, prompt_tokens_sum) VALUES "
+        "('d', 0, 'm', '/x', 't', 82, 2, 0, 1234, 2400), ('d', 0, 'm', '/x', '*', 82, 2, 0, "
+        "1234, 2400)"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO requests (deployment_id, request_id, tenant, route, model_id, "
+                    "prompt_tokens, status, first_ts, last_ts, part_ts) VALUES "
+                    "('d', 'r1', 't', '/x', 'm', 1234, 'completed', 1000000, 1000000, 1000000), "
+                    "('d', 'r2', 't', '/x', 'm', 1166, 'completed', 2000000, 2000000, 2000000)"
+                )
+            )
+            conn.execute(text(f"INSERT INTO request_rollups {rollup}"))
+            conn.execute(text(f"INSERT INTO request_rollups_hourly {rollup}"))
+        migrate.upgrade(db_url)
+        with engine.connect() as conn:
+            reqs = conn.execute(
+                text("SELECT request_id, prompt_shared_with FROM requests ORDER BY request_id")
+            ).all()
+            rollups = {
+                t: conn.execute(
+                    text(
+                        f"SELECT tenant, requests, prompt_tokens_sum, shared_prompts, "
+                        f"shared_prompt_tokens FROM {t} ORDER BY tenant"
+                    )
+                ).all()
+                for t in ("request_rollups", "request_rollups_hourly")
+            }
+            parts: list[str] = []
+            if conn.dialect.name == "postgresql":
+                parts = [p.name for p in partitions(conn, "requests")]
+                with_col = {
+                    r[0]
+                    for r in conn.execute(
+                        text(
+                            "SELECT table_name FROM information_schema.columns "
+                            "WHERE column_name = 'prompt_shared_with'"
+                        )
+                    )
+                }
+    finally:
+        engine.dispose()
+    assert [tuple(r) for r in reqs] == [("r1", None), ("r2", None)]
+    for rows in rollups.values():
+        assert [tuple(r) for r in rows] == [("*", 2, 2400, 0, 0), ("t", 2, 2400, 0, 0)]
+    if parts:
+        assert len(parts) > 2 and with_col == {"requests", *parts}

@@ -64,6 +64,11 @@ class RequestOut(BaseModel):
     reject_reason: str | None
     limit_tokens: int | None
     data_categories: list[str]
+    prompt_shared_with: str | None = Field(
+        None,
+        description="The request (same deployment) whose prompt this one shares, e.g. vLLM's "
+        "parallel-sampling children 1..n-1 name child 0; null for a prompt of its own",
+    )
     first_ts: datetime
     last_ts: datetime
 
