@@ -10,13 +10,21 @@ import random
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 import pytest
 import sqlalchemy as sa
 
 from collector import migrate
 from collector import models as m
 from collector.db import Database
-from collector.rollups.buckets import ALL_TENANTS, BINS_PER_OCTAVE, bin_high, bin_low, bin_of
+from collector.rollups.buckets import (
+    ALL_TENANTS,
+    BINS_PER_OCTAVE,
+    HOUR_US,
+    bin_high,
+    bin_low,
+    bin_of,
+)
 from collector.rollups.refresh import RollupRefresher
 from collector.rollups.stats import _Dist
 from collector.timefmt import iso
@@ -211,6 +219,94 @@ def test_a_late_earlier_event_moves_a_request_without_counting_it_twice(
     (only,) = doc["series"]
     assert only["bucket_start_us"] == int((f.T0.timestamp()) * 10**6)
     assert only["max"] == 5_000
+
+
+def test_a_shared_prompt_counts_once_in_usage_and_per_request_elsewhere(
+    collector: Collector,
+) -> None:
+    """vLLM's n=3 fan-out (children 1 and 2 name child 0's prompt) plus a plain request, in
+    one deployment; the same four requests without the field in another. Usage (``prompts``,
+    ``prompt_tokens``) counts the shared prompt once; everything else stays per request."""
+    at = f.T0 + timedelta(seconds=30)
+    for dep, share in (("dep-shared", True), ("dep-plain", False)):
+        where = {"probe": dep, "dep": dep, "ts": at, "route": CHAT}
+        group = f.parallel_sampling(1, "cmpl-1", 3, "acme", 3_000, **where)
+        if not share:
+            group = [msgspec.structs.replace(e, prompt_shared_with=None) for e in group]
+        send(collector, *group, f.admitted(4, "solo", "globex", 500, **where))
+    wait_rollups(collector.db_url)
+
+    def stats(dep: str, token: str | None = None, **window: Any) -> Any:
+        return get(collector, "/v1/stats/prompt-tokens", token, deployment_id=dep, **window)
+
+    def per_request(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k not in ("prompts", "prompt_tokens")}
+
+    week = {"since": (f.T0 - timedelta(days=7)).isoformat(), "until": WINDOW["until"]}
+    shared, plain = stats("dep-shared", **WINDOW), stats("dep-plain", **WINDOW)
+    ((route,), (series,)) = shared["routes"], shared["series"]
+    for x in (route, series):
+        assert (x["requests"], x["prompts"], x["prompt_tokens"]) == (4, 2, 3_500)
+    assert (route["max"], route["p99"], route["mean"]) == (3_000, 3_000, 9_500 / 4)
+    assert per_request(route) == per_request(plain["routes"][0])
+    assert per_request(series) == per_request(plain["series"][0])
+    assert shared["histogram"] == plain["histogram"]
+    assert sum(h["requests"] for h in shared["histogram"]) == 4
+    assert (plain["routes"][0]["prompts"], plain["routes"][0]["prompt_tokens"]) == (4, 9_500)
+    # the hourly tier (a week's window) and each tenant's own rows say the same
+    assert stats("dep-shared", **week)["routes"] == shared["routes"]
+    for tenant, want in (("acme", (3, 1, 3_000)), ("globex", (1, 1, 500))):
+        token = collector.token("read", tenant=tenant)
+        for window in (WINDOW, week):
+            (mine,) = stats("dep-shared", token, **window)["routes"]
+            assert (mine["requests"], mine["prompts"], mine["prompt_tokens"]) == want
+
+
+def test_shared_prompts_sum_over_tenants_and_into_the_hour(collector: Collector) -> None:
+    """The rollup rows: shared prompts per tenant, summed over tenants (``'*'``) in each
+    5-minute bucket, and per tenant and over tenants in the hourly tier. All prompts fall in
+    one size bin, so each sum really adds rows (of two tenants, of two buckets)."""
+    first, second = f.T0 + timedelta(seconds=30), f.T0 + timedelta(seconds=330)
+    assert bin_of(2_900) == bin_of(3_000) == bin_of(3_100)
+    send(
+        collector,
+        *f.parallel_sampling(1, "cmpl-1", 3, "acme", 3_000, ts=first),
+        *f.parallel_sampling(4, "cmpl-2", 2, "globex", 3_100, ts=first),
+        *f.parallel_sampling(6, "cmpl-3", 2, "acme", 2_900, ts=second),
+    )
+    wait_rollups(collector.db_url)
+    db = Database(collector.db_url)
+    try:
+        got = {}
+        with db.read() as conn:
+            for t in (m.RequestRollup, m.RequestRollupHourly):
+                figures = (
+                    sa.func.sum(t.requests),
+                    sa.func.sum(t.shared_prompts),
+                    sa.func.sum(t.shared_prompt_tokens),
+                )
+                q = sa.select(t.bucket_start, t.tenant, *figures).group_by(t.bucket_start, t.tenant)
+                got[t.__tablename__] = {
+                    ((int(r[0]) - T0_US) // 10**6, r[1]): tuple(int(v) for v in r[2:])
+                    for r in conn.execute(q)
+                }
+    finally:
+        db.dispose()
+    assert got["request_rollups"] == {
+        (0, "acme"): (3, 2, 6_000),
+        (0, "globex"): (2, 1, 3_100),
+        (0, ALL_TENANTS): (5, 3, 9_100),
+        (300, "acme"): (2, 1, 2_900),
+        (300, ALL_TENANTS): (2, 1, 2_900),
+    }
+    hour = (T0_US // HOUR_US * HOUR_US - T0_US) // 10**6
+    assert got["request_rollups_hourly"] == {
+        (hour, "acme"): (5, 3, 8_900),
+        (hour, "globex"): (2, 1, 3_100),
+        (hour, ALL_TENANTS): (7, 4, 12_000),
+    }
+    (route,) = get(collector, "/v1/stats/prompt-tokens", **WINDOW)["routes"]
+    assert (route["requests"], route["prompts"], route["prompt_tokens"]) == (7, 3, 9_000)
 
 
 def test_pool_samples_over_a_long_window_come_from_rollups(collector: Collector) -> None:

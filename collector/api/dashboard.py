@@ -60,7 +60,9 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         summary="Prompt tokens per model and route over time, against the safe-context lines",
         description="From 5-minute rollups (the open one recomputed at most once a minute, so "
         "the newest minute may be missing):"
-        " per (model, route, bucket) requests, rejected, max (exact), mean, p50 and p99 "
+        " per (model, route, bucket) requests, prompts and prompt_tokens (usage: a prompt "
+        "that several requests share, as parallel-sampling children do, counts once), "
+        "rejected, max (exact), mean, p50 and p99 "
         "(upper bounds of 9%-wide bins, clipped to the max) and how many reached 80% and 100% "
         "of the model's safe context (whole bins whose largest prompt reached the line: an "
         "upper bound); the same per route over the window; a histogram per model; and the "

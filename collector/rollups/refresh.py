@@ -161,6 +161,8 @@ _ROLLUP_COLS = [
     "rejected",
     "prompt_tokens_max",
     "prompt_tokens_sum",
+    "shared_prompts",
+    "shared_prompt_tokens",
 ]
 
 
@@ -172,6 +174,7 @@ def _requests(conn: Connection, dep: str, bucket: int) -> None:
     conn.execute(sa.delete(rr).where(rr.deployment_id == dep, rr.bucket_start == bucket))
     first = type_coerce(r.first_ts, BigInteger)
     pbin = _prompt_bin(conn, r.prompt_tokens).label("prompt_bin")
+    shared = r.prompt_shared_with.is_not(None)
     source = (
         select(
             sa.literal(dep, sa.String),
@@ -184,6 +187,8 @@ def _requests(conn: Connection, dep: str, bucket: int) -> None:
             sa.func.sum(sa.case((r.status == "rejected", 1), else_=0)),
             sa.func.max(r.prompt_tokens),
             sa.func.coalesce(sa.func.sum(r.prompt_tokens), 0),
+            sa.func.sum(sa.case((shared, 1), else_=0)),
+            sa.func.coalesce(sa.func.sum(sa.case((shared, r.prompt_tokens), else_=None)), 0),
         )
         .where(r.deployment_id == dep, first >= bucket, first < bucket + REQUEST_BUCKET_US)
         .group_by(r.model_id, r.route, r.tenant, pbin)
@@ -225,6 +230,8 @@ def _sum_rollups(
             sa.func.sum(src.rejected),
             sa.func.max(src.prompt_tokens_max),
             sa.func.sum(src.prompt_tokens_sum),
+            sa.func.sum(src.shared_prompts),
+            sa.func.sum(src.shared_prompt_tokens),
         )
         .where(
             src.deployment_id == dep,

@@ -6,8 +6,11 @@ windows under a day, hourly ones beyond; an operator reads the rows summed over 
 tenant token its own rows), so
 percentiles are bin upper bounds clipped to the exact maximum, and counts at or above a line
 count a whole bin when its largest prompt reaches the line (an upper bound, never an
-undercount). The open bucket is recomputed at most once a minute, so the newest minute
-(plus ``KVWATCH_ROLLUP_INTERVAL_S``) may not be in these figures yet.
+undercount). Those figures are per request (each request occupies the context, so n
+parallel-sampling children are n requests); ``prompts`` and ``prompt_tokens`` are usage and
+count a prompt that several requests share (``prompt_shared_with``) once. The open bucket
+is recomputed at most once a minute, so the newest minute (plus
+``KVWATCH_ROLLUP_INTERVAL_S``) may not be in these figures yet.
 
 Times are ISO 8601 UTC text (:func:`collector.timefmt.iso`) like every other answer of the
 API, except the fields whose names end in ``_us`` (``bucket_start_us``, ``first_ts_us``),
@@ -88,19 +91,35 @@ def thresholds(conn: Connection, pairs: set[tuple[str, str]]) -> dict[str, dict[
 
 
 class _Dist:
-    """Prompt-size bins of one group: counts, exact max, quantiles and line counts."""
+    """Prompt-size bins of one group: counts, exact max, quantiles and line counts.
 
-    __slots__ = ("bins", "max", "rejected", "requests", "sum", "unknown")
+    Sizes, quantiles and line counts are per request (each request occupies the context);
+    ``prompts`` and ``prompt_tokens`` are usage, counting a prompt that several requests
+    share (``prompt_shared_with``) once."""
+
+    __slots__ = ("bins", "max", "rejected", "requests", "shared", "shared_sum", "sum", "unknown")
 
     def __init__(self) -> None:
         self.bins: dict[int, list[int]] = {}  # bin -> [requests, max prompt]
         self.requests = self.rejected = self.sum = self.unknown = 0
+        self.shared = self.shared_sum = 0
         self.max: int | None = None
 
-    def add(self, b: int, n: int, rejected: int, mx: int | None, total: int) -> None:
+    def add(
+        self,
+        b: int,
+        n: int,
+        rejected: int,
+        mx: int | None,
+        total: int,
+        shared: int = 0,
+        shared_total: int = 0,
+    ) -> None:
         self.requests += n
         self.rejected += rejected
         self.sum += total
+        self.shared += shared
+        self.shared_sum += shared_total
         if b == UNKNOWN_BIN or mx is None:
             self.unknown += n
             return
@@ -131,6 +150,8 @@ class _Dist:
         known = self.requests - self.unknown
         return {
             "requests": self.requests,
+            "prompts": self.requests - self.shared,
+            "prompt_tokens": self.sum - self.shared_sum,
             "rejected": self.rejected,
             "unknown_prompt": self.unknown,
             "max": self.max,
@@ -173,6 +194,8 @@ class StatsService:
             sa.func.sum(rr.rejected),
             sa.func.max(rr.prompt_tokens_max),
             sa.func.sum(rr.prompt_tokens_sum),
+            sa.func.sum(rr.shared_prompts),
+            sa.func.sum(rr.shared_prompt_tokens),
         )
         by_bin = (rr.deployment_id, rr.model_id, rr.route, rr.prompt_bin)
         q = _filter(select(*by_bin, *figures).where(*in_window).group_by(*by_bin), rr, scope)
@@ -180,9 +203,11 @@ class StatsService:
         hist: dict[tuple[Any, int], int] = defaultdict(int)
         pairs: set[tuple[str, str]] = set()
         with self.db.read() as conn:
-            for dep, model, route, pbin, n, rej, mx, total in conn.execute(q):
+            for dep, model, route, pbin, n, rej, mx, total, sh, sh_total in conn.execute(q):
                 mx = None if mx is None else int(mx)
-                totals[(model, route)].add(int(pbin), int(n), int(rej), mx, int(total or 0))
+                totals[(model, route)].add(
+                    int(pbin), int(n), int(rej), mx, int(total or 0), int(sh), int(sh_total)
+                )
                 if int(pbin) != UNKNOWN_BIN:
                     hist[(model, int(pbin))] += int(n)
                 if model is not None:
@@ -232,6 +257,8 @@ class StatsService:
                 sa.func.sum(rr.rejected).label("rej"),
                 sa.func.max(rr.prompt_tokens_max).label("mx"),
                 sa.func.sum(rr.prompt_tokens_sum).label("total"),
+                sa.func.sum(rr.shared_prompts).label("shared"),
+                sa.func.sum(rr.shared_prompt_tokens).label("shared_total"),
             )
             .where(*in_window)
             .group_by(rr.model_id, rr.route, bucket, rr.prompt_bin),
@@ -264,6 +291,8 @@ class StatsService:
             over(sa.func.sum(g.c.rej)).label("rejected"),
             over(sa.func.max(known_mx)).label("max"),
             over(sa.func.sum(g.c.total)).label("total"),
+            over(sa.func.sum(g.c.shared)).label("shared"),
+            over(sa.func.sum(g.c.shared_total)).label("shared_total"),
             reaching("warn_line").label("warn"),
             reaching("critical_line").label("critical"),
             over(sa.func.row_number(), ordered=True).label("rn"),
@@ -288,6 +317,8 @@ class StatsService:
                     "route": row.route,
                     "bucket_start_us": lo + int(row.b) * width,
                     "requests": int(row.requests),
+                    "prompts": int(row.requests) - int(row.shared),
+                    "prompt_tokens": int(row.total or 0) - int(row.shared_total or 0),
                     "rejected": int(row.rejected),
                     "unknown_prompt": int(row.requests) - known,
                     "max": None if row.max is None else int(row.max),
