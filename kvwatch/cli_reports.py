@@ -71,8 +71,8 @@ def report_inventory(
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
     database_url: DbUrl = None,
 ) -> None:
-    """Which tenants and routes called MODEL in [SINCE, UNTIL): requests, prompts of at least
-    N tokens, the largest prompt, first and last seen."""
+    """Which tenants and routes called MODEL in [SINCE, UNTIL): requests, distinct prompts,
+    requests with prompts of at least N tokens, the largest prompt, first and last seen."""
     from collector.reports.inventory import InventoryQuery, InventoryService
 
     q = InventoryQuery(
@@ -87,12 +87,12 @@ def report_inventory(
     if as_json:
         print(_dumps(doc))
         return
-    cols = ["tenant", "route", "requests"]
+    cols = ["tenant", "route", "requests", "prompts"]
     if min_prompt_tokens is not None:
         cols.append(f"prompt ≥ {min_prompt_tokens}")
     t = Table(*cols, "max prompt", "first seen", "last seen")
     for r in doc["rows"]:
-        cells = [r["tenant"], r["route"] or "", str(r["requests"])]
+        cells = [r["tenant"], r["route"] or "", str(r["requests"]), str(r["prompts"])]
         if min_prompt_tokens is not None:
             cells.append(str(r["at_or_above"]))
         mx = r["max_prompt_tokens"]
@@ -109,7 +109,8 @@ def report_inventory(
         above = f", {tot['at_or_above']} with prompt >= {min_prompt_tokens}"
     largest = tot["max_prompt_tokens"] if tot["max_prompt_tokens"] is not None else "-"
     err.print(
-        f"{tot['requests']} requests to {model} from {tot['tenants']} tenant(s){above}; "
+        f"{tot['requests']} requests ({tot['prompts']} distinct prompts) to {model} from "
+        f"{tot['tenants']} tenant(s){above}; "
         f"largest prompt {largest}"
     )
 

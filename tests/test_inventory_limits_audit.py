@@ -79,6 +79,7 @@ def test_inventory_counts_per_tenant_and_route(collector: Collector) -> None:
     assert (g["requests"], g["at_or_above"], g["max_prompt_tokens"]) == (2, 1, 650_000)
     assert doc["totals"] == {
         "requests": 5,
+        "prompts": 5,
         "at_or_above": 3,
         "max_prompt_tokens": 700_000,
         "tenants": 2,
@@ -135,6 +136,31 @@ def test_inventory_counts_per_tenant_and_route(collector: Collector) -> None:
     assert res.exit_code == 2 and "ISO 8601" in res.output
     res = cli("report", "inventory", "--model", MODEL, "--since", SINCE, "--until", UNTIL, "--x")
     assert res.exit_code == 2
+
+
+def test_inventory_counts_a_shared_prompt_once(collector: Collector) -> None:
+    """vLLM's n=3 fan-out: three requests of one prompt (children 1 and 2 name child 0), and
+    a plain request beside it: four requests, two prompts; the CLI says the same."""
+    chat = "/v1/chat/completions"
+    send(
+        collector,
+        *f.parallel_sampling(1, "cmpl-1", 3, "acme", 650_000, route=chat),
+        f.admitted(4, "g1", "globex", 10, route=chat),
+    )
+    params = {"model_id": MODEL, "since": SINCE, "until": UNTIL, "min_prompt_tokens": 600_000}
+    with collector.client(collector.admin) as h:
+        doc = h.get("/v1/inventory", params=params).json()
+    rows = {x["tenant"]: x for x in doc["rows"]}
+    assert (rows["acme"]["requests"], rows["acme"]["prompts"]) == (3, 1)
+    assert rows["acme"]["at_or_above"] == 3  # per request: each occupied the context
+    assert (rows["globex"]["requests"], rows["globex"]["prompts"]) == (1, 1)
+    assert (doc["totals"]["requests"], doc["totals"]["prompts"]) == (4, 2)
+    res = cli(
+        "report", "inventory", "--model", MODEL, "--since", SINCE, "--until", UNTIL,
+        "--database-url", collector.db_url,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "4 requests (2 distinct prompts)" in res.stderr
 
 
 def test_limits_card_from_config_and_verification(collector: Collector, tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ def build_router(
         responses=_ERRORS,
         summary="Requests to a model in a window, per tenant and route",
         description="Per (tenant, route): requests whose first event lies in [since, until), "
-        "how many had at least min_prompt_tokens prompt tokens, the largest prompt, first and "
+        "prompts (distinct: a prompt that several requests share counts once), how many "
+        "requests had at least min_prompt_tokens prompt tokens, the largest prompt, first and "
         "last seen. A tenant-scoped read token sees only its own tenant's rows.",
     )
     async def get_inventory(

@@ -1,6 +1,7 @@
 """The inventory: "did any workflow call model M between T1 and T2 with prompts approaching N
-tokens?" Per tenant and route: requests, how many had a prompt of at least N tokens, the
-largest prompt, first and last seen.
+tokens?" Per tenant and route: requests, prompts (distinct: a prompt that several requests
+share, as vLLM's parallel-sampling children do, counts once), how many requests had a prompt
+of at least N tokens, the largest prompt, first and last seen.
 
 One GROUP BY over the requests of the window (the ``first_ts`` index bounds the scan): the
 answer's size is the number of (tenant, route) pairs, never the number of requests.
@@ -58,6 +59,7 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
         R.c.tenant,
         R.c.route,
         func.count().label("requests"),
+        func.sum(case((R.c.prompt_shared_with.is_not(None), 1), else_=0)).label("shared"),
         func.max(R.c.prompt_tokens).label("max_prompt_tokens"),
         func.min(R.c.first_ts).label("first_seen"),
         func.max(R.c.last_ts).label("last_seen"),
@@ -81,6 +83,7 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
                 "tenant": r.tenant,
                 "route": r.route,
                 "requests": int(r.requests),
+                "prompts": int(r.requests) - int(r.shared or 0),
                 "at_or_above": int(r.at_or_above or 0) if threshold is not None else None,
                 "max_prompt_tokens": (
                     int(r.max_prompt_tokens) if r.max_prompt_tokens is not None else None
@@ -110,6 +113,7 @@ class InventoryService:
             "tenant": q.tenant,
             "totals": {
                 "requests": sum(r["requests"] for r in rows),
+                "prompts": sum(r["prompts"] for r in rows),
                 "at_or_above": (
                     sum(r["at_or_above"] for r in rows) if q.min_prompt_tokens is not None else None
                 ),
