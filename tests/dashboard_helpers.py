@@ -30,6 +30,10 @@ RED_SAFE = 600_000  # verified safe context of glm-5.3 on glm-prod
 GREEN_SAFE = 131_072
 NEAR_REQUEST = "r-near"  # 540,000 tokens: 90% of RED_SAFE, the top of the near-threshold list
 NEAR_PROMPT = 540_000
+# GREEN_MODEL's traffic: 12 prompts of 2,000 + 3,000 i tokens (g-0 .. g-11), and two more
+# requests sharing g-0's prompt: 14 requests, 12 prompts
+GREEN_SHARING = ("g-0-1", "g-0-2")
+GREEN_PROMPT_TOKENS = sum(2_000 + 3_000 * i for i in range(12))
 TENANT = "globex"  # the tenant-scoped token's tenant: the stale read's reader
 OTHERS = ("acme", "initech")  # tenants a globex token must never see
 
@@ -160,6 +164,21 @@ def _events(now: datetime) -> list[dict[str, Any]]:
         )
         s, ts = nxt()
         out.append(f.finished(s, f"g-{i}", tenant="initech", model_id=GREEN_MODEL, ts=ts, **green))
+    # g-0 was sampled n=3 (vLLM's parallel sampling): two more requests share its prompt
+    for rid in GREEN_SHARING:
+        s, ts = nxt()
+        out.append(
+            f.admitted(
+                s,
+                rid,
+                tenant="initech",
+                prompt=2_000,
+                model_id=GREEN_MODEL,
+                prompt_shared_with="g-0",
+                ts=ts,
+                **green,
+            )
+        )
     return _spread([f.as_json(e) for e in out], now)
 
 

@@ -153,6 +153,10 @@ def test_context_pressure(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
     assert h.NEAR_REQUEST not in t and "480,000" not in t
     assert charts(at) == 2
     assert set(table(at, "share of safe context")["model"]) == {h.GREEN_MODEL}
+    # usage counts the prompt that three requests share once; the rest counts requests
+    (green,) = table(at, "largest / safe").to_dict("records")
+    assert (green["requests"], green["prompts"]) == (14, 12)
+    assert green["prompt tokens"] == h.GREEN_PROMPT_TOKENS
 
 
 def test_pool_and_isolation(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:

@@ -45,6 +45,8 @@ def routes_frame(routes: list[JSON], lines: dict[str, JSON]) -> pd.DataFrame:
                 "model": r["model_id"],
                 "route": _route(r["route"]),
                 "requests": r["requests"],
+                "prompts": r["prompts"],
+                "prompt tokens": r["prompt_tokens"],
                 "rejected": r["rejected"],
                 "largest prompt": r["max"],
                 "p99": r["p99"],
@@ -164,6 +166,7 @@ def render(c: CollectorClient) -> None:
         routes_frame(summary, lines),
         hide_index=True,
         column_config={
+            "prompt tokens": _TOKENS,
             "largest prompt": _TOKENS,
             "p99": _TOKENS,
             "p50": _TOKENS,
@@ -174,7 +177,9 @@ def render(c: CollectorClient) -> None:
     )
     st.caption(
         f"{ui.window_label().capitalize()}, {stats['bucket_seconds'] / 60:g}-minute buckets. "
-        "p50 and p99 are upper bounds of 9%-wide bins; the largest prompt is exact."
+        "p50 and p99 are upper bounds of 9%-wide bins; the largest prompt is exact. Prompts "
+        "and prompt tokens count a prompt that several requests share (parallel sampling, "
+        "n > 1) once; the other figures count every request."
     )
 
     st.subheader("Nearest the threshold")
