@@ -92,10 +92,12 @@ class VllmServer:
         cache_salt: str | None = None,
         route: str | None = None,
         stop: list[str] | None = None,
+        n: int = 1,
         timeout_s: float = 120.0,
     ) -> httpx.Response:
         """POST /v1/completions (greedy, ``ignore_eos``: exactly ``max_tokens`` tokens, unless
-        the output matches one of the ``stop`` strings first)."""
+        the output matches one of the ``stop`` strings first); ``n > 1``: that many samples
+        of one prompt (seeded sampling: vLLM's parallel sampling)."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -103,6 +105,8 @@ class VllmServer:
             "temperature": 0.0,
             "ignore_eos": True,
         }
+        if n != 1:
+            body.update(n=n, temperature=0.8, seed=7)
         if stop is not None:
             body["stop"] = stop
         xargs = {}

@@ -22,7 +22,7 @@ from tests.engine_servers import FAULT_TENANT, VllmServer, vllm_server, wait_for
 pytestmark = pytest.mark.slow
 
 # tenants only this module uses: other modules may send requests to the same server
-A, B, OVER = "vsrv-tenant-a", "vsrv-tenant-b", "vsrv-tenant-over"
+A, B, OVER, PAR = "vsrv-tenant-a", "vsrv-tenant-b", "vsrv-tenant-over", "vsrv-tenant-par"
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -141,6 +141,33 @@ def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(
     assert len(probes) == 1
     assert probes[0]["missing"] == 0 and probes[0]["reported_drops"] == {}
     assert "kvwatch: the vLLM adapter failed" not in vllm_server.log_tail(10**7)
+
+
+def test_parallel_sampling_counts_the_shared_prompt_once(
+    vllm_server: VllmServer,  # noqa: F811
+) -> None:
+    """``n=3``: vLLM's engine core runs three children with the same prompt. Each is
+    stored as a request with its own completion tokens; two of them name the third as the
+    request whose prompt they share, so the prompt is counted once."""
+    r = vllm_server.complete(tokens(41, 70), tenant=PAR, max_tokens=4, n=3)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert len(r.json()["choices"]) == 3
+    rows = wait_for(
+        lambda: requests_of(vllm_server, PAR),
+        lambda rows: len(rows) == 3 and all(x["status"] == "length" for x in rows),
+    )
+    assert [x["prompt_tokens"] for x in rows] == [70, 70, 70]
+    assert sum(x["completion_tokens"] for x in rows) == usage["completion_tokens"] == 12
+    firsts = [x for x in rows if x["prompt_shared_with"] is None]
+    assert len(firsts) == 1, rows
+    assert (
+        sorted(x["prompt_shared_with"] for x in rows if x not in firsts)
+        == [firsts[0]["request_id"]] * 2
+    )
+    # the prompt once: what vLLM itself reports as the request's prompt tokens
+    once = sum(x["prompt_tokens"] for x in rows if x["prompt_shared_with"] is None)
+    assert once == usage["prompt_tokens"] == 70
 
 
 def test_pool_samples_report_vllms_capacity(vllm_server: VllmServer) -> None:  # noqa: F811

@@ -14,15 +14,18 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   size, CUDA graphs, prefix caching, and the KV connector's role (``kv_producer`` → prefill,
   ``kv_consumer`` → decode, ``kv_both`` → both; any connector → disaggregated);
 * ``request.admitted`` when the engine core receives a request, ``request.finished`` when it
-  leaves (token counts only, never text). vLLM's front end ends a request whose output
-  matched a stop string by aborting it (``FINISHED_ABORTED``, as for a client that left);
-  the plugin marks those aborts in the front end (``engine_probe.adapters.vllm.STOP_MARK``,
-  with the completion tokens the client's ``usage`` reports), and the adapter reports them
-  ``completed`` with that count (the engine core may have generated more meanwhile). A
-  streaming-input session (vLLM 0.32: each input chunk is an ``add_request`` with the
-  session's id) is one request under one handle: its prompt tokens add up every chunk's,
-  its completion tokens every chunk's output; closed by its client while it waits for
-  input, vLLM aborts it, and the adapter reports ``completed``;
+  leaves (token counts only, never text). A request with ``n > 1`` reaches the engine core
+  as n children ``f"{i}_{parent}"`` with the same prompt: children 1..n-1 name child 0 in
+  ``prompt_shared_with``, so the collector counts that prompt once. vLLM's front end ends
+  a request whose output matched a stop string by aborting it (``FINISHED_ABORTED``, as
+  for a client that left); the plugin marks those aborts in the front end
+  (``engine_probe.adapters.vllm.STOP_MARK``, with the completion tokens the client's
+  ``usage`` reports), and the adapter reports them ``completed`` with that count (the
+  engine core may have generated more meanwhile). A streaming-input session (vLLM 0.32:
+  each input chunk is an ``add_request`` with the session's id) is one request under one
+  handle: its prompt tokens add up every chunk's, its completion tokens every chunk's
+  output; closed by its client while it waits for input, vLLM aborts it, and the adapter
+  reports ``completed``;
 * ``pool.sample`` at attach and every ``pool_sample_every`` steps;
 * ``page.reuse`` when allocations that handed out blocks still holding another request's
   KV are applied to the ledger (they are gathered: at most every ``flush_every`` steps,
@@ -118,6 +121,7 @@ against the scheduler alone; see ``bench/README.md``.
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -161,6 +165,11 @@ _ROLES: Final[Mapping[str, str]] = {
 _ATTACHED: Final = "_kvwatch_adapter"
 #: more scheduler outputs in flight than any vLLM batch queue holds: the oldest never came back
 _MAX_IN_FLIGHT: Final = 16
+#: vLLM's ids of a parallel-sampling (n > 1) request's children: f"{index}_{parent id}"
+#: (vllm/v1/engine/parallel_sampling.py), the parent id ending in a random suffix
+_CHILD: Final = re.compile(r"(0|[1-9][0-9]*)_(.+)", re.DOTALL)
+#: first children remembered for their siblings (added right after them, in order)
+_RECENT_FIRST_CHILDREN: Final = 4096
 
 
 @dataclass(eq=False)
@@ -185,6 +194,8 @@ class _Req:
     #: output tokens of a streaming-input session's earlier chunks (vLLM drops them from
     #: the request when the next chunk comes)
     earlier_completion_tokens: int = 0
+    #: vLLM's own Request object (a streaming-input session's, for all its chunks)
+    request: Any = None
     #: TEST ONLY (fault injection): its KV writes are not recorded
     lose_writes: bool = False
     #: positions ``[0, valid_upto)`` of its block table whose reads the ledger holds valid
@@ -211,6 +222,9 @@ class VllmAdapter:
        table is valid in the ledger (with ``_ops`` applied), and ``R.covered`` lists the
        first ``ceil(R.valid_upto / block_size)`` blocks of its table, each with R in
        ``_holders[block]`` at its index.
+    5. ``_full[b] == h`` only if, with ``_ops`` applied, a read of all of block ``b`` by
+       handle ``h`` is valid in the ledger: ``h`` owns it and wrote it whole in its current
+       generation.
 
     Invariant 4 is why most steps check no read in the ledger: a step that only writes
     R's own blocks (``_computed_by`` names R) from a position within ``[0, valid_upto]``
@@ -224,6 +238,12 @@ class VllmAdapter:
     (in a correct vLLM neither happens to a block a live request holds: this is how the
     ledger catches it when it does); a block table that shrank (preemption frees it, and the
     next allocation finds it shorter) cuts its request's prefix to what is left.
+
+    Invariant 5 extends a request's valid prefix over its prefix-cache hits (and, after a
+    preemption, over its own blocks found again) without the ledger: a hit block read as
+    its computing request's is valid iff ``_full`` names that request. ``_full`` learns a
+    block whole when a valid prefix covers it, and forgets it when the block is handed out
+    fresh or written by a request that does not own it: the ledger's only ways to spoil it.
     """
 
     def __init__(
@@ -284,6 +304,12 @@ class VllmAdapter:
         # block -> {handle: (request, index of the block in its table)} of the live requests
         # whose valid prefix covers it (invariant 4)
         self._holders: dict[int, dict[int, tuple[_Req, int]]] = {}
+        # block -> the handle whose read of the whole block the ledger holds valid
+        # (invariant 5): checks a prefix-cache hit on it without the ledger
+        self._full: dict[int, int] = {}
+        # raw request id -> (recorded id, tenant, prompt tokens) of recent admissions, to
+        # find parallel-sampling siblings (vLLM's children of one n>1 request)
+        self._recent: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
         self._reqs: dict[str, _Req] = {}
         # handle → (request id, tenant), for naming previous writers after they finished
         self._names: OrderedDict[int, tuple[str, str]] = OrderedDict()
@@ -413,14 +439,27 @@ class VllmAdapter:
             return out
 
         def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
-            reqs: list[Any] = []
+            # vLLM adds every request it frees to finished_req_ids (a set schedule() starts
+            # anew): if the step's update does not grow it, no request finished, and none of
+            # the step's requests needs looking at; without such a set, all of them do
+            finished = getattr(sch, "finished_req_ids", None)
+            before = len(finished) if isinstance(finished, set) else -1
+            reqs: list[Any] | None = [] if before < 0 else None
             self._guard(self._landed, scheduler_output)
             self._guard(self._on_step, scheduler_output, model_runner_output, reqs)
             self._guard(self._drop_finished_in_flight)
             out = update_from_output(scheduler_output, model_runner_output)
-            self._guard(self._on_finished, reqs)
+            if reqs is not None:
+                self._guard(self._on_finished, reqs)
+            elif len(sch.finished_req_ids) != before:
+                self._guard(self._on_finished_ids, sch.finished_req_ids)
             self._guard(self._after_step, False)
             return out
+
+        live, tables = self._reqs, self._tables
+
+        def table_length(rid: str) -> int:
+            return len(tables.get(rid) or ()) if tables is not None else self._num_blocks(rid)
 
         def allocate_slots_hook(
             request: Any,
@@ -431,10 +470,21 @@ class VllmAdapter:
             num_external_computed_tokens: int = 0,
             **kwargs: Any,
         ) -> Any:
-            # vLLM calls this for every scheduled request of every step: the hook's own work is
-            # inline, and a request that only fits its next tokens into the blocks it holds
-            # costs two length reads (one before, one after)
-            held = self._guard(self._held_before, request)
+            # vLLM calls this for every scheduled request of every step: the hook's own work
+            # is inline, and a request that only fits its next tokens into the blocks it
+            # holds costs a dict look-up and two reads of its table's length
+            held = -1
+            try:
+                rid = request.request_id
+                req = live.get(rid)
+                if req is not None:
+                    held = table_length(rid)
+                    if held < len(req.covered):  # freed meanwhile (preemption): invariant 4
+                        self._cut(req, held)
+                    computed = int(request.num_computed_tokens)
+            except Exception:
+                held = -1
+                self._failed("allocate_slots (before)")
             out = allocate_slots(
                 request,
                 num_new_tokens,
@@ -444,24 +494,23 @@ class VllmAdapter:
                 num_external_computed_tokens=num_external_computed_tokens,
                 **kwargs,
             )
-            if (
-                out is not None
-                and held is not None
-                and (
-                    new_computed_blocks is not None
-                    or num_external_computed_tokens
-                    or self._guard(self._num_blocks, request.request_id) != held[0]
-                )
-            ):
-                self._guard(
-                    self._on_allocated,
-                    request,
-                    held[0],
-                    held[1],
-                    num_new_computed_tokens,
-                    new_computed_blocks,
-                    num_external_computed_tokens,
-                )
+            if out is not None and held >= 0:
+                try:
+                    if (
+                        new_computed_blocks is not None
+                        or num_external_computed_tokens
+                        or table_length(rid) != held
+                    ):
+                        self._on_allocated(
+                            request,
+                            held,
+                            computed,
+                            num_new_computed_tokens,
+                            new_computed_blocks,
+                            num_external_computed_tokens,
+                        )
+                except Exception:
+                    self._failed("_on_allocated")
             return out
 
         sch.add_request = add_request_hook
@@ -486,9 +535,13 @@ class VllmAdapter:
         try:
             return fn(*args)
         except Exception:
-            self.counters["errors"] = self.counters.get("errors", 0) + 1
-            log.exception("kvwatch: the vLLM adapter failed in %s", fn.__name__)
+            self._failed(fn.__name__)
             return None
+
+    def _failed(self, where: str) -> None:
+        """Count and log the exception being handled (call from an ``except`` block)."""
+        self.counters["errors"] = self.counters.get("errors", 0) + 1
+        log.exception("kvwatch: the vLLM adapter failed in %s", where)
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -548,20 +601,6 @@ class VllmAdapter:
                 self._cut(req, 0)
                 self._stale.forget(req.handle)
 
-    def _held_before(self, request: Any) -> tuple[int, int] | None:
-        """(blocks the request holds, its computed tokens) before an allocation; None for a
-        request the adapter does not track. A table shorter than the request's valid prefix
-        covers was freed meanwhile (preemption): the prefix is cut to what is left
-        (invariant 4)."""
-        rid = request.request_id
-        req = self._reqs.get(rid)
-        if req is None:
-            return None
-        held = self._num_blocks(rid)
-        if held < len(req.covered):
-            self._cut(req, held)
-        return held, int(request.num_computed_tokens)
-
     def _session_state(self, request: Any) -> str | None:
         """None for a new request; for the id of one the scheduler holds (the next chunk
         or the end of a streaming-input session), "closing" when ``request`` ends a session
@@ -602,6 +641,7 @@ class VllmAdapter:
             model_id=self._model_id,
             salted=getattr(request, "cache_salt", None) is not None,
             prompt_tokens=int(request.num_prompt_tokens),
+            request=request,
         )
         if self._lose_write_of is not None and tenant == self._lose_write_of:
             req.lose_writes = True  # TEST ONLY, once
@@ -618,7 +658,28 @@ class VllmAdapter:
             prompt_tokens=req.prompt_tokens,
             max_tokens=max_tokens,
             node=self.node,
+            prompt_shared_with=self._first_sibling(str(request.request_id), rid, req),
         )
+
+    def _first_sibling(self, raw_id: str, rid: str, req: _Req) -> str | None:
+        """For a parallel-sampling child ``i >= 1`` (vLLM's id ``f"{i}_{parent}"``), the
+        recorded id of child 0, which carries the same prompt: when child 0 was admitted
+        just before with the same tenant and prompt length. A client's own id of that shape
+        matches only if another request of the same tenant and length was sent as
+        ``0_<rest>``; vLLM's parent ids end in a random suffix."""
+        m = _CHILD.fullmatch(raw_id)
+        if m is None:
+            return None
+        recent = self._recent
+        if m.group(1) == "0":
+            recent[m.group(2)] = (rid, req.tenant, req.prompt_tokens)
+            if len(recent) > _RECENT_FIRST_CHILDREN:
+                recent.popitem(last=False)
+            return None
+        first = recent.get(m.group(2))
+        if first is None or first[1:] != (req.tenant, req.prompt_tokens) or first[0] == rid:
+            return None
+        return first[0]
 
     def _on_allocated(
         self,
@@ -641,8 +702,9 @@ class VllmAdapter:
         if hits:
             self._on_hits(req, hits, num_hit_tokens)
         if fresh and self._ops is not None:
-            holders = self._holders
+            holders, full = self._holders, self._full
             for b in fresh:
+                full.pop(b, None)
                 if b in holders:  # a block a live request holds, handed out again
                     self._invalidate(b)
             self._ops.alloc(fresh, req.handle, req.tenant_handle)
@@ -692,14 +754,17 @@ class VllmAdapter:
                 salted=req.salted,
             )
 
-    def _on_step(self, scheduler_output: Any, model_runner_output: Any, reqs: list[Any]) -> None:
+    def _on_step(
+        self, scheduler_output: Any, model_runner_output: Any, reqs: list[Any] | None
+    ) -> None:
         """Apply one step's writes, then check its reads (before vLLM's own bookkeeping, which
-        frees finished requests' blocks); ``reqs`` gets the step's request objects, for
-        :meth:`_on_finished` after vLLM's update."""
+        frees finished requests' blocks); ``reqs``, if given, gets the step's request
+        objects, for :meth:`_on_finished` after vLLM's update."""
         self._steps += 1
-        requests = self.scheduler.requests
         scheduled = scheduler_output.num_scheduled_tokens
-        reqs.extend(r for r in (requests.get(rid) for rid in scheduled) if r is not None)
+        if reqs is not None:
+            requests = self.scheduler.requests
+            reqs.extend(r for r in (requests.get(rid) for rid in scheduled) if r is not None)
         kvo = getattr(model_runner_output, "kv_connector_output", None)
         invalid: set[int] = set(kvo.invalid_block_ids or ()) if kvo is not None else set()
         failed: set[str] = set(kvo.failed_recving or ()) if kvo is not None else set()
@@ -738,10 +803,12 @@ class VllmAdapter:
             if req.pending_load is not None and req.pending_load[1] <= start:
                 self._confirm_load(req, self._block_ids(rid), invalid)  # synchronous, this step
             if (
-                start <= req.valid_upto
-                and tables is not None
+                tables is not None
                 and not invalid
                 and not req.lose_writes
+                and (
+                    start <= req.valid_upto or self._over_whole_blocks(req, tables.get(rid), start)
+                )
                 and self._own_append(req, tables.get(rid), start, end)
             ):
                 continue  # invariant 4: every read of this step lies in the valid prefix
@@ -750,6 +817,28 @@ class VllmAdapter:
             checks.append((req, blocks, end, True))
         if checks:
             self._check_reads(checks, invalid)
+
+    def _over_whole_blocks(self, req: _Req, table: list[Any] | None, start: int) -> bool:
+        """Extend ``req``'s valid prefix to ``start`` over whole blocks whose reads
+        ``_full`` vouches for (invariant 5: prefix-cache hits, checked as their computing
+        request's reads; blocks trusted unchecked), if it ends at a block boundary and
+        every block up to ``start`` is such a block; False, with nothing changed, if not."""
+        bs = self.block_size
+        valid = req.valid_upto
+        if valid % bs or start % bs or table is None or start // bs > len(table):
+            return False
+        first, stop = valid // bs, start // bs
+        full, grants, trusted, handle = self._full, req.grants, req.trusted, req.handle
+        ids = [table[i].block_id for i in range(first, stop)]
+        for b in ids:
+            if b not in trusted and full.get(b) != grants.get(b, handle):
+                return False
+        req.valid_upto = start
+        holders, covered = self._holders, req.covered
+        for k, b in enumerate(ids):
+            holders.setdefault(b, {})[handle] = (req, first + k)
+            covered.append(b)
+        return True
 
     def _own_append(self, req: _Req, table: list[Any] | None, start: int, end: int) -> bool:
         """Record ``req``'s write of ``[start, end)`` and extend its valid prefix to ``end``
@@ -771,6 +860,8 @@ class VllmAdapter:
                 return False
             base = first * bs
             ops.write(b, handle, start - base, end - base, req.tenant_handle)
+            if end - base == bs:
+                self._full[b] = handle
             if end > req.valid_upto:
                 req.valid_upto = end
                 if len(req.covered) == first:
@@ -781,10 +872,12 @@ class VllmAdapter:
         for b in written:
             if computed_by.get(b) != handle:
                 return False
-        tenant = req.tenant_handle
+        tenant, full = req.tenant_handle, self._full
         for k, b in enumerate(written):
             base = (first + k) * bs
             ops.write(b, handle, max(start - base, 0), min(end - base, bs), tenant)
+            if end - base >= bs:
+                full[b] = handle
         if end > req.valid_upto:
             req.valid_upto = end
             covered = req.covered
@@ -843,6 +936,11 @@ class VllmAdapter:
         if not flush and self.counters["steps"] % self.pool_sample_every == 0:
             self.sample_pool()
 
+    def _on_finished_ids(self, ids: Iterable[str]) -> None:
+        """The requests vLLM freed whose finish the adapter has not reported yet."""
+        live = self._reqs
+        self._on_finished([r.request for r in (live.get(rid) for rid in ids) if r is not None])
+
     def _on_finished(self, requests: Iterable[Any]) -> None:
         for request in requests:
             if not request.is_finished():
@@ -899,8 +997,10 @@ class VllmAdapter:
             b = blocks[i]
             if b in skip or b == null or b in grants or b in trusted:
                 continue  # a hit block is full and immutable: vLLM never writes into one
-            if computed_by.get(b) != handle and b in holders:
-                self._invalidate(b)
+            if computed_by.get(b) != handle:
+                self._full.pop(b, None)
+                if b in holders:
+                    self._invalidate(b)
             ops.write(b, handle, max(start - i * bs, 0), min(end - i * bs, bs), tenant)
 
     def _check_reads(self, checks: list[tuple[_Req, list[int], int, bool]], skip: set[int]) -> None:
@@ -990,8 +1090,13 @@ class VllmAdapter:
         return len(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
 
     def _set_valid(self, req: _Req, blocks: list[int], valid: int) -> None:
-        """A check found ``req``'s reads of ``[0, valid)`` of ``blocks`` (its table) valid."""
+        """A check found ``req``'s reads of ``[0, valid)`` of ``blocks`` (its table) valid:
+        every block of it it read whole is known whole (invariant 5)."""
         bs = self.block_size
+        full, grants, trusted, null = self._full, req.grants, req.trusted, self._null_block
+        for b in blocks[: valid // bs]:
+            if b != null and b not in trusted:
+                full[b] = grants.get(b, req.handle)
         self._cut(req, valid // bs)
         if valid <= req.valid_upto:
             return

@@ -501,3 +501,33 @@ def test_a_block_handed_out_again_while_held_is_caught_at_its_holders_next_read(
     assert stale, "a's read of the block b overwrote went unchecked"
     assert {p for e in stale for p in e.page_ids} == {victim_id}
     assert {(e.previous_request_id, e.previous_tenant) for e in stale} == {("b-1", "tenant-b")}
+
+
+def test_parallel_sampling_children_name_the_first_child_as_sharing_their_prompt(
+    make_scheduler: Any,
+) -> None:
+    """vLLM fans an ``n > 1`` request out into children ``f"{i}_{parent}"`` with the same
+    prompt: children 1..n-1 are admitted with ``prompt_shared_with`` naming child 0, so
+    the collector counts the prompt once. An id of that shape whose ``0_`` sibling has
+    another prompt or tenant names nobody."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    shared = prompt(31, 2 * BLOCK)
+    parent = "cmpl-7f3a-1b2c3d4e"
+    for i in range(3):
+        d.add(f"{i}_{parent}", shared, "tenant-a", max_tokens=2)
+    d.add("0_mine", prompt(32, BLOCK), "tenant-b", max_tokens=1)
+    d.add("1_mine", prompt(33, 2 * BLOCK), "tenant-b", max_tokens=1)  # another length
+    d.add("1_other", shared, "tenant-a", max_tokens=1)  # no 0_ sibling
+    d.run_until_done()
+    admitted = {e.request_id: e.prompt_shared_with for e in probe.of(RequestAdmitted)}
+    assert admitted == {
+        f"0_{parent}": None,
+        f"1_{parent}": f"0_{parent}",
+        f"2_{parent}": f"0_{parent}",
+        "0_mine": None,
+        "1_mine": None,
+        "1_other": None,
+    }
+    tokens = {e.request_id: e.prompt_tokens for e in probe.of(RequestAdmitted)}
+    assert tokens[f"1_{parent}"] == tokens[f"0_{parent}"] == len(shared)
