@@ -491,7 +491,7 @@ def check_run(res: RunResult, ref: RunResult, specs: Sequence[Spec]) -> dict[str
         raise BenchError("no cached block was evicted and handed out again (page.reuse)")
     if c["prefix_hits_cross_tenant"] == 0 or kinds[PrefixCacheHit] == 0:
         raise BenchError("no cross-tenant prefix-cache hit happened")
-    if adapter._reqs or adapter._finished_in_flight or adapter._in_flight:
+    if adapter._reqs or adapter._finished_in_flight or adapter._in_flight or adapter._holders:
         raise BenchError("the adapter still tracks requests after the run")
     return {
         "events": sum(kinds.values()),
@@ -504,6 +504,10 @@ def check_run(res: RunResult, ref: RunResult, specs: Sequence[Spec]) -> dict[str
         "prefix_hits_cross_tenant": c["prefix_hits_cross_tenant"],
         "prefix_hits_same_tenant": c["prefix_hits_same_tenant"],
         "stale_reads": c["stale_reads"],
+        # steps whose reads the ledger checked (the rest its valid prefixes vouched for),
+        # and flushes of the gathered ledger operations
+        "read_checks": c["read_checks"],
+        "ledger_flushes": c["ledger_flushes"],
     }
 
 
@@ -539,7 +543,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"aborts between steps and {ref.aborted_mid_step} during steps, "
             f"{workload['reused_pages']} evicted blocks handed out again "
             f"({workload['cross_tenant_reused_pages']} across tenants); the adapter emitted "
-            f"{workload['events']} events, 0 stale reads"
+            f"{workload['events']} events, 0 stale reads; the ledger checked reads in "
+            f"{workload['read_checks']} steps and was flushed {workload['ledger_flushes']} times"
         )
         times: dict[str, list[float]] = {v: [] for v in variants}
         ratios: list[float] = []
