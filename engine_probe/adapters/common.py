@@ -7,15 +7,26 @@ Imports no torch: the ledger module is imported for its report type only."""
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from engine_probe.events import MAX_PAGE_IDS, PageStaleRead, is_valid_id
 
 if TYPE_CHECKING:
     from engine_probe.ledger import StaleRead
 
-__all__ = ["UNKNOWN", "StaleReadEmitter", "chunks", "safe_id"]
+__all__ = [
+    "LOSE_WRITE_VAR",
+    "TEST_FAULTS_ON",
+    "TEST_FAULTS_VAR",
+    "UNKNOWN",
+    "StaleReadEmitter",
+    "chunks",
+    "safe_id",
+    "test_faults",
+]
 
 
 def safe_id(value: str, prefix: str) -> str:
@@ -33,6 +44,35 @@ def chunks(pages: list[int]) -> list[list[int]]:
 
 UNKNOWN: Final = "unknown"
 """The tenant (or request) name reported when the adapter cannot name it."""
+
+# TEST ONLY: fault injection for the positive control of kvwatch's own live tests (a probe
+# that reports no stale read must be one that could). Read only when TEST_FAULTS_VAR holds
+# exactly TEST_FAULTS_ON; then the adapter does not record the KV writes of the first
+# request of the tenant LOSE_WRITE_VAR names, so that reads of those pages are reported as
+# stale reads. Never set these outside a test engine: that engine's probe then reports a
+# stale read that did not happen (the plugin logs a WARNING saying so).
+TEST_FAULTS_VAR: Final = "KVWATCH_TEST_FAULT_INJECTION"
+TEST_FAULTS_ON: Final = "i-know-this-probe-will-report-false-stale-reads"
+LOSE_WRITE_VAR: Final = "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT"
+
+
+def test_faults(log: logging.Logger) -> dict[str, Any]:
+    """An adapter's test-only fault options from the environment (see TEST_FAULTS_VAR):
+    none unless enabled; logged on ``log`` as a WARNING when they are."""
+    if os.environ.get(TEST_FAULTS_VAR, "") != TEST_FAULTS_ON:
+        return {}
+    tenant = os.environ.get(LOSE_WRITE_VAR, "").strip()
+    if not tenant:
+        return {}
+    log.warning(
+        "kvwatch: TEST FAULT INJECTION ON (%s): the KV writes of tenant %r's first request "
+        "will not be recorded, so reads of them are reported as stale reads. Never in "
+        "production.",
+        TEST_FAULTS_VAR,
+        tenant,
+    )
+    return {"test_lose_kv_write_of_tenant": tenant}
+
 
 #: (request id, tenant name) of a ledger request handle; ``(f"handle-{h}", UNKNOWN)`` when
 #: the adapter has no record of it.

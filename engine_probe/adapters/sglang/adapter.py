@@ -144,8 +144,14 @@ class SGLangAdapter:
         tenant_of: Callable[[Any], str | None] = default_tenant_of,
         zeroize_on_free: bool = False,
         request_capacity: int = 1 << 16,
+        test_lose_kv_write_of_tenant: str | None = None,
     ) -> None:
         self._probe = probe
+        # TEST ONLY (the plugin's KVWATCH_TEST_FAULT_INJECTION, engine_probe.adapters.
+        # common): the first request of this tenant gets its KV writes left out of the
+        # ledger, a stale read to be caught (the positive control of the live tests)
+        self._lose_write_of = test_lose_kv_write_of_tenant
+        self._lost: int | None = None
         self.deployment_id = deployment_id
         self.model_id = model_id
         self.tenant_of = tenant_of
@@ -461,6 +467,8 @@ class SGLangAdapter:
                 th = self._tenant_handle(tenant)
                 tname = UNKNOWN if tenant is None else self._tenant_names[th]
                 self._names[handle] = (safe_id(rid, "req"), th, tname)
+                if self._lose_write_of is not None and tname == self._lose_write_of:
+                    self._lost, self._lose_write_of = handle, None  # TEST ONLY, once
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
                 self._by_room[room] = handle
@@ -732,6 +740,8 @@ class SGLangAdapter:
         end = torch.zeros_like(pages).scatter_reduce(0, inverse, offsets + 1, "amax")
         owners = st.ledger.owner_of(pages)
         owned = owners >= 0  # writes into free pages (padding slots) validate nothing
+        if self._lost is not None:
+            owned &= owners != self._lost  # TEST ONLY: its writes are left out
         if not bool(owned.all()):
             pages, owners, start, end = pages[owned], owners[owned], start[owned], end[owned]
         if pages.numel():

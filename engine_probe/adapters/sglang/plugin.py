@@ -34,12 +34,14 @@ def register() -> None:
     try:
         from sglang.srt.model_executor.model_runner import ModelRunner
 
+        from engine_probe.adapters.common import test_faults
         from engine_probe.adapters.sglang.adapter import SGLangAdapter
         from engine_probe.probe import configure_probe
 
         configure_probe()
         adapter = SGLangAdapter(
-            zeroize_on_free=os.environ.get("KVWATCH_SGLANG_ZEROIZE", "") in ("1", "true")
+            zeroize_on_free=os.environ.get("KVWATCH_SGLANG_ZEROIZE", "") in ("1", "true"),
+            **test_faults(log),
         )
         original = ModelRunner.alloc_memory_pool
 

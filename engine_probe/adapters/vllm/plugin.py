@@ -33,15 +33,7 @@ _KEPT: Final = "_kvwatch_kept"
 #: Set to "0" to keep the plugin off while the other KVWATCH_* settings stay exported.
 ENABLE_VAR: Final = "KVWATCH_VLLM_PROBE"
 
-# TEST ONLY: fault injection for the positive control of kvwatch's own live tests (a probe
-# that reports no stale read must be one that could). Read only when TEST_FAULTS_VAR holds
-# exactly TEST_FAULTS_ON; then the adapter does not record the KV writes of the first
-# request of the tenant LOSE_WRITE_VAR names, so that reads of those blocks are reported as
-# stale reads. Never set these outside a test engine: that engine's probe then reports a
-# stale read that did not happen (the plugin logs a WARNING saying so).
-TEST_FAULTS_VAR: Final = "KVWATCH_TEST_FAULT_INJECTION"
-TEST_FAULTS_ON: Final = "i-know-this-probe-will-report-false-stale-reads"
-LOSE_WRITE_VAR: Final = "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT"
+# TEST ONLY: the positive control's fault injection (engine_probe.adapters.common).
 
 
 def register() -> None:
@@ -179,20 +171,10 @@ def _attach(scheduler: Any) -> None:
 
 
 def _test_faults() -> dict[str, Any]:
-    """The adapter's test-only fault options (see TEST_FAULTS_VAR): none unless enabled."""
-    if os.environ.get(TEST_FAULTS_VAR, "") != TEST_FAULTS_ON:
-        return {}
-    tenant = os.environ.get(LOSE_WRITE_VAR, "").strip()
-    if not tenant:
-        return {}
-    vllm_log.warning(
-        "kvwatch: TEST FAULT INJECTION ON (%s): the KV writes of tenant %r's first request "
-        "will not be recorded, so reads of them are reported as stale reads. Never in "
-        "production.",
-        TEST_FAULTS_VAR,
-        tenant,
-    )
-    return {"test_lose_kv_write_of_tenant": tenant}
+    """The adapter's test-only fault options (see ``adapters.common.TEST_FAULTS_VAR``)."""
+    from engine_probe.adapters.common import test_faults  # imports msgspec: not at load
+
+    return test_faults(vllm_log)
 
 
 def redact_url(url: str | None) -> str:

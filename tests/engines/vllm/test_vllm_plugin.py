@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine_probe.adapters import common
 from engine_probe.probe import get_probe, shutdown_probe
 
 
@@ -165,14 +166,14 @@ def test_fault_injection_needs_its_exact_test_flag(
     from engine_probe.adapters.vllm import plugin
 
     monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv(plugin.LOSE_WRITE_VAR, "t-x")
+    monkeypatch.setenv(common.LOSE_WRITE_VAR, "t-x")
     for flag in (None, "1", "true"):
         if flag is None:
-            monkeypatch.delenv(plugin.TEST_FAULTS_VAR, raising=False)
+            monkeypatch.delenv(common.TEST_FAULTS_VAR, raising=False)
         else:
-            monkeypatch.setenv(plugin.TEST_FAULTS_VAR, flag)
+            monkeypatch.setenv(common.TEST_FAULTS_VAR, flag)
         assert plugin._test_faults() == {}
-    monkeypatch.setenv(plugin.TEST_FAULTS_VAR, plugin.TEST_FAULTS_ON)
+    monkeypatch.setenv(common.TEST_FAULTS_VAR, common.TEST_FAULTS_ON)
     _load_plugins()
     adapter = make_scheduler()._kvwatch_adapter
     assert adapter._lose_write_of == "t-x"
