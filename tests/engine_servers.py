@@ -332,6 +332,190 @@ def vllm_server(
     yield _server
 
 
+SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+SGLANG_SITE = ROOT / "engines" / "sglang" / "site"
+SGLANG_DEPLOYMENT = "sglang-tiny"
+
+
+@dataclass
+class SglangServer:
+    """One running SGLang OpenAI server (single node) with kvwatch's plugin active."""
+
+    base_url: str
+    model: str
+    deployment_id: str
+    collector: EngineCollector
+    log_path: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    def complete(
+        self,
+        prompt: list[int],
+        *,
+        tenant: str | None = None,
+        max_tokens: int = 4,
+        timeout_s: float = 120.0,
+    ) -> httpx.Response:
+        """POST /v1/completions (greedy, ``ignore_eos``); the tenant as SGLang's routing key
+        (the ``x-smg-routing-key`` header a gateway or SGLang's router sets), which the
+        probe reads as the request's tenant."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        headers = {"x-smg-routing-key": tenant} if tenant else {}
+        return httpx.post(
+            f"{self.base_url}/v1/completions", json=body, headers=headers, timeout=timeout_s
+        )
+
+    def server_info(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.base_url}/get_server_info", timeout=30)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+_sglang: SglangServer | None = None
+
+
+def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
+    from kvwatch.embedded import free_port
+
+    model_dir = workdir / "tiny-llama"
+    subprocess.run(
+        [str(VLLM_PY), str(TINY_MODEL_SCRIPT), str(model_dir)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    port = free_port()
+    env = {
+        **{
+            k: v
+            for k, v in os.environ.items()
+            # SGLANG_USE_CPU_ENGINE selects SGLang's official CPU backend, which needs a CPU
+            # sgl-kernel build PyPI does not have (and AVX-512/AMX): the plain PyTorch
+            # paths below are what runs here
+            if not k.startswith(("KVWATCH_", "SGLANG_USE_CPU_ENGINE"))
+        },
+        "PYTHONPATH": str(SGLANG_SITE),  # sitecustomize: stubs in every SGLang process
+        "HF_HUB_OFFLINE": "1",
+        "SGLANG_HOST_IP": "127.0.0.1",
+        "KVWATCH_SGLANG_PROBE": "1",
+        "KVWATCH_COLLECTOR_URL": collector.url,
+        "KVWATCH_INGEST_TOKEN": collector.ingest,
+        "KVWATCH_DEPLOYMENT_ID": SGLANG_DEPLOYMENT,
+        "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+        # TEST ONLY: the positive control's injected fault (engine_probe/adapters/common.py):
+        # the first request of FAULT_TENANT has its KV writes left unrecorded
+        "KVWATCH_TEST_FAULT_INJECTION": "i-know-this-probe-will-report-false-stale-reads",
+        "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
+    }
+    log_path = workdir / "sglang-server.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [
+            str(SGLANG_PY),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model_dir),
+            "--served-model-name",
+            SERVED_MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--nccl-port",
+            str(free_port()),
+            "--device",
+            "cpu",
+            # SGLang's plain-PyTorch paths (no sgl-kernel, no CUDA graphs, no grammar)
+            "--attention-backend",
+            "torch_native",
+            "--sampling-backend",
+            "pytorch",
+            "--cuda-graph-backend-decode",
+            "disabled",
+            "--cuda-graph-backend-prefill",
+            "disabled",
+            "--grammar-backend",
+            "none",
+            "--skip-server-warmup",
+            "--enable-cache-report",
+            "--enable-metrics",
+            "--context-length",
+            str(MAX_MODEL_LEN),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=workdir,
+        start_new_session=True,
+    )
+    log.close()
+    server = SglangServer(
+        base_url=f"http://127.0.0.1:{port}",
+        model=SERVED_MODEL,
+        deployment_id=SGLANG_DEPLOYMENT,
+        collector=collector,
+        log_path=log_path,
+        process=proc,
+    )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the SGLang server exited with {proc.returncode}:\n{server.log_tail()}"
+            )
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"the SGLang server did not start:\n{server.log_tail()}")
+        time.sleep(1.0)
+
+
+def _shutdown_sglang() -> None:
+    global _sglang
+    if _sglang is not None:
+        _stop(_sglang.process)
+        _sglang = None
+
+
+@pytest.fixture(scope="session")
+def sglang_server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[SglangServer]:
+    """The run's one real SGLang server with kvwatch's plugin and its own collector (the
+    tiny model is built by .venv-vllm's script, so both engine venvs are needed)."""
+    global _sglang
+    for venv in (".venv-sglang", ".venv-vllm"):
+        if not (ROOT / venv / ".kvwatch-installed").exists():
+            if os.environ.get("CI"):
+                pytest.fail(f"{venv} is missing (make engines builds it)")
+            pytest.skip(f"{venv} is missing: `make engines` builds it")
+    if _sglang is None:
+        workdir = tmp_path_factory.mktemp("sglang-server")
+        request.config.add_cleanup(_shutdown_sglang)
+        request.config.add_cleanup(_shutdown)  # its collector is on the shared stack
+        collector = _start_collector(workdir)
+        _sglang = _start_sglang(workdir, collector)
+    yield _sglang
+
+
 def wait_for(fetch: Any, ready: Any, timeout_s: float = 30.0) -> Any:
     """Poll ``fetch()`` until ``ready(value)``; the last value (AssertionError on timeout)."""
     deadline = time.monotonic() + timeout_s
