@@ -101,8 +101,8 @@ the block's computing request, which never wrote it.
 
 Not modelled: copy-on-write block copies and KV cache zeroing (``new_block_ids_to_zero``,
 which vLLM 0.32 uses only for models that need it), speculative-decoding rollbacks, and
-models with several KV cache groups (sliding-window hybrids): the adapter reads only group
-0 and reports no stale reads for the others.
+models whose KV cache is not one full-attention group (sliding-window hybrids, Mamba): they
+get every event but no stale-read checks.
 
 Test-only fault injection (``test_lose_kv_write_of_tenant``, set by the plugin only under
 its ``KVWATCH_TEST_FAULT_INJECTION`` flag): the first request of that tenant has its KV writes
@@ -281,10 +281,13 @@ class VllmAdapter:
         self.block_size = int(scheduler.block_size)
         self.num_blocks = int(kv_cfg.num_blocks)
         self.role = _role(cfg)
-        single_group = len(kv_cfg.kv_cache_groups) == 1
+        single_group = len(kv_cfg.kv_cache_groups) == 1 and _full_attention(
+            kv_cfg.kv_cache_groups[0]
+        )
         if ledger and not single_group:
             log.warning(
-                "kvwatch: %d KV cache groups; stale-read checks cover none of them",
+                "kvwatch: %d KV cache group(s), not one of full attention; stale-read checks "
+                "cover none of them",
                 len(kv_cfg.kv_cache_groups),
             )
         self.ledger: PageLedger | None = (
@@ -307,6 +310,8 @@ class VllmAdapter:
         # block -> the handle whose read of the whole block the ledger holds valid
         # (invariant 5): checks a prefix-cache hit on it without the ledger
         self._full: dict[int, int] = {}
+        # blocks written this step by a request that does not own them (see _on_step)
+        self._foreign_this_step: set[int] = set()
         # raw request id -> (recorded id, tenant, prompt tokens) of recent admissions, to
         # find parallel-sampling siblings (vLLM's children of one n>1 request)
         self._recent: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
@@ -479,7 +484,7 @@ class VllmAdapter:
                 req = live.get(rid)
                 if req is not None:
                     held = table_length(rid)
-                    if held < len(req.covered):  # freed meanwhile (preemption): invariant 4
+                    if held * self.block_size < req.valid_upto:  # freed meanwhile: inv. 4
                         self._cut(req, held)
                     computed = int(request.num_computed_tokens)
             except Exception:
@@ -782,6 +787,8 @@ class VllmAdapter:
             return
         starts = _computed_at_schedule(scheduler_output)
         checks: list[tuple[_Req, list[int], int, bool]] = []
+        # own appends recorded: (request id, request, start, end, the blocks written)
+        appends: list[tuple[str, _Req, int, int, list[int]]] = []
         tables = self._tables
         for rid, n in scheduled.items():
             start = starts.get(rid)
@@ -802,19 +809,26 @@ class VllmAdapter:
                 continue
             if req.pending_load is not None and req.pending_load[1] <= start:
                 self._confirm_load(req, self._block_ids(rid), invalid)  # synchronous, this step
-            if (
-                tables is not None
-                and not invalid
-                and not req.lose_writes
-                and (
-                    start <= req.valid_upto or self._over_whole_blocks(req, tables.get(rid), start)
-                )
-                and self._own_append(req, tables.get(rid), start, end)
-            ):
-                continue  # invariant 4: every read of this step lies in the valid prefix
+            if tables is not None and not invalid and not req.lose_writes:
+                table = tables.get(rid)
+                if start <= req.valid_upto or self._over_whole_blocks(req, table, start):
+                    written = self._own_append(req, table, start, end)
+                    if written is not None:
+                        appends.append((rid, req, start, end, written))
+                        continue
             blocks = self._block_ids(rid)
             self._write(req, blocks, start, end, invalid)
             checks.append((req, blocks, end, True))
+        # Only now, with every write of the step recorded (and what they cut, cut): an
+        # append whose prefix another request's write cut meanwhile, or whose blocks a
+        # non-owner wrote in this step, is checked in the ledger like any other read
+        foreign = self._foreign_this_step
+        for rid, req, start, end, written in appends:
+            if start > req.valid_upto or (foreign and not foreign.isdisjoint(written)):
+                checks.append((req, self._block_ids(rid), end, True))
+            else:  # invariant 4: every read of this step lies in the valid prefix
+                self._extend(req, written, start, end)
+        foreign.clear()
         if checks:
             self._check_reads(checks, invalid)
 
@@ -840,53 +854,51 @@ class VllmAdapter:
             covered.append(b)
         return True
 
-    def _own_append(self, req: _Req, table: list[Any] | None, start: int, end: int) -> bool:
-        """Record ``req``'s write of ``[start, end)`` and extend its valid prefix to ``end``
-        (``start <= req.valid_upto``), if every block written is its own (invariant 4's
-        fast path); False, with nothing recorded, if not."""
+    def _own_append(
+        self, req: _Req, table: list[Any] | None, start: int, end: int
+    ) -> list[int] | None:
+        """Record ``req``'s write of ``[start, end)`` (``start <= req.valid_upto``) if every
+        block written is its own: the ids of the blocks written (:meth:`_extend` extends
+        the valid prefix over them once the step's other writes are recorded); None, with
+        nothing recorded, if not (invariant 4's fast path)."""
         if end <= start:
-            return True  # nothing written, and what it reads lies in its valid prefix
+            return []  # nothing written, and what it reads lies in its valid prefix
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
-        if table is None or last >= len(table):
-            return False
+        if table is None or last >= len(table) or len(req.covered) < first:
+            return None
         handle = req.handle
         computed_by = self._computed_by
-        ops = self._ops
-        assert ops is not None
-        if first == last:  # the common case: a decode step, or a prefill within one block
-            b = table[first].block_id
-            if computed_by.get(b) != handle:
-                return False
-            base = first * bs
-            ops.write(b, handle, start - base, end - base, req.tenant_handle)
-            if end - base == bs:
-                self._full[b] = handle
-            if end > req.valid_upto:
-                req.valid_upto = end
-                if len(req.covered) == first:
-                    self._holders.setdefault(b, {})[handle] = (req, first)
-                    req.covered.append(b)
-            return True
         written = [table[i].block_id for i in range(first, last + 1)]
         for b in written:
             if computed_by.get(b) != handle:
-                return False
-        tenant, full = req.tenant_handle, self._full
+                return None
+        ops = self._ops
+        assert ops is not None
+        tenant = req.tenant_handle
         for k, b in enumerate(written):
             base = (first + k) * bs
             ops.write(b, handle, max(start - base, 0), min(end - base, bs), tenant)
-            if end - base >= bs:
+        return written
+
+    def _extend(self, req: _Req, written: list[int], start: int, end: int) -> None:
+        """``req``'s own append of ``[start, end)`` over ``written`` (its blocks from
+        ``start``'s on), recorded, extends its valid prefix to ``end``: blocks written up
+        to their end are known whole (invariants 4 and 5)."""
+        if end <= req.valid_upto:
+            return
+        bs = self.block_size
+        first = start // bs
+        handle, full = req.handle, self._full
+        for k, b in enumerate(written):
+            if end - (first + k) * bs >= bs:
                 full[b] = handle
-        if end > req.valid_upto:
-            req.valid_upto = end
-            covered = req.covered
-            holders = self._holders
-            for i in range(len(covered), last + 1):  # the covered blocks are written ones
-                b = written[i - first]
-                holders.setdefault(b, {})[handle] = (req, i)
-                covered.append(b)
-        return True
+        req.valid_upto = end
+        covered, holders = req.covered, self._holders
+        for i in range(len(covered), first + len(written)):
+            b = written[i - first]
+            holders.setdefault(b, {})[handle] = (req, i)
+            covered.append(b)
 
     def _still_held(self, req: _Req, blocks: list[int]) -> list[int]:
         """A finished request's block table at its finish, less the blocks vLLM has handed
@@ -998,6 +1010,7 @@ class VllmAdapter:
             if b in skip or b == null or b in grants or b in trusted:
                 continue  # a hit block is full and immutable: vLLM never writes into one
             if computed_by.get(b) != handle:
+                self._foreign_this_step.add(b)
                 self._full.pop(b, None)
                 if b in holders:
                     self._invalidate(b)
@@ -1023,7 +1036,9 @@ class VllmAdapter:
         for req, blocks, end, live in checks:
             n = min((end - 1) // bs + 1, len(blocks)) if end > 0 else 0
             read = blocks[:n]
-            good = end  # up to its first block skipped as a failed load
+            # up to its first block skipped as a failed load, and never past its table (a
+            # table vLLM freed while the step ran, a preemption, vouches for nothing)
+            good = min(end, len(blocks) * bs)
             if skip or req.trusted or null in read:
                 for i, b in enumerate(read):
                     if b in skip or b == null or b in req.trusted:
@@ -1209,6 +1224,14 @@ def _cuda_graphs(cfg: Any) -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cuda_alike())
+
+
+def _full_attention(group: Any) -> bool:
+    """Whether a KV cache group is full attention: the block tables the ledger model
+    assumes, which only grow (sliding-window and Mamba groups rewrite theirs in place)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return isinstance(getattr(group, "kv_cache_spec", None), FullAttentionSpec)
 
 
 def _block_tables(scheduler: Any) -> Mapping[str, list[Any]] | None:

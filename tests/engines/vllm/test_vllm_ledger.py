@@ -531,3 +531,34 @@ def test_parallel_sampling_children_name_the_first_child_as_sharing_their_prompt
     }
     tokens = {e.request_id: e.prompt_tokens for e in probe.of(RequestAdmitted)}
     assert tokens[f"1_{parent}"] == tokens[f"0_{parent}"] == len(shared)
+
+
+def test_a_foreign_write_in_the_same_step_is_caught_in_that_step(make_scheduler: Any) -> None:
+    """A block of a's that b's block table holds without vLLM having handed it out (a's
+    block written into b's table in place, as a corrupted table would): b's write into it
+    is a non-owner's write, and a's read of it in the same step (a decodes; the adapter
+    sees a's step first) is a stale read reported with that step's output, not a step
+    later (a finishes in that step: a later check would never come)."""
+    probe = RecordingProbe()
+    d = Driver(make_scheduler(), probe)
+    d.add("a-1", prompt(41, 2 * BLOCK), "tenant-a", max_tokens=4)
+    for _ in range(3):  # a's prefill and two decode steps: a's reads are known valid
+        d.step()
+    victim_id = d.blocks("a-1")[0]
+    d.add("b-1", prompt(42, 2 * BLOCK), "tenant-b", max_tokens=2)
+    out = d.scheduler.schedule()  # a's last decode step and b's prefill
+    assert list(out.num_scheduled_tokens)[0] == "a-1"
+    manager = d.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = d.scheduler.kv_cache_manager.block_pool
+    table = manager.req_to_blocks["b-1"]
+    spare, victim = table[0], pool.blocks[victim_id]
+    spare.ref_cnt -= 1
+    pool.free_block_queue.append(spare)
+    victim.ref_cnt += 1
+    table[0] = victim
+    d.finish_step(out)
+    stale = [e for e in probe.of(PageStaleRead) if e.reader_request_id == "a-1"]
+    assert stale, "a's read of the block b wrote into went unchecked in that step"
+    assert {p for e in stale for p in e.page_ids} == {victim_id}
+    assert {(e.previous_request_id, e.previous_tenant) for e in stale} == {("b-1", "tenant-b")}
+    assert "a-1" in {e.request_id for e in probe.of(RequestFinished)}
