@@ -65,6 +65,7 @@ from engine_probe.events import (
     KvTransfer,
     PageReuse,
     PoolSample,
+    PrefixCacheHit,
     RequestAdmitted,
     RequestFinished,
     RequestRejected,
@@ -185,6 +186,8 @@ class SGLangAdapter:
             "hook_errors": 0,
             "reads_checked": 0,
             "capture_skipped": 0,
+            "prefix_hits_cross_tenant": 0,
+            "prefix_hits_same_tenant": 0,
         }
         self._stale = StaleReadEmitter(
             self._emit, self.counters, self._request_names, self._tenant_names.get
@@ -693,8 +696,47 @@ class SGLangAdapter:
                     grown[: grant.numel()] = grant.cpu()
                 grant = grown
             grant = grant.cpu()
+            newly = (reader[at] >= 0) & (grant[row_cols] != reader[at])
+            if bool(newly.any()):
+                self._report_hits(st, row, reader[at][newly], pages[at.to(dev)][newly.to(dev)])
             grant[row_cols] = reader[at]
             st.grants[row] = grant.to(dev)
+
+    def _report_hits(self, st: _Node, row: int, owners: Tensor, pages: Tensor) -> None:
+        """Columns of ``row`` newly bound to pages ``owners`` computed (a radix-cache
+        prefix): a ``prefix_cache.hit`` per owner of another tenant, naming both requests
+        (same-tenant hits are counted, not sent, as vLLM's adapter does)."""
+        reader = st.rows.get(row)
+        if reader is None:
+            return
+        reader_id, _, reader_tenant = self._names.get(reader, (f"handle-{reader}", 0, UNKNOWN))
+        page_list = pages.cpu().tolist()
+        by_owner: dict[int, list[int]] = {}
+        for owner, page in zip(owners.tolist(), page_list, strict=True):
+            by_owner.setdefault(owner, []).append(page)
+        for owner, owned in by_owner.items():
+            named = self._names.get(owner)
+            if named is None:
+                continue  # its writer long forgotten: not known to be another tenant's
+            owner_id, _, owner_tenant = named
+            if owner_tenant == reader_tenant:
+                self.counters["prefix_hits_same_tenant"] += 1
+                continue
+            self.counters["prefix_hits_cross_tenant"] += 1
+            self._emit(
+                PrefixCacheHit,
+                node=st.name,
+                role=st.role,
+                reader_request_id=reader_id,
+                reader_tenant=reader_tenant,
+                owner_request_id=owner_id,
+                owner_tenant=owner_tenant,
+                pages=len(set(owned)),
+                tokens=len(owned),
+                # SGLang keys its radix cache by extra_key too, which the adapter cannot
+                # see here: a hit is reported unsalted
+                salted=False,
+            )
 
     def _on_free(self, st: _Node, index: Tensor) -> None:
         if index.numel() == 0:

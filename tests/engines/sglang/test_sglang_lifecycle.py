@@ -26,7 +26,13 @@ from sglang_incident import (
 )
 
 from engine_probe.adapters.sglang import attach
-from engine_probe.events import EngineConfig, PageStaleRead, RequestAdmitted, RequestFinished
+from engine_probe.events import (
+    EngineConfig,
+    PageStaleRead,
+    PrefixCacheHit,
+    RequestAdmitted,
+    RequestFinished,
+)
 
 
 @pytest.fixture
@@ -107,6 +113,34 @@ def test_radix_prefix_hit_is_a_grant_not_a_stale_read(
     assert owners(adapter, "both-0", a_pages) == [a_handle, a_handle]
     b_page = int(n.r2t.req_to_token[b_row, 2 * PAGE]) // PAGE
     assert owners(adapter, "both-0", [b_page]) == [b_handle]
+
+
+def test_a_cross_tenant_radix_prefix_hit_is_reported_with_owner_and_reader(
+    probe: Any, tp_rank0: None, torch_native: None
+) -> None:
+    """Another tenant's request bound to a radix-cache prefix tenant A computed: one
+    prefix_cache.hit naming both (pages and tokens of the prefix), no stale read; the same
+    tenant's reuse is counted, not sent."""
+    n = make_node(PREFILL_TOKENS)
+    adapter = attach(req_to_token_pool=n.r2t, allocator=n.alloc, probe=probe)
+    try:
+        a = new_req("a-1", "tenant-a", 2 * PAGE, room=1)
+        a_row, _ = prefill(n, a)
+        prefix = n.r2t.req_to_token[a_row, : 2 * PAGE].clone()
+        b = new_req("b-1", "tenant-b", 3 * PAGE, room=2)
+        b_row = extend_with_prefix(n, b, prefix, PAGE)
+        decode_step(n, b_row, 3 * PAGE)
+        c = new_req("c-1", "tenant-a", 3 * PAGE, room=3)
+        extend_with_prefix(n, c, prefix, PAGE)
+    finally:
+        adapter.detach()
+    assert probe.of(PageStaleRead) == []
+    (hit,) = probe.of(PrefixCacheHit)
+    assert (hit.reader_request_id, hit.reader_tenant) == ("b-1", "tenant-b")
+    assert (hit.owner_request_id, hit.owner_tenant) == ("a-1", "tenant-a")
+    assert (hit.pages, hit.tokens) == (2 * PAGE // PAGE, 2 * PAGE)
+    assert hit.cross_tenant
+    assert adapter.counters["prefix_hits_same_tenant"] == 1
 
 
 def test_granted_prefix_freed_and_reused_is_still_caught(
