@@ -335,6 +335,7 @@ def vllm_server(
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 SGLANG_SITE = ROOT / "engines" / "sglang" / "site"
 SGLANG_DEPLOYMENT = "sglang-tiny"
+SGLANG_POOL_TOKENS = 16384
 
 
 @dataclass
@@ -455,6 +456,10 @@ def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
             "--enable-metrics",
             "--context-length",
             str(MAX_MODEL_LEN),
+            # SGLang sizes a CPU KV pool from the machine's memory (29M tokens, 14 GB here):
+            # a second server beside it, or the vLLM one, would be killed for memory
+            "--max-total-tokens",
+            str(SGLANG_POOL_TOKENS),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

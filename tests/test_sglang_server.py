@@ -20,6 +20,7 @@ import pytest
 
 from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
+    SGLANG_POOL_TOKENS,
     SglangServer,
     sglang_server,
     wait_for,
@@ -46,6 +47,10 @@ def requests_of(server: SglangServer, tenant: str) -> list[dict[str, Any]]:
     return list(get(server, "/v1/requests", tenant=tenant, limit=100)["items"])
 
 
+def info_page_size(server: SglangServer) -> int:
+    return int(server.server_info()["page_size"])
+
+
 def stale_reads(server: SglangServer) -> list[dict[str, Any]]:
     return list(get(server, "/v1/page-events", kind="page.stale_read", limit=100)["items"])
 
@@ -63,7 +68,7 @@ def test_engine_config_is_sglangs_own(sglang_server: SglangServer) -> None:  # n
     assert cfg["engine"] == "sglang"
     assert cfg["engine_version"] == "0.5.23"
     assert cfg["advertised_context"] == info["context_length"]
-    assert cfg["pool_capacity_tokens"] == info["max_total_num_tokens"]
+    assert cfg["pool_capacity_tokens"] == info["max_total_num_tokens"] == SGLANG_POOL_TOKENS
     assert cfg["page_size"] == info["page_size"]
     assert cfg["disaggregated"] is False
 
@@ -84,11 +89,11 @@ def test_two_tenants_token_counts_and_no_stale_read(
     assert usage["b2"]["prompt_tokens_details"]["cached_tokens"] >= 64, usage["b2"]
     a_rows = wait_for(
         lambda: requests_of(sglang_server, A),
-        lambda rows: len(rows) == 1 and rows[0]["status"] != "provisional",
+        lambda rows: len(rows) == 1 and rows[0]["status"] != "admitted",
     )
     b_rows = wait_for(
         lambda: requests_of(sglang_server, B),
-        lambda rows: len(rows) == 2 and all(r["status"] != "provisional" for r in rows),
+        lambda rows: len(rows) == 2 and all(r["status"] != "admitted" for r in rows),
     )
     (a1,) = a_rows
     assert (a1["prompt_tokens"], a1["completion_tokens"]) == (
@@ -100,8 +105,24 @@ def test_two_tenants_token_counts_and_no_stale_read(
         row = by_prompt[usage[name]["prompt_tokens"]]
         assert row["completion_tokens"] == usage[name]["completion_tokens"]
         assert row["status"] == "length"
-    # the radix-cache prefix b2 reused is a's legitimately: no stale read
+    # the radix-cache prefix b2 reused is a's legitimately: no stale read, but a
+    # cross-tenant prefix_cache.hit naming both requests
     assert not [e for e in stale_reads(sglang_server) if e["tenant"] in (A, B)]
+    hits = wait_for(
+        lambda: [
+            e
+            for e in get(sglang_server, "/v1/page-events", kind="prefix_cache.hit", limit=100)[
+                "items"
+            ]
+            if e["tenant"] == B
+        ],
+        bool,
+    )
+    (hit,) = hits
+    assert (hit["other_tenant"], hit["other_request_id"]) == (A, a1["request_id"])
+    assert hit["request_id"] == by_prompt[usage["b2"]["prompt_tokens"]]["request_id"]
+    assert hit["cross_tenant"] is True
+    assert hit["page_count"] * info_page_size(sglang_server) >= 64
     probes = [p for p in get(sglang_server, "/v1/probes")
               if p["deployment_id"] == sglang_server.deployment_id]  # fmt: skip
     assert probes and all(p["missing"] == 0 and p["reported_drops"] == {} for p in probes)

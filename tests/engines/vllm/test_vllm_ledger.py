@@ -547,7 +547,7 @@ def test_a_foreign_write_in_the_same_step_is_caught_in_that_step(make_scheduler:
     victim_id = d.blocks("a-1")[0]
     d.add("b-1", prompt(42, 2 * BLOCK), "tenant-b", max_tokens=2)
     out = d.scheduler.schedule()  # a's last decode step and b's prefill
-    assert list(out.num_scheduled_tokens)[0] == "a-1"
+    assert next(iter(out.num_scheduled_tokens)) == "a-1"
     manager = d.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     pool = d.scheduler.kv_cache_manager.block_pool
     table = manager.req_to_blocks["b-1"]
