@@ -207,14 +207,7 @@ def _start_collector(workdir: Path) -> EngineCollector:
 def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
     from kvwatch.embedded import free_port
 
-    model_dir = workdir / "tiny-llama"
-    subprocess.run(
-        [str(VLLM_PY), str(TINY_MODEL_SCRIPT), str(model_dir)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    model_dir = _tiny_model(workdir)
     port = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")},
@@ -278,20 +271,38 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         log_path=log_path,
         process=proc,
     )
+    _wait_healthy("vLLM", proc, server.base_url, server.log_tail)
+    return server
+
+
+def _tiny_model(workdir: Path) -> Path:
+    """The tests' tiny Llama, written into ``workdir`` by .venv-vllm (both servers load it)."""
+    model_dir = workdir / "tiny-llama"
+    subprocess.run(
+        [str(VLLM_PY), str(TINY_MODEL_SCRIPT), str(model_dir)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    return model_dir
+
+
+def _wait_healthy(name: str, proc: subprocess.Popen[bytes], base_url: str, log_tail: Any) -> None:
+    """Until the server's /health answers 200; RuntimeError (with its log) if it exits or
+    does not start in START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"the vLLM server exited with {proc.returncode}:\n{server.log_tail()}"
-            )
+            raise RuntimeError(f"the {name} server exited with {proc.returncode}:\n{log_tail()}")
         try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             _stop(proc)
-            raise RuntimeError(f"the vLLM server did not start:\n{server.log_tail()}")
+            raise RuntimeError(f"the {name} server did not start:\n{log_tail()}")
         time.sleep(1.0)
 
 
@@ -390,14 +401,7 @@ _sglang: SglangServer | None = None
 def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
     from kvwatch.embedded import free_port
 
-    model_dir = workdir / "tiny-llama"
-    subprocess.run(
-        [str(VLLM_PY), str(TINY_MODEL_SCRIPT), str(model_dir)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    model_dir = _tiny_model(workdir)
     port = free_port()
     env = {
         **{
@@ -476,21 +480,8 @@ def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
         log_path=log_path,
         process=proc,
     )
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"the SGLang server exited with {proc.returncode}:\n{server.log_tail()}"
-            )
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            _stop(proc)
-            raise RuntimeError(f"the SGLang server did not start:\n{server.log_tail()}")
-        time.sleep(1.0)
+    _wait_healthy("SGLang", proc, server.base_url, server.log_tail)
+    return server
 
 
 def _shutdown_sglang() -> None:
