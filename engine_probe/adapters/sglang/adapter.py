@@ -47,6 +47,7 @@ Nothing here stores or sends prompt or completion text: only token counts and id
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -59,6 +60,7 @@ from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.sglang.errors import NotAttachableError
+from engine_probe.canary import SENTINEL
 from engine_probe.events import (
     EngineConfig,
     Event,
@@ -79,6 +81,11 @@ log = logging.getLogger("engine_probe.sglang")  # its name before the move: log 
 
 Role = Literal["prefill", "decode", "both"]
 _MARK: Final = "__kvwatch_wrapped__"
+#: the rid prefix of SGLang's own health-check generations (``sglang.srt.constants``)
+HEALTH_CHECK_PREFIX: Final = "HEALTH_CHECK"
+#: ``KVPoll.Success`` and ``KVPoll.Failed`` (``sglang.srt.disaggregation.base.conn``: plain ints)
+_POLL_SUCCESS: Final = 4
+_POLL_FAILED: Final = 0
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 
@@ -120,10 +127,12 @@ class _Node:
 @dataclass
 class _Room:
     """One disaggregated transfer, by bootstrap room: the decode pages announced by the
-    receiver and how many pages the sender has sent so far."""
+    receiver, how many pages the sender has sent so far, and whether the decode pages carry
+    arrival marks still to be read (a receiver whose sender is in another process)."""
 
     dst_pages: Tensor | None = None
     sent: int = 0
+    marked: bool = False
 
 
 class SGLangAdapter:
@@ -177,8 +186,10 @@ class SGLangAdapter:
         # must not grow them forever; the oldest entries go first.
         self._by_room: _Bounded[int, int] = _Bounded(request_capacity)  # room -> handle
         self._rejected: _Bounded[int, None] = _Bounded(request_capacity)  # aborted at intake
+        self._health_checks: _Bounded[int, None] = _Bounded(request_capacity)
         self._rooms: _Bounded[int, _Room] = _Bounded(request_capacity)
         self._restore: list[Callable[[], None]] = []
+        self._calls = threading.local()  # per thread: the outermost wrapped calls running
         self._class_hooks = False
         self.counters: dict[str, int] = {
             "stale_reads": 0,
@@ -188,6 +199,8 @@ class SGLangAdapter:
             "capture_skipped": 0,
             "prefix_hits_cross_tenant": 0,
             "prefix_hits_same_tenant": 0,
+            "pages_not_arrived": 0,
+            "arrivals_unchecked": 0,
         }
         self._stale = StaleReadEmitter(
             self._emit, self.counters, self._request_names, self._tenant_names.get
@@ -317,14 +330,31 @@ class SGLangAdapter:
         name: str,
         before: Callable[..., None] | None = None,
         after: Callable[..., None] | None = None,
+        *,
+        outermost: bool = False,
     ) -> None:
-        """Wrap ``cls.name`` (as defined on ``cls`` itself) class-wide."""
+        """Wrap ``cls.name`` (as defined on ``cls`` itself) class-wide. ``outermost``: where
+        an override and the base method it calls through ``super()`` are both wrapped, only
+        the outermost call on an object runs the hooks (a transfer is seen once)."""
         original = cls.__dict__.get(name)
         if original is None or getattr(original, _MARK, False):
             return
         adapter = self
 
         def wrapper(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if outermost:
+                calls: set[tuple[int, str]] = adapter._calls.__dict__.setdefault("on", set())
+                token = (id(obj), name)
+                if token in calls:
+                    return original(obj, *args, **kwargs)
+                calls.add(token)
+                try:
+                    return wrapper_body(obj, *args, **kwargs)
+                finally:
+                    calls.discard(token)
+            return wrapper_body(obj, *args, **kwargs)
+
+        def wrapper_body(obj: Any, *args: Any, **kwargs: Any) -> Any:
             if before is not None:
                 with adapter._guard(name):
                     before(obj, *args, **kwargs)
@@ -403,6 +433,10 @@ class SGLangAdapter:
         )
         for module in (allocation, schedule_batch):  # schedule_batch imported it by name
             self._wrap_function(module, "alloc_for_decode", None, self._on_decode_slots)
+        for name in ("utils", "prefill", "decode"):  # prefill and decode import it by name
+            module = sys.modules.get(f"sglang.srt.disaggregation.{name}")
+            if module is not None:
+                self._wrap_function(module, "get_kv_class", None, self._on_kv_class)
         self.watch_transfer_classes()
 
     def _wrap_function(
@@ -447,12 +481,31 @@ class SGLangAdapter:
             from sglang.srt.disaggregation.base.conn import BaseKVReceiver, BaseKVSender
 
             classes = (*_subclasses(BaseKVSender), *_subclasses(BaseKVReceiver))
-        for cls in classes:
-            self._wrap_class(cls, "__init__", before=self._on_transfer_init)
-            if "send" in cls.__dict__:
-                self._wrap_class(cls, "send", before=self._on_send)
-            if "send_metadata" in cls.__dict__:
-                self._wrap_class(cls, "send_metadata", before=self._on_metadata)
+        from sglang.srt.disaggregation.base.conn import BaseKVReceiver, BaseKVSender
+
+        # a class and every base it inherits a hooked method from (a backend's sender may
+        # define send itself, or inherit CommonKVSender's)
+        hooked = [
+            c
+            for cls in classes
+            for c in cls.__mro__
+            if issubclass(c, (BaseKVSender, BaseKVReceiver))
+            and c not in (BaseKVSender, BaseKVReceiver)
+        ]
+        for cls in dict.fromkeys(hooked):
+            self._wrap_class(cls, "__init__", before=self._on_transfer_init, outermost=True)
+            self._wrap_class(cls, "send", before=self._on_send, outermost=True)
+            self._wrap_class(cls, "send_metadata", before=self._on_metadata, outermost=True)
+            if issubclass(cls, BaseKVReceiver):
+                self._wrap_class(cls, "poll", after=self._on_poll, outermost=True)
+
+    def _on_kv_class(self, result: Any, *args: Any, **kwargs: Any) -> None:
+        """After SGLang's ``get_kv_class``: a sender or receiver class of the backend in use,
+        whose module may have been imported only now (SGLang 0.5.21's Mooncake classes)."""
+        from sglang.srt.disaggregation.base.conn import BaseKVReceiver, BaseKVSender
+
+        if isinstance(result, type) and issubclass(result, (BaseKVSender, BaseKVReceiver)):
+            self.watch_transfer_classes(result)
 
     # -- hooks: requests -------------------------------------------------------------------
 
@@ -469,13 +522,34 @@ class SGLangAdapter:
                 tenant = self.tenant_of(req)
                 th = self._tenant_handle(tenant)
                 tname = UNKNOWN if tenant is None else self._tenant_names[th]
-                self._names[handle] = (safe_id(rid, "req"), th, tname)
+                self._names[handle] = (self._wire_id(req, rid), th, tname)
+                if rid.startswith(HEALTH_CHECK_PREFIX):
+                    self._health_checks[handle] = None
                 if self._lose_write_of is not None and tname == self._lose_write_of:
                     self._lost, self._lose_write_of = handle, None  # TEST ONLY, once
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
                 self._by_room[room] = handle
             return handle
+
+    def _wire_id(self, req: Any, rid: str) -> str:
+        """The request id the events carry. SGLang's prefill and decode servers each name a
+        request with an id of their own; what both share is the bootstrap room the router
+        gives it. So where this process holds only one side of a disaggregated pair, the
+        request is ``pd-<room>`` on both sides and the collector joins its halves into one
+        request; elsewhere it is SGLang's ``rid``."""
+        room = getattr(req, "bootstrap_room", None)
+        roles = {n.role for n in self._nodes.values()}
+        split = bool(roles & {"prefill", "decode"}) and not {"prefill", "decode"} <= roles
+        if split and isinstance(room, int) and not rid.startswith(HEALTH_CHECK_PREFIX):
+            return f"pd-{room}"
+        return safe_id(rid, "req")
+
+    def _reported(self, handle: int | None) -> bool:
+        """Whether the request's own events (admitted, finished, rejected, transfers) are
+        sent: not for SGLang's health checks (``/health`` runs a one-token generation every
+        few seconds on each server; its pages are still tracked in the ledger)."""
+        return handle is None or handle not in self._health_checks
 
     def _tenant_handle(self, tenant: str | None) -> int:
         if tenant is None:
@@ -507,7 +581,7 @@ class SGLangAdapter:
             handle = self._handle(req)
             st.rows[int(row)] = handle
             st.grants.pop(int(row), None)
-            if new and st.role != "decode":
+            if new and st.role != "decode" and self._reported(handle):
                 rid, tenant = self._request_names(handle)
                 sp = getattr(req, "sampling_params", None)
                 self._emit(
@@ -524,6 +598,8 @@ class SGLangAdapter:
         """Before SGLang swaps the prompt for one token: the request's real length."""
         handle = self._handle(req)
         self._rejected[handle] = None
+        if not self._reported(handle):
+            return
         rid, tenant = self._request_names(handle)
         too_long = "exceeds" in error_msg or "longer" in error_msg
         self._emit(
@@ -551,12 +627,13 @@ class SGLangAdapter:
         if st.role == "prefill" and self._node_by_role("decode") is not None:
             return  # the request finishes on its decode node, watched here too
         rejected = handle in self._rejected
+        health_check = not self._reported(handle)
         self._stale.forget(handle)
         self._forget(handle, getattr(req, "bootstrap_room", None))
         rid = str(getattr(req, "rid", "") or f"anon-{id(req)}")
         if self._handles.get(rid) == handle:
             del self._handles[rid]
-        if st.role == "prefill":
+        if st.role == "prefill" or health_check:
             return  # the request finishes on its decode node (another process)
         rid, tenant = self._request_names(handle)
         reason = type(done).__name__
@@ -589,6 +666,7 @@ class SGLangAdapter:
     def _forget(self, handle: int, room: Any) -> None:
         """A request done on its last node: drop what pairs its transfers."""
         self._rejected.pop(handle, None)
+        self._health_checks.pop(handle, None)
         if room is not None:
             self._rooms.pop(room, None)
             if self._by_room.get(room) == handle:
@@ -888,11 +966,55 @@ class SGLangAdapter:
         obj.__dict__["_kvwatch_room"] = room
 
     def _on_metadata(self, receiver: Any, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
+        """Before the receiver tells prefill where to write: the decode pages of the room.
+        Where the sender is another process, each page also gets an arrival mark (see
+        :meth:`_on_poll`), painted before prefill can know the page exists."""
         room = receiver.__dict__.get("_kvwatch_room")
         if room is None:
             return
         pages = torch.as_tensor(kv_indices if hasattr(kv_indices, "shape") else list(kv_indices))
-        self._room(room).dst_pages = pages.reshape(-1).long()
+        state = self._room(room)
+        state.dst_pages = pages.reshape(-1).long()
+        dst = self._node_by_role("decode")
+        if dst is None or self._node_by_role("prefill") is not None:
+            return  # both halves here: the sender's hook moves the ledger's pages
+        state.marked = _paint_arrival_marks(dst.kv_pool, state.dst_pages, dst.page_size)
+        if not state.marked:
+            self.counters["arrivals_unchecked"] += 1
+
+    def _on_poll(self, receiver: Any, result: Any, *args: Any, **kwargs: Any) -> None:
+        """After a receiver's poll: once the transfer has concluded, what arrived.
+
+        SGLang's decode side learns only that prefill says the transfer is done (Success),
+        not which pages prefill wrote: an aborted prefill that still signals success (the
+        incident's SGLang before 0.5.22) leaves decode pages holding what they held before.
+        So each announced page carries an arrival mark (the canary sentinel in its first
+        slot's first K element of the first layer); a transfer overwrites whole pages, so a
+        page whose mark is gone arrived, and is recorded as written by the request; a page
+        still marked did not, and decode's reads of it are stale reads naming the page's
+        previous writer. Without a mark (a pool with no K buffers to paint), an announced
+        page counts as arrived on Success (``counters["arrivals_unchecked"]``)."""
+        if result != _POLL_SUCCESS and result != _POLL_FAILED:
+            return
+        room = receiver.__dict__.get("_kvwatch_room")
+        state = self._rooms.get(room) if room is not None else None
+        dst = self._node_by_role("decode")
+        if state is None or state.dst_pages is None or dst is None:
+            return
+        if self._node_by_role("prefill") is not None:
+            return  # both halves here: the sender's hook recorded the transfer
+        pages, state.dst_pages = state.dst_pages, None  # settled once
+        handle = self._by_room.get(room)
+        if result != _POLL_SUCCESS or handle is None or pages.numel() == 0:
+            return
+        if state.marked:
+            missing = _arrival_marks_left(dst.kv_pool, pages, dst.page_size)
+            self.counters["pages_not_arrived"] += int(missing.sum())
+            pages = pages[~missing]
+        pages = pages.to(dst.ledger.device)
+        pages = pages[dst.ledger.owner_of(pages) == handle]
+        if pages.numel() and self._lost != handle:  # TEST ONLY: the control's writes are lost
+            dst.ledger.write(pages, handle)
 
     def _on_send(self, sender: Any, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
         room = sender.__dict__.get("_kvwatch_room", getattr(sender, "bootstrap_room", None))
@@ -908,16 +1030,17 @@ class SGLangAdapter:
         num_tokens = kwargs.get("num_kv_tokens", args[1] if len(args) > 1 else None)
         ps = src.page_size if src is not None else 1
         self.counters["transfers"] += 1
-        self._emit(
-            KvTransfer,
-            request_id=rid,
-            tenant=tenant,
-            from_node=src.name if src is not None else "prefill",
-            to_node=dst.name if dst is not None else "decode",
-            pages=n,
-            tokens=int(num_tokens) if isinstance(num_tokens, int) else n * ps,
-            prefill_rejected=handle in self._rejected,
-        )
+        if self._reported(handle):
+            self._emit(
+                KvTransfer,
+                request_id=rid,
+                tenant=tenant,
+                from_node=src.name if src is not None else "prefill",
+                to_node=dst.name if dst is not None else "decode",
+                pages=n,
+                tokens=int(num_tokens) if isinstance(num_tokens, int) else n * ps,
+                prefill_rejected=handle in self._rejected,
+            )
         if handle is None or src is None or dst is None or state.dst_pages is None or n == 0:
             return  # the other side is another process: its probe sees its half
         dst_pages = state.dst_pages[offset : offset + n]
@@ -993,6 +1116,35 @@ def _subclasses(cls: type) -> list[type]:
         out.append(c)
         todo.extend(c.__subclasses__())
     return out
+
+
+def _first_k_buffer(kv_pool: Any) -> Tensor | None:
+    buffers = getattr(kv_pool, "k_buffer", None)
+    first = buffers[0] if buffers else None
+    return first if isinstance(first, Tensor) and first.dtype.is_floating_point else None
+
+
+def _paint_arrival_marks(kv_pool: Any, pages: Tensor, page_size: int) -> bool:
+    """Write the canary sentinel into the first K element of each page's first slot, first
+    layer; False if the pool has no such buffer (nothing painted)."""
+    k = _first_k_buffer(kv_pool)
+    if k is None or pages.numel() == 0:
+        return k is not None
+    k[_first_elements(k, pages * page_size)] = SENTINEL
+    return True
+
+
+def _arrival_marks_left(kv_pool: Any, pages: Tensor, page_size: int) -> Tensor:
+    """Per page, whether its arrival mark is still there (nothing overwrote the page)."""
+    k = _first_k_buffer(kv_pool)
+    if k is None:
+        return torch.zeros(pages.shape, dtype=torch.bool)
+    return (k[_first_elements(k, pages * page_size)] == SENTINEL).cpu()
+
+
+def _first_elements(k: Tensor, slots: Tensor) -> tuple[Tensor | int, ...]:
+    """The index of the first element of each of ``slots``' rows in ``k`` (slot-major)."""
+    return (slots.to(k.device), *([0] * (k.dim() - 1)))
 
 
 def _zero_pages(kv_pool: Any, pages: Tensor, page_size: int) -> None:
