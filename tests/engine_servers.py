@@ -29,6 +29,7 @@ Without ``.venv-vllm`` the tests skip (``make engines`` builds it); with ``CI`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -177,7 +178,7 @@ def _need_venv() -> None:
         pytest.skip(".venv-vllm is missing: `make engines` builds it")
 
 
-def _start_collector(workdir: Path) -> EngineCollector:
+def _start_collector(workdir: Path, stack: list[Any] | None = None) -> EngineCollector:
     from collector import migrate
     from collector.app import create_app
     from collector.db import Database
@@ -200,7 +201,7 @@ def _start_collector(workdir: Path) -> EngineCollector:
     settings = Settings(database_url=db_url, auto_migrate=False, rollup_interval_s=0.2)
     serving = serve_in_thread(create_app(settings))
     url = serving.__enter__()
-    _stack.append(serving)
+    (_stack if stack is None else stack).append(serving)
     return EngineCollector(url, db_url, admin, ingest)
 
 
@@ -403,6 +404,30 @@ def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
 
     model_dir = _tiny_model(workdir)
     port = free_port()
+    env = _sglang_env(collector, SGLANG_DEPLOYMENT, fault_injection=True)
+    log_path = workdir / "sglang-server.log"
+    proc = _popen(
+        _sglang_command(SGLANG_PY, model_dir, port, pool_tokens=SGLANG_POOL_TOKENS),
+        log_path,
+        env,
+        workdir,
+    )
+    server = SglangServer(
+        base_url=f"http://127.0.0.1:{port}",
+        model=SERVED_MODEL,
+        deployment_id=SGLANG_DEPLOYMENT,
+        collector=collector,
+        log_path=log_path,
+        process=proc,
+    )
+    _wait_healthy("SGLang", proc, server.base_url, server.log_tail)
+    return server
+
+
+def _sglang_env(
+    collector: EngineCollector, deployment: str, *, fault_injection: bool
+) -> dict[str, str]:
+    """The environment of an SGLang server process with kvwatch's plugin active."""
     env = {
         **{
             k: v
@@ -414,74 +439,76 @@ def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
         },
         "PYTHONPATH": str(SGLANG_SITE),  # sitecustomize: stubs in every SGLang process
         "HF_HUB_OFFLINE": "1",
+        # every address SGLang advertises to its peers (bootstrap, Mooncake, ZMQ): loopback
         "SGLANG_HOST_IP": "127.0.0.1",
         "KVWATCH_SGLANG_PROBE": "1",
         "KVWATCH_COLLECTOR_URL": collector.url,
         "KVWATCH_INGEST_TOKEN": collector.ingest,
-        "KVWATCH_DEPLOYMENT_ID": SGLANG_DEPLOYMENT,
+        "KVWATCH_DEPLOYMENT_ID": deployment,
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+    }
+    if fault_injection:
         # TEST ONLY: the positive control's injected fault (engine_probe/adapters/common.py):
         # the first request of FAULT_TENANT has its KV writes left unrecorded
-        "KVWATCH_TEST_FAULT_INJECTION": "i-know-this-probe-will-report-false-stale-reads",
-        "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
-    }
-    log_path = workdir / "sglang-server.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(
-        [
-            str(SGLANG_PY),
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            str(model_dir),
-            "--served-model-name",
-            SERVED_MODEL,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--nccl-port",
-            str(free_port()),
-            "--device",
-            "cpu",
-            # SGLang's plain-PyTorch paths (no sgl-kernel, no CUDA graphs, no grammar)
-            "--attention-backend",
-            "torch_native",
-            "--sampling-backend",
-            "pytorch",
-            "--cuda-graph-backend-decode",
-            "disabled",
-            "--cuda-graph-backend-prefill",
-            "disabled",
-            "--grammar-backend",
-            "none",
-            "--skip-server-warmup",
-            "--enable-cache-report",
-            "--enable-metrics",
-            "--context-length",
-            str(MAX_MODEL_LEN),
-            # SGLang sizes a CPU KV pool from the machine's memory (29M tokens, 14 GB here):
-            # a second server beside it, or the vLLM one, would be killed for memory
-            "--max-total-tokens",
-            str(SGLANG_POOL_TOKENS),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=workdir,
-        start_new_session=True,
-    )
-    log.close()
-    server = SglangServer(
-        base_url=f"http://127.0.0.1:{port}",
-        model=SERVED_MODEL,
-        deployment_id=SGLANG_DEPLOYMENT,
-        collector=collector,
-        log_path=log_path,
-        process=proc,
-    )
-    _wait_healthy("SGLang", proc, server.base_url, server.log_tail)
-    return server
+        env["KVWATCH_TEST_FAULT_INJECTION"] = "i-know-this-probe-will-report-false-stale-reads"
+        env["KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT"] = FAULT_TENANT
+    return env
+
+
+def _sglang_command(
+    python: Path, model_dir: Path, port: int, *, pool_tokens: int, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """``python -m sglang.launch_server`` on the CPU with the tests' tiny model."""
+    from kvwatch.embedded import free_port
+
+    return [
+        str(python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--nccl-port",
+        str(free_port()),
+        "--device",
+        "cpu",
+        # SGLang's plain-PyTorch paths (no sgl-kernel, no CUDA graphs, no grammar)
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--cuda-graph-backend-decode",
+        "disabled",
+        "--cuda-graph-backend-prefill",
+        "disabled",
+        "--grammar-backend",
+        "none",
+        "--skip-server-warmup",
+        "--enable-cache-report",
+        "--enable-metrics",
+        "--context-length",
+        str(MAX_MODEL_LEN),
+        # SGLang sizes a CPU KV pool from the machine's memory (29M tokens, 14 GB here):
+        # a second server beside it, or the vLLM one, would be killed for memory
+        "--max-total-tokens",
+        str(pool_tokens),
+        *extra,
+    ]
+
+
+def _popen(
+    command: list[str], log_path: Path, env: dict[str, str], cwd: Path
+) -> subprocess.Popen[bytes]:
+    """A server process in its own process group (its children too), output to its log."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
 
 
 def _shutdown_sglang() -> None:
@@ -522,3 +549,212 @@ def wait_for(fetch: Any, ready: Any, timeout_s: float = 30.0) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting; last value: {json.dumps(value)[:2000]}")
         time.sleep(0.2)
+
+
+# -- a disaggregated SGLang deployment: prefill, decode and SGLang's router ---------------------
+
+#: the incident's sizing, scaled down: the prefill pool is smaller than the advertised context
+#: (MAX_MODEL_LEN), so a prompt between the two reaches SGLang's rejection path on prefill;
+#: the decode pool holds such a prompt, and is small enough that its pages are reused soon
+PD_PREFILL_POOL_TOKENS = 1024
+PD_DECODE_POOL_TOKENS = 2048
+#: how long decode waits for a transfer that prefill will never send (SGLang's default: 300 s)
+PD_WAITING_TIMEOUT_S = 15
+
+
+@dataclass
+class SglangPair:
+    """A running disaggregated SGLang deployment: a prefill server and a decode server, each
+    with kvwatch's plugin, and SGLang's router in front (the only address clients use)."""
+
+    router_url: str
+    urls: dict[str, str]  # role -> the server's own address
+    model: str
+    deployment_id: str
+    version: str
+    collector: EngineCollector
+    workdir: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(repr=False)
+
+    def complete(
+        self, prompt: str, *, tenant: str, max_tokens: int = 4, timeout_s: float = 120.0
+    ) -> httpx.Response:
+        """POST /v1/completions through the router (greedy, ``ignore_eos``). The router
+        takes text prompts only; the tenant travels as SGLang's routing key header, which
+        the router passes to both servers."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        return httpx.post(
+            f"{self.router_url}/v1/completions",
+            json=body,
+            headers={"x-smg-routing-key": tenant},
+            timeout=timeout_s,
+        )
+
+    def server_info(self, role: str) -> dict[str, Any]:
+        r = httpx.get(f"{self.urls[role]}/get_server_info", timeout=30)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def log_tail(self, name: str, chars: int = 4000) -> str:
+        try:
+            return (self.workdir / f"{name}.log").read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM to every process group at once, then wait for each (an SGLang server
+        takes ~5 s to exit: it waits for crash diagnostics that never come on the CPU)."""
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.processes.values():
+            _stop(proc)
+
+
+def _start_pair(
+    workdir: Path,
+    collector: EngineCollector,
+    *,
+    venv: str,
+    deployment: str,
+    decode_fault_injection: bool = False,
+    decode_args: tuple[str, ...] = (),
+) -> SglangPair:
+    """Prefill first, then decode (an SGLang 0.5.20 decode server that starts before its
+    prefill has registered keeps failing its first transfers), then the router, polled until
+    it reports both workers healthy (its own /health says ready earlier)."""
+    from kvwatch.embedded import free_port
+
+    python = ROOT / venv / "bin" / "python"
+    model_dir = _tiny_model(workdir)
+    ports = {role: free_port() for role in ("prefill", "decode", "router", "bootstrap")}
+    common = ("--disaggregation-transfer-backend", "mooncake_tcp")
+    roles = {
+        "prefill": (
+            PD_PREFILL_POOL_TOKENS,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(ports["bootstrap"]),
+            # the CPU setup known to transfer KV here (the overlap schedule is untried)
+            "--disable-overlap-schedule",
+        ),
+        "decode": (PD_DECODE_POOL_TOKENS, "--disaggregation-mode", "decode", *decode_args),
+    }
+    pair = SglangPair(
+        router_url=f"http://127.0.0.1:{ports['router']}",
+        urls={role: f"http://127.0.0.1:{ports[role]}" for role in roles},
+        model=SERVED_MODEL,
+        deployment_id=deployment,
+        version="",
+        collector=collector,
+        workdir=workdir,
+        processes={},
+    )
+    try:
+        for role, (pool, *extra) in roles.items():
+            env = _sglang_env(
+                collector, deployment, fault_injection=role == "decode" and decode_fault_injection
+            )
+            env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(PD_WAITING_TIMEOUT_S)
+            command = _sglang_command(
+                python, model_dir, ports[role], pool_tokens=pool, extra=(*common, *extra)
+            )
+            log = workdir / f"{role}.log"
+            proc = pair.processes[role] = _popen(command, log, env, workdir)
+            _wait_healthy(f"SGLang {role}", proc, pair.urls[role], lambda r=role: pair.log_tail(r))
+        router = [
+            str(python),
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            pair.urls["prefill"],
+            str(ports["bootstrap"]),
+            "--decode",
+            pair.urls["decode"],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["router"]),
+            # the router opens a metrics listener of its own: pinned to loopback
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            # one attempt per client request: by default the router retries a failed request
+            # up to 5 times, each with a new bootstrap room (5 requests to SGLang, 5 rows)
+            "--disable-retries",
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
+        proc = pair.processes["router"] = _popen(router, workdir / "router.log", env, workdir)
+        _wait_workers(proc, pair)
+    except BaseException:
+        pair.stop()
+        raise
+    pair.version = str(pair.server_info("prefill").get("version", ""))
+    return pair
+
+
+def _wait_workers(proc: subprocess.Popen[bytes], pair: SglangPair) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited:\n{pair.log_tail('router')}")
+        try:
+            workers = httpx.get(f"{pair.router_url}/workers", timeout=5).json()["workers"]
+            if len(workers) == 2 and all(w.get("is_healthy") for w in workers):
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the router saw no healthy pair:\n{pair.log_tail('router')}")
+        time.sleep(1.0)
+
+
+def _need_venvs(*venvs: str) -> None:
+    for venv in venvs:
+        if not (ROOT / venv / ".kvwatch-installed").exists():
+            if os.environ.get("CI"):
+                pytest.fail(f"{venv} is missing (make engines builds it)")
+            pytest.skip(f"{venv} is missing: `make engines` builds it")
+
+
+def sglang_pair_fixture(
+    venv: str, deployment: str, *, decode_fault_injection: bool, decode_args: tuple[str, ...] = ()
+) -> Any:
+    """A module-scoped fixture: one pair (and its own collector) for the module's tests,
+    stopped when the module is done (a pair takes ~4.5 GB: two at once would crowd out the
+    other live servers)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangPair]:
+        _need_venvs(venv, ".venv-vllm")
+        workdir = tmp_path_factory.mktemp(deployment)
+        stack: list[Any] = []
+        try:
+            collector = _start_collector(workdir, stack)
+            pair = _start_pair(
+                workdir,
+                collector,
+                venv=venv,
+                deployment=deployment,
+                decode_fault_injection=decode_fault_injection,
+                decode_args=decode_args,
+            )
+            try:
+                yield pair
+            finally:
+                pair.stop()
+        finally:
+            while stack:
+                stack.pop().__exit__(None, None, None)
+
+    return fixture

@@ -36,3 +36,40 @@ if "vllm" not in sys.modules:
     _vllm._custom_ops = _ops
     sys.modules["vllm"] = _vllm
     sys.modules["vllm._custom_ops"] = _ops
+
+
+# SGLang 0.5.23's prefill (``disaggregation/prefill.py``) stages a Mooncake sender's page
+# indices in pinned host memory (``torch.empty(..., pin_memory=True)`` and a CUDA event)
+# whenever the sender says ``supports_host_tensor_indices``; both need CUDA. On a CPU build
+# the sender is told it does not, so SGLang takes its own plain path (``kv_to_page_indices``).
+# A test-only runtime fix of an upstream CPU bug, applied when the module is first imported.
+_MOONCAKE_CONN = "sglang.srt.disaggregation.mooncake.conn"
+
+
+class _PatchMooncakeOnImport:
+    """A meta path finder that lets the real finders load ``_MOONCAKE_CONN``, then patches
+    the loaded module (once; it removes itself)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _MOONCAKE_CONN:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: types.ModuleType) -> None:
+            exec_module(module)
+            import torch
+
+            if not torch.cuda.is_available():
+                module.MooncakeKVSender.supports_host_tensor_indices = False
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+sys.meta_path.insert(0, _PatchMooncakeOnImport())
