@@ -55,6 +55,8 @@ START_TIMEOUT_S = 420.0
 #: the tenant whose first request's KV writes the probe is told to lose (a test-only fault:
 #: reads of those blocks must be reported as stale reads); no other test may use it
 FAULT_TENANT = "vsrv-injected-fault"
+#: what every test-only fault injection must be armed with (engine_probe/adapters/common.py)
+FAULT_GUARD = "i-know-this-probe-will-report-false-stale-reads"
 
 
 @dataclass
@@ -221,7 +223,7 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
         # TEST ONLY: the positive control's injected fault (engine_probe/adapters/vllm/
         # plugin.py): the first request of FAULT_TENANT has its KV writes left unrecorded
-        "KVWATCH_TEST_FAULT_INJECTION": "i-know-this-probe-will-report-false-stale-reads",
+        "KVWATCH_TEST_FAULT_INJECTION": FAULT_GUARD,
         "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
     }
     log_path = workdir / "vllm-server.log"
@@ -450,7 +452,7 @@ def _sglang_env(
     if fault_injection:
         # TEST ONLY: the positive control's injected fault (engine_probe/adapters/common.py):
         # the first request of FAULT_TENANT has its KV writes left unrecorded
-        env["KVWATCH_TEST_FAULT_INJECTION"] = "i-know-this-probe-will-report-false-stale-reads"
+        env["KVWATCH_TEST_FAULT_INJECTION"] = FAULT_GUARD
         env["KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT"] = FAULT_TENANT
     return env
 
@@ -624,8 +626,8 @@ def _start_pair(
     *,
     venv: str,
     deployment: str,
-    decode_fault_injection: bool = False,
     decode_args: tuple[str, ...] = (),
+    env: dict[str, dict[str, str]] | None = None,
 ) -> SglangPair:
     """Prefill first, then decode (an SGLang 0.5.20 decode server that starts before its
     prefill has registered keeps failing its first transfers), then the router, polled until
@@ -660,15 +662,14 @@ def _start_pair(
     )
     try:
         for role, (pool, *extra) in roles.items():
-            env = _sglang_env(
-                collector, deployment, fault_injection=role == "decode" and decode_fault_injection
-            )
-            env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(PD_WAITING_TIMEOUT_S)
+            role_env = _sglang_env(collector, deployment, fault_injection=False)
+            role_env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(PD_WAITING_TIMEOUT_S)
+            role_env.update((env or {}).get(role, {}))
             command = _sglang_command(
                 python, model_dir, ports[role], pool_tokens=pool, extra=(*common, *extra)
             )
             log = workdir / f"{role}.log"
-            proc = pair.processes[role] = _popen(command, log, env, workdir)
+            proc = pair.processes[role] = _popen(command, log, role_env, workdir)
             _wait_healthy(f"SGLang {role}", proc, pair.urls[role], lambda r=role: pair.log_tail(r))
         router = [
             str(python),
@@ -693,8 +694,10 @@ def _start_pair(
             # up to 5 times, each with a new bootstrap room (5 requests to SGLang, 5 rows)
             "--disable-retries",
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
-        proc = pair.processes["router"] = _popen(router, workdir / "router.log", env, workdir)
+        router_env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
+        proc = pair.processes["router"] = _popen(
+            router, workdir / "router.log", router_env, workdir
+        )
         _wait_workers(proc, pair)
     except BaseException:
         pair.stop()
@@ -728,11 +731,15 @@ def _need_venvs(*venvs: str) -> None:
 
 
 def sglang_pair_fixture(
-    venv: str, deployment: str, *, decode_fault_injection: bool, decode_args: tuple[str, ...] = ()
+    venv: str,
+    deployment: str,
+    *,
+    decode_args: tuple[str, ...] = (),
+    env: dict[str, dict[str, str]] | None = None,
 ) -> Any:
     """A module-scoped fixture: one pair (and its own collector) for the module's tests,
     stopped when the module is done (a pair takes ~4.5 GB: two at once would crowd out the
-    other live servers)."""
+    other live servers). ``env``: more environment per role (``prefill``, ``decode``)."""
 
     @pytest.fixture(scope="module")
     def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangPair]:
@@ -746,8 +753,8 @@ def sglang_pair_fixture(
                 collector,
                 venv=venv,
                 deployment=deployment,
-                decode_fault_injection=decode_fault_injection,
                 decode_args=decode_args,
+                env=env,
             )
             try:
                 yield pair

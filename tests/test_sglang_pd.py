@@ -9,6 +9,17 @@ against SGLang's own figures: one request row per request although two servers e
 of it, a transfer per request, pool samples per node, no false stale read on decode (whose
 probe checks which announced pages a transfer really overwrote), and a prompt over the
 prefill pool refused with no transfer at all.
+
+The incident itself: no SGLang release on PyPI transfers a rejected request's KV on this CPU
+path. 0.5.21 retires a request rejected at intake before any transfer is set up
+(``PrefillBootstrapQueue.add`` → ``is_unadmitted_reject``); 0.5.20 still bootstraps and
+prefills the one-token placeholder, but its prefill result path releases the aborted
+request without sending, and decode gives up after its waiting timeout (both tried live on
+this machine). So the incident's defect, prefill telling decode a transfer is done after
+sending one page of many, is injected into this pair's prefill server for one tenant
+(``engines/sglang/site/sitecustomize.py``, test only), and everything after it is SGLang's
+and kvwatch's own: a real Mooncake transfer of that one page, decode decoding over the
+rest, the decode probe's arrival check, the collector's stale read, alert and incident.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from typing import Any
 import pytest
 
 from tests.engine_servers import (
+    FAULT_GUARD,
     FAULT_TENANT,
     PD_DECODE_POOL_TOKENS,
     PD_PREFILL_POOL_TOKENS,
@@ -29,16 +41,31 @@ from tests.engine_servers import (
 
 pytestmark = pytest.mark.slow
 
+A, B = "pd-tenant-a", "pd-tenant-b"
+#: the incident's two tenants: VICTIM's KV fills decode's pool; READER's prefill sends one
+#: page (the injected SGLang defect) and decode reads the rest
+VICTIM, READER = "hooli", "massive-dynamic"
+
 sglang_pd = sglang_pair_fixture(
     ".venv-sglang",
     "sglang-pd",
-    decode_fault_injection=True,
     # by default decode backs retracted requests' KV up into a host pool it registers with
-    # CUDA: on the CPU, no backup (0.5.20 knows no "none": it takes "cpu_tensor")
+    # CUDA: on the CPU, no backup
     decode_args=("--disaggregation-decode-retraction-backup", "none"),
+    env={
+        # TEST ONLY: SGLang's prefill sends READER's requests one page of KV and reports the
+        # transfer done (engines/sglang/site/sitecustomize.py)
+        "prefill": {
+            "KVWATCH_TEST_FAULT_INJECTION": FAULT_GUARD,
+            "KVWATCH_TEST_SGLANG_SEND_ONE_PAGE_OF_TENANT": READER,
+        },
+        # TEST ONLY: the decode probe leaves FAULT_TENANT's first arrivals out of its ledger
+        "decode": {
+            "KVWATCH_TEST_FAULT_INJECTION": FAULT_GUARD,
+            "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
+        },
+    },
 )
-
-A, B = "pd-tenant-a", "pd-tenant-b"
 
 
 def text(seed: int, tokens: int) -> str:
@@ -187,3 +214,61 @@ def test_positive_control_decode_reads_of_pages_it_never_saw_arrive_are_caught(
     assert {e["request_id"] for e in found} == {row["request_id"]}
     assert {e["node"] for e in found} == {"decode-tp0"}
     assert sum(e["page_count"] for e in found) >= row["prompt_tokens"] - 1
+
+
+def test_the_incident_live_a_partial_transfer_reads_another_tenants_kv(
+    sglang_pd: SglangPair,
+) -> None:
+    """The incident's last links on the live pair: decode is told a transfer is done when
+    prefill sent one page of many (SGLang's pre-fix rejection path, injected into the
+    prefill server for READER's requests), and decodes over pages that still hold VICTIM's
+    KV. kvwatch's decode probe sees which pages never arrived; the collector gets a
+    cross-tenant stale read naming both tenants, a critical alert and an incident."""
+    for seed in range(3):  # VICTIM's KV walks through decode's whole pool
+        r = sglang_pd.complete(text(100 + seed, 900), tenant=VICTIM, max_tokens=4)
+        assert r.status_code == 200, r.text
+    victim_rows = wait_for(
+        lambda: requests_of(sglang_pd, VICTIM),
+        lambda rows: len(rows) == 3 and all(x["status"] == "length" for x in rows),
+    )
+
+    r = sglang_pd.complete(text(200, 600), tenant=READER, max_tokens=6)
+    assert r.status_code == 200, r.text  # decode answered: over KV it never received
+    (row,) = wait_for(
+        lambda: requests_of(sglang_pd, READER),
+        lambda rows: len(rows) == 1 and rows[0]["status"] == "length",
+    )
+    (transfer,) = [
+        e for e in events(sglang_pd, "kv.transfer") if e["request_id"] == row["request_id"]
+    ]
+    assert transfer["page_count"] == 1  # what prefill really sent
+    stale = wait_for(
+        lambda: [e for e in events(sglang_pd, "page.stale_read") if e["tenant"] == READER],
+        bool,
+    )
+    assert {(e["node"], e["request_id"]) for e in stale} == {("decode-tp0", row["request_id"])}
+    assert all(e["cross_tenant"] and e["other_tenant"] == VICTIM for e in stale), stale
+    assert {e["other_request_id"] for e in stale} <= {x["request_id"] for x in victim_rows}
+    # every prompt page but the one sent (decode's own generated tokens are its own)
+    assert sum(e["page_count"] for e in stale) == row["prompt_tokens"] - 1
+
+    with sglang_pd.collector.client() as c:
+        alerts = wait_for(
+            lambda: [
+                a
+                for a in c.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
+                if a["labels"].get("reader_tenant") == READER
+            ],
+            bool,
+        )
+        (alert,) = alerts
+        assert alert["severity"] == "critical" and alert["state"] == "firing"
+        assert alert["deployment_id"] == sglang_pd.deployment_id
+        assert (alert["labels"]["previous_tenant"], alert["labels"]["cross_tenant"]) == (
+            VICTIM,
+            "true",
+        )
+        assert alert["incident_id"] is not None
+        incident = c.get(f"/v1/incidents/{alert['incident_id']}").json()
+        assert incident["deployment_id"] == sglang_pd.deployment_id
+        assert incident["state"] == "open"
