@@ -227,8 +227,7 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
     }
     log_path = workdir / "vllm-server.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(
+    proc = _popen(
         [
             str(VLLM_PY),
             "-m",
@@ -257,13 +256,10 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
             "--optimization-level",
             "0",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=workdir,
-        start_new_session=True,  # its own process group: the engine core and worker too
+        log_path,
+        env,
+        workdir,
     )
-    log.close()
     server = VllmServer(
         base_url=f"http://127.0.0.1:{port}",
         model=SERVED_MODEL,
@@ -539,6 +535,15 @@ def sglang_server(
         collector = _start_collector(workdir)
         _sglang = _start_sglang(workdir, collector)
     yield _sglang
+
+
+def collector_get(server: Any, path: str, **params: Any) -> Any:
+    """GET ``path`` from a live server's collector (admin token), for that server's
+    deployment; the decoded JSON."""
+    with server.collector.client() as c:
+        r = c.get(path, params={"deployment_id": server.deployment_id, **params})
+        r.raise_for_status()
+        return r.json()
 
 
 def wait_for(fetch: Any, ready: Any, timeout_s: float = 30.0) -> Any:

@@ -38,6 +38,7 @@ from tests.engine_servers import (
     sglang_pair_fixture,
     wait_for,
 )
+from tests.engine_servers import collector_get as get
 
 pytestmark = pytest.mark.slow
 
@@ -73,13 +74,6 @@ def text(seed: int, tokens: int) -> str:
     two-digit number and its space); SGLang's ``usage`` gives the exact count."""
     rng = random.Random(seed)
     return " ".join(str(rng.randrange(10, 99)) for _ in range(max(1, tokens // 3)))
-
-
-def get(pair: SglangPair, path: str, **params: Any) -> Any:
-    with pair.collector.client() as c:
-        r = c.get(path, params={"deployment_id": pair.deployment_id, **params})
-        r.raise_for_status()
-        return r.json()
 
 
 def requests_of(pair: SglangPair, tenant: str) -> list[dict[str, Any]]:

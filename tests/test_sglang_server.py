@@ -25,6 +25,7 @@ from tests.engine_servers import (  # noqa: F401
     sglang_server,
     wait_for,
 )
+from tests.engine_servers import collector_get as get
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +35,6 @@ A, B = "ssrv-tenant-a", "ssrv-tenant-b"
 def tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(2, 290) for _ in range(n)]
-
-
-def get(server: SglangServer, path: str, **params: Any) -> Any:
-    with server.collector.client() as c:
-        r = c.get(path, params={"deployment_id": server.deployment_id, **params})
-        r.raise_for_status()
-        return r.json()
 
 
 def requests_of(server: SglangServer, tenant: str) -> list[dict[str, Any]]:
