@@ -634,9 +634,10 @@ def _start_pair(
     decode_args: tuple[str, ...] = (),
     env: dict[str, dict[str, str]] | None = None,
 ) -> SglangPair:
-    """Prefill first, then decode (an SGLang 0.5.20 decode server that starts before its
-    prefill has registered keeps failing its first transfers), then the router, polled until
-    it reports both workers healthy (its own /health says ready earlier)."""
+    """Prefill and decode side by side (SGLang 0.5.23's decode asks prefill's bootstrap
+    server for its layout at each request until it has it, so the order does not matter;
+    0.5.21's kept failing after an early miss), then the router, polled until it reports
+    both workers healthy (its own /health says ready earlier)."""
     from kvwatch.embedded import free_port
 
     python = ROOT / venv / "bin" / "python"
@@ -674,7 +675,9 @@ def _start_pair(
                 python, model_dir, ports[role], pool_tokens=pool, extra=(*common, *extra)
             )
             log = workdir / f"{role}.log"
-            proc = pair.processes[role] = _popen(command, log, role_env, workdir)
+            pair.processes[role] = _popen(command, log, role_env, workdir)
+        for role in roles:
+            proc = pair.processes[role]
             _wait_healthy(f"SGLang {role}", proc, pair.urls[role], lambda r=role: pair.log_tail(r))
         router = [
             str(python),
