@@ -154,6 +154,13 @@ def test_a_request_is_one_row_although_two_servers_each_saw_half(
         assert e["detail"]["tokens"] == row["prompt_tokens"]
         assert e["detail"]["prefill_rejected"] is False
 
+    # both pools' occupancy followed the traffic (not only the empty pool at start)
+    wait_for(
+        lambda: get(sglang_pd, "/v1/pool-samples")["items"],
+        lambda items: (
+            {s["node"] for s in items if s["used_max"] > 0} == {"prefill-tp0", "decode-tp0"}
+        ),
+    )
     # decode read every page it received, and its probe found each overwritten by the
     # transfer: no stale read (the positive control below shows the check is live)
     assert not [e for e in events(sglang_pd, "page.stale_read") if e["tenant"] in (A, B)]

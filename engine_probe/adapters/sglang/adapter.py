@@ -34,10 +34,18 @@ restores everything; none touches the host while a CUDA graph is captured):
   reads, ``req_to_token[row, :seq_len]`` for every row, are checked: a read of a slot its
   reader did not write in this generation is a ``page.stale_read`` naming the previous
   writer.
-* ``BaseKVSender``/``BaseKVReceiver`` subclasses (class-wide): the receiver's
+* ``AttentionBackend.forward`` also counts each node's eager forwards: every
+  ``pool_sample_every`` of them, or at the first after ``pool_sample_interval_s`` since
+  the last (and at watch), a ``pool.sample`` from the allocator.
+* ``BaseKVSender``/``BaseKVReceiver`` subclasses (class-wide, and each class SGLang's
+  ``get_kv_class`` hands out, with the bases it inherits from): the receiver's
   ``send_metadata`` gives the decode pages, the sender's ``send`` the prefill pages of one
   chunk; paired by bootstrap room, each chunk is a ``kv.transfer`` and a ledger transfer of
-  exactly the pages sent, so decode pages nobody sent stay unwritten.
+  exactly the pages sent, so decode pages nobody sent stay unwritten. When the sender is
+  another process (separate prefill and decode servers), the decode side marks the pages it
+  announces and, when the receiver's ``poll`` says the transfer succeeded, records as
+  written only the pages whose mark is gone (:meth:`SGLangAdapter._on_poll`); both sides
+  then name the request ``pd-<bootstrap room>``, the id they share.
 * ``Req.set_finish_with_abort`` (class-wide): ``request.rejected`` with the prompt length
   before SGLang swaps the prompt for its one-token placeholder.
 
@@ -49,6 +57,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -122,6 +131,9 @@ class _Node:
     grants: dict[int, Tensor] = field(default_factory=dict)
     #: inside ``write_cache_indices``: its own hook binds the batch, not ``write``
     batch_binding: bool = False
+    #: eager forwards seen, and when the pool was last sampled (``time.monotonic``)
+    forwards: int = 0
+    sampled_at: float = 0.0
 
 
 @dataclass
@@ -154,8 +166,15 @@ class SGLangAdapter:
         tenant_of: Callable[[Any], str | None] = default_tenant_of,
         zeroize_on_free: bool = False,
         request_capacity: int = 1 << 16,
+        pool_sample_every: int = 16,
+        pool_sample_interval_s: float = 1.0,
         test_lose_kv_write_of_tenant: str | None = None,
     ) -> None:
+        if pool_sample_every < 1 or pool_sample_interval_s <= 0:
+            raise ValueError("pool_sample_every must be >= 1 and pool_sample_interval_s > 0")
+        self.pool_sample_every = pool_sample_every
+        # a prefill server runs few, long forwards: the interval keeps its samples coming
+        self.pool_sample_interval_s = pool_sample_interval_s
         self._probe = probe
         # TEST ONLY (the plugin's KVWATCH_TEST_FAULT_INJECTION, engine_probe.adapters.
         # common): the first request of this tenant gets its KV writes left out of the
@@ -286,16 +305,20 @@ class SGLangAdapter:
     def sample_pools(self) -> None:
         """One ``pool.sample`` per watched node, from its allocator's free count."""
         for st in list(self._nodes.values()):
-            cap = int(st.allocator.size)
-            free = min(cap, int(st.allocator.available_size()))
-            self._emit(
-                PoolSample,
-                node=st.name,
-                role=st.role,
-                capacity_tokens=cap,
-                used_tokens=cap - free,
-                free_tokens=free,
-            )
+            self._sample(st)
+
+    def _sample(self, st: _Node, now: float | None = None) -> None:
+        st.sampled_at = time.monotonic() if now is None else now
+        cap = int(st.allocator.size)
+        free = min(cap, int(st.allocator.available_size()))
+        self._emit(
+            PoolSample,
+            node=st.name,
+            role=st.role,
+            capacity_tokens=cap,
+            used_tokens=cap - free,
+            free_tokens=free,
+        )
 
     def detach(self) -> None:
         """Undo every hook (instances and classes); the ledgers stay readable."""
@@ -884,6 +907,13 @@ class SGLangAdapter:
         mode = getattr(batch, "forward_mode", None)
         if mode is not None and mode.is_idle():
             return
+        st.forwards += 1
+        now = time.monotonic()
+        if (
+            st.forwards % self.pool_sample_every == 0
+            or now - st.sampled_at >= self.pool_sample_interval_s
+        ):
+            self._sample(st, now)
         self.check_reads(st.name, batch.req_pool_indices, batch.seq_lens)
 
     def check_reads(self, node: str, req_pool_indices: Tensor, seq_lens: Tensor) -> None:

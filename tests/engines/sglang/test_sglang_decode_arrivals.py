@@ -28,7 +28,7 @@ from sglang_incident import (
 
 from engine_probe.adapters.sglang import SGLangAdapter, attach
 from engine_probe.canary import SENTINEL
-from engine_probe.events import PageStaleRead, RequestFinished
+from engine_probe.events import PageStaleRead, PoolSample, RequestFinished
 
 
 @pytest.fixture
@@ -112,3 +112,20 @@ def test_a_receiver_that_failed_records_nothing(decode_only: Any, probe: Any) ->
     assert adapter.counters["pages_not_arrived"] == 0
     ledger = adapter.ledgers["d0"]
     assert ledger.filled_of(pages).tolist() == [0] * len(pages)
+
+
+def test_the_pool_is_sampled_as_forwards_run(decode_only: Any, probe: Any) -> None:
+    """Occupancy follows the engine: a sample at watch (empty), then one every
+    ``pool_sample_every`` eager forwards, each from the allocator's free count."""
+    adapter, d = decode_only
+    adapter.pool_sample_every = 4
+    adapter.pool_sample_interval_s = 3600.0  # by count alone here
+    _, row = receive(d, "e-1", "tenant-e", 16, room=41, deliver=None)
+    for pos in range(16, 24):  # eight decode forwards: two more samples
+        decode_step(d, row, pos)
+    samples = probe.of(PoolSample)
+    assert [s.node for s in samples] == ["d0"] * 3
+    assert samples[0].used_tokens == 0
+    used = DECODE_TOKENS - d.alloc.available_size()
+    assert samples[-1].used_tokens == used > 16
+    assert all(s.capacity_tokens == DECODE_TOKENS for s in samples)
