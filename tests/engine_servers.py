@@ -454,7 +454,13 @@ def _sglang_env(
 
 
 def _sglang_command(
-    python: Path, model_dir: Path, port: int, *, pool_tokens: int, extra: tuple[str, ...] = ()
+    python: Path,
+    model_dir: Path,
+    port: int,
+    *,
+    pool_tokens: int,
+    extra: tuple[str, ...] = (),
+    warmup: bool = False,
 ) -> list[str]:
     """``python -m sglang.launch_server`` on the CPU with the tests' tiny model."""
     from kvwatch.embedded import free_port
@@ -486,7 +492,7 @@ def _sglang_command(
         "disabled",
         "--grammar-backend",
         "none",
-        "--skip-server-warmup",
+        *(() if warmup else ("--skip-server-warmup",)),
         "--enable-cache-report",
         "--enable-metrics",
         "--context-length",
@@ -671,8 +677,15 @@ def _start_pair(
             role_env = _sglang_env(collector, deployment, fault_injection=False)
             role_env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(PD_WAITING_TIMEOUT_S)
             role_env.update((env or {}).get(role, {}))
+            # SGLang's own warm-up, as a user's server runs it: on decode, a fake transfer
+            # that writes nothing (the probe must neither flag it nor count it a request)
             command = _sglang_command(
-                python, model_dir, ports[role], pool_tokens=pool, extra=(*common, *extra)
+                python,
+                model_dir,
+                ports[role],
+                pool_tokens=pool,
+                extra=(*common, *extra),
+                warmup=True,
             )
             log = workdir / f"{role}.log"
             pair.processes[role] = _popen(command, log, role_env, workdir)

@@ -163,10 +163,11 @@ def test_a_request_is_one_row_although_two_servers_each_saw_half(
     )
     # decode read every page it received, and its probe found each overwritten by the
     # transfer: no stale read (the positive control below shows the check is live)
-    assert not [e for e in events(sglang_pd, "page.stale_read") if e["tenant"] in (A, B)]
+    # nor any other: SGLang's start-up warm-up on decode, a fake transfer that writes
+    # nothing, is neither a finding nor a request
+    assert events(sglang_pd, "page.stale_read") == []
     # SGLang's own /health generations are not requests of anybody's
-    assert not [r for r in get(sglang_pd, "/v1/requests", limit=500)["items"]
-                if r["request_id"].startswith("HEALTH_CHECK")]  # fmt: skip
+    assert {r["tenant"] for r in get(sglang_pd, "/v1/requests", limit=500)["items"]} == {A, B}
     probes = [p for p in get(sglang_pd, "/v1/probes")
               if p["deployment_id"] == sglang_pd.deployment_id]  # fmt: skip
     assert len(probes) >= 2
@@ -248,10 +249,13 @@ def test_the_incident_live_a_partial_transfer_reads_another_tenants_kv(
         bool,
     )
     assert {(e["node"], e["request_id"]) for e in stale} == {("decode-tp0", row["request_id"])}
-    assert all(e["cross_tenant"] and e["other_tenant"] == VICTIM for e in stale), stale
-    assert {e["other_request_id"] for e in stale} <= {x["request_id"] for x in victim_rows}
-    # every prompt page but the one sent (decode's own generated tokens are its own)
+    assert all(e["cross_tenant"] for e in stale), stale
+    exposed = [e for e in stale if e["other_tenant"] == VICTIM]
+    assert {e["other_request_id"] for e in exposed} <= {x["request_id"] for x in victim_rows}
+    # every prompt page but the one sent (decode's own generated tokens are its own); a
+    # page or two may have been SGLang's own /health generation's last
     assert sum(e["page_count"] for e in stale) == row["prompt_tokens"] - 1
+    assert sum(e["page_count"] for e in exposed) >= row["prompt_tokens"] - 3
 
     with sglang_pd.collector.client() as c:
         alerts = wait_for(

@@ -92,6 +92,11 @@ Role = Literal["prefill", "decode", "both"]
 _MARK: Final = "__kvwatch_wrapped__"
 #: the rid prefix of SGLang's own health-check generations (``sglang.srt.constants``)
 HEALTH_CHECK_PREFIX: Final = "HEALTH_CHECK"
+#: the bootstrap host of SGLang's fake transfers (health checks, warm-up; ``disaggregation.
+#: utils.FAKE_BOOTSTRAP_HOST``): nothing is sent to them
+FAKE_BOOTSTRAP_HOST: Final = "2.2.2.2"
+#: where a receiver keeps (request handle, announced pages, marked) until its poll settles
+_ARRIVALS: Final = "_kvwatch_arrivals"
 #: ``KVPoll.Success`` and ``KVPoll.Failed`` (``sglang.srt.disaggregation.base.conn``: plain ints)
 _POLL_SUCCESS: Final = 4
 _POLL_FAILED: Final = 0
@@ -138,13 +143,11 @@ class _Node:
 
 @dataclass
 class _Room:
-    """One disaggregated transfer, by bootstrap room: the decode pages announced by the
-    receiver, how many pages the sender has sent so far, and whether the decode pages carry
-    arrival marks still to be read (a receiver whose sender is in another process)."""
+    """One disaggregated transfer within this process, by bootstrap room: the decode pages
+    announced by the receiver and how many pages the sender has sent so far."""
 
     dst_pages: Tensor | None = None
     sent: int = 0
-    marked: bool = False
 
 
 class SGLangAdapter:
@@ -546,7 +549,7 @@ class SGLangAdapter:
                 th = self._tenant_handle(tenant)
                 tname = UNKNOWN if tenant is None else self._tenant_names[th]
                 self._names[handle] = (self._wire_id(req, rid), th, tname)
-                if rid.startswith(HEALTH_CHECK_PREFIX):
+                if rid.startswith(HEALTH_CHECK_PREFIX) or _fake_transfer(req):
                     self._health_checks[handle] = None
                 if self._lose_write_of is not None and tname == self._lose_write_of:
                     self._lost, self._lose_write_of = handle, None  # TEST ONLY, once
@@ -564,14 +567,16 @@ class SGLangAdapter:
         room = getattr(req, "bootstrap_room", None)
         roles = {n.role for n in self._nodes.values()}
         split = bool(roles & {"prefill", "decode"}) and not {"prefill", "decode"} <= roles
-        if split and isinstance(room, int) and not rid.startswith(HEALTH_CHECK_PREFIX):
+        real = not rid.startswith(HEALTH_CHECK_PREFIX) and not _fake_transfer(req)
+        if split and isinstance(room, int) and real:
             return f"pd-{room}"
         return safe_id(rid, "req")
 
     def _reported(self, handle: int | None) -> bool:
         """Whether the request's own events (admitted, finished, rejected, transfers) are
         sent: not for SGLang's health checks (``/health`` runs a one-token generation every
-        few seconds on each server; its pages are still tracked in the ledger)."""
+        few seconds on each server) nor its start-up warm-up (a fake transfer from
+        ``FAKE_BOOTSTRAP_HOST``); their pages are still tracked in the ledger."""
         return handle is None or handle not in self._health_checks
 
     def _tenant_handle(self, tenant: str | None) -> int:
@@ -869,6 +874,10 @@ class SGLangAdapter:
         st = self._nodes.get(id(getattr(batch, "req_to_token_pool", None)))
         if st is not None:
             self._record_write(st, out_cache_loc)
+            # a replayed CUDA graph's forward runs no hook: decode's samples come from here
+            now = time.monotonic()
+            if now - st.sampled_at >= self.pool_sample_interval_s:
+                self._sample(st, now)
 
     def _record_write(self, st: _Node, loc: Any) -> None:
         """Slots ``loc`` written, each by its page's owner (free pages: padding, ignored)."""
@@ -997,20 +1006,30 @@ class SGLangAdapter:
 
     def _on_metadata(self, receiver: Any, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
         """Before the receiver tells prefill where to write: the decode pages of the room.
-        Where the sender is another process, each page also gets an arrival mark (see
-        :meth:`_on_poll`), painted before prefill can know the page exists."""
+        Where the sender is another process, the pages are kept on the receiver itself (a
+        second receiver of the same room, SGLang's health checks' room 0, must not settle
+        them) and each gets an arrival mark (see :meth:`_on_poll`), painted, and on CUDA
+        synchronised, before prefill can know the page exists."""
         room = receiver.__dict__.get("_kvwatch_room")
         if room is None:
             return
         pages = torch.as_tensor(kv_indices if hasattr(kv_indices, "shape") else list(kv_indices))
-        state = self._room(room)
-        state.dst_pages = pages.reshape(-1).long()
+        pages = pages.reshape(-1).long()
+        self._room(room).dst_pages = pages
         dst = self._node_by_role("decode")
         if dst is None or self._node_by_role("prefill") is not None:
             return  # both halves here: the sender's hook moves the ledger's pages
-        state.marked = _paint_arrival_marks(dst.kv_pool, state.dst_pages, dst.page_size)
-        if not state.marked:
+        handle = self._by_room.get(room)
+        if handle is None:
+            return
+        marked = False
+        if not self._reported(handle):
+            pass  # SGLang's own health checks and warm-up: nothing real is sent to them
+        elif _markable(receiver, dst.kv_pool, kwargs):
+            marked = _paint_arrival_marks(dst.kv_pool, pages, dst.page_size)
+        if not marked and self._reported(handle):
             self.counters["arrivals_unchecked"] += 1
+        receiver.__dict__[_ARRIVALS] = (handle, pages, marked)
 
     def _on_poll(self, receiver: Any, result: Any, *args: Any, **kwargs: Any) -> None:
         """After a receiver's poll: once the transfer has concluded, what arrived.
@@ -1022,22 +1041,19 @@ class SGLangAdapter:
         slot's first K element of the first layer); a transfer overwrites whole pages, so a
         page whose mark is gone arrived, and is recorded as written by the request; a page
         still marked did not, and decode's reads of it are stale reads naming the page's
-        previous writer. Without a mark (a pool with no K buffers to paint), an announced
-        page counts as arrived on Success (``counters["arrivals_unchecked"]``)."""
+        previous writer. Unmarked pages (see :func:`_markable`; SGLang's own health checks
+        and warm-up, whose fake transfers send nothing) count as arrived on Success
+        (``counters["arrivals_unchecked"]`` counts the real requests among them)."""
         if result != _POLL_SUCCESS and result != _POLL_FAILED:
             return
-        room = receiver.__dict__.get("_kvwatch_room")
-        state = self._rooms.get(room) if room is not None else None
+        arrivals = receiver.__dict__.pop(_ARRIVALS, None)  # settled once
         dst = self._node_by_role("decode")
-        if state is None or state.dst_pages is None or dst is None:
+        if arrivals is None or dst is None:
             return
-        if self._node_by_role("prefill") is not None:
-            return  # both halves here: the sender's hook recorded the transfer
-        pages, state.dst_pages = state.dst_pages, None  # settled once
-        handle = self._by_room.get(room)
-        if result != _POLL_SUCCESS or handle is None or pages.numel() == 0:
+        handle, pages, marked = arrivals
+        if result != _POLL_SUCCESS or pages.numel() == 0:
             return
-        if state.marked:
+        if marked:
             missing = _arrival_marks_left(dst.kv_pool, pages, dst.page_size)
             self.counters["pages_not_arrived"] += int(missing.sum())
             pages = pages[~missing]
@@ -1148,6 +1164,23 @@ def _subclasses(cls: type) -> list[type]:
     return out
 
 
+def _fake_transfer(req: Any) -> bool:
+    return getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST
+
+
+def _markable(receiver: Any, kv_pool: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether arrival marks can be read back exactly for this receive: KV going straight
+    into the device pool (not a host destination; not through staging buffers, whose
+    scatter into the pool may finish after the poll says Success) of a pool whose first
+    axis is token slots (``nhd``: not ``hnd`` or ``vectorized_5d``, indexed by page)."""
+    destination = kwargs.get("destination")
+    if destination is not None and str(getattr(destination, "value", destination)) != "device":
+        return False
+    if getattr(getattr(receiver, "kv_mgr", None), "enable_staging", False):
+        return False
+    return getattr(kv_pool, "kv_cache_layout", "nhd") == "nhd"
+
+
 def _first_k_buffer(kv_pool: Any) -> Tensor | None:
     buffers = getattr(kv_pool, "k_buffer", None)
     first = buffers[0] if buffers else None
@@ -1161,6 +1194,10 @@ def _paint_arrival_marks(kv_pool: Any, pages: Tensor, page_size: int) -> bool:
     if k is None or pages.numel() == 0:
         return k is not None
     k[_first_elements(k, pages * page_size)] = SENTINEL
+    if k.is_cuda:
+        # the write must land before prefill, told by the caller, can write the page (an
+        # RDMA write is not ordered with this device's streams)
+        torch.cuda.current_stream(k.device).synchronize()
     return True
 
 

@@ -27,6 +27,7 @@ from sglang_incident import (
 )
 
 from engine_probe.adapters.sglang import SGLangAdapter, attach
+from engine_probe.adapters.sglang.adapter import FAKE_BOOTSTRAP_HOST
 from engine_probe.canary import SENTINEL
 from engine_probe.events import PageStaleRead, PoolSample, RequestFinished
 
@@ -100,18 +101,64 @@ def test_pages_a_transfer_never_wrote_are_stale_reads_naming_their_previous_writ
     assert float(d.kv.k_buffer[0][first_unsent * PAGE].reshape(-1)[0]) == SENTINEL
 
 
-def test_a_receiver_that_failed_records_nothing(decode_only: Any, probe: Any) -> None:
+def test_a_second_receiver_of_the_same_room_failing_settles_nothing_of_the_first(
+    decode_only: Any, probe: Any
+) -> None:
+    """SGLang fails a duplicate receiver of a room already in use at once (and all its
+    health checks share room 0): its Failed poll must not settle the first one's pages."""
     adapter, d = decode_only
-    req = new_req("c-1", "tenant-c", 8, room=31)
-    receiver = FakeKVReceiver(None, "fake-bootstrap:8998", 31)
-    receiver.init(prefill_dp_rank=0)
-    _, pages = prealloc(d, req, 8)
-    receiver.send_metadata(kv_indices=pages, aux_index=0)
-    receiver.abort()
-    assert receiver.poll() == KVPoll.Failed
+    req = new_req("c-1", "tenant-c", 12, room=31)
+    first = FakeKVReceiver(None, "fake-bootstrap:8998", 31)
+    first.init(prefill_dp_rank=0)
+    row, pages = prealloc(d, req, 12)
+    first.send_metadata(kv_indices=pages, aux_index=0)
+    for page in pages:
+        for buf in (*d.kv.k_buffer, *d.kv.v_buffer):
+            buf[page * PAGE : (page + 1) * PAGE] = 1.0
+    second = FakeKVReceiver(None, "fake-bootstrap:8998", 31)
+    second.abort()
+    assert second.poll() == KVPoll.Failed
+    assert first.poll() == KVPoll.Success
+    decode_step(d, row, 12)
+    assert probe.of(PageStaleRead) == []
     assert adapter.counters["pages_not_arrived"] == 0
-    ledger = adapter.ledgers["d0"]
-    assert ledger.filled_of(pages).tolist() == [0] * len(pages)
+
+
+def test_sglangs_warm_up_fake_transfer_is_not_a_stale_read_nor_a_request(
+    decode_only: Any, probe: Any
+) -> None:
+    """SGLang's start-up warm-up on a decode server (and its health checks) bootstrap from
+    FAKE_BOOTSTRAP_HOST: the fake receiver says Success and nothing is written. Not a
+    finding, and not anybody's request."""
+    adapter, d = decode_only
+    req = new_req("warmup-0", "unknown", 8, room=0)
+    req.bootstrap_host = FAKE_BOOTSTRAP_HOST
+    receiver = FakeKVReceiver(None, f"{FAKE_BOOTSTRAP_HOST}:8998", 0)
+    receiver.init(prefill_dp_rank=0)
+    row, pages = prealloc(d, req, 8)
+    receiver.send_metadata(kv_indices=pages, aux_index=0)
+    assert receiver.poll() == KVPoll.Success
+    decode_step(d, row, 8)
+    finish(d, req, row, 9)
+    assert probe.of(PageStaleRead) == []
+    assert probe.of(RequestFinished) == []
+    # nothing was painted: the warm-up's pages hold what SGLang left there
+    assert not bool((d.kv.k_buffer[0] == SENTINEL).any())
+    assert adapter.counters["arrivals_unchecked"] == 0
+
+
+def test_a_pool_indexed_by_page_is_not_marked(decode_only: Any, probe: Any) -> None:
+    """A pool whose K buffers are indexed by page (SGLang's ``hnd`` layout) cannot take a
+    mark at ``page * page_size``: its announced pages count as arrived, unchecked."""
+    adapter, d = decode_only
+    d.kv.kv_cache_layout = "hnd"
+    before = d.kv.k_buffer[0].clone()
+    _, row = receive(d, "h-1", "tenant-h", 16, room=61, deliver=1)
+    assert torch.equal(d.kv.k_buffer[0][16:], before[16:])  # nothing painted beyond the sent page
+    assert adapter.counters["arrivals_unchecked"] == 1
+    assert adapter.counters["pages_not_arrived"] == 0
+    decode_step(d, row, 16)
+    assert probe.of(PageStaleRead) == []
 
 
 def test_the_pool_is_sampled_as_forwards_run(decode_only: Any, probe: Any) -> None:
