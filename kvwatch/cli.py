@@ -10,7 +10,7 @@ import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach
-from kvwatch.cli_common import DbUrl, err
+from kvwatch.cli_common import DbUrl, err, probe_settings_or_exit
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
@@ -229,9 +229,25 @@ def engine_serve(
     torch_threads: Annotated[
         int | None, typer.Option(min=1, help="torch intra-op threads (default: torch's).")
     ] = None,
+    deployment: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVWATCH_DEPLOYMENT_ID",
+            help="The deployment this engine's events belong to (default: the model id).",
+        ),
+    ] = None,
+    canary: Annotated[
+        bool,
+        typer.Option(
+            "--canary",
+            help="Also paint freed pages and report reads of the paint (a second stale-read "
+            "detector; changes what a stale read returns).",
+        ),
+    ] = False,
 ) -> None:
     """Run refengine's OpenAI-compatible server (/v1/completions, /v1/chat/completions,
-    /v1/models)."""
+    /v1/models). With KVWATCH_COLLECTOR_URL and KVWATCH_INGEST_TOKEN set, its probe and page
+    ledger report every request, pool and stale read to that collector."""
     import re
 
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
@@ -244,6 +260,9 @@ def engine_serve(
     import torch
     import uvicorn
 
+    from engine_probe import configure_probe, shutdown_probe
+    from engine_probe.adapters.refengine import attach
+    from engine_probe.settings import sanitize_id
     from refengine import Engine, EngineConfig
     from refengine.server import create_app
 
@@ -276,6 +295,9 @@ def engine_serve(
         for value in tenant_key:
             name, _, key = value.partition("=")
             keys[name.strip()] = key.strip()
+    probe_settings = probe_settings_or_exit(
+        deployment_id=deployment or sanitize_id(model_id, fallback="refengine")
+    )
     fastapi_app = create_app(engine, tenant_keys=keys, model_id=model_id)
     pools = ", ".join(f"{p.name} {p.capacity_tokens} tokens" for p in engine.pools.values())
     tenants = ", ".join(sorted(keys)) if keys else "one per bearer key"
@@ -283,7 +305,29 @@ def engine_serve(
         f"refengine {mode.value} {topology.value} serving {model_id!r} on http://{host}:{port}/v1"
         f" - advertised context {advertised_context} tokens; pools: {pools}; tenants: {tenants}"
     )
-    uvicorn.run(fastapi_app, host=host, port=port, log_level="info", access_log=False)
+    probe = configure_probe(probe_settings)
+    if probe.enabled:
+        attach(engine, probe, deployment_id=probe_settings.deployment_id, canary=canary)
+        detectors = "page ledger" + (" and canary" if canary else "")
+        err.print(
+            f"reporting to {probe_settings.collector_url} as deployment "
+            f"{probe_settings.deployment_id!r} ({detectors})"
+        )
+    else:
+        err.print(
+            "[yellow]not reporting:[/] KVWATCH_COLLECTOR_URL is not set, so this engine's "
+            "requests, pools and stale reads go nowhere (set it and KVWATCH_INGEST_TOKEN)"
+        )
+    try:
+        uvicorn.run(fastapi_app, host=host, port=port, log_level="info", access_log=False)
+    finally:
+        if probe.enabled and not shutdown_probe(probe_settings.probe_atexit_timeout_s + 8):
+            kept = (
+                f"the rest is in {probe_settings.probe_spool_dir}, sent by the next start"
+                if probe_settings.probe_spool_dir is not None
+                else "the rest is lost (KVWATCH_PROBE_SPOOL_DIR keeps it on disk)"
+            )
+            err.print(f"[yellow]warning:[/] not every event reached the collector; {kept}")
 
 
 def _redact(url: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -12,6 +12,7 @@ from rich.console import Console
 if TYPE_CHECKING:
     from collector.db import Database
     from collector.settings import Settings
+    from engine_probe import ProbeSettings
 
 err = Console(stderr=True, soft_wrap=True)  # a long path is not broken across lines
 
@@ -55,3 +56,18 @@ def database(database_url: str | None) -> Iterator[tuple[Database, Settings]]:
         raise typer.Exit(2) from None
     finally:
         db.dispose()
+
+
+def probe_settings_or_exit(**overrides: Any) -> ProbeSettings:
+    """A producer's probe settings from the ``KVWATCH_*`` environment and ``overrides``
+    (those not None); a bad value ends the command with exit 2, naming its variable."""
+    from pydantic import ValidationError
+
+    from engine_probe import ProbeSettings
+
+    try:
+        return ProbeSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for e in exc.errors():
+            err.print(f"[red]error:[/] KVWATCH_{str(e['loc'][0]).upper()}: {e['msg']}")
+        raise typer.Exit(2) from None

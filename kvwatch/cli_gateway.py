@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvwatch.cli_common import err
+from kvwatch.cli_common import err, probe_settings_or_exit
 
 if TYPE_CHECKING:
     from kvwatch.gateway import GatewaySettings
@@ -120,9 +120,8 @@ def gateway(
     import logging
 
     import uvicorn
-    from pydantic import ValidationError
 
-    from engine_probe import ProbeSettings, configure_probe, shutdown_probe
+    from engine_probe import configure_probe, shutdown_probe
     from kvwatch.gateway import create_app
 
     settings = _gateway_settings(
@@ -146,12 +145,7 @@ def gateway(
         "ingest_token": settings.ingest_token,
         "deployment_id": settings.deployment_id,
     }
-    try:
-        probe_settings = ProbeSettings(**{k: v for k, v in shared.items() if v is not None})
-    except ValidationError as exc:
-        for e in exc.errors():
-            err.print(f"[red]error:[/] KVWATCH_{str(e['loc'][0]).upper()}: {e['msg']}")
-        raise typer.Exit(2) from None
+    probe_settings = probe_settings_or_exit(**shared)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

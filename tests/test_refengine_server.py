@@ -21,6 +21,7 @@ import pytest
 from kvwatch.embedded import free_port, serve_in_thread
 from refengine import Engine, EngineConfig, EngineObserver, Request
 from refengine.server import create_app
+from tests.conftest import Collector
 
 TENANTS = ("acme", "globex", "initech", "umbrella")
 KEYS = {t: f"sk-{t}-{i}" for i, t in enumerate(TENANTS)} | {"mallory": "sk-mallory"}
@@ -433,46 +434,39 @@ def _kvwatch(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvwatch.cli", *args]
 
 
-def test_cli_engine_serve_answers_and_stops() -> None:
+def _start_engine(*args: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """``kvwatch engine serve ARGS`` on a free port, once it answers /health."""
     port = free_port()
     proc = subprocess.Popen(
-        _kvwatch(
-            "engine",
-            "serve",
-            "--port",
-            str(port),
-            "--mode",
-            "hardened",
-            "--topology",
-            "disaggregated",
-            "--advertised-context",
-            "4096",
-            "--pool-tokens",
-            "1024",
-            "--decode-pool-tokens",
-            "4096",
-            "--tenant-key",
-            "acme=k1",
-            "--torch-threads",
-            "1",
-        ),
+        _kvwatch("engine", "serve", "--port", str(port), "--torch-threads", "1", *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        env=os.environ | {"PYTHONUNBUFFERED": "1"} | env,
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.communicate()[0])
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"kvwatch engine serve did not start:\n{proc.communicate()[0]}")
+        time.sleep(0.1)
+
+
+def test_cli_engine_serve_answers_and_stops() -> None:
+    proc, url = _start_engine(
+        "--mode", "hardened", "--topology", "disaggregated", "--advertised-context", "4096",
+        "--pool-tokens", "1024", "--decode-pool-tokens", "4096", "--tenant-key", "acme=k1",
+        env={},
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvwatch engine serve did not start"
-            time.sleep(0.1)
         auth = {"Authorization": "Bearer k1"}
         r = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 50}, headers=auth
@@ -492,6 +486,90 @@ def test_cli_engine_serve_answers_and_stops() -> None:
     assert "Application shutdown complete" in out
     assert "k1" not in out  # the key is never printed
     assert "hardened disaggregated" in out
+
+
+#: the README's engine example: the incident's sizing, two tenants
+README_ENGINE = (
+    "--mode", "legacy", "--topology", "disaggregated", "--advertised-context", "8192",
+    "--pool-tokens", "2048", "--decode-pool-tokens", "8192",
+    "--tenant-key", "acme=sk-acme", "--tenant-key", "globex=sk-globex",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_cli_engine_serve_reports_the_incident_to_a_collector(collector: Collector) -> None:
+    """With the collector settings, the legacy engine's own probe and ledger report: the
+    over-pool prompt's stale read names both tenants, and the collector raises the critical
+    alert and opens the incident. Nothing but the engine's own flags and two settings."""
+    proc, url = _start_engine(
+        *README_ENGINE,
+        "--deployment",
+        "lab-by-hand",
+        env={
+            "KVWATCH_COLLECTOR_URL": collector.url,
+            "KVWATCH_INGEST_TOKEN": collector.ingest,
+            "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+        },
+    )
+    secret = "ACME CONFIDENTIAL: merger with Initech closes Friday, do not share."
+    try:
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": secret, "max_tokens": 64},
+            headers={"Authorization": "Bearer sk-acme"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "Summarise this contract. " + "clause " * 400, "max_tokens": 96},
+            headers={"Authorization": "Bearer sk-globex"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text  # legacy: answered over pages nobody sent
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+    assert "reporting to " + collector.url in out and "'lab-by-hand'" in out, out
+    assert "sk-acme" not in out
+
+    admin = {"Authorization": f"Bearer {collector.admin}"}
+    with httpx.Client(base_url=collector.url, headers=admin, timeout=30) as c:
+        stale = c.get(
+            "/v1/page-events", params={"deployment_id": "lab-by-hand", "kind": "page.stale_read"}
+        ).json()["items"]
+        crossed = [e for e in stale if e["cross_tenant"]]
+        assert crossed, stale
+        assert {(e["tenant"], e["other_tenant"]) for e in crossed} == {("globex", "acme")}
+        (alert,) = [
+            a
+            for a in c.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
+            if a["deployment_id"] == "lab-by-hand" and a["labels"]["cross_tenant"] == "true"
+        ]
+        assert alert["severity"] == "critical" and alert["incident_id"] is not None
+        incident = c.get(f"/v1/incidents/{alert['incident_id']}").json()
+        assert incident["state"] == "open"
+        rows = c.get("/v1/requests", params={"deployment_id": "lab-by-hand"}).json()["items"]
+        assert {r["tenant"] for r in rows} == {"acme", "globex"}
+
+
+def test_cli_engine_serve_says_when_it_reports_nowhere() -> None:
+    proc, _ = _start_engine(*README_ENGINE, env={"KVWATCH_COLLECTOR_URL": ""})
+    proc.terminate()
+    out = proc.communicate(timeout=30)[0]
+    assert "not reporting" in out and "KVWATCH_COLLECTOR_URL" in out, out
+
+
+def test_cli_engine_serve_names_a_bad_collector_setting() -> None:
+    r = subprocess.run(
+        _kvwatch("engine", "serve", "--deployment", "no spaces allowed"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ | {"KVWATCH_COLLECTOR_URL": "http://127.0.0.1:9"},
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "KVWATCH_DEPLOYMENT_ID" in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize(
