@@ -10,8 +10,8 @@ of it, a transfer per request, pool samples per node, no false stale read on dec
 probe checks which announced pages a transfer really overwrote), and a prompt over the
 prefill pool refused with no transfer at all.
 
-The incident itself: no SGLang release on PyPI transfers a rejected request's KV on this CPU
-path. 0.5.21 retires a request rejected at intake before any transfer is set up
+The incident itself: neither SGLang release tried here transfers a rejected request's KV on
+this CPU path. 0.5.21 retires a request rejected at intake before any transfer is set up
 (``PrefillBootstrapQueue.add`` → ``is_unadmitted_reject``); 0.5.20 still bootstraps and
 prefills the one-token placeholder, but its prefill result path releases the aborted
 request without sending, and decode gives up after its waiting timeout (both tried live on

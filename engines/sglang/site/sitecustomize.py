@@ -86,8 +86,8 @@ _ON_IMPORT["sglang.srt.disaggregation.mooncake.conn"] = _cpu_mooncake_sender
 #: TEST ONLY, with the probe's fault-injection guard set: SGLang's prefill of this tenant's
 #: requests sends decode one page of KV and reports the transfer done, the defect of SGLang
 #: before its rejection-path fixes (the incident: "marks it rejected, substitutes a one-token
-#: placeholder, and still transfers partial KV state to decode"), injected because no SGLang
-#: release on PyPI reaches it on this CPU path (see tests/test_sglang_pd.py)
+#: placeholder, and still transfers partial KV state to decode"), injected because neither
+#: 0.5.20 nor 0.5.21 reaches it on this CPU path (see tests/test_sglang_pd.py)
 _PARTIAL_TENANT = os.environ.get("KVWATCH_TEST_SGLANG_SEND_ONE_PAGE_OF_TENANT")
 _GUARD = "i-know-this-probe-will-report-false-stale-reads"
 
