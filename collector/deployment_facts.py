@@ -9,7 +9,9 @@ scan of history.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, func, select, text
@@ -18,6 +20,7 @@ from collector import models as m
 from collector.timefmt import as_datetime
 from engine_probe import events as ev
 from policies import DeploymentFacts, NodeConfig, ProbeFact, TimerFacts, VerificationFact
+from policies.facts import VerificationResult
 
 _CONFIG_HISTORY = 64  # per deployment: configs are stored only when they change
 
@@ -65,13 +68,60 @@ def node_configs(
     return out
 
 
+def _evidence(raw: str | None) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw or "{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def verification_fact(r: Any, last_passed_at: datetime | None) -> VerificationFact:
+    """A stored verification row as the rules see it. The verdict's details come from the
+    evidence ``kvwatch verify`` uploads; an operator's record without them is a plain pass
+    or fail."""
+    evidence = _evidence(r.evidence)
+    said = evidence.get("result")
+    result: VerificationResult = "pass" if r.passed else "fail"
+    if said == "error" and not r.passed:
+        result = "error"
+    pairs = evidence.get("leak_pairs")
+    kinds = evidence.get("findings_by_kind")
+    return VerificationFact(
+        deployment_id=r.deployment_id,
+        model_id=r.model_id,
+        passed=bool(r.passed),
+        verified_safe_context=r.verified_safe_context,
+        engine_version=r.engine_version,
+        pool_capacity_tokens=r.pool_capacity_tokens,
+        quantization=r.quantization,
+        tp_size=r.tp_size,
+        cuda_graphs=r.cuda_graphs,
+        verified_at=as_datetime(r.verified_at),
+        verification_id=r.id,
+        result=result,
+        leaks=_int(evidence.get("leaks")) or 0,
+        leak_pairs=tuple(str(p) for p in pairs[:50]) if isinstance(pairs, list) else (),
+        smallest_leaking_prompt=_int(evidence.get("smallest_leaking_prompt_tokens")),
+        findings_by_kind={str(k): n for k, n in kinds.items() if _int(n) is not None}
+        if isinstance(kinds, dict)
+        else {},
+        last_passed_at=last_passed_at,
+    )
+
+
 def verifications(
     conn: Connection, deployments: Iterable[str] | None, *, passed_only: bool = False
 ) -> dict[tuple[str, str], VerificationFact]:
-    """The latest verification of each (deployment, model); ``passed_only``: the latest
-    passing one."""
+    """The latest verification of each (deployment, model), with when the model last
+    passed; ``passed_only``: the latest passing one."""
     t = m.Verification.__table__
-    q = select(t).order_by(t.c.verified_at.desc(), t.c.id.desc())
+    order = (t.c.verified_at.desc(), t.c.id.desc())
+    q = select(t.c.deployment_id, t.c.model_id, t.c.passed, t.c.verified_at).order_by(*order)
     if passed_only:
         q = q.where(t.c.passed.is_(True))
     if deployments is not None:
@@ -79,23 +129,22 @@ def verifications(
         if not deps:
             return {}
         q = q.where(t.c.deployment_id.in_(deps))
-    out: dict[tuple[str, str], VerificationFact] = {}
+    # One pass over the narrow columns finds each key's latest row and latest pass; only
+    # the latest rows are read whole (their evidence is parsed).
+    latest_at: dict[tuple[str, str], Any] = {}
+    passed_at: dict[tuple[str, str], datetime] = {}
     for r in conn.execute(q):
-        out.setdefault(
-            (r.deployment_id, r.model_id),
-            VerificationFact(
-                deployment_id=r.deployment_id,
-                model_id=r.model_id,
-                passed=bool(r.passed),
-                verified_safe_context=r.verified_safe_context,
-                engine_version=r.engine_version,
-                pool_capacity_tokens=r.pool_capacity_tokens,
-                quantization=r.quantization,
-                tp_size=r.tp_size,
-                cuda_graphs=r.cuda_graphs,
-                verified_at=as_datetime(r.verified_at),
-            ),
-        )
+        key = (r.deployment_id, r.model_id)
+        latest_at.setdefault(key, r.verified_at)
+        if r.passed and key not in passed_at:
+            passed_at[key] = as_datetime(r.verified_at)
+    out: dict[tuple[str, str], VerificationFact] = {}
+    for (dep, model), at in latest_at.items():
+        cond = [t.c.deployment_id == dep, t.c.model_id == model, t.c.verified_at == at]
+        if passed_only:
+            cond.append(t.c.passed.is_(True))
+        row = conn.execute(select(t).where(*cond).order_by(t.c.id.desc()).limit(1)).one()
+        out[(dep, model)] = verification_fact(row, passed_at.get((dep, model)))
     return out
 
 

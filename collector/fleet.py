@@ -1,9 +1,11 @@
 """The fleet: every deployment's limits at a glance, with a status a person can act on.
 
 Status is ``red`` when a pool is smaller than the advertised context (the incident's
-precondition), a verification is stale against the running config or failed, or a critical
-alert fires; ``amber`` when a model has no passing verification or a warning fires;
-``green`` otherwise. ``reasons`` says which.
+precondition), the latest verification found the endpoint unsafe, a verification is stale
+against the running config, or a critical alert fires; ``amber`` when a model has no passing
+verification or a warning fires; ``green`` otherwise. ``reasons`` says which, in the limits
+card's words. A deployment known only from its verifications (an endpoint watched from
+outside) is listed with what they say.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class FleetService:
                         "engine_version": None if v is None else v["engine_version"],
                         "verification_stale": bool(mod["stale"]),
                         "latest_verification_failed": mod["latest_verification_failed"],
+                        "verdict": mod["verdict"],
                     }
                 )
                 name = mod["model_id"]
@@ -81,12 +84,11 @@ class FleetService:
                     reasons.append(
                         ("red", f"{name}: pool {pool:,} tokens < advertised context {adv:,}")
                     )
-                if mod["stale"]:
-                    reasons.append(("red", f"{name}: verification stale (config changed)"))
-                if mod["latest_verification_failed"]:
-                    reasons.append(("red", f"{name}: the latest verification failed"))
-                if v is None:
-                    reasons.append(("amber", f"{name}: not verified"))
+                said = mod["verdict"]
+                if said["status"] in ("unsafe", "failed", "stale"):
+                    reasons.append(("red", f"{name}: {said['text']}"))
+                elif said["status"] == "not_verified":
+                    reasons.append(("amber", f"{name}: {said['text']}"))
             crit = firing.get((dep, "critical"), 0)
             warn = sum(n for (d, sev), n in firing.items() if d == dep and sev != "critical")
             if crit:

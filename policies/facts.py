@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from functools import cached_property
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from engine_probe import events as ev
 
@@ -60,9 +60,19 @@ class NodeConfig:
         return out
 
 
+VerificationResult = Literal["pass", "fail", "error"]
+
+
 @dataclass(frozen=True, slots=True)
 class VerificationFact:
-    """The latest verification of one model on one deployment."""
+    """The latest verification of one model on one deployment.
+
+    ``result`` is the verdict: ``pass``, ``fail`` (the endpoint was found unsafe: a
+    cross-tenant leak, an acceptance above an earlier rejection, a 5xx, partial text) or
+    ``error`` (the run could not reach a verdict; it says nothing about the endpoint). A
+    failure's ``leak_pairs`` name tenants (``owner->reader``) and ``smallest_leaking_prompt``
+    the shortest prompt that leaked; never any text. ``last_passed_at``: the latest passing
+    verification of the same model, however old (None: never passed)."""
 
     deployment_id: str
     model_id: str
@@ -74,6 +84,19 @@ class VerificationFact:
     tp_size: int | None
     cuda_graphs: bool | None
     verified_at: datetime
+    verification_id: int | None = None
+    result: VerificationResult | None = None
+    leaks: int = 0
+    leak_pairs: tuple[str, ...] = ()
+    smallest_leaking_prompt: int | None = None
+    findings_by_kind: Mapping[str, int] = field(default_factory=dict)
+    last_passed_at: datetime | None = None
+
+    @property
+    def verdict(self) -> VerificationResult:
+        if self.result is not None:
+            return self.result
+        return "pass" if self.passed else "fail"
 
     def stale_against(self, cfg: NodeConfig) -> dict[str, tuple[object, object]]:
         """Settings that changed since the verification (``{name: (verified, now)}``);

@@ -19,6 +19,7 @@ from collector.alerting.notifications import Notifier
 from collector.alerting.queries import incident_with_alerts
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
+from collector.store import deployment_upsert_sql
 from collector.timefmt import iso, to_micros
 from policies.facts import VERIFIED_SETTINGS
 
@@ -191,6 +192,11 @@ class OperatorCommands:
                 evidence["clamped_to_pool"] = {"measured": safe, "pool_capacity_tokens": min(pools)}
                 row["verified_safe_context"] = min(pools)
             row["evidence"] = json.dumps(evidence, sort_keys=True)
+            # An endpoint watched only from outside (verify + gateway) has no probe: its
+            # verification makes it a deployment the fleet, the card and the rules know.
+            conn.exec_driver_sql(
+                deployment_upsert_sql(conn.dialect.name), [(row["deployment_id"], now_us, now_us)]
+            )
             vid = repo.insert_verification(conn, row)
             audit.append(
                 conn,

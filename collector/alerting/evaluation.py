@@ -182,7 +182,10 @@ class Evaluator:
             after = self._store_step(conn, row, s.fingerprint, step, now_us, s, quiet)
             if step.transition is not None:
                 changes.append(Change(after, step.transition, rule))
-            if s.opens_incident and s.firing and after.state == "firing":
+            # A state alert asks once, as it fires: its condition is re-signalled on every
+            # pass, and an incident an operator closed must not reopen while it still holds.
+            asks = s.mode == "event" or step.transition == "firing"
+            if s.opens_incident and s.firing and after.state == "firing" and asks:
                 incident_asks.append((after, s, rule))
         repo.update_alerts(conn, quiet)
         result.changes = changes

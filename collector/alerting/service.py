@@ -99,7 +99,12 @@ class AlertingService:
         return self.commands.close_incident(incident_id, by, reason, now)
 
     def add_verification(self, values: dict[str, Any], by: str, now: datetime) -> dict[str, Any]:
-        return self.commands.add_verification(values, by, now)
+        """Record a verification, then evaluate at once: a failed verdict alerts (and its
+        webhook goes out) without waiting for the timer. When another replica's pass holds
+        the timer, that pass or the next one sees it."""
+        doc = self.commands.add_verification(values, by, now)
+        self.evaluator.tick(now)
+        return doc
 
     # ------------------------------------------------------------------ reads
 

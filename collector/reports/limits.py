@@ -1,7 +1,9 @@
-"""The limits card of a deployment, ready to publish: per model, the advertised context, the
-pool capacity of each node, the verified safe context with its date and engine version (the
-latest passing verification), and whether that verification is stale against the config the
-nodes run now. JSON and Markdown."""
+"""The limits card of a deployment, ready to publish: per model, the verdict in plain words
+(verified safe context and when, ``UNSAFE: cross-tenant leak at ≥ N tokens …``, or not
+verified), the advertised context, the pool capacity of each node, the verified safe context
+with its date and engine version (the latest passing verification), and whether that
+verification is stale against the config the nodes run now. JSON and Markdown here; the PDF
+in :mod:`collector.reports.limits_pdf`."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import NotFound
 from collector.timefmt import iso
-from policies.facts import verified_nodes
+from policies.facts import VerificationFact, verified_nodes
+from policies.verdict import verdict
 
 
 def deployment_exists(conn: Connection, deployment_id: str) -> bool:
@@ -37,7 +40,7 @@ class LimitsService:
             passing = F.verifications(conn, {deployment_id}, passed_only=True)
             latest = F.verifications(conn, {deployment_id})
         nodes = sorted(configs.values(), key=lambda c: (c.model_id, c.role, c.node))
-        models = sorted({c.model_id for c in nodes} | {mod for _, mod in passing})
+        models = sorted({c.model_id for c in nodes} | {mod for _, mod in latest})
         out_models = []
         for model in models:
             mine = [c for c in nodes if c.model_id == model]
@@ -75,6 +78,8 @@ class LimitsService:
                         for node, diff in stale.items()
                     },
                     "latest_verification_failed": bool(last is not None and not last.passed),
+                    "latest_verification": _latest(last),
+                    "verdict": _verdict(last, v, bool(stale)),
                 }
             )
         return {
@@ -97,6 +102,28 @@ class LimitsService:
         }
 
 
+def _latest(v: VerificationFact | None) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    return {
+        "id": v.verification_id,
+        "result": v.verdict,
+        "verified_at": iso(v.verified_at),
+        "leaks": v.leaks,
+        "leak_pairs": list(v.leak_pairs),
+        "smallest_leaking_prompt_tokens": v.smallest_leaking_prompt,
+        "findings_by_kind": dict(v.findings_by_kind),
+        "last_passed_at": iso(v.last_passed_at),
+    }
+
+
+def _verdict(
+    last: VerificationFact | None, passing: VerificationFact | None, stale: bool
+) -> dict[str, Any]:
+    said = verdict(last, passing, stale=stale)
+    return {"status": said.status, "text": said.text, "verification_id": said.verification_id}
+
+
 def _n(value: int | None) -> str:
     return "—" if value is None else f"{value:,}"
 
@@ -111,6 +138,12 @@ def to_markdown(card: dict[str, Any]) -> str:
     for mod in card["models"]:
         v = mod["verified"]
         lines += [f"## Model `{mod['model_id']}`", ""]
+        lines.append(f"- **{mod['verdict']['text']}**")
+        last = mod["latest_verification"]
+        if last is not None and last["leak_pairs"]:
+            lines.append(
+                f"- Leaking tenant pairs (owner → reader): {', '.join(last['leak_pairs'])}"
+            )
         lines.append(f"- Advertised context: {_n(mod['advertised_context'])} tokens")
         if v is None:
             lines.append("- Verified safe context: **not verified** (no passing verification)")
@@ -128,8 +161,11 @@ def to_markdown(card: dict[str, Any]) -> str:
             lines.append(f"- Verification status: **stale** (config changed since: {changed})")
         elif mod["stale"] is False:
             lines.append("- Verification status: current")
-        if mod["latest_verification_failed"]:
-            lines.append("- The latest verification attempt **failed**")
+        if mod["latest_verification_failed"] and mod["verdict"]["status"] not in (
+            "unsafe",
+            "failed",
+        ):
+            lines.append("- The latest verification attempt could not reach a verdict")
         lines += ["", "| node | role | pool capacity (tokens) |", "| --- | --- | ---: |"]
         for node, p in mod["pool_capacity_per_node"].items():
             lines.append(f"| {node} | {p['role']} | {_n(p['capacity_tokens'])} |")

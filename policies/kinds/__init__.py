@@ -9,7 +9,11 @@ from policies.kinds.isolation import RejectedPrefillKvTransfer, StalePageRead
 from policies.kinds.pool import PoolBelowAdvertised, PoolHeadroom
 from policies.kinds.prefix import PrefixCacheCrossTenant, PrefixCacheUnsalted
 from policies.kinds.telemetry import TelemetryGap
-from policies.kinds.verification import ConfigDrift, VerificationMissingOrStale
+from policies.kinds.verification import (
+    ConfigDrift,
+    VerificationFailed,
+    VerificationMissingOrStale,
+)
 
 KINDS: dict[str, RuleKind] = {
     k.name: k
@@ -18,6 +22,7 @@ KINDS: dict[str, RuleKind] = {
         PoolBelowAdvertised(),
         PoolHeadroom(),
         VerificationMissingOrStale(),
+        VerificationFailed(),
         ConfigDrift(),
         StalePageRead(),
         RejectedPrefillKvTransfer(),

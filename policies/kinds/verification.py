@@ -20,6 +20,7 @@ from policies.facts import (
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
 from policies.signals import Signal
+from policies.verdict import failure_text
 
 DRIFT_SETTINGS = (
     *VERIFIED_SETTINGS,
@@ -124,3 +125,76 @@ class ConfigDrift(RuleKind):
                     },
                     value=float(len(changed)),
                 )
+
+
+class FailedParams(msgspec.Struct, forbid_unknown_fields=True):
+    # A leak the verifier provoked with synthetic tenants is evidence that real tenants'
+    # prompts may have crossed the same way since the last passing verification.
+    open_incident: bool = True
+
+
+class VerificationFailed(RuleKind):
+    name = "verification_failed"
+    params = FailedParams
+    default_severity = "critical"
+    mode = "state"
+    description = (
+        "The latest verification of a model found the endpoint unsafe: a cross-tenant leak, "
+        "an acceptance above an earlier rejection, a 5xx or partial text. A passing "
+        "verification resolves it; a leak opens an incident (open_incident)."
+    )
+
+    def _eval(self, rule: Rule, deployments: Iterable[DeploymentFacts]) -> Iterator[Signal]:
+        p: FailedParams = rule.params
+        for d in deployments:
+            for model, v in sorted(d.verifications.items()):
+                if v.verdict == "error":
+                    continue  # no verdict: whatever holds, holds
+                labels = {"deployment_id": d.deployment_id, "model_id": model}
+                if v.verdict == "pass":
+                    yield rule.signal(
+                        "state",
+                        labels,
+                        firing=False,
+                        annotations={
+                            "summary": f"{model} on {d.deployment_id}: verification "
+                            f"{v.verification_id} passed"
+                        },
+                    )
+                    continue
+                since = (
+                    v.last_passed_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+                    if v.last_passed_at is not None
+                    else None
+                )
+                found = ", ".join(f"{k}: {n}" for k, n in sorted(v.findings_by_kind.items()))
+                notes = {
+                    "summary": f"{model} on {d.deployment_id}: {failure_text(v)}",
+                    "verification_id": str(v.verification_id),
+                    "leaks": str(v.leaks),
+                    "leak_pairs": " ".join(v.leak_pairs) or "none",
+                    "findings": found or "none",
+                    "examine_since": since or "ever (no verification passed before)",
+                }
+                if v.smallest_leaking_prompt is not None:
+                    notes["smallest_leaking_prompt_tokens"] = str(v.smallest_leaking_prompt)
+                leaked = bool(v.leaks or v.leak_pairs)
+                if leaked:
+                    # Real tenants' prompts as long as the leaking one may have crossed since
+                    # the last passing verification: the breach report of that window.
+                    notes["runbook"] = (
+                        "Examine the requests since the last passing verification: kvwatch "
+                        f"report breach --model {model} --deployment {d.deployment_id} "
+                        f"--since {since or 'FIRST_REQUEST'} --until NOW "
+                        f"--min-prompt-tokens {v.smallest_leaking_prompt or 1} --out breach/"
+                    )
+                yield rule.signal(
+                    "state",
+                    labels,
+                    value=float(v.smallest_leaking_prompt or 0),
+                    opens_incident=p.open_incident and leaked,
+                    annotations=notes,
+                )
+
+    def on_timer(self, rule: Rule, facts: TimerFacts, now: datetime) -> Iterable[Signal]:
+        return self._eval(rule, facts.deployments.values())
