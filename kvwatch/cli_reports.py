@@ -118,33 +118,48 @@ def report_inventory(
 class CardFormat(StrEnum):
     json = "json"
     md = "md"
+    pdf = "pdf"
 
 
 @report_app.command("limits")
 def report_limits(
     deployment: Annotated[str, typer.Option(help="The deployment id.")],
-    format: Annotated[CardFormat, typer.Option("--format", help="json or md.")] = CardFormat.md,
+    format: Annotated[
+        CardFormat, typer.Option("--format", help="json, md or pdf (pdf needs --out).")
+    ] = CardFormat.md,
     out_dir: Annotated[
         Path | None,
         typer.Option("--out", help="Write limits-<deployment>.<format> into this directory."),
     ] = None,
     database_url: DbUrl = None,
 ) -> None:
-    """The deployment's limits card: advertised context, pool capacity, verified safe context
-    (date, engine version) and whether the verification is stale."""
+    """The deployment's limits card: the verdict per model (verified safe context and when,
+    UNSAFE with the leak, or not verified), advertised context, pool capacity, and whether the
+    verification is stale."""
     from collector.reports.limits import LimitsService, to_markdown
+    from collector.reports.limits_pdf import render_pdf
 
+    if format is CardFormat.pdf and out_dir is None:
+        err.print(
+            "[red]error:[/] --format pdf needs --out DIR (a PDF is not written to a terminal)"
+        )
+        raise typer.Exit(2)
     with database(database_url) as (db, _):
         card = LimitsService(db).card(deployment, datetime.now(UTC))
-    text = to_markdown(card) if format is CardFormat.md else _dumps(card) + "\n"
+    data: bytes
+    if format is CardFormat.pdf:
+        data = render_pdf(card)
+    else:
+        text = to_markdown(card) if format is CardFormat.md else _dumps(card) + "\n"
+        data = text.encode()
     if out_dir is None:
-        sys.stdout.write(text)
+        sys.stdout.write(data.decode())
         return
     safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in deployment)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"limits-{safe}.{format.value}"
-        path.write_text(text, encoding="utf-8")
+        path.write_bytes(data)
     except OSError as exc:
         err.print(f"[red]error:[/] cannot write into {out_dir}: {exc.strerror or exc}")
         raise typer.Exit(2) from None

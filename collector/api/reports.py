@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
@@ -16,6 +16,7 @@ from collector.api.files import attachment
 from collector.reports.audit import AuditLog
 from collector.reports.inventory import InventoryQuery, InventoryService
 from collector.reports.limits import LimitsService, to_markdown
+from collector.reports.limits_pdf import render_pdf as render_limits_pdf
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
 
@@ -64,20 +65,23 @@ def build_router(
 
     @r.get(
         "/v1/deployments/{deployment_id}/limits-card",
-        responses={**_ERRORS, 200: {"content": {"text/markdown": {}}}},
-        summary="The deployment's limits card (JSON or Markdown)",
+        responses={**_ERRORS, 200: {"content": {"text/markdown": {}, "application/pdf": {}}}},
+        summary="The deployment's limits card (JSON, Markdown or PDF)",
     )
     async def get_limits_card(
         request: Request,
         deployment_id: str,
         who: Caller,
-        format: Literal["json", "md"] = "json",
+        format: Literal["json", "md", "pdf"] = "json",
     ) -> Any:
         who.require("admin", "read")
         _known_params(request, {"format"})
         card = await in_thread(limits.card, deployment_id, datetime.now(UTC))
         if format == "md":
             return PlainTextResponse(to_markdown(card), media_type="text/markdown")
+        if format == "pdf":
+            data = await in_thread(render_limits_pdf, card)
+            return Response(data, media_type="application/pdf")
         return card
 
     @r.get(

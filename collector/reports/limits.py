@@ -166,9 +166,12 @@ def to_markdown(card: dict[str, Any]) -> str:
             "failed",
         ):
             lines.append("- The latest verification attempt could not reach a verdict")
-        lines += ["", "| node | role | pool capacity (tokens) |", "| --- | --- | ---: |"]
-        for node, p in mod["pool_capacity_per_node"].items():
-            lines.append(f"| {node} | {p['role']} | {_n(p['capacity_tokens'])} |")
+        if mod["pool_capacity_per_node"]:
+            lines += ["", "| node | role | pool capacity (tokens) |", "| --- | --- | ---: |"]
+            for node, p in mod["pool_capacity_per_node"].items():
+                lines.append(f"| {node} | {p['role']} | {_n(p['capacity_tokens'])} |")
+        else:
+            lines.append("- No node of this model reports to kvwatch (watched from outside)")
         lines.append("")
     if card["nodes"]:
         lines += [
