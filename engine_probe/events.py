@@ -13,7 +13,8 @@ already deployed, cannot follow (a field removed, retyped, narrowed or made requ
 optional field with a default is added within the version: older producers' events decode
 as before. Since unknown fields are refused, a collector must know a field before any
 producer sets it: upgrade collectors first. Optional fields added within version 1 since
-this note: ``request.admitted``'s ``prompt_shared_with``.
+this note: ``request.admitted``'s ``prompt_shared_with``, ``request.finished``'s
+``limit_tokens``.
 
 Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
 which is what an ingest path taking hundreds of thousands of events per second needs (about
@@ -186,6 +187,8 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     ``prompt_count_method``: how the producer counted the prompt itself before sending it on
     (None when it did not); ``prompt_tokens`` is still the engine's own count when it reported
     one. ``latency_ms``: from receipt to the answer's last byte, where the producer sees both.
+    ``limit_tokens``: the safe context the producer held the prompt to (the gateway's guard),
+    where it held it to one; added within version 1.
     """
 
     request_id: Id
@@ -198,6 +201,7 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     node: Id | None = None
     prompt_count_method: PromptCountMethod | None = None
     latency_ms: LatencyMs | None = None
+    limit_tokens: Tokens | None = None
 
 
 class PoolSample(Event, tag="pool.sample", kw_only=True, frozen=True):

@@ -18,6 +18,11 @@ class Tokenizer(StrEnum):
     estimate = "estimate"
 
 
+class OnFailedVerification(StrEnum):
+    refuse = "refuse"
+    warn = "warn"
+
+
 def _gateway_settings(overrides: dict[str, Any]) -> GatewaySettings:
     """The environment's settings with the given options on top; a bad one is named (by its
     environment variable) and exits 2. Values are never echoed: they may hold keys."""
@@ -107,6 +112,14 @@ def gateway(
         float | None,
         typer.Option(min=0.001, help="Seconds to connect [KVWATCH_GATEWAY_CONNECT_TIMEOUT_S; 5]."),
     ] = None,
+    on_failed_verification: Annotated[
+        OnFailedVerification | None,
+        typer.Option(
+            help="When a model's latest verification failed: refuse prompts above the last "
+            "value measured clean (all, when none was), or only warn "
+            "[KVWATCH_GATEWAY_ON_FAILED_VERIFICATION; refuse].",
+        ),
+    ] = None,
     verification_refresh: Annotated[
         float | None,
         typer.Option(
@@ -138,6 +151,9 @@ def gateway(
             "gateway_timeout_s": timeout,
             "gateway_connect_timeout_s": connect_timeout,
             "gateway_verification_refresh_s": verification_refresh,
+            "gateway_on_failed_verification": on_failed_verification.value
+            if on_failed_verification
+            else None,
         }
     )
     shared: dict[str, Any] = {

@@ -29,7 +29,13 @@ from engine_probe.probe import BaseProbe, Probe
 from engine_probe.settings import ProbeSettings
 from kvwatch.embedded import free_port, serve_in_thread
 from kvwatch.gateway import GatewaySettings, create_app
-from kvwatch.gateway.limits import SafeContexts, VerificationSource, latest_passing
+from kvwatch.gateway.limits import (
+    Limit,
+    SafeContexts,
+    VerificationSource,
+    latest_passing,
+    read_verdicts,
+)
 from refengine import Engine, EngineConfig
 from refengine.server import create_app as refengine_app
 from tests.conftest import Collector
@@ -476,9 +482,15 @@ def test_latest_passing_verification_and_keeping_the_last_known(
         ]
     ) == {"a": 20}
     limits = SafeContexts({"a": 25, "*": 1000})
-    assert (limits.limit("a"), limits.limit("other"), limits.limit(None)) == (25, 1000, 1000)
+
+    def tokens(*models: str | None) -> tuple[int | None, ...]:
+        return tuple(None if (lim := limits.limit(m)) is None else lim.tokens for m in models)
+
+    assert tokens("a", "other", None) == (25, 1000, 1000)
+    assert limits.limit("a") == Limit(25, "configured")
     limits.set_verified({"a": 20, "c": 7})
-    assert (limits.limit("a"), limits.limit("c")) == (20, 7)  # the smaller applies
+    assert tokens("a", "c") == (20, 7)  # the smaller applies
+    assert limits.limit("a") == Limit(20, "verified")
 
     down = GatewaySettings(
         gateway_upstream="http://127.0.0.1:1",
@@ -494,8 +506,39 @@ def test_latest_passing_verification_and_keeping_the_last_known(
 
     with caplog.at_level(logging.WARNING, logger="engine_probe.gateway"):
         assert asyncio.run(refresh()) is False
-    assert (limits.limit("a"), limits.limit("c")) == (20, 7)  # the last known stay
+    assert tokens("a", "c") == (20, 7)  # the last known stay
     assert "cannot read verifications of d1" in caplog.text and "keeping" in caplog.text
+
+
+def test_a_failed_verification_refuses_above_the_last_clean_value_or_warns() -> None:
+    """Newest first, as the collector lists them: a failure after a pass keeps the pass's
+    value; a failure with no pass and no configured limit refuses everything; a run that
+    reached no verdict changes nothing; ``warn`` keeps the limits and only says so."""
+    records = [
+        {"id": 9, "model_id": "a", "passed": False, "result": "error"},
+        {"id": 8, "model_id": "a", "passed": False, "result": "fail", "verdict": "UNSAFE: x"},
+        {"id": 7, "model_id": "a", "passed": True, "result": "pass", "verified_safe_context": 300},
+        {"id": 6, "model_id": "b", "passed": False, "result": "fail", "verdict": "UNSAFE: y"},
+        {"id": 5, "model_id": "c", "passed": True, "result": "pass", "verified_safe_context": 50},
+        {"id": 4, "model_id": "c", "passed": False, "result": "fail", "verdict": "old"},
+    ]
+    verdicts = read_verdicts(records)
+    assert dict(verdicts.passing) == {"a": 300, "c": 50}
+    assert dict(verdicts.failed) == {"a": "UNSAFE: x", "b": "UNSAFE: y"}  # c passed since
+    refuse = SafeContexts({}, "refuse")
+    refuse.set_verdicts(verdicts)
+    a, b, c = refuse.limit("a"), refuse.limit("b"), refuse.limit("c")
+    assert (
+        a is not None
+        and (a.tokens, a.source) == (300, "verified")
+        and "UNSAFE: x" in (a.warning or "")
+    )
+    assert b is not None and (b.tokens, b.source) == (0, "failed-verification")
+    assert c == Limit(50, "verified")
+    warn = SafeContexts({"b": 4000}, "warn")
+    warn.set_verdicts(verdicts)
+    b = warn.limit("b")
+    assert b is not None and (b.tokens, b.source) == (4000, "configured") and b.warning
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -760,7 +803,8 @@ def test_a_request_without_a_limit_of_its_own_gets_the_smallest(
     limits = SafeContexts({})
     assert limits.limit(None) is None and limits.limit("x") is None  # nothing known: unguarded
     limits.set_verified({"a": 20, "b": 50})
-    assert (limits.limit(None), limits.limit("alias"), limits.limit("b")) == (20, 20, 50)
+    got = [limits.limit(m) for m in (None, "alias", "b")]
+    assert [lim.tokens if lim else None for lim in got] == [20, 20, 50]
 
     probe = RecordingProbe()
     m = marker()

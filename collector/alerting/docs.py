@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from collector.deployment_facts import verification_fact
 from collector.notify.payloads import label_string
 from collector.timefmt import as_micros, iso
+from policies.verdict import verdict
 
 
 def alert_doc(r: Any, *, silenced: bool = False) -> dict[str, Any]:
@@ -82,11 +84,16 @@ def group_key(labels: dict[str, str], group_by: tuple[str, ...]) -> tuple[str, d
 
 
 def verification_doc(v: Any) -> dict[str, Any]:
+    """``result``: pass, fail (found unsafe) or error (no verdict); ``verdict``: the limits
+    card's words for this record alone."""
+    fact = verification_fact(v, None)
     return {
         "id": v.id,
         "deployment_id": v.deployment_id,
         "model_id": v.model_id,
         "passed": bool(v.passed),
+        "result": fact.verdict,
+        "verdict": verdict(fact, fact if fact.passed else None).text,
         "verified_safe_context": v.verified_safe_context,
         "engine_version": v.engine_version,
         "pool_capacity_tokens": v.pool_capacity_tokens,

@@ -40,7 +40,7 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     see :func:`engine_probe.configure_probe`). Connections to the upstream and the reading of
     verifications start and stop with the app's lifespan."""
     keys = TenantKeys(settings.gateway_tenant_keys)
-    limits = SafeContexts(settings.gateway_safe_contexts)
+    limits = SafeContexts(settings.gateway_safe_contexts, settings.gateway_on_failed_verification)
     upstream = Upstream(settings)
     service = ProxyService(
         upstream,
@@ -48,6 +48,7 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
         limits,
         Recorder(probe),
         secrets=[*settings.gateway_tenant_keys.values(), settings.gateway_upstream_key or ""],
+        warn_ratio=settings.gateway_warn_ratio,
     )
     source = VerificationSource(settings, limits) if settings.reads_verifications else None
     max_body = settings.gateway_max_body_bytes

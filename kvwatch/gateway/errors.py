@@ -79,19 +79,41 @@ class BodyTooLarge(InvalidRequest):
 
 
 class ContextLengthExceeded(InvalidRequest):
-    """A prompt above the model's verified safe context, refused before the upstream saw it."""
+    """A prompt above the model's safe context, refused before the upstream saw it. The
+    message names where the limit comes from: a configured limit is never called verified,
+    and a model whose latest verification failed says so."""
 
     code = "context_length_exceeded"
     reason: RejectReason = "context_length_exceeded"
 
-    def __init__(self, *, prompt_tokens: int, limit_tokens: int, method: str, param: str) -> None:
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int,
+        limit_tokens: int,
+        method: str,
+        param: str,
+        source: str = "verified",
+        failure: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         what = "your messages resulted in" if param == "messages" else "your prompt has"
-        super().__init__(
-            f"This model's verified safe context is {limit_tokens} tokens. However, {what} "
-            f"{prompt_tokens} tokens (counted by {method.replace('_', ' ')}). Please reduce "
-            f"the length of the {param}.",
-            param=param,
-        )
+        counted = f"{prompt_tokens} tokens (counted by {method.replace('_', ' ')})"
+        if limit_tokens <= 0:
+            message = (
+                f"This model's latest verification found it unsafe ({failure}), and no earlier "
+                "verification or configured limit says which prompts are safe: every request "
+                "is refused until a verification passes."
+            )
+        else:
+            said = {"verified": "verified", "configured": "configured"}.get(source, source)
+            message = (
+                f"This model's {said} safe context is {limit_tokens} tokens. However, {what} "
+                f"{counted}. Please reduce the length of the {param}."
+            )
+            if failure is not None:
+                message += f" (The latest verification of this model failed: {failure}.)"
+        super().__init__(message, param=param, headers=headers)
         self.prompt_tokens = prompt_tokens
         self.limit_tokens = limit_tokens
 
@@ -102,11 +124,12 @@ class UnsupportedContent(InvalidRequest):
 
     code = "unsupported_content"
 
-    def __init__(self, param: str) -> None:
+    def __init__(self, param: str, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(
             f"The safe-context guard cannot count non-text input ({param}) for this model; "
             "send text (or token ids) only.",
             param=param,
+            headers=headers,
         )
 
 

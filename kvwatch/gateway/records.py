@@ -34,6 +34,8 @@ class Flight:
     route: str
     model: str | None = None
     count: PromptCount | None = None
+    limit_tokens: int | None = None  # the safe context the prompt was held to, if guarded
+    headers: dict[str, str] = field(default_factory=dict)  # what every answer carries
     started: float = field(default_factory=time.monotonic)
     recorded: bool = False
 
@@ -108,6 +110,7 @@ class Recorder:
             prompt_tokens=prompt,
             completion_tokens=completion if completion is not None else completion_tokens,
             status=status,
+            limit_tokens=flight.limit_tokens or None,
         )
 
     def failed(self, flight: Flight, exc: GatewayError) -> None:

@@ -30,7 +30,7 @@ from kvwatch.gateway.errors import (
     UnsupportedContent,
     UpstreamError,
 )
-from kvwatch.gateway.limits import SafeContexts
+from kvwatch.gateway.limits import Limit, SafeContexts
 from kvwatch.gateway.records import Flight, Recorder, finish_status
 from kvwatch.gateway.sse import SseScanner
 from kvwatch.gateway.upstream import Upstream
@@ -39,6 +39,19 @@ log = logging.getLogger("engine_probe.gateway")  # its name before the move: log
 
 ROUTES: Final[dict[Kind, str]] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _JSON: Final = "application/json"
+
+
+def limit_headers(limit: Limit) -> dict[str, str]:
+    """What every guarded answer says about the guard: the limit in force and its source,
+    and a failed verification when there is one (header values are ASCII)."""
+    out = {
+        "X-Kvwatch-Safe-Context": str(limit.tokens),
+        "X-Kvwatch-Safe-Context-Source": limit.source,
+    }
+    if limit.warning is not None:
+        ascii_text = limit.warning.replace("≥", ">=").encode("ascii", "replace").decode()
+        out["X-Kvwatch-Warning"] = ascii_text
+    return out
 
 
 def _decode(content: bytes) -> Any:
@@ -80,8 +93,10 @@ class ProxyService:
         recorder: Recorder,
         *,
         secrets: Iterable[str] = (),
+        warn_ratio: float = 0.8,
     ) -> None:
         self.upstream = upstream
+        self.warn_ratio = warn_ratio
         self.counter = counter
         self.limits = limits
         self.recorder = recorder
@@ -121,6 +136,8 @@ class ProxyService:
                 flight.recorded = True
             self.recorder.failed(flight, exc)
             exc.headers.setdefault("X-Request-Id", flight.request_id)
+            for name, value in flight.headers.items():
+                exc.headers.setdefault(name, value)
             raise
         except Exception:
             self.recorder.finished(flight, "error", completion_tokens=0)
@@ -136,20 +153,36 @@ class ProxyService:
         if stream is not None and not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean (true or false).", param="stream")
         limit = self.limits.limit(model)
+        headers = flight.headers
+        headers["X-Request-Id"] = flight.request_id
         if limit is not None:
+            headers |= limit_headers(limit)
             if (where := uncountable(kind, body)) is not None:
-                raise UnsupportedContent(where)
+                raise UnsupportedContent(where, headers=headers)
             count = await self.counter.count(kind, body, caller, flight.request_id)
             flight.count = count
-            if count.tokens > limit:
+            flight.limit_tokens = limit.tokens
+            if count.tokens > limit.tokens:
                 raise ContextLengthExceeded(
                     prompt_tokens=count.tokens,
-                    limit_tokens=limit,
+                    limit_tokens=limit.tokens,
                     method=count.method,
                     param="prompt" if kind == "completion" else "messages",
+                    source=limit.source,
+                    failure=limit.warning,
+                    headers=headers,
                 )
+            if limit.tokens > 0 and count.tokens >= self.warn_ratio * limit.tokens:
+                near = (
+                    f"prompt of {count.tokens} tokens is {count.tokens / limit.tokens:.0%} of "
+                    f"the {limit.source} safe context ({limit.tokens} tokens)"
+                )
+                headers["X-Kvwatch-Warning"] = "; ".join(
+                    w for w in (near, headers.get("X-Kvwatch-Warning")) if w
+                )
+                log.warning("request %s: %s", flight.request_id, near)
         if stream is True:
-            return await self._stream(kind, body, caller, flight)
+            return await self._stream(kind, body, caller, flight, headers)
         r = await self.upstream.send("POST", ROUTES[kind], caller, flight.request_id, raw)
         data = _decode(r.content)
         if r.status_code >= 400:
@@ -158,12 +191,15 @@ class ProxyService:
             raise BadUpstreamResponse("The upstream answered with something other than JSON.")
         _learn_model(flight, data.get("model"))
         self.recorder.finished(flight, finish_status(_first_finish_reason(data)), data.get("usage"))
-        return Response(
-            r.content, r.status_code, media_type=_JSON, headers={"X-Request-Id": flight.request_id}
-        )
+        return Response(r.content, r.status_code, media_type=_JSON, headers=headers)
 
     async def _stream(
-        self, kind: Kind, body: dict[str, Any], caller: Caller, flight: Flight
+        self,
+        kind: Kind,
+        body: dict[str, Any],
+        caller: Caller,
+        flight: Flight,
+        headers: dict[str, str],
     ) -> Response:
         options = body.get("stream_options")
         options = dict(options) if isinstance(options, dict) else {}
@@ -190,17 +226,11 @@ class ProxyService:
             _learn_model(flight, data.get("model"))
             status = finish_status(_first_finish_reason(data))
             self.recorder.finished(flight, status, data.get("usage"))
-            return Response(
-                answer, r.status_code, media_type=_JSON, headers={"X-Request-Id": flight.request_id}
-            )
+            return Response(answer, r.status_code, media_type=_JSON, headers=headers)
         return StreamingResponse(
             self._relay(r, flight, SseScanner(strip_usage_chunk=not wanted)),
             media_type="text/event-stream",
-            headers={
-                "X-Request-Id": flight.request_id,
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            },
+            headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _relay(

@@ -50,6 +50,9 @@ def parse_pairs(value: object, what: str) -> object:
     return value
 
 
+OnFailed = Literal["refuse", "warn"]
+
+
 class GatewaySettings(BaseSettings):
     """Settings of one gateway. Immutable once built; ``create_app(settings)`` takes it."""
 
@@ -79,6 +82,19 @@ class GatewaySettings(BaseSettings):
         description="MODEL -> verified safe context in tokens ('*' for every model). Prompts "
         "above it are refused before the upstream sees them. With the collector's "
         "verifications too, the smaller of the two applies.",
+    )
+    gateway_on_failed_verification: OnFailed = Field(
+        default="refuse",
+        description="When a model's latest verification failed: 'refuse' prompts above the "
+        "last value measured clean (every prompt, when none was) or only 'warn' (a response "
+        "header and the log).",
+    )
+    gateway_warn_ratio: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="A prompt at this share of its limit gets an X-Kvwatch-Warning header "
+        "(the default pack's context_pressure warns at the same 80%).",
     )
     gateway_tokenize_endpoint: bool = Field(
         default=True,
@@ -196,6 +212,7 @@ class GatewaySettings(BaseSettings):
                 if self.reads_verifications
                 else "off"
             ),
+            "on_failed_verification": self.gateway_on_failed_verification,
             "counting": ("tokenize endpoint, else " if self.gateway_tokenize_endpoint else "")
             + self.gateway_tokenizer,
         }

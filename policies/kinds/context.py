@@ -48,7 +48,7 @@ class ContextPressure(RuleKind):
         # Most prompts are far below any bound: compare each with its (deployment, model)'s
         # threshold, worked out once, before doing anything else with it.
         bounds: dict[tuple[str, str], tuple[float, int, bool]] = {}
-        worst: dict[tuple[str, str], tuple[int, str, str | None]] = {}
+        worst: dict[tuple[str, str], tuple[int, str, str | None, int, bool]] = {}
         for e in cast(list[RequestEvent], facts.of(*_REQUEST_EVENTS)):
             tokens, model = e.prompt_tokens, e.model_id
             if tokens is None or not model:
@@ -59,26 +59,32 @@ class ContextPressure(RuleKind):
                 d = facts.deployments.get(e.deployment_id)
                 safe, verified = safe_context(d, model) if d is not None else (None, False)
                 b = bounds[key] = (p.warn_ratio * safe, safe, verified) if safe else (inf, 0, False)
+            held = getattr(e, "limit_tokens", None)
+            if held and not b[2] and (not b[1] or held < b[1]):
+                # A guard in front of the deployment held the prompt to a smaller limit than
+                # any the collector knows: measure against the guard's (unverified).
+                b = (p.warn_ratio * held, held, False)
             if tokens < b[0]:
                 continue
             rid = (e.deployment_id, e.request_id)  # a request counts once, at its largest
             seen = worst.get(rid)
             if seen is None or tokens > seen[0]:
-                worst[rid] = (tokens, model, e.route)
-        groups: dict[tuple[str, str, str, str, Severity], list[int]] = {}
-        for (dep, _request), (tokens, model, route) in worst.items():
-            _, safe, verified = bounds[(dep, model)]
+                worst[rid] = (tokens, model, e.route, b[1], b[2])
+        groups: dict[tuple[str, str, str, str, Severity], list[tuple[int, int]]] = {}
+        for (dep, _request), (tokens, model, route, safe, verified) in worst.items():
             severity: Severity = "critical" if tokens >= p.critical_ratio * safe else rule.severity
             key5 = (dep, model, route or "none", "true" if verified else "false", severity)
-            groups.setdefault(key5, []).append(tokens)
-        for group, sizes in groups.items():
+            groups.setdefault(key5, []).append((tokens, safe))
+        for group, sized in groups.items():
             dep, model, route_label, verified_label, severity = group
-            _, safe, verified = bounds[(dep, model)]
-            top = max(sizes)
+            verified = verified_label == "true"
+            top, safe = max(sized, key=lambda ts: ts[0] / ts[1])
+            sizes = [t for t, _ in sized]
             what = (
                 "verified safe context"
                 if verified
-                else "unverified bound (min of advertised context and pool)"
+                else "unverified bound (min of advertised context and pool, or the gateway's "
+                "configured safe context)"
             )
             yield rule.signal(
                 "event",
