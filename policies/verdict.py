@@ -51,7 +51,9 @@ def failure_text(v: VerificationFact) -> str:
             else ""
         )
         return f"UNSAFE: cross-tenant leak{at} {ref}"
-    kinds = ", ".join(k.replace("_", " ") for k in sorted(v.findings_by_kind)) or "findings"
+    kinds = ", ".join(k.replace("_", " ") for k in sorted(v.findings_by_kind))
+    if not kinds:
+        return f"FAILED {ref} (no findings recorded)"
     return f"FAILED: {kinds} {ref}"
 
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pypdf
 from sqlalchemy import delete, insert, select, update
 from typer.testing import CliRunner
 
@@ -219,7 +220,8 @@ def test_limits_card_from_config_and_verification(collector: Collector, tmp_path
 
         r = h.get("/v1/deployments/nope/limits-card")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-        r = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "pdf"})
+        assert "**FAILED on " in md.text and "(no findings recorded)**" in md.text
+        r = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "html"})
         assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_input"
 
     res = cli(
@@ -233,6 +235,16 @@ def test_limits_card_from_config_and_verification(collector: Collector, tmp_path
     assert res.exit_code == 0 and "# Limits card: glm-prod" in res.stdout
     res = cli("report", "limits", "--deployment", "nope", "--database-url", collector.db_url)
     assert res.exit_code == 2 and "no deployment 'nope'" in res.output
+    res = cli(
+        "report", "limits", "--deployment", "glm-prod", "--format", "pdf",
+        "--out", str(tmp_path), "--database-url", collector.db_url,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    pages = pypdf.PdfReader(tmp_path / "limits-glm-prod.pdf").pages
+    text = "\n".join(page.extract_text() for page in pages)
+    assert "FAILED on " in text and "600,000 tokens" in text and "prefill-0" in text
+    res = cli("report", "limits", "--deployment", "glm-prod", "--format", "pdf")
+    assert res.exit_code == 2 and "--out" in res.output
 
 
 def _verify_cli(c: Collector) -> Any:
