@@ -56,7 +56,8 @@ def render_pdf(card: dict[str, Any]) -> bytes:
                 ("Latest verification", f"{last['id']}: {last['result']}, {last['verified_at']}")
             )
             if last["leak_pairs"]:
-                rows.append(("Leaking pairs (owner->reader)", ", ".join(last["leak_pairs"])))
+                pairs = ", ".join(last["leak_pairs"])
+                rows.append(("Leaking tenants", f"{pairs} (owner->reader)"))
                 rows.append(
                     (
                         "Smallest leaking prompt",
