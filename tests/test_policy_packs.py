@@ -184,7 +184,7 @@ def test_a_failing_rule_is_unhealthy_and_the_others_still_run() -> None:
         name="stale",
         kind="stale_page_read",
         severity="critical",
-        params=default_pack().rules[5].params,
+        params=next(r for r in default_pack().rules if r.name == "stale_page_read").params,
     )
     e = f.admitted(1, "r", prompt=10)
     stale = f.stale_read(2)
