@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from collector import migrate, partitions
 from collector.alerting.service import AlertingService
 from collector.api import alerts, breach, dashboard, errors, health, ingest, openapi, reads, reports
+from collector.api import schedules as schedules_api
 from collector.db import Database
 from collector.fleet import FleetService
 from collector.ingest import IngestService
@@ -32,10 +33,13 @@ from collector.rollups.stats import StatsService
 from collector.scrape import ScheduledScraper
 from collector.settings import Settings
 from collector.tokens import Authenticator
+from collector.verify_schedules import Verifier, VerifyScheduleService
 from policies import RuleSet, load_ruleset
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, verifier: Verifier | None = None) -> FastAPI:
+    """``verifier`` runs scheduled verifications (``kvwatch serve`` hands in
+    ``kvwatch.verify``'s); without one, schedules are kept but not run."""
     settings = settings or Settings()
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
     metrics = CollectorMetrics(db)
@@ -83,7 +87,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     dispatcher = (
         Dispatcher(db, settings, registry=metrics.registry) if settings.notify_enabled else None
     )
-    workers = (timer, dispatcher, rollups, maintainer, scrapes)
+    schedules = VerifyScheduleService(db, alerting, verifier)
+    verifications = (
+        None
+        if verifier is None
+        else Periodic("verify-schedules", settings.verify_schedule_tick_s, schedules.run_due)
+    )
+    workers = (timer, dispatcher, rollups, maintainer, scrapes, verifications)
 
     # SQLite takes one writer at a time anyway: more ingest threads would only fight over
     # the GIL and the write lock. PostgreSQL writers run in parallel (the driver releases
@@ -107,10 +117,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.dispatcher = dispatcher
     app.state.rollups = rollups
     app.state.scrapes = scrapes
+    app.state.verify_schedules = verifications
 
     app.include_router(ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter))
     app.include_router(reads.build_router(ReadService(db)))
     app.include_router(alerts.build_router(alerting))
+    app.include_router(schedules_api.build_router(schedules))
     app.include_router(breach.build_router(BreachService(db, settings), reviews, ReportStore(db)))
     app.include_router(
         reports.build_router(InventoryService(db), LimitsService(db), reviews, AuditLog(db))

@@ -655,3 +655,37 @@ class ScrapeTarget(Base):
     last_ok_at: Mapped[int | None] = mapped_column(BigInteger)
     last_error: Mapped[str | None] = mapped_column(Text)
     failures: Mapped[int] = mapped_column(BigInteger)
+
+
+class VerifySchedule(Base):
+    """A verification the collector runs by itself (``kvwatch verify schedule add``): every
+    ``every_s``, and at once when a ``config_drift`` alert of the deployment is seen after the
+    run last started. ``keys_ref`` names where the tenant keys are read at run time
+    (``env:NAME`` or ``file:PATH``); the keys themselves are never stored.
+
+    Invariant: a row whose ``claimed_until`` lies in the future is being run by one replica;
+    no two rows of one endpoint are claimed at once (one run at a time per endpoint).
+    """
+
+    __tablename__ = "verify_schedules"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    endpoint: Mapped[str] = mapped_column(Text)
+    model_id: Mapped[str] = mapped_column(String(NAME_MAX))
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX))
+    every_s: Mapped[int] = mapped_column(BigInteger)
+    keys_ref: Mapped[str] = mapped_column(Text)
+    budget: Mapped[int] = mapped_column(Integer)
+    max_context: Mapped[int | None] = mapped_column(BigInteger)
+    timeout_s: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UtcMicros)
+    created_by: Mapped[str] = mapped_column(String(NAME_MAX))
+    next_at: Mapped[datetime] = mapped_column(UtcMicros)
+    claimed_until: Mapped[datetime | None] = mapped_column(UtcMicros)
+    last_started_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    last_finished_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    last_trigger: Mapped[str | None] = mapped_column(String(16))
+    last_result: Mapped[str | None] = mapped_column(String(16))
+    last_verification_id: Mapped[int | None] = mapped_column(BigInteger)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    runs: Mapped[int] = mapped_column(BigInteger)

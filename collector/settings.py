@@ -116,6 +116,13 @@ class Settings(BaseSettings):
         description="How often absence and windowed rules run, and alerts are resolved, "
         "repeated and incidents reminded.",
     )
+    verify_schedule_tick_s: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="How often due scheduled verifications (and re-verifications after a "
+        "config drift) are looked for.",
+    )
     retention_days: int | None = Field(
         default=None,
         ge=1,

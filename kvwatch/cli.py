@@ -17,7 +17,7 @@ from kvwatch.cli_gateway import gateway
 from kvwatch.cli_lifecycle import erase, retention_app
 from kvwatch.cli_reports import audit_app, report_app
 from kvwatch.cli_scrape import scrape
-from kvwatch.cli_verify import verify
+from kvwatch.cli_verify import verify_app
 from kvwatch.cli_webhooks import webhooks_app
 
 app = typer.Typer(
@@ -39,7 +39,7 @@ app.add_typer(incidents_app, name="incidents")
 app.add_typer(report_app, name="report")
 report_app.command("breach")(breach)
 app.add_typer(audit_app, name="audit")
-app.command()(verify)
+app.add_typer(verify_app, name="verify")
 app.command("gateway")(gateway)
 app.command("dashboard")(dashboard)
 app.command("scrape")(scrape)
@@ -56,25 +56,26 @@ def serve(
     ] = None,
     database_url: DbUrl = None,
 ) -> None:
-    """Run the collector (HTTP API, ingest, /metrics)."""
+    """Run the collector (HTTP API, ingest, /metrics, scheduled verifications)."""
     import os
 
     import uvicorn
 
     from collector import migrate
     from collector.app import create_app
+    from kvwatch.verify.scheduled import run_scheduled
 
     settings = collector_settings(database_url)
     n = workers or settings.workers
     if n == 1:
-        app_or_path: object = create_app(settings)
+        app_or_path: object = create_app(settings, verifier=run_scheduled)
     else:
         # Workers build their own app from the environment; migrate once, here, first.
         if settings.auto_migrate:
             migrate.upgrade(settings.database_url)
         os.environ["KVWATCH_DATABASE_URL"] = settings.database_url
         os.environ["KVWATCH_AUTO_MIGRATE"] = "false"
-        app_or_path = "collector.app:create_app"
+        app_or_path = "kvwatch.embedded:collector_app"
     uvicorn.run(
         app_or_path,  # type: ignore[arg-type]
         factory=n > 1,

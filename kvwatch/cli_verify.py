@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -11,9 +14,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from kvwatch.cli_common import err
+from kvwatch.cli_common import DbUrl, err
 
 if TYPE_CHECKING:
+    from collector.verify_schedules import VerifyScheduleService
     from kvwatch.verify import Progress as VerifyProgress
     from kvwatch.verify import Report, UploadResult, VerifierSettings, VerifyOptions
 
@@ -56,12 +60,25 @@ def _settings(deployment: str | None) -> VerifierSettings:
         raise typer.Exit(EXIT_COULD_NOT_RUN) from None
 
 
+verify_app = typer.Typer()
+schedule_app = typer.Typer(
+    help="Verifications the collector runs by itself: every --every, and again at once when "
+    "the deployment's config drifts.",
+    no_args_is_help=True,
+)
+verify_app.add_typer(schedule_app, name="schedule")
+
+
+@verify_app.callback(invoke_without_command=True)
 def verify(
+    ctx: typer.Context,
     endpoint: Annotated[
-        str,
+        str | None,
         typer.Option(help="The OpenAI-compatible base URL, e.g. http://host:8000/v1."),
-    ],
-    model: Annotated[str, typer.Option(help="The model to verify (as the endpoint names it).")],
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="The model to verify (as the endpoint names it).")
+    ] = None,
     tenant_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -116,7 +133,15 @@ def verify(
 ) -> None:
     """Find an endpoint's verified safe context: prompts grown to the rejection point and
     bisected, clean-refusal checks, cross-tenant canaries under load. Only synthetic text,
-    at most --budget requests. Exit 0 pass, 1 leak or finding, 2 could not run."""
+    at most --budget requests. Exit 0 pass, 1 leak or finding, 2 could not run. `kvwatch
+    verify schedule` has the collector run it by itself."""
+    if ctx.invoked_subcommand is not None:
+        return
+    missing = [flag for flag, v in (("--endpoint", endpoint), ("--model", model)) if not v]
+    if missing:
+        err.print(f"[red]error:[/] kvwatch verify needs {' and '.join(missing)}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN)
+    assert endpoint is not None and model is not None
     from kvwatch.verify import VerifyOptions
     from kvwatch.verify.client import redact_url
     from kvwatch.verify.crosstenant import (
@@ -245,3 +270,120 @@ def _write_json(
     except OSError as exc:
         err.print(f"[red]error:[/] cannot write {escape(str(path))}: {escape(str(exc))}")
         raise typer.Exit(EXIT_COULD_NOT_RUN) from None
+
+
+# -- kvwatch verify schedule -----------------------------------------------------------
+
+
+def _schedules(database_url: str | None) -> Iterator[tuple[VerifyScheduleService, str]]:
+    from collector.alerting.service import AlertingService
+    from collector.verify_schedules import VerifyScheduleService
+    from kvwatch.cli_common import database
+    from policies import RuleSet
+
+    with database(database_url) as (db, _):
+        yield VerifyScheduleService(db, AlertingService(db, RuleSet())), "cli"
+
+
+@schedule_app.command("add")
+def schedule_add(
+    endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL.")],
+    model: Annotated[str, typer.Option(help="The model to verify.")],
+    deployment: Annotated[str, typer.Option(help="The deployment it is recorded for.")],
+    every: Annotated[str, typer.Option(help="How often, e.g. 6h (at least 1m).")],
+    keys_from: Annotated[
+        str,
+        typer.Option(
+            help="Where the collector reads the tenant keys at each run: env:VARIABLE or "
+            "file:PATH, holding NAME=KEY pairs (space- or newline-separated). The keys are "
+            "never stored nor printed; the reference must resolve here too.",
+        ),
+    ],
+    budget: Annotated[int, typer.Option(min=1, help="The most requests a run sends.")] = 200,
+    max_context: Annotated[
+        int | None, typer.Option(help="Stop growing prompts at this many tokens.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(min=0.001, help="Seconds per answer.")] = 120.0,
+    database_url: DbUrl = None,
+) -> None:
+    """Schedule a verification: the collector (kvwatch serve) runs it at once, then every
+    --every, and again at once after a config_drift alert of the deployment. Results are
+    recorded and alerted on exactly like kvwatch verify's uploads."""
+    from policies.durations import parse_duration
+
+    try:
+        every_s = int(parse_duration(every))
+    except ValueError as exc:
+        err.print(f"[red]error:[/] --every: {escape(str(exc))}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN) from None
+    with contextmanager(_schedules)(database_url) as (service, by):
+        doc = service.add(
+            {
+                "endpoint": endpoint,
+                "model_id": model,
+                "deployment_id": deployment,
+                "every_s": every_s,
+                "keys_from": keys_from,
+                "budget": budget,
+                "max_context": max_context,
+                "timeout_s": timeout,
+            },
+            by,
+            datetime.now(UTC),
+        )
+    err.print(
+        f"scheduled verification {doc['id']}: {escape(doc['endpoint'])} model "
+        f"{escape(doc['model_id'])} for {escape(doc['deployment_id'])}, every {every}; the "
+        "collector runs it at its next pass"
+    )
+    typer.echo(doc["id"])
+
+
+@schedule_app.command("list")
+def schedule_list(
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    database_url: DbUrl = None,
+) -> None:
+    """The scheduled verifications, with each one's last run."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from policies.durations import format_duration
+
+    with contextmanager(_schedules)(database_url) as (service, _):
+        docs = service.list()
+    if as_json:
+        for d in docs:
+            typer.echo(json.dumps(d, sort_keys=True))
+        return
+    t = Table("id", "endpoint", "model", "deployment", "every", "keys from", "next", "last")
+    for d in docs:
+        last = "never"
+        if d["last_finished_at"]:
+            last = f"{d['last_result']} ({d['last_trigger']}) {d['last_finished_at']}"
+            if d["last_verification_id"]:
+                last += f", verification {d['last_verification_id']}"
+            if d["last_error"]:
+                last += f": {d['last_error']}"
+        t.add_row(
+            str(d["id"]),
+            d["endpoint"],
+            d["model_id"],
+            d["deployment_id"],
+            format_duration(d["every_s"]),
+            d["keys_from"],
+            "running" if d["running"] else d["next_at"],
+            last,
+        )
+    Console(width=200).print(t)
+
+
+@schedule_app.command("remove")
+def schedule_remove(
+    schedule_id: Annotated[int, typer.Argument(help="The schedule's id (see list).", min=1)],
+    database_url: DbUrl = None,
+) -> None:
+    """Stop a scheduled verification (its recorded verifications stay)."""
+    with contextmanager(_schedules)(database_url) as (service, by):
+        doc = service.remove(schedule_id, by, datetime.now(UTC))
+    err.print(f"removed scheduled verification {doc['id']} ({escape(doc['endpoint'])})")

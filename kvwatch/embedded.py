@@ -39,3 +39,12 @@ def serve_in_thread(app: Any, *, port: int | None = None, timeout_s: float = 30)
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def collector_app() -> Any:
+    """The collector as ``kvwatch serve`` runs it, built from the environment: the factory
+    each of its worker processes calls (scheduled verifications run with kvwatch's verifier)."""
+    from collector.app import create_app
+    from kvwatch.verify.scheduled import run_scheduled
+
+    return create_app(verifier=run_scheduled)
