@@ -12,9 +12,11 @@ Runs over SQLite and PostgreSQL (the ``collector`` fixture's parametrisation).
 from __future__ import annotations
 
 import secrets
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -73,6 +75,9 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, "admin"),
     ("GET", "/v1/verifications"): _allow(200, "ingest", *READERS),
     ("POST", "/v1/verifications"): _allow(201, "ingest", "admin"),
+    ("GET", "/v1/verify-schedules"): _allow(200, "admin"),
+    ("POST", "/v1/verify-schedules"): _allow(201, "admin"),
+    ("DELETE", "/v1/verify-schedules/{schedule_id}"): _allow(200, "admin"),
     ("GET", "/v1/rules"): _allow(200, *OPERATORS),
     ("POST", "/v1/reports"): _allow(201, "admin"),
     ("GET", "/v1/reports"): _allow(200, "admin"),
@@ -101,6 +106,7 @@ class World:
     incident_id: int
     silence_id: int
     report_id: str
+    schedule_id: int
     request_ids: dict[str, set[str]]
     seq: int = 0
     clients: dict[str, httpx.Client] = field(default_factory=dict)
@@ -223,6 +229,7 @@ def world(collector: Collector) -> Iterator[World]:
         report = _ok(
             admin.post("/v1/reports", json={"kind": "breach", "incident_id": incident["id"]}), 201
         )
+        schedule = _ok(admin.post("/v1/verify-schedules", json=_schedule_body()), 201)
     wait_rollups(collector.db_url)
     w = World(
         c=collector,
@@ -232,6 +239,7 @@ def world(collector: Collector) -> Iterator[World]:
         incident_id=int(incident["id"]),
         silence_id=int(silence["id"]),
         report_id=str(report["report_id"]),
+        schedule_id=int(schedule["id"]),
         seq=max(e.seq for e in traffic),
         request_ids={
             t: {
@@ -275,6 +283,18 @@ def live_operations(c: Collector) -> list[Operation]:
     ]
 
 
+def _schedule_body() -> dict[str, Any]:
+    keys = Path(tempfile.gettempdir()) / "kvwatch-authz-keys"
+    keys.write_text("acme=k-acme globex=k-globex\n")
+    return {
+        "endpoint": "http://127.0.0.1:9/v1",
+        "model_id": MODEL,
+        "deployment_id": DEP,
+        "every": "6h",
+        "keys_from": f"file:{keys}",
+    }
+
+
 def _path(w: World, op: Operation) -> str:
     return op.path.format(
         deployment_id=DEP,
@@ -282,6 +302,7 @@ def _path(w: World, op: Operation) -> str:
         incident_id=w.incident_id,
         silence_id=w.silence_id,
         report_id=w.report_id,
+        schedule_id=w.schedule_id,
     )
 
 
@@ -315,6 +336,7 @@ def _body(w: World, op: Operation) -> Any:
             "verified_safe_context": 600_000,
         },
         ("POST", "/v1/reports"): lambda: {"kind": "breach", "incident_id": w.incident_id},
+        ("POST", "/v1/verify-schedules"): _schedule_body,
     }
     if op.method in {"GET", "DELETE"}:
         return None
