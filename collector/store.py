@@ -237,11 +237,10 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
                      _json.encode(detail).decode())
                 )  # fmt: skip
             case ev.CanaryHit():
-                cross = e.canary_tenant is not None and e.canary_tenant != e.reader_tenant
                 detail = {"detector": e.detector, "page_ids": e.page_ids}
                 rows.page.append(
                     (dep, e.probe_id, e.seq, ts, "canary.hit", e.node, e.reader_request_id,
-                     e.reader_tenant, None, e.canary_tenant, len(e.page_ids), cross,
+                     e.reader_tenant, None, e.canary_tenant, len(e.page_ids), e.cross_tenant,
                      _json.encode(detail).decode())
                 )  # fmt: skip
             case ev.EngineConfig():

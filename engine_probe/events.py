@@ -245,6 +245,29 @@ class PageReuse(Event, tag="page.reuse", kw_only=True, frozen=True):
             raise ValueError("cross_tenant_pages: cross_tenant_pages exceeds reused_pages")
 
 
+def crosses_tenants(
+    reader: str, other: str | None, *, zeroized: bool = False, unknown_is_foreign: bool = False
+) -> bool:
+    """The one definition of *cross-tenant*: another tenant's data reached the reader.
+
+    The stored ``page_events.cross_tenant``, the alerts' ``cross_tenant`` label, the
+    dashboard and every report use it (through the events' ``cross_tenant`` properties):
+
+    - a stale read crosses when the pages' last writer is a known tenant other than the
+      reader's, and the pages were not zeroized (zeros carry nobody's data; pages never
+      written since the pool was made carry nobody's either);
+    - a canary hit crosses unless the canary is known to be the reader's own: a canary is
+      always somebody's, and one whose owner is unknown is treated as foreign;
+    - a prefix-cache hit crosses when the blocks' owner is a known other tenant (a side
+      channel: the reader got its own answer faster, not the other's data).
+    """
+    if zeroized:
+        return False
+    if other is None:
+        return unknown_is_foreign
+    return other != reader
+
+
 class PageStaleRead(Event, tag="page.stale_read", kw_only=True, frozen=True):
     """A read of pages not written by the reader's own request in their current generation.
 
@@ -264,7 +287,7 @@ class PageStaleRead(Event, tag="page.stale_read", kw_only=True, frozen=True):
 
     @property
     def cross_tenant(self) -> bool:
-        return self.previous_tenant is not None and self.previous_tenant != self.reader_tenant
+        return crosses_tenants(self.reader_tenant, self.previous_tenant, zeroized=self.zeroized)
 
 
 class PrefixCacheHit(Event, tag="prefix_cache.hit", kw_only=True, frozen=True):
@@ -289,7 +312,7 @@ class PrefixCacheHit(Event, tag="prefix_cache.hit", kw_only=True, frozen=True):
 
     @property
     def cross_tenant(self) -> bool:
-        return self.owner_tenant is not None and self.owner_tenant != self.reader_tenant
+        return crosses_tenants(self.reader_tenant, self.owner_tenant)
 
 
 class CanaryHit(Event, tag="canary.hit", kw_only=True, frozen=True):
@@ -301,6 +324,10 @@ class CanaryHit(Event, tag="canary.hit", kw_only=True, frozen=True):
     reader_tenant: Id
     canary_tenant: Id | None = None
     page_ids: PageIds = []
+
+    @property
+    def cross_tenant(self) -> bool:
+        return crosses_tenants(self.reader_tenant, self.canary_tenant, unknown_is_foreign=True)
 
 
 class ProbeDrops(Event, tag="probe.drops", kw_only=True, frozen=True):

@@ -111,3 +111,42 @@ def test_0012_keeps_old_rows_and_gives_their_rollups_no_shared_prompts(db_url: s
         assert [tuple(r) for r in rows] == [("*", 2, 2400, 0, 0), ("t", 2, 2400, 0, 0)]
     if parts:
         assert len(parts) > 2 and with_col == {"requests", *parts}
+
+
+def test_0014_makes_stored_rows_agree_with_the_one_cross_tenant(db_url: str) -> None:
+    """A zeroized stale read stored as cross-tenant becomes not cross-tenant; a canary hit of
+    unknown owner stored as not cross-tenant becomes cross-tenant; the rest stay."""
+    migrate.upgrade(db_url, "0013")
+    engine = create_engine(db_url)
+    cols = (
+        "(deployment_id, probe_id, seq, ts, kind, node, request_id, tenant, other_request_id, "
+        "other_tenant, page_count, cross_tenant, detail)"
+    )
+    rows = [
+        ("zeroed", "page.stale_read", "'acme'", "true", '{"zeroized":true}'),
+        ("written", "page.stale_read", "'acme'", "true", '{"zeroized":false}'),
+        ("unknown", "canary.hit", "NULL", "false", '{"detector":"paint"}'),
+        ("own", "canary.hit", "'globex'", "false", '{"detector":"paint"}'),
+    ]
+    try:
+        with engine.begin() as conn:
+            for seq, (node, kind, other, crossed, detail) in enumerate(rows, 1):
+                conn.execute(
+                    text(
+                        f"INSERT INTO page_events {cols} VALUES ('d', 'p', {seq}, {seq}, "
+                        f"'{kind}', '{node}', 'r', 'globex', NULL, {other}, 1, {crossed}, "
+                        ":detail)"
+                    ),
+                    {"detail": detail},
+                )
+        migrate.upgrade(db_url)
+        with engine.connect() as conn:
+            got = dict(conn.execute(text("SELECT node, cross_tenant FROM page_events")).all())
+    finally:
+        engine.dispose()
+    assert {k: bool(v) for k, v in got.items()} == {
+        "zeroed": False,
+        "written": True,
+        "unknown": True,
+        "own": False,
+    }

@@ -41,15 +41,21 @@ class StalePageRead(RuleKind):
         found: dict[tuple[str, str, str, str, str], list[int]] = {}
         kinds = (ev.PageStaleRead, ev.CanaryHit) if p.include_canary else (ev.PageStaleRead,)
         for e in facts.of(*kinds):
+            # e.cross_tenant: the contract's one definition (events.crosses_tenants)
             if isinstance(e, ev.PageStaleRead):
                 prev = e.previous_tenant
-                crossed = prev is not None and not e.zeroized and prev != e.reader_tenant
-                key = (e.deployment_id, e.node, e.reader_tenant, prev or "none", _flag(crossed))
+                key = (
+                    e.deployment_id,
+                    e.node,
+                    e.reader_tenant,
+                    prev or "none",
+                    _flag(e.cross_tenant),
+                )
                 found.setdefault(key, []).append(len(e.page_ids))
             elif isinstance(e, ev.CanaryHit):
                 prev = e.canary_tenant
-                crossed = prev is None or prev != e.reader_tenant
-                key = (e.deployment_id, e.node, e.reader_tenant, prev or "unknown", _flag(crossed))
+                crossed = _flag(e.cross_tenant)
+                key = (e.deployment_id, e.node, e.reader_tenant, prev or "unknown", crossed)
                 found.setdefault(key, []).append(max(1, len(e.page_ids)))
         for (dep, node, reader, prev, cross), pages in found.items():
             crossing = cross == "true"
