@@ -71,3 +71,43 @@ def breach(
     paths[2].write_bytes(render_pdf(report))
     for p in paths:
         typer.echo(str(p))
+
+
+def report_verify(
+    path: Annotated[Path, typer.Argument(help="A breach report's .json, or its .csv.")],
+) -> None:
+    """Recompute a breach report's evidence hash. A .json is checked against the hash it
+    records; a .csv against the .json beside it (same name): its rows must be that report's
+    and its first line must name that hash. Exit 0 intact, 1 altered, 2 unreadable."""
+    import json
+
+    from collector.reports.breach import evidence_digest, to_csv
+
+    json_path = path.with_suffix(".json")
+    try:
+        report = json.loads(json_path.read_text(encoding="utf-8"))
+        recorded, report_id = report["evidence_sha256"], report["report_id"]
+        if report.get("kind") != "breach":
+            raise KeyError("kind")
+    except FileNotFoundError:
+        err.print(f"[red]error:[/] {json_path}: no such file (a .csv is checked with its .json)")
+        raise typer.Exit(2) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        err.print(f"[red]error:[/] {json_path}: not a kvwatch breach report ({exc})")
+        raise typer.Exit(2) from None
+    recomputed = evidence_digest(report)
+    problems = []
+    if recomputed != recorded:
+        problems.append(f"the evidence hashes to {recomputed}, the report records {recorded}")
+    if path.suffix == ".csv":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            err.print(f"[red]error:[/] {path}: {exc.strerror or exc}")
+            raise typer.Exit(2) from None
+        if text != to_csv(report):
+            problems.append(f"{path.name} is not the affected-request list of {json_path.name}")
+    if problems:
+        err.print(f"[red]ALTERED:[/] {path} ({report_id}): " + "; ".join(problems))
+        raise typer.Exit(1)
+    typer.echo(f"intact: {path} ({report_id}), evidence_sha256 {recorded}")

@@ -178,7 +178,9 @@ def test_incident_report_through_the_api(env: Env) -> None:
     # CSV: one row per affected request
     c = env.admin.get(f"/v1/reports/{rid}", params={"format": "csv"})
     assert c.status_code == 200 and c.headers["content-type"].startswith("text/csv")
-    rows = list(csv.DictReader(io.StringIO(c.text)))
+    head, body = c.text.split("\n", 1)
+    assert head == f"# kvwatch breach report {rid} evidence_sha256={report['evidence_sha256']}"
+    rows = list(csv.DictReader(io.StringIO(body)))
     assert {(x["request_id"], x["tenant"]) for x in rows} == set(tenants.items())
     assert {x["request_id"]: x["data_categories"] for x in rows}["r-exposed"] == "health"
 
@@ -236,8 +238,24 @@ def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
     assert report["tenants"]["exposed_count"] == 1
     assert report["timeline"]["deadline_at"] is None
     assert report["evidence_sha256"] == evidence_digest(report)
-    rows = list(csv.DictReader(io.StringIO(paths[1].read_text())))
+    rows = list(csv.DictReader(io.StringIO(paths[1].read_text().split("\n", 1)[1])))
     assert sorted(x["request_id"] for x in rows) == ["r-exposed", "r-victim"]
+
+    # kvwatch report verify: intact as written; an edited CSV or JSON is caught
+    for p in paths[:2]:
+        ok = CliRunner().invoke(cli, ["report", "verify", str(p)])
+        assert ok.exit_code == 0 and "intact" in ok.output, ok.output
+    paths[1].write_text(paths[1].read_text().replace("r-victim", "r-someone"))
+    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[1])])
+    assert bad.exit_code == 1 and "not the affected-request list" in bad.output
+    edited = dict(report, affected_requests=dict(report["affected_requests"], count=1))
+    paths[0].write_text(json.dumps(edited))
+    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[0])])
+    assert (
+        bad.exit_code == 1 and "ALTERED" in bad.output and report["evidence_sha256"] in bad.output
+    )
+    gone = CliRunner().invoke(cli, ["report", "verify", str(tmp_path / "nope.csv")])
+    assert gone.exit_code == 2 and "nope.json" in gone.output
     text = _pdf_checks(paths[2].read_bytes(), report)
     assert re.search(r"Affected requests\s*2\b", text)
 
@@ -279,6 +297,25 @@ def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
         assert opt in bad.output and "1-9999" in bad.output and bad.exception is not None
         assert isinstance(bad.exception, SystemExit)
         assert not (tmp_path / "bad").exists()
+
+
+def test_two_generations_of_an_incident_give_one_evidence_hash(env: Env) -> None:
+    """The scope names the incident's own window (open sides None), never the generation time:
+    the same evidence hashes the same, and new evidence changes the hash."""
+    later = datetime.now(UTC) + timedelta(minutes=5)
+    service = BreachService(env.db, Settings(database_url=env.c.db_url))
+    first = service.build(BreachScope(incident_id=env.incident_id), now=datetime.now(UTC))
+    second = service.build(BreachScope(incident_id=env.incident_id), now=later)
+    assert first["report_id"] != second["report_id"]
+    assert first["generated_at"] != second["generated_at"]
+    assert first["evidence_sha256"] == second["evidence_sha256"]
+    assert first["scope"]["since"] is None and first["scope"]["until"] is None  # open
+    assert "1970" not in json.dumps(first["scope"])
+    with env.c.client(env.c.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(f.stale_read(12, reader_request_id="r-x"))])
+        assert r.status_code == 200, r.text
+    third = service.build(BreachScope(incident_id=env.incident_id), now=later)
+    assert third["evidence_sha256"] != first["evidence_sha256"]
 
 
 def test_late_report_asks_for_a_reason(env: Env) -> None:

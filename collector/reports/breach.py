@@ -1,10 +1,12 @@
 """Breach assessment: which requests, which tenants, what data, what deadline.
 
 A report covers an incident (the stale reads of the incident's deployment since its previous
-incident was closed, up to this one's close or now) or a window (one model's requests in
-``[since, until)`` with prompts of at least ``min_prompt_tokens``). Requests are streamed
-through pandas in chunks: aggregates stay bounded whatever the window holds, and at most
-``MAX_LISTED`` requests are listed (``affected_requests.count`` is always the full count).
+incident was closed, up to this one's close or now; the scope records those bounds, an open
+side as None, so the evidence hash does not change with the generation time) or a window
+(one model's requests in ``[since, until)`` with prompts of at least ``min_prompt_tokens``).
+Requests are streamed through pandas in chunks: aggregates stay bounded whatever the window
+holds, and at most ``MAX_LISTED`` requests are listed (``affected_requests.count`` is always
+the full count).
 
 The evidence set (the sections named in ``EVIDENCE_KEYS``) is serialised canonically (sorted
 keys, compact separators, UTF-8) and hashed with SHA-256: ``evidence_sha256``.
@@ -395,9 +397,16 @@ class BreachService:
             series_lo = max(lo, to_micros(parse_iso(reads[0]["ts"])) - 3600 * 10**6)
             series_hi = min(hi, to_micros(parse_iso(reads[-1]["ts"])) + 60 * 10**6)
         series = self._series(conn, deps, model_ids, series_lo, max(series_hi, series_lo + 1))
+        # The hashed scope names the incident's own window, never the generation time: two
+        # generations of the same evidence give the same hash. Open-ended sides stay None
+        # (since: no earlier incident closed there; until: the incident is still open).
+        window = {
+            "since": iso(scope.since) if scope.since else iso(prev_close),
+            "until": iso(scope.until) if scope.until else iso(inc.closed_at),
+        }
         return self._assemble(
             conn,
-            scope_json={**scope.as_json(), "since": iso(lo), "until": iso(hi)},
+            scope_json={**scope.as_json(), **window},
             agg=agg,
             reads=reads,
             deps=deps,
@@ -874,7 +883,13 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_csv(report: dict[str, Any]) -> str:
+    """The affected requests; a first comment line names the report and its evidence hash
+    (``kvwatch report verify`` checks the JSON it came with)."""
     buf = io.StringIO()
+    buf.write(
+        f"# kvwatch breach report {report['report_id']} evidence_sha256="
+        f"{report['evidence_sha256']}\n"
+    )
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     for r in report["affected_requests"]["items"]:
