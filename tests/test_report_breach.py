@@ -30,6 +30,7 @@ from collector import models as m
 from collector.db import Database
 from collector.reports.breach import BreachScope, BreachService, evidence_digest
 from collector.settings import Settings
+from engine_probe import events as ev
 from kvwatch.cli import app as cli
 from tests import factories as f
 from tests.conftest import Collector
@@ -143,8 +144,12 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert report["data_categories"] == {
         "affected": {"contact": 1, "health": 1},
         "exposed": {"health": 1},
+        "exposed_undeclared": 0,
         "special": ["health"],
     }
+    # tenants are customers, not data subjects: labelled counts, subjects unknown
+    assert (t["exposed_count"], t["exposed_requests"]) == (1, 1)
+    assert (t["receiving_count"], t["receiving_requests"]) == (1, 1)
     (sr,) = report["stale_reads"]["items"]
     assert (sr["reader_tenant"], sr["previous_tenant"], sr["pages"]) == (
         "globex",
@@ -166,8 +171,10 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert checklist["contact"]["value"] == "needs a person"
     assert checklist["records"]["value"] == "2 requests"
     assert checklist["records"]["needs_person"] is False
-    assert report["art34"]["high_risk"] is True
+    assert report["art34"]["high_risk"] is True and report["art34"]["verdict"] == "yes"
     assert "health" in report["art34"]["reasons"][0]
+    assert checklist["subjects"]["value"].startswith("unknown")
+    assert checklist["subjects"]["needs_person"] is True
     assert report["series"]["stale_reads"] == [{"ts": _series_ts(report), "value": 1.0}]
     # the evidence hash, stored and audited
     assert report["evidence_sha256"] == evidence_digest(report) == stored.sha256
@@ -191,7 +198,8 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert re.search(r"Affected requests\s*2\b", text)
     assert re.search(r"Largest prompt \(tokens\)\s*700000", text)
     assert re.search(r"1 cross-tenant, 3 pages", text)
-    assert re.search(r"Exposed tenants\s*1\b", text) and re.search(r"Victim tenants\s*1\b", text)
+    assert re.search(r"Exposed tenants\s*1\b", text) and re.search(r"Receiving tenants\s*1\b", text)
+    assert re.search(r"Art. 34 high risk\s*yes", text)
     assert tl["deadline_at"] in text
     assert "NEEDS A PERSON" in text and "r-victim" in text and "r-exposed" in text
 
@@ -316,6 +324,33 @@ def test_two_generations_of_an_incident_give_one_evidence_hash(env: Env) -> None
         assert r.status_code == 200, r.text
     third = service.build(BreachScope(incident_id=env.incident_id), now=later)
     assert third["evidence_sha256"] != first["evidence_sha256"]
+
+
+def test_undeclared_categories_make_art34_undetermined_never_no(collector: Collector) -> None:
+    """Absence of tags is not absence of risk: an exposed request with no declared data
+    categories makes high risk undetermined, in the JSON and the PDF."""
+    events = [e for e in _events() if not isinstance(e, ev.RequestAdmitted)]
+    events += [
+        f.admitted(4, "r-exposed", tenant="acme", prompt=5_000),
+        f.admitted(6, "r-bystander", tenant="initech", prompt=3_000),
+    ]
+    with collector.client(collector.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(e) for e in events])
+        assert r.status_code == 200, r.text
+    with collector.client(collector.admin) as admin:
+        (inc,) = admin.get("/v1/incidents").json()
+        rid = admin.post("/v1/reports", json={"kind": "breach", "incident_id": inc["id"]}).json()[
+            "report_id"
+        ]
+        report = admin.get(f"/v1/reports/{rid}").json()
+        pdf = admin.get(f"/v1/reports/{rid}", params={"format": "pdf"}).content
+    a34 = report["art34"]
+    assert a34["high_risk"] is None and a34["verdict"] == "undetermined"
+    assert "declare no data categories" in a34["reasons"][0]
+    assert report["data_categories"]["exposed_undeclared"] == 1
+    text = _pdf_checks(pdf, report)
+    assert re.search(r"Art. 34 high risk\s*undetermined", text)
+    assert "High risk: undetermined" in text
 
 
 def test_late_report_asks_for_a_reason(env: Env) -> None:

@@ -40,7 +40,6 @@ from collector.timefmt import iso, parse_iso, to_micros
 CHUNK_ROWS = 50_000
 MAX_LISTED = 100_000
 BUCKETS = 48
-HIGH_RISK_SUBJECTS = 100
 # GDPR Art. 9(1) special categories and Art. 10 criminal-offence data, as request tags.
 SPECIAL_CATEGORIES = frozenset(
     {
@@ -696,9 +695,12 @@ class BreachService:
         # What leaked: the categories of the exposed (previous-writer) requests.
         exposed_keys = {(s["deployment_id"], s["previous_request_id"]) for s in cross}
         exposed_cats: Counter[str] = Counter()
+        undeclared = {(d, r) for d, r in exposed_keys if r}
         for r in agg.listed:
             if (r["deployment_id"], r["request_id"]) in exposed_keys:
                 exposed_cats.update(r["data_categories"])
+                if r["data_categories"]:
+                    undeclared.discard((r["deployment_id"], r["request_id"]))
         times = [to_micros(parse_iso(s["ts"])) for s in reads]
         if agg.first_ts is not None:
             times += [agg.first_ts]
@@ -727,16 +729,32 @@ class BreachService:
                 "by_tenant": dict(sorted(agg.tenants.items())),
                 "items": agg.listed,
             },
+            # Tenants are customers (controllers), not data subjects. Exposed: whose KV was
+            # read; receiving: who read it ("victims", "victim_count": the same, older names).
             "tenants": {
                 "exposed": rows(exposed, "readers"),
                 "victims": rows(victims, "sources"),
                 "exposed_count": len(exposed),
+                "exposed_requests": len({r for x in exposed.values() for r in x["requests"] if r}),
+                "receiving_count": len(victims),
+                "receiving_requests": len(
+                    {r for x in victims.values() for r in x["requests"] if r}
+                ),
                 "victim_count": len(victims),
                 "involved_count": len(set(exposed) | set(victims)),
             },
             "data_categories": {
                 "affected": dict(sorted(agg.categories.items())),
                 "exposed": dict(sorted(exposed_cats.items())),
+                # exposed requests that declare no category: their data is unknown
+                "exposed_undeclared": len(
+                    {(d, r) for d, r in exposed_keys if r}
+                    - {
+                        (x["deployment_id"], x["request_id"])
+                        for x in agg.listed
+                        if x["data_categories"]
+                    }
+                ),
                 "special": sorted(
                     c for c in set(agg.categories) | set(exposed_cats) if c in SPECIAL_CATEGORIES
                 ),
@@ -791,10 +809,13 @@ class BreachService:
                 "subjects",
                 "33(3)(a)",
                 "Approximate number of data subjects concerned",
-                f"{t['involved_count']} tenants ({t['exposed_count']} exposed, "
-                f"{t['victim_count']} received another tenant's data)",
-                "data",
-                "end users behind each tenant must be counted by the tenants",
+                "unknown: kvwatch cannot know how many persons a prompt concerns. Customers "
+                f"(controllers) involved: {t['exposed_count']} exposed tenant(s) "
+                f"({t['exposed_requests']} request(s) whose KV was read), "
+                f"{t['receiving_count']} receiving tenant(s) "
+                f"({t['receiving_requests']} request(s) that read it)",
+                "person",
+                "the exposed tenants must say whom their exposed prompts concern",
             ),
             _item(
                 "records",
@@ -854,29 +875,43 @@ def _item(
 
 
 def _art34(body: dict[str, Any]) -> dict[str, Any]:
-    t = body["tenants"]
-    special = body["data_categories"]["special"]
-    reasons: list[str] = []
+    """Decision support for Art. 34: ``high_risk`` True, False or None (undetermined).
+
+    Absence of category tags is not absence of risk: when exposed requests declare no data
+    categories, high risk is undetermined, never "no"."""
+    cats = body["data_categories"]
+    special = cats["special"]
+    undeclared = cats.get("exposed_undeclared", 0)
     cross = body["stale_reads"]["cross_tenant"] > 0
+    high: bool | None
     if cross and special:
-        reasons.append(
+        high = True
+        reasons = [
             f"cross-tenant exposure of special-category data ({', '.join(special)}): Art. 9/10"
-        )
-    if t["involved_count"] > HIGH_RISK_SUBJECTS:
-        reasons.append(f"{t['involved_count']} data subjects (tenants), over {HIGH_RISK_SUBJECTS}")
-    high = bool(reasons)
-    if not high:
-        reasons.append(
-            "no special-category data exposed across tenants and at most "
-            f"{HIGH_RISK_SUBJECTS} data subjects: not high risk by these rules"
-            + ("; cross-tenant exposure did occur" if cross else "")
-        )
+        ]
+    elif cross and undeclared:
+        high = None
+        reasons = [
+            f"{undeclared} exposed request(s) declare no data categories: what they held is "
+            "unknown, so the risk is undetermined; a person must assess the exposed prompts"
+        ]
+    elif cross:
+        high = False
+        reasons = [
+            "the exposed requests declare only non-special categories "
+            f"({', '.join(sorted(cats['exposed'])) or 'none'}): not high risk by this rule; "
+            "cross-tenant exposure did occur"
+        ]
+    else:
+        high = False
+        reasons = ["no cross-tenant exposure recorded in scope"]
     return {
         "high_risk": high,
+        "verdict": {True: "yes", False: "no", None: "undetermined"}[high],
         "communicate_to_subjects": high,
         "reasons": reasons,
-        "rule": f"high risk if cross-tenant exposure with special categories, or > "
-        f"{HIGH_RISK_SUBJECTS} data subjects",
+        "rule": "high risk if special-category data was exposed across tenants; undetermined "
+        "when exposed requests declare no categories",
         "needs_person": True,
         "note": "decision support only: a person decides under Art. 34(1) and (3)",
     }

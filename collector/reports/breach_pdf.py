@@ -64,6 +64,12 @@ def _chart(
         plt.close(fig)
 
 
+def _art34_verdict(a34: dict[str, Any]) -> str:
+    if "verdict" in a34:  # reports stored before "undetermined" existed said yes or no only
+        return str(a34["verdict"])
+    return "yes" if a34["high_risk"] else "no"
+
+
 def render_pdf(report: dict[str, Any]) -> bytes:
     rid = report["report_id"]
     pdf = ReportPdf(rid, "breach assessment")
@@ -105,7 +111,10 @@ def render_pdf(report: dict[str, Any]) -> bytes:
                 f"{sr['count']} ({sr['cross_tenant']} cross-tenant, {sr['pages']} pages)",
             ),
             ("Exposed tenants", tn["exposed_count"]),
-            ("Victim tenants", tn["victim_count"]),
+            ("Exposed requests", tn.get("exposed_requests", "-")),
+            ("Receiving tenants", tn.get("receiving_count", tn["victim_count"])),
+            ("Receiving requests", tn.get("receiving_requests", "-")),
+            ("Data subjects", "unknown (a prompt may concern any number of persons)"),
             ("Special categories", ", ".join(cats["special"]) or "none"),
             ("First event", tl["first_event_at"]),
             ("Last event", tl["last_event_at"]),
@@ -113,7 +122,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ("Art. 33 deadline", tl["deadline_at"]),
             ("Late", "yes" if tl["late"] else "no"),
             ("Late reason", tl["late_reason"]),
-            ("Art. 34 high risk", "yes" if report["art34"]["high_risk"] else "no"),
+            ("Art. 34 high risk", _art34_verdict(report["art34"])),
         ]
     )
     pdf.para(
@@ -276,7 +285,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         pdf.ln(1)
     a34 = report["art34"]
     pdf.h1("Art. 34 decision support")
-    pdf.para(f"High risk: {'yes' if a34['high_risk'] else 'no'}. Rule: {a34['rule']}.")
+    pdf.para(f"High risk: {_art34_verdict(a34)}. Rule: {a34['rule']}.")
     for reason in a34["reasons"]:
         pdf.para(f"- {reason}")
     pdf.para(a34["note"])

@@ -187,7 +187,7 @@ def breach_preview(doc: JSON) -> None:
     a, b, cc, d = st.columns(4)
     a.metric("Affected requests", f"{ar.get('count', 0):,}")
     b.metric("Exposed tenants", len(tenants.get("exposed") or []))
-    cc.metric("Victim tenants", len(tenants.get("victims") or []))
+    cc.metric("Receiving tenants", len(tenants.get("victims") or []))
     d.metric("Largest prompt", ui.tokens(ar.get("max_prompt_tokens")))
     if tl.get("deadline_at"):
         late = " (late)" if tl.get("late") else ""
@@ -195,9 +195,12 @@ def breach_preview(doc: JSON) -> None:
             f"Aware {ui.when(tl.get('awareness_at'))} · notification deadline "
             f"**{ui.when(tl.get('deadline_at'))}**{late}"
         )
-    if (doc.get("art34") or {}).get("high_risk"):
-        reasons = "; ".join((doc.get("art34") or {}).get("reasons") or [])
+    a34 = doc.get("art34") or {}
+    reasons = "; ".join(a34.get("reasons") or [])
+    if a34.get("high_risk"):
         st.warning(f"**Art. 34: likely high risk to data subjects.** {reasons}")
+    elif "high_risk" in a34 and a34["high_risk"] is None:
+        st.warning(f"**Art. 34: risk undetermined, a person must assess.** {reasons}")
 
 
 def review_preview(doc: JSON) -> None:
