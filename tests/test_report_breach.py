@@ -351,6 +351,7 @@ def test_undeclared_categories_make_art34_undetermined_never_no(collector: Colle
     text = _pdf_checks(pdf, report)
     assert re.search(r"Art. 34 high risk\s*undetermined", text)
     assert "High risk: undetermined" in text
+    assert "unknown: 1 exposed request(s) declare no categories" in text
 
 
 def test_late_report_asks_for_a_reason(env: Env) -> None:

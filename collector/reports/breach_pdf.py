@@ -64,6 +64,15 @@ def _chart(
         plt.close(fig)
 
 
+def _special(cats: dict[str, Any]) -> str:
+    if cats["special"]:
+        return ", ".join(cats["special"])
+    undeclared = cats.get("exposed_undeclared", 0)
+    if undeclared:
+        return f"unknown: {undeclared} exposed request(s) declare no categories"
+    return "none declared"
+
+
 def _art34_verdict(a34: dict[str, Any]) -> str:
     if "verdict" in a34:  # reports stored before "undetermined" existed said yes or no only
         return str(a34["verdict"])
@@ -115,7 +124,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ("Receiving tenants", tn.get("receiving_count", tn["victim_count"])),
             ("Receiving requests", tn.get("receiving_requests", "-")),
             ("Data subjects", "unknown (a prompt may concern any number of persons)"),
-            ("Special categories", ", ".join(cats["special"]) or "none"),
+            ("Special categories", _special(cats)),
             ("First event", tl["first_event_at"]),
             ("Last event", tl["last_event_at"]),
             ("Awareness", tl["awareness_at"]),
