@@ -191,14 +191,21 @@ def alert_doc(
     }
 
 
-def incident_doc(incident_id: int, state: str = "open", *, at: float | None = None) -> Any:
+def incident_doc(
+    incident_id: int,
+    state: str = "open",
+    *,
+    at: float | None = None,
+    alerts: list[dict[str, Any]] | None = None,
+) -> Any:
+    """An incident notice; ``alerts``: its linked alerts (as the collector sends them)."""
     at = time.time() if at is None else at
     return {
         "type": "incident.closed" if state == "closed" else "incident.opened",
         "created_at": iso(at),
         "group_key": None,
         "group_labels": {},
-        "alerts": [],
+        "alerts": alerts or [],
         "incident": {
             "id": incident_id,
             "deployment_id": "d1",

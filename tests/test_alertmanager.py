@@ -165,7 +165,10 @@ def test_alerts_pushed_to_alertmanager_fire_then_resolve(
     with db.write() as conn:
         add_endpoint(conn, "am", alertmanager.url + "/", kind="alertmanager", now_us=0)
     firing = alert_doc(1, alertname="kv_pressure")
-    _send(db, firing, incident_doc(9))
+    # an incident notice carries its linked alerts, as the collector sends it
+    stale = alert_doc(2)["alerts"][0]
+    stale["labels"] |= {"reader_tenant": "globex", "previous_tenant": "acme"}
+    _send(db, firing, incident_doc(9, alerts=[stale]))
 
     active = alertmanager.alerts(active="true")
     (alert,) = _find(active, alertname="kv_pressure")
@@ -187,8 +190,17 @@ def test_alerts_pushed_to_alertmanager_fire_then_resolve(
         "incident_id": "9",
     }
     assert inc["annotations"]["summary"] == "cross-tenant KV page read"
+    assert inc["annotations"]["affected_tenants"] == "2"
+    assert inc["annotations"]["deadline_at"]
+    assert inc["fingerprint"] == am_fingerprint(inc["labels"])
+    # the incident notice is the incident, not its triggering alert again
+    assert _find(active, alertname="stale_page_read") == []
 
-    _send(db, alert_doc(1, "resolved", alertname="kv_pressure"), incident_doc(9, "closed"))
+    _send(
+        db,
+        alert_doc(1, "resolved", alertname="kv_pressure"),
+        incident_doc(9, "closed", alerts=[stale]),
+    )
     active = alertmanager.alerts(active="true")
     assert _find(active, alertname="kv_pressure") == []
     assert _find(active, alertname="kvwatch_incident") == []
@@ -215,6 +227,9 @@ def test_our_webhook_v4_body_has_alertmanagers_own_shape(
         assert theirs[key] == ours[key], key
     assert theirs["truncatedAlerts"] == ours["truncatedAlerts"] == 0
     assert theirs["alerts"][0]["labels"] == ours["alerts"][0]["labels"]
+    # Alertmanager's own fingerprint, not kvwatch's alert hash
+    assert theirs["alerts"][0]["fingerprint"] == ours["alerts"][0]["fingerprint"]
+    assert ours["alerts"][0]["fingerprint"] != doc["alerts"][0]["fingerprint"]
     assert theirs["alerts"][0]["status"] == ours["alerts"][0]["status"] == "firing"
     # (endsAt differs by design: we posted the horizon, which Alertmanager passes on; our
     # own webhook rendering says "not ended" with Go's zero time, as Prometheus alerts do)
@@ -249,7 +264,7 @@ def test_v4_body_groups_common_labels_and_status() -> None:
     assert set(first) == V4_ALERT_KEYS
     assert first["endsAt"] == AM_ZERO_TIME and first["status"] == "firing"
     assert second["endsAt"] == iso(at) and second["status"] == "resolved"
-    assert first["fingerprint"] == a["alerts"][0]["fingerprint"]
+    assert first["fingerprint"] == am_fingerprint(a["alerts"][0]["labels"])  # Alertmanager's
     assert first["generatorURL"] == "http://k/v1/alerts/1"
     # deterministic: a retry sends the very same bytes; compact, keys sorted
     assert body == render(

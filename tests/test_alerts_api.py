@@ -330,3 +330,24 @@ def test_verification_evidence_is_withheld_from_tenant_tokens_and_actors_are_nam
         (alert,) = h.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
         acked = h.post(f"/v1/alerts/{alert['id']}/ack", json={}).json()
     assert acked["acked_by"] == "oncall-alice"
+
+
+def test_open_incidents_are_re_sent_to_alertmanager_only(env: Env) -> None:
+    """Alertmanager forgets an alert after its horizon: each open incident goes to it again
+    with the firing alerts, as the incident's own alert; webhooks get no such repeat."""
+    now_us = to_micros(datetime.now(UTC))
+    with env.db.write() as conn:
+        am, _ = add_endpoint(conn, "am", "http://127.0.0.1:9", kind="alertmanager", now_us=now_us)
+        hook, _ = add_endpoint(conn, "hook", "http://127.0.0.1:9/h", now_us=now_us)
+    env.stale()
+    (incident,) = env.admin.get("/v1/incidents").json()
+    env.service.tick(datetime.now(UTC))  # a fresh service: its first pass re-sends
+    with env.db.read() as conn:
+        repeats = conn.execute(
+            select(m.OutboxMessage.endpoint_id, m.OutboxMessage.data).where(
+                m.OutboxMessage.event_type == "incident.repeat"
+            )
+        ).all()
+    assert [e for e, _ in repeats] == [am]
+    doc = json.loads(repeats[0][1])
+    assert doc["incident"]["id"] == incident["id"] and hook != am

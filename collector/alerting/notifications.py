@@ -118,8 +118,12 @@ class Notifier:
             for a in repo.active_alerts(conn)
             if a.state == "firing" and not repo.silenced(json.loads(a.labels), silences)
         ]
+        sent = 0
+        # each open incident too: its alert would expire there after the horizon
+        for inc in repo.open_incidents(conn):
+            sent += self.incident(conn, inc.id, "incident.repeat", now_us, kinds=("alertmanager",))
         if not firing:
-            return 0
+            return sent
         doc: dict[str, Any] = {
             "type": "alert.repeat",
             "created_at": iso(now_us),
@@ -129,7 +133,7 @@ class Notifier:
             "incident": None,
         }
         severity = max((a.severity for a in firing), key=severity_rank)
-        return enqueue(conn, doc, severity=severity, now_us=now_us, kinds=("alertmanager",))
+        return sent + enqueue(conn, doc, severity=severity, now_us=now_us, kinds=("alertmanager",))
 
     def incident(
         self,
@@ -138,8 +142,11 @@ class Notifier:
         event_type: str,
         now_us: int,
         remind: int | None = None,
+        *,
+        kinds: tuple[str, ...] | None = None,
     ) -> int:
-        """A notice about one incident (opened, closed, a reminder) with its alerts."""
+        """A notice about one incident (opened, closed, a reminder) with its alerts;
+        ``kinds`` limits it to those endpoint kinds (the re-send to Alertmanager)."""
         inc = repo.get_incident(conn, incident_id)
         alerts = [
             docs.notification_alert(docs.alert_doc(a))
@@ -153,7 +160,7 @@ class Notifier:
             "alerts": alerts,
             "incident": docs.incident_doc(inc, remind),
         }
-        return enqueue(conn, doc, severity="critical", now_us=now_us)
+        return enqueue(conn, doc, severity="critical", now_us=now_us, kinds=kinds)
 
     def reminders(self, conn: Connection, now_us: int) -> int:
         """Open incidents' reminders that have come due before their deadlines."""

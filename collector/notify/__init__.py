@@ -6,7 +6,8 @@ written in the same transaction as the alert or incident change that caused it::
 
     {
       "type": "alert.firing" | "alert.resolved" | "alert.repeat"
-              | "incident.opened" | "incident.reminder" | "incident.closed",
+              | "incident.opened" | "incident.reminder" | "incident.repeat"
+              | "incident.closed",           # incident.repeat: to Alertmanager only
       "created_at": "2026-11-29T18:00:00.123456Z",     # when the change happened (UTC; see
                                                        # collector.timefmt)
       "group_key": "{alertname=\\"stale_page_read\\",deployment_id=\\"d1\\"}" | null,
@@ -33,7 +34,10 @@ written in the same transaction as the alert or incident change that caused it::
     }
 
 Every document is rendered per endpoint at send time, deterministically (a retry sends the
-same body under the same ``webhook-id``).
+same body under the same ``webhook-id``). For Alertmanager (its API and its webhook format)
+a document with an incident is the incident's own alert (``alertname=kvwatch_incident``,
+deadline and affected-tenant count as annotations, resolved when closed); fingerprints are
+Alertmanager's own.
 
 The package:
 

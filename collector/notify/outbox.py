@@ -35,6 +35,7 @@ DOC_TYPES = (
     "alert.repeat",
     "incident.opened",
     "incident.reminder",
+    "incident.repeat",
     "incident.closed",
 )
 MIN_SECRET_BYTES = 24  # the Standard Webhooks minimum for HMAC secrets

@@ -140,45 +140,57 @@ def am_fingerprint(labels: dict[str, str]) -> str:
 
 
 def _alerts(doc: dict[str, Any], external_url: str) -> list[dict[str, Any]]:
-    """The document's alerts in Alertmanager's terms (``endsAt`` None while not ended)."""
+    """The document's alerts in Alertmanager's terms (``endsAt`` None while not ended).
+
+    A notice about an incident is the incident's own alert (``alertname=kvwatch_incident``):
+    its linked alerts reach Alertmanager through their own notifications, and the incident,
+    with its deadline, would otherwise never be seen there. Fingerprints are Alertmanager's
+    own (kvwatch's 32-hex alert hash stays in kvwatch's format)."""
     base = external_url.rstrip("/")
-    if doc.get("alerts"):
-        return [
-            {
-                "status": "resolved" if a["state"] == "resolved" else "firing",
-                "labels": {str(k): str(v) for k, v in a["labels"].items()},
-                "annotations": {str(k): str(v) for k, v in a.get("annotations", {}).items()},
-                "startsAt": a["starts_at"],
-                "endsAt": a.get("ends_at"),
-                "generatorURL": f"{base}/v1/alerts/{a['id']}" if base else "",
-                "fingerprint": a.get("fingerprint") or am_fingerprint(a["labels"]),
-            }
-            for a in doc["alerts"]
-        ]
     inc = doc.get("incident")
-    if not inc:
-        return []
+    if inc:
+        return [_incident_alert(inc, doc.get("alerts") or [], base)]
+    return [
+        {
+            "status": "resolved" if a["state"] == "resolved" else "firing",
+            "labels": (labels := {str(k): str(v) for k, v in a["labels"].items()}),
+            "annotations": {str(k): str(v) for k, v in a.get("annotations", {}).items()},
+            "startsAt": a["starts_at"],
+            "endsAt": a.get("ends_at"),
+            "generatorURL": f"{base}/v1/alerts/{a['id']}" if base else "",
+            "fingerprint": am_fingerprint(labels),
+        }
+        for a in doc.get("alerts") or []
+    ]
+
+
+def _incident_alert(inc: dict[str, Any], alerts: list[dict[str, Any]], base: str) -> dict[str, Any]:
     labels = _incident_labels(inc)
+    tenants = {
+        str(a["labels"][k])
+        for a in alerts
+        for k in ("reader_tenant", "previous_tenant")
+        if a.get("labels", {}).get(k) not in (None, "none", "unknown")
+    }
     annotations = {
         "summary": inc["title"],
         "cause_rule": inc["cause_rule"],
         "awareness_at": inc["awareness_at"],
         "deadline_at": inc["deadline_at"],
+        "affected_tenants": str(len(tenants)),
     }
     optional = ("remind_before_s", "closed_by", "close_reason")
     annotations.update({k: str(inc[k]) for k in optional if inc.get(k) is not None})
     closed = inc["state"] == "closed"
-    return [
-        {
-            "status": "resolved" if closed else "firing",
-            "labels": labels,
-            "annotations": annotations,
-            "startsAt": inc["opened_at"],
-            "endsAt": inc.get("closed_at") if closed else None,
-            "generatorURL": f"{base}/v1/incidents/{inc['id']}" if base else "",
-            "fingerprint": am_fingerprint(labels),
-        }
-    ]
+    return {
+        "status": "resolved" if closed else "firing",
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": inc["opened_at"],
+        "endsAt": inc.get("closed_at") if closed else None,
+        "generatorURL": f"{base}/v1/incidents/{inc['id']}" if base else "",
+        "fingerprint": am_fingerprint(labels),
+    }
 
 
 def _incident_labels(inc: dict[str, Any]) -> dict[str, str]:
@@ -191,7 +203,7 @@ def _incident_labels(inc: dict[str, Any]) -> dict[str, str]:
 
 
 def _group_labels(doc: dict[str, Any]) -> dict[str, str]:
-    if doc.get("alerts") or not doc.get("incident"):
+    if not doc.get("incident"):
         return {str(k): str(v) for k, v in (doc.get("group_labels") or {}).items()}
     labels = _incident_labels(doc["incident"])
     return {k: labels[k] for k in ("alertname", "deployment_id")}
