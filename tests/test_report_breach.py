@@ -171,6 +171,14 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert checklist["contact"]["value"] == "needs a person"
     assert checklist["records"]["value"] == "2 requests"
     assert checklist["records"]["needs_person"] is False
+    steps = [x["step"] for x in report["cause"]]
+    assert steps == ["pool_below_advertised", "prefill_rejected", "stale_read_cross_tenant"]
+    assert (
+        "681,280 tokens, smaller than the advertised context 1,048,576"
+        in (report["cause"][0]["text"])
+    )
+    assert "globex" in report["account"] and "acme" in report["account"]
+    assert "Art. 34 high risk: yes" in report["account"]
     assert report["art34"]["high_risk"] is True and report["art34"]["verdict"] == "yes"
     assert "health" in report["art34"]["reasons"][0]
     assert checklist["subjects"]["value"].startswith("unknown")
@@ -202,6 +210,8 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert re.search(r"Art. 34 high risk\s*yes", text)
     assert tl["deadline_at"] in text
     assert "NEEDS A PERSON" in text and "r-victim" in text and "r-exposed" in text
+    assert "What happened" in text and "Cause chain, in order" in text
+    assert "pool below advertised" in text and "prefill rejected" in text
 
 
 def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ EVIDENCE_KEYS = (
     "data_categories",
     "stale_reads",
     "deployments",
+    "cause",
 )
 CSV_COLUMNS = (
     "deployment_id",
@@ -327,6 +328,7 @@ class BreachService:
         del tl["deadline_us"]
         body["checklist"] = self._checklist(body)
         body["art34"] = _art34(body)
+        body["account"] = plain_account(body)
         body["evidence_sha256"] = evidence_digest(body)
         return body
 
@@ -415,6 +417,7 @@ class BreachService:
             deadline_us=inc.deadline_at,
             series=series,
             mode="incident",
+            window_us=(lo, hi),
         )
 
     def _window(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
@@ -448,6 +451,7 @@ class BreachService:
             deadline_us=None,
             series=series,
             mode="window",
+            window_us=(lo, hi),
         )
 
     # ------------------------------------------------------------------ sections
@@ -548,6 +552,91 @@ class BreachService:
             "pool_occupancy_max": pool.points(),
             "stale_reads": stale.points(),
         }
+
+    def _cause(
+        self,
+        conn: Connection,
+        deps: list[str],
+        window_us: tuple[int, int],
+        agg: _RequestAgg,
+        reads: list[dict[str, Any]],
+        deployments: list[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """The chain that led to the stale reads, in time order, each step from stored
+        evidence: prefill pools smaller than the advertised context, rejected prefills, KV
+        transferred for a rejected prefill, and the stale reads themselves."""
+        steps: list[dict[str, Any]] = []
+        for d in deployments:
+            for c in d["configs"]:
+                if c["role"] != "decode" and c["pool_capacity_tokens"] < c["advertised_context"]:
+                    steps.append(
+                        {
+                            "at": c["ts"],
+                            "step": "pool_below_advertised",
+                            "text": f"{d['deployment_id']} node {c['node']} ({c['role']}): KV "
+                            f"pool {c['pool_capacity_tokens']:,} tokens, smaller than the "
+                            f"advertised context {c['advertised_context']:,}",
+                        }
+                    )
+        readers = {s["reader_request_id"] for s in reads}
+        for r in agg.listed:
+            if r["reject_reason"] and r["request_id"] in readers:
+                tokens = r["prompt_tokens"]
+                steps.append(
+                    {
+                        "at": r["first_ts"],
+                        "step": "prefill_rejected",
+                        "text": f"request {r['request_id']} of tenant {r['tenant']} "
+                        f"({'?' if tokens is None else f'{tokens:,}'} prompt tokens) rejected "
+                        f"by prefill: {r['reject_reason']}",
+                    }
+                )
+        p = m.PageEvent
+        lo, hi = window_us
+        for row in conn.execute(
+            select(
+                type_coerce(p.ts, BigInteger).label("ts"),
+                p.request_id,
+                p.tenant,
+                p.page_count,
+                p.detail,
+            )
+            .where(
+                p.kind == "kv.transfer",
+                p.deployment_id.in_(deps),
+                type_coerce(p.ts, BigInteger) >= lo,
+                type_coerce(p.ts, BigInteger) < hi,
+            )
+            .order_by(p.ts, p.id)
+        ):
+            detail = json.loads(row.detail or "{}")
+            if detail.get("prefill_rejected"):
+                steps.append(
+                    {
+                        "at": iso(row.ts),
+                        "step": "rejected_kv_transfer",
+                        "text": f"KV of rejected request {row.request_id} (tenant {row.tenant}) "
+                        f"transferred from {detail.get('from_node')} to {detail.get('to_node')} "
+                        f"anyway: {row.page_count:,} pages prefill never wrote",
+                    }
+                )
+        for s in reads:
+            prev = (
+                f"last written by request {s['previous_request_id']} of tenant "
+                f"{s['previous_tenant']}"
+                if s["previous_tenant"]
+                else "never written since the pool was made (no one's data)"
+            )
+            steps.append(
+                {
+                    "at": s["ts"],
+                    "step": "stale_read" + ("_cross_tenant" if s["cross_tenant"] else ""),
+                    "text": f"request {s['reader_request_id']} of tenant {s['reader_tenant']} "
+                    f"read {s['page_count']:,} pages on {s['node']} {prev}",
+                }
+            )
+        steps.sort(key=lambda x: (x["at"] or "", x["step"]))
+        return steps
 
     def _deployments(
         self, conn: Connection, deps: list[str], model_ids: list[str]
@@ -661,6 +750,7 @@ class BreachService:
         deadline_us: int | None,
         series: dict[str, Any],
         mode: str,
+        window_us: tuple[int, int],
     ) -> dict[str, Any]:
         cross = [s for s in reads if s["cross_tenant"]]
         exposed: dict[str, dict[str, Any]] = {}
@@ -765,7 +855,8 @@ class BreachService:
                 "pages": sum(s["page_count"] for s in reads),
                 "items": reads,
             },
-            "deployments": self._deployments(conn, deps, model_ids),
+            "deployments": (deployments := self._deployments(conn, deps, model_ids)),
+            "cause": self._cause(conn, deps, window_us, agg, reads, deployments),
             "timeline": timeline,
             "series": series,
         }
@@ -915,6 +1006,48 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
         "needs_person": True,
         "note": "decision support only: a person decides under Art. 34(1) and (3)",
     }
+
+
+def plain_account(body: dict[str, Any]) -> str:
+    """One paragraph in plain language, generated from the report's own figures (a template,
+    no model): what happened, why, and what is not known."""
+    sr, t, cats = body["stale_reads"], body["tenants"], body["data_categories"]
+    deps = ", ".join(d["deployment_id"] for d in body["deployments"]) or "no deployment"
+    steps = {x["step"] for x in body.get("cause", [])}
+    parts: list[str] = []
+    if sr["cross_tenant"]:
+        receivers = ", ".join(x["tenant"] for x in t["victims"]) or "unknown tenants"
+        exposed = ", ".join(x["tenant"] for x in t["exposed"]) or "unknown tenants"
+        tl = body["timeline"]
+        parts.append(
+            f"Between {tl['first_stale_read_at']} and {tl['last_stale_read_at']}, on {deps}, "
+            f"{t.get('receiving_requests', '?')} request(s) of {receivers} read KV-cache pages "
+            f"last written by {t.get('exposed_requests', '?')} request(s) of {exposed} "
+            f"({sr['cross_tenant']} cross-tenant stale read(s)): the answers they received may "
+            "contain fragments of the other tenant's prompts."
+        )
+        why = []
+        if "pool_below_advertised" in steps:
+            why.append("the prefill KV pool is smaller than the advertised context")
+        if "prefill_rejected" in steps:
+            why.append("prefill rejected the reading request for lack of room")
+        if "rejected_kv_transfer" in steps:
+            why.append("its KV pages were still handed to decode, which read pages prefill "
+                       "never wrote")  # fmt: skip
+        if why:
+            parts.append("Cause, from the evidence: " + "; ".join(why) + ".")
+    else:
+        parts.append(
+            f"No cross-tenant stale read is recorded in scope on {deps}; "
+            f"{body['affected_requests']['count']} request(s) are in scope."
+        )
+    known = ", ".join(sorted(cats["exposed"])) or "none declared"
+    parts.append(
+        "kvwatch stores no prompt text: what the pages held, and how many persons it concerns, "
+        f"is not known to it. Declared data categories of the exposed requests: {known}. "
+        f"Art. 34 high risk: {body['art34']['verdict']}."
+    )
+    return " ".join(parts)
 
 
 def to_csv(report: dict[str, Any]) -> str:

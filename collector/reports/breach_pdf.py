@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
 
+from collector.reports.breach import EVIDENCE_KEYS
 from collector.reports.pdf import ReportPdf
 from collector.timefmt import parse_iso
 
@@ -62,6 +63,11 @@ def _chart(
         return buf.getvalue()
     finally:
         plt.close(fig)
+
+
+def _short_time(at: str | None) -> str:
+    """``2026-12-02 06:56:46.704`` (UTC, milliseconds): fits its column without a break."""
+    return "-" if not at else at.replace("T", " ").rstrip("Z")[:23]
 
 
 def _special(cats: dict[str, Any]) -> str:
@@ -136,9 +142,24 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     )
     pdf.para(
         "The evidence SHA-256 is computed over the canonical JSON (sorted keys, compact) of the "
-        "sections scope, affected_requests, tenants, data_categories, stale_reads and "
-        "deployments of the JSON report."
+        f"sections {', '.join(EVIDENCE_KEYS)} of the JSON report; `kvwatch report verify` "
+        "recomputes it."
     )
+    if report.get("account"):
+        pdf.ln(2)
+        pdf.h1("What happened")
+        pdf.para(report["account"])
+    if report.get("cause"):
+        pdf.ln(2)
+        pdf.h1("Cause chain, in order")
+        pdf.grid(
+            ["when (UTC)", "step", "from the evidence"],
+            [
+                [_short_time(x["at"]), x["step"].replace("_", " "), x["text"]]
+                for x in report["cause"]
+            ],
+            [36, 34, 120],
+        )
 
     # ---- charts
     pdf.add_page()
