@@ -157,6 +157,12 @@ class Settings(BaseSettings):
         description="How long a dispatcher holds an endpoint before another replica may take "
         "it over (a crashed replica's endpoints resume after this).",
     )
+    operator_role: Literal["processor", "controller"] = Field(
+        default="processor",
+        description="Your role under the GDPR for the tenants' data: 'processor' (you serve "
+        "your customers' apps: you notify each affected customer, the controller, without "
+        "undue delay, Art. 33(2)) or 'controller' (first-party apps). Shapes tenant notices.",
+    )
     dpo_contact: str = Field(
         default="",
         description="The data protection officer's (or other contact point's) name and "

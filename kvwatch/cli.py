@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
-from kvwatch.cli_breach import breach, report_verify
+from kvwatch.cli_breach import breach, report_notice, report_verify
 from kvwatch.cli_common import DbUrl, err, probe_settings_or_exit
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
@@ -39,6 +39,7 @@ app.add_typer(incidents_app, name="incidents")
 app.add_typer(report_app, name="report")
 report_app.command("breach")(breach)
 report_app.command("verify")(report_verify)
+report_app.command("notice")(report_notice)
 app.add_typer(audit_app, name="audit")
 app.add_typer(verify_app, name="verify")
 app.command("gateway")(gateway)

@@ -111,3 +111,35 @@ def report_verify(
         err.print(f"[red]ALTERED:[/] {path} ({report_id}): " + "; ".join(problems))
         raise typer.Exit(1)
     typer.echo(f"intact: {path} ({report_id}), evidence_sha256 {recorded}")
+
+
+def report_notice(
+    incident: Annotated[int, typer.Option("--incident", help="Incident id.")],
+    tenant: Annotated[str, typer.Option(help="The tenant (customer) the notice is for.")],
+    out: Annotated[Path, typer.Option("--out", help="The file to write: .pdf, .json or .md.")],
+    by: Annotated[str, typer.Option(help="Who generates it (audit log).")] = "cli",
+    database_url: DbUrl = None,
+) -> None:
+    """The notice to one tenant about an incident: what happened to its requests (the other
+    party only as "another customer"), the request to delete what it received, the measures
+    and the contact point. Never another tenant's name or request ids."""
+    import json
+    from datetime import UTC, datetime
+
+    from collector.reports.notice import NoticeService, render_pdf, to_markdown
+
+    if out.suffix not in (".pdf", ".json", ".md"):
+        err.print(f"[red]error:[/] --out {out}: the file must end in .pdf, .json or .md")
+        raise typer.Exit(2)
+    if not out.parent.is_dir():
+        err.print(f"[red]error:[/] --out {out}: no such directory {out.parent}")
+        raise typer.Exit(2)
+    with database(database_url) as (db, s):
+        doc = NoticeService(db, s).notice(incident, tenant, created_by=by, now=datetime.now(UTC))
+    if out.suffix == ".pdf":
+        out.write_bytes(render_pdf(doc))
+    elif out.suffix == ".md":
+        out.write_text(to_markdown(doc), encoding="utf-8")
+    else:
+        out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    typer.echo(str(out))

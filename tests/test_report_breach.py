@@ -411,3 +411,63 @@ def _when(iso: str) -> datetime:
 def _series_ts(report: dict[str, Any]) -> str:
     (point,) = report["series"]["stale_reads"]
     return str(point["ts"])
+
+
+def test_tenant_notices_name_no_one_else(env: Env, tmp_path: Path) -> None:
+    """acme's data was read (r-exposed) by globex (r-victim). Each tenant's notice tells it
+    what happened to its own requests; the receiving one is asked to delete what it got;
+    neither names the other tenant or the other's request, in JSON, Markdown or the PDF."""
+    r = env.admin.post("/v1/reports", json={"kind": "breach", "incident_id": env.incident_id})
+    report = env.admin.get(f"/v1/reports/{r.json()['report_id']}").json()
+    assert [(n["tenant"], n["kind"]) for n in report["notices"]] == [
+        ("acme", "exposed"),
+        ("globex", "received"),
+    ]
+    texts: dict[str, str] = {}
+    for tenant, other, own, foreign in (
+        ("acme", "globex", "r-exposed", "r-victim"),
+        ("globex", "acme", "r-victim", "r-exposed"),
+    ):
+        for suffix in (".json", ".md", ".pdf"):
+            out = tmp_path / f"notice-{tenant}{suffix}"
+            res = CliRunner().invoke(
+                cli,
+                [
+                    *("report", "notice", "--incident", str(env.incident_id)),
+                    *("--tenant", tenant, "--out", str(out), "--database-url", env.c.db_url),
+                ],
+            )
+            assert res.exit_code == 0, res.output
+            text = (
+                "\n".join(p.extract_text() for p in pypdf.PdfReader(out).pages)
+                if suffix == ".pdf"
+                else out.read_text()
+            )
+            texts[f"{tenant}{suffix}"] = text
+            assert own in text and "another customer" in text
+            assert other not in text and foreign not in text, (tenant, suffix)
+    acme = json.loads(texts["acme.json"])
+    assert acme["kind"] == "exposed" and acme["please_delete"] is None
+    (read,) = acme["your_requests_read_by_another"]
+    assert (read["request_id"], read["pages"], read["prompt_tokens"]) == ("r-exposed", 3, 5_000)
+    globex = json.loads(texts["globex.json"])
+    assert globex["kind"] == "received" and "delete" in globex["please_delete"]
+    assert "Please delete" in texts["globex.pdf"] and "Please delete" not in texts["acme.pdf"]
+    assert acme["role"] == "processor" and "Art. 33(2)" in acme["legal_basis"]
+
+    # a tenant with nothing in the incident: a clear error, nothing written
+    out = tmp_path / "notice-initech.pdf"
+    res = CliRunner().invoke(
+        cli,
+        [
+            *("report", "notice", "--incident", str(env.incident_id), "--tenant", "initech"),
+            *("--out", str(out), "--database-url", env.c.db_url),
+        ],
+    )
+    assert res.exit_code == 2 and "no request whose data crossed" in res.output
+    assert not out.exists()
+    with env.db.read() as conn:
+        actions = conn.execute(
+            select(m.AuditEntry.action).where(m.AuditEntry.action == "report.notice")
+        ).all()
+    assert len(actions) == 6

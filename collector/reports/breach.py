@@ -329,6 +329,7 @@ class BreachService:
         body["checklist"] = self._checklist(body)
         body["art34"] = _art34(body)
         body["account"] = plain_account(body)
+        body["notices"] = implied_notices(body)
         body["evidence_sha256"] = evidence_digest(body)
         return body
 
@@ -1006,6 +1007,34 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
         "needs_person": True,
         "note": "decision support only: a person decides under Art. 34(1) and (3)",
     }
+
+
+def implied_notices(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tenant notices an incident implies (Art. 33(2): each affected controller), one per
+    exposed or receiving tenant, with the command that writes it."""
+    if body["mode"] != "incident" or body["incident"] is None:
+        return []
+    t = body["tenants"]
+    exposed = {x["tenant"] for x in t["exposed"]}
+    received = {x["tenant"] for x in t["victims"]}
+    out = []
+    for tenant in sorted(exposed | received):
+        kind = (
+            "both"
+            if tenant in exposed and tenant in received
+            else "exposed"
+            if tenant in exposed
+            else "received"
+        )
+        out.append(
+            {
+                "tenant": tenant,
+                "kind": kind,
+                "command": f"kvwatch report notice --incident {body['incident']['id']} "
+                f"--tenant {tenant} --out notice-{tenant}.pdf",
+            }
+        )
+    return out
 
 
 def plain_account(body: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
 
 from collector.reports.breach import EVIDENCE_KEYS
-from collector.reports.pdf import ReportPdf
+from collector.reports.pdf import ReportPdf, short_time
 from collector.timefmt import parse_iso
 
 MAX_TABLE_ROWS = 200
@@ -63,11 +63,6 @@ def _chart(
         return buf.getvalue()
     finally:
         plt.close(fig)
-
-
-def _short_time(at: str | None) -> str:
-    """``2026-12-02 06:56:46.704`` (UTC, milliseconds): fits its column without a break."""
-    return "-" if not at else at.replace("T", " ").rstrip("Z")[:23]
 
 
 def _special(cats: dict[str, Any]) -> str:
@@ -149,13 +144,25 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         pdf.ln(2)
         pdf.h1("What happened")
         pdf.para(report["account"])
+    if report.get("notices"):
+        pdf.ln(2)
+        pdf.h1("Notices to tenants this implies (Art. 33(2))")
+        pdf.grid(
+            ["tenant", "its data was", "written by"],
+            [
+                [n["tenant"], {"exposed": "read by another", "received": "sent another's",
+                               "both": "both"}[n["kind"]], n["command"]]
+                for n in report["notices"]
+            ],
+            [34, 36, 120],
+        )  # fmt: skip
     if report.get("cause"):
         pdf.ln(2)
         pdf.h1("Cause chain, in order")
         pdf.grid(
             ["when (UTC)", "step", "from the evidence"],
             [
-                [_short_time(x["at"]), x["step"].replace("_", " "), x["text"]]
+                [short_time(x["at"]), x["step"].replace("_", " "), x["text"]]
                 for x in report["cause"]
             ],
             [36, 34, 120],

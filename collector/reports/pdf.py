@@ -71,6 +71,11 @@ class ReportPdf(FPDF):
         self.set_font("DejaVu", "", 9)
 
 
+def short_time(at: str | None) -> str:
+    """``2026-12-02 06:56:46.704`` (UTC, milliseconds): fits a table column unbroken."""
+    return "-" if not at else at.replace("T", " ").rstrip("Z")[:23]
+
+
 def cell_text(v: Any) -> str:
     text = "-" if v is None or v == "" else str(v)
     return text if len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"

@@ -1,0 +1,306 @@
+"""The notice to one tenant about one incident (``kvwatch report notice``).
+
+Most operators of multi-tenant inference are processors for their tenants: under GDPR
+Art. 33(2) they notify each affected controller (the tenant) without undue delay, and the
+tenant runs its own 72 hours. A notice says what happened to *that tenant's* requests: for an
+exposed tenant, which of its requests' KV was read, when, how many pages, by "another customer
+of the service"; for a receiving tenant, which of its requests read another customer's KV,
+with the request to delete what those answers returned. The measures and the contact point
+follow.
+
+Invariant: a notice never carries another tenant's identity or request ids. It is built from
+the breach assessment of the incident and checked against it before it is returned (every
+other tenant and every request id not the tenant's own is looked for in the serialised
+notice).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from collector import audit
+from collector.db import Database
+from collector.errors import CollectorError, InvalidInput
+from collector.reports.breach import BreachScope, BreachService
+from collector.settings import Settings
+from collector.timefmt import iso, to_micros
+
+OTHER = "another customer of the service"
+
+
+class NoticeLeak(CollectorError):
+    """A notice would have named another tenant or another tenant's request (a bug)."""
+
+
+class NoticeService:
+    def __init__(self, db: Database, settings: Settings):
+        self.db = db
+        self.settings = settings
+
+    def notice(
+        self, incident_id: int, tenant: str, *, created_by: str, now: datetime
+    ) -> dict[str, Any]:
+        report = BreachService(self.db, self.settings).build(
+            BreachScope(incident_id=incident_id), now=now
+        )
+        doc = build_notice(report, tenant, self.settings, now)
+        with self.db.write() as conn:
+            audit.append(
+                conn,
+                now_us=to_micros(now),
+                actor=created_by,
+                action="report.notice",
+                subject=f"incident:{incident_id}",
+                detail={
+                    "tenant": tenant,
+                    "kind": doc["kind"],
+                    "assessment_evidence_sha256": report["evidence_sha256"],
+                },
+            )
+        return doc
+
+
+def build_notice(
+    report: dict[str, Any], tenant: str, settings: Settings, now: datetime
+) -> dict[str, Any]:
+    reads = report["stale_reads"]["items"]
+    mine = {
+        r["request_id"]: r for r in report["affected_requests"]["items"] if r["tenant"] == tenant
+    }
+    exposed = [s for s in reads if s["cross_tenant"] and s["previous_tenant"] == tenant]
+    received = [s for s in reads if s["cross_tenant"] and s["reader_tenant"] == tenant]
+    if not exposed and not received:
+        involved = sorted({r["tenant"] for r in report["affected_requests"]["items"]})
+        raise InvalidInput(
+            f"tenant {tenant!r} has no request whose data crossed in incident "
+            f"{report['incident']['id']} (tenants with requests in it: {len(involved)})",
+            {"tenant": tenant},
+        )
+    kind = "both" if exposed and received else "exposed" if exposed else "received"
+
+    def request(rid: str) -> dict[str, Any]:
+        r = mine.get(rid, {})
+        return {
+            "request_id": rid,
+            "first_seen": r.get("first_ts"),
+            "prompt_tokens": r.get("prompt_tokens"),
+            "completion_tokens": r.get("completion_tokens"),
+            "route": r.get("route"),
+            "model_id": r.get("model_id"),
+        }
+
+    inc = report["incident"]
+    processor = settings.operator_role == "processor"
+    doc: dict[str, Any] = {
+        "kind": kind,
+        "tenant": tenant,
+        "incident": {
+            "id": inc["id"],
+            "deployment_id": inc["deployment_id"],
+            "opened_at": inc["opened_at"],
+            "our_awareness_at": report["timeline"]["awareness_at"],
+        },
+        "generated_at": iso(now),
+        "role": settings.operator_role,
+        "legal_basis": (
+            "GDPR Art. 33(2): as your processor we notify you, the controller, without undue "
+            "delay. Your own assessment and, where required, your notification to the "
+            "supervisory authority (Art. 33(1), 72 hours from your awareness) and to data "
+            "subjects (Art. 34) are yours."
+            if processor
+            else "GDPR Art. 34: information to the customer whose data was concerned."
+        ),
+        "what_happened": (
+            "A defect in the KV-cache of the inference service let a request read memory "
+            "pages that held part of another request's prompt. kvwatch, which watches the "
+            "service, records which requests and pages were involved, never the text."
+        ),
+        "your_requests_read_by_another": [
+            {
+                **request(s["previous_request_id"]),
+                "read_at": s["ts"],
+                "pages": s["page_count"],
+                "read_by": OTHER,
+            }
+            for s in exposed
+        ],
+        "your_requests_that_read_another": [
+            {
+                **request(s["reader_request_id"]),
+                "read_at": s["ts"],
+                "pages": s["page_count"],
+                "data_of": OTHER,
+            }
+            for s in received
+        ],
+        "please_delete": (
+            "The answers to your requests listed under 'your requests that read another' may "
+            "contain fragments of another customer's data. Please delete those answers and "
+            "anything derived from them, and confirm to us that you have."
+            if received
+            else None
+        ),
+        "measures": (
+            "Prompts above the verified safe context are refused; rejected prefills no longer "
+            "hand KV to decode; reused pages are zeroed. (Review before sending: the measures "
+            "actually taken.)"
+        ),
+        "contact": settings.dpo_contact.strip() or "needs a person: set KVWATCH_DPO_CONTACT",
+        "assessment_evidence_sha256": report["evidence_sha256"],
+    }
+    _check_names_no_one_else(doc, report, tenant)
+    return doc
+
+
+def _check_names_no_one_else(doc: dict[str, Any], report: dict[str, Any], tenant: str) -> None:
+    text = json.dumps(doc)
+    others = {
+        t
+        for s in report["stale_reads"]["items"]
+        for t in (s["reader_tenant"], s["previous_tenant"])
+        if t and t != tenant
+    } | {r["tenant"] for r in report["affected_requests"]["items"] if r["tenant"] != tenant}
+    foreign_ids = {
+        rid
+        for s in report["stale_reads"]["items"]
+        for rid, who in (
+            (s["reader_request_id"], s["reader_tenant"]),
+            (s["previous_request_id"], s["previous_tenant"]),
+        )
+        if rid and who != tenant
+    }
+    leaked = sorted(x for x in others | foreign_ids if f'"{x}"' in text)
+    if leaked:
+        raise NoticeLeak(f"the notice for {tenant!r} would name {len(leaked)} other party ids")
+
+
+def to_markdown(doc: dict[str, Any]) -> str:
+    inc = doc["incident"]
+    lines = [
+        f"# Notice of a personal-data incident: {doc['tenant']}",
+        "",
+        f"Incident {inc['id']} on {inc['deployment_id']}, opened {inc['opened_at']}; "
+        f"we became aware at {inc['our_awareness_at']}. Generated {doc['generated_at']}.",
+        "",
+        doc["legal_basis"],
+        "",
+        "## What happened",
+        "",
+        doc["what_happened"],
+        "",
+    ]
+
+    def table(title: str, rows: list[dict[str, Any]], who: str) -> None:
+        if not rows:
+            return
+        lines.extend(
+            [
+                f"## {title}",
+                "",
+                "| request | first seen | prompt tokens | read at | pages | "
+                + who.replace("_", " ")
+                + " |",
+                "| --- | --- | ---: | --- | ---: | --- |",
+            ]
+        )
+        for r in rows:
+            lines.append(
+                f"| {r['request_id']} | {r['first_seen'] or '-'} | "
+                f"{r['prompt_tokens'] if r['prompt_tokens'] is not None else '-'} | "
+                f"{r['read_at']} | {r['pages']} | {r[who]} |"
+            )
+        lines.append("")
+
+    table(
+        "Your requests whose data another customer read",
+        doc["your_requests_read_by_another"],
+        "read_by",
+    )
+    table(
+        "Your requests that read another customer's data",
+        doc["your_requests_that_read_another"],
+        "data_of",
+    )
+    if doc["please_delete"]:
+        lines += ["## Please delete", "", doc["please_delete"], ""]
+    lines += [
+        "## Measures",
+        "",
+        doc["measures"],
+        "",
+        "## Contact",
+        "",
+        doc["contact"],
+        "",
+        f"Evidence: the breach assessment's SHA-256 {doc['assessment_evidence_sha256']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_pdf(doc: dict[str, Any]) -> bytes:
+    from collector.reports.pdf import ReportPdf, short_time
+
+    inc = doc["incident"]
+    pdf = ReportPdf(f"incident {inc['id']}", f"notice to {doc['tenant']}")
+    pdf.add_page()
+    pdf.h1(f"Notice of a personal-data incident: {doc['tenant']}")
+    pdf.para(
+        f"Incident {inc['id']} on {inc['deployment_id']}, opened {inc['opened_at']}; we became "
+        f"aware at {inc['our_awareness_at']}. Generated {doc['generated_at']}."
+    )
+    pdf.para(doc["legal_basis"])
+    pdf.ln(2)
+    pdf.h1("What happened")
+    pdf.para(doc["what_happened"])
+    for title, rows, who in (
+        (
+            "Your requests whose data another customer read",
+            doc["your_requests_read_by_another"],
+            "read_by",
+        ),
+        (
+            "Your requests that read another customer's data",
+            doc["your_requests_that_read_another"],
+            "data_of",
+        ),
+    ):
+        if rows:
+            pdf.ln(2)
+            pdf.h1(title)
+            pdf.grid(
+                [
+                    "request",
+                    "first seen",
+                    "prompt tokens",
+                    "read at",
+                    "pages",
+                    who.replace("_", " "),
+                ],
+                [
+                    [
+                        r["request_id"],
+                        short_time(r["first_seen"]),
+                        r["prompt_tokens"],
+                        short_time(r["read_at"]),
+                        r["pages"],
+                        r[who],
+                    ]
+                    for r in rows
+                ],
+                [30, 36, 20, 36, 14, 54],
+            )
+    if doc["please_delete"]:
+        pdf.h1("Please delete")
+        pdf.para(doc["please_delete"])
+    pdf.h1("Measures")
+    pdf.para(doc["measures"])
+    pdf.h1("Contact")
+    pdf.para(doc["contact"])
+    pdf.ln(2)
+    pdf.para(f"Evidence: the breach assessment's SHA-256 {doc['assessment_evidence_sha256']}.", 8)
+    pdf.ln(8)
+    pdf.para("Signature: ______________________________    Date: ______________")
+    return bytes(pdf.output())
