@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
@@ -156,6 +157,12 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a dispatcher holds an endpoint before another replica may take "
         "it over (a crashed replica's endpoints resume after this).",
+    )
+    data_map: Path | None = Field(
+        default=None,
+        description="A YAML data map declaring data categories (and data subjects) per "
+        "tenant, route, model or deployment (policies/datamap.py); breach reports use it "
+        "and say 'unknown' where nothing is declared.",
     )
     operator_role: Literal["processor", "controller"] = Field(
         default="processor",

@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from collector import audit
 from collector import models as m
 from collector.db import Database
+from collector.errors import InvalidInput
 from collector.reports.breach import BreachScope, BreachService, evidence_digest
 from collector.settings import Settings
 from engine_probe import events as ev
@@ -146,6 +147,8 @@ def test_incident_report_through_the_api(env: Env) -> None:
         "exposed": {"health": 1},
         "exposed_undeclared": 0,
         "special": ["health"],
+        "data_map": None,
+        "data_subjects": None,
     }
     # tenants are customers, not data subjects: labelled counts, subjects unknown
     assert (t["exposed_count"], t["exposed_requests"]) == (1, 1)
@@ -362,6 +365,50 @@ def test_undeclared_categories_make_art34_undetermined_never_no(collector: Colle
     assert re.search(r"Art. 34 high risk\s*undetermined", text)
     assert "High risk: undetermined" in text
     assert "unknown: 1 exposed request(s) declare no categories" in text
+
+
+def test_a_data_map_declares_what_tags_do_not(collector: Collector, tmp_path: Path) -> None:
+    """The same untagged incident, with a data map declaring special: [health] and 1,200
+    persons for acme's route: high risk, and why; subjects as declared. A bad map is a clear
+    error naming file, line and field."""
+    events = [e for e in _events() if not isinstance(e, ev.RequestAdmitted)]
+    events += [f.admitted(4, "r-exposed", tenant="acme", prompt=5_000)]
+    with collector.client(collector.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(e) for e in events])
+        assert r.status_code == 200, r.text
+    datamap = tmp_path / "datamap.yaml"
+    datamap.write_text(
+        "entries:\n"
+        "  - tenant: acme\n"
+        "    route: /v1/chat/completions\n"
+        "    categories: [hr_records]\n"
+        "    special: [health]\n"
+        "    data_subjects: 1200\n"
+    )
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            (incident_id,) = conn.execute(select(m.Incident.id)).scalars().all()
+        service = BreachService(db, Settings(database_url=collector.db_url, data_map=datamap))
+        report = service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+        cats = report["data_categories"]
+        assert cats["special"] == ["health"] and cats["exposed_undeclared"] == 0
+        assert cats["exposed"] == {"health": 1, "hr_records": 1}
+        assert cats["data_subjects"] == 1200 and cats["data_map"] == str(datamap)
+        assert report["art34"]["verdict"] == "yes" and "health" in report["art34"]["reasons"][0]
+        subjects = {x["key"]: x for x in report["checklist"]}["subjects"]["value"]
+        assert subjects.startswith("1,200 (declared in the data map")
+
+        datamap.write_text("entries:\n  - categories: [x]\n    colour: red\n")
+        with pytest.raises(InvalidInput) as bad:
+            service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+        assert f"{datamap}:3" in str(bad.value) and "colour" in str(bad.value)
+        datamap.write_text("entries:\n  - categories: [x]\n")
+        with pytest.raises(InvalidInput) as bad:
+            service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+        assert "at least one of tenant, route, model_id, deployment_id" in str(bad.value)
+    finally:
+        db.dispose()
 
 
 def test_late_report_asks_for_a_reason(env: Env) -> None:

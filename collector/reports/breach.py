@@ -36,6 +36,8 @@ from collector.errors import InvalidInput, NotFound
 from collector.reports.stored import ReportStore, canonical
 from collector.settings import Settings
 from collector.timefmt import iso, parse_iso, to_micros
+from policies.datamap import DataMap
+from policies.errors import PackError
 
 CHUNK_ROWS = 50_000
 MAX_LISTED = 100_000
@@ -285,6 +287,16 @@ class BreachService:
     def __init__(self, db: Database, settings: Settings):
         self.db = db
         self.settings = settings
+
+    def _data_map(self) -> DataMap:
+        """``KVWATCH_DATA_MAP``, read at each report (a fix to it takes effect at once)."""
+        path = self.settings.data_map
+        if path is None:
+            return DataMap()
+        try:
+            return DataMap.load(path)
+        except PackError as exc:
+            raise InvalidInput(f"KVWATCH_DATA_MAP: {exc}", {"data_map": str(path)}) from None
 
     # ------------------------------------------------------------------ public
 
@@ -785,13 +797,30 @@ class BreachService:
 
         # What leaked: the categories of the exposed (previous-writer) requests.
         exposed_keys = {(s["deployment_id"], s["previous_request_id"]) for s in cross}
+        # What leaked: the categories of the exposed (previous-writer) requests, from their
+        # tags and from the data map's declarations; never guessed.
+        dm = self._data_map()
         exposed_cats: Counter[str] = Counter()
+        map_special: set[str] = set()
         undeclared = {(d, r) for d, r in exposed_keys if r}
+        hit_entries: set[int] = set()
+        subjects_known = bool(undeclared)
         for r in agg.listed:
-            if (r["deployment_id"], r["request_id"]) in exposed_keys:
-                exposed_cats.update(r["data_categories"])
-                if r["data_categories"]:
-                    undeclared.discard((r["deployment_id"], r["request_id"]))
+            key = (r["deployment_id"], r["request_id"])
+            if key not in exposed_keys:
+                continue
+            said = dm.declared(r)
+            exposed_cats.update(set(r["data_categories"]) | said.categories | said.special)
+            map_special |= said.special
+            if r["data_categories"] or said.any:
+                undeclared.discard(key)
+            entries = [i for i, e in enumerate(dm.entries) if e.matches(r)]
+            if not any(dm.entries[i].data_subjects is not None for i in entries):
+                subjects_known = False
+            hit_entries.update(entries)
+        declared_subjects = (
+            sum(dm.entries[i].data_subjects or 0 for i in hit_entries) if subjects_known else None
+        )
         times = [to_micros(parse_iso(s["ts"])) for s in reads]
         if agg.first_ts is not None:
             times += [agg.first_ts]
@@ -838,17 +867,14 @@ class BreachService:
                 "affected": dict(sorted(agg.categories.items())),
                 "exposed": dict(sorted(exposed_cats.items())),
                 # exposed requests that declare no category: their data is unknown
-                "exposed_undeclared": len(
-                    {(d, r) for d, r in exposed_keys if r}
-                    - {
-                        (x["deployment_id"], x["request_id"])
-                        for x in agg.listed
-                        if x["data_categories"]
-                    }
-                ),
+                "exposed_undeclared": len(undeclared),
                 "special": sorted(
-                    c for c in set(agg.categories) | set(exposed_cats) if c in SPECIAL_CATEGORIES
+                    {c for c in set(agg.categories) | set(exposed_cats) if c in SPECIAL_CATEGORIES}
+                    | map_special
                 ),
+                "data_map": dm.source,
+                # persons the exposed data concerns, only where the data map declares it
+                "data_subjects": declared_subjects,
             },
             "stale_reads": {
                 "count": len(reads),
@@ -901,7 +927,12 @@ class BreachService:
                 "subjects",
                 "33(3)(a)",
                 "Approximate number of data subjects concerned",
-                "unknown: kvwatch cannot know how many persons a prompt concerns. Customers "
+                (
+                    f"{cats['data_subjects']:,} (declared in the data map {cats['data_map']}). "
+                    if cats.get("data_subjects") is not None
+                    else "unknown: kvwatch cannot know how many persons a prompt concerns. "
+                )
+                + "Customers "
                 f"(controllers) involved: {t['exposed_count']} exposed tenant(s) "
                 f"({t['exposed_requests']} request(s) whose KV was read), "
                 f"{t['receiving_count']} receiving tenant(s) "
