@@ -18,7 +18,9 @@ cannot be redacted.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -108,32 +110,50 @@ class ChainCheck:
     head: str | None = None  # the last entry's hash when intact: an anchor to keep elsewhere
 
 
+_COLUMNS = (
+    "id",
+    "ts",
+    "actor",
+    "action",
+    "subject",
+    "detail",
+    "detail_sha256",
+    "redacted_by",
+    "prev_hash",
+    "hash",
+)
+
+
+def entries(conn: Connection) -> Iterator[dict[str, Any]]:
+    """Every entry in id order, as plain values (``ts`` in microseconds): what
+    :func:`verify_entries` checks and an export bundle holds."""
+    cols = [getattr(m.AuditEntry, c) for c in _COLUMNS]
+    for row in conn.execute(select(*cols).order_by(m.AuditEntry.id)):
+        values = dict(zip(_COLUMNS, row, strict=True))
+        values["ts"] = as_micros(values["ts"])
+        yield values
+
+
 def verify(conn: Connection) -> ChainCheck:
+    """Walk the database's chain (see :func:`verify_entries`)."""
+    return verify_entries(entries(conn))
+
+
+def verify_entries(rows: Iterable[dict[str, Any]]) -> ChainCheck:
     """Walk the chain in id order; the first entry whose content does not match its hash
     (edited, or forged) or whose ``prev_hash`` is not the previous entry's hash (an entry
-    deleted, inserted or moved before it) is named."""
+    deleted, inserted or moved before it) is named. Needs no database: an exported bundle
+    is checked the same way."""
     prev = GENESIS
     prev_id: int | None = None
     seen: set[str] = set()
     redactions: dict[int, int] = {}  # redacted entry id -> the erasure entry that claims it
     checked: set[int] = set()  # erasure entries reached and found to list their redactions
     n = 0
-    for row in conn.execute(
-        select(
-            m.AuditEntry.id,
-            m.AuditEntry.ts,
-            m.AuditEntry.actor,
-            m.AuditEntry.action,
-            m.AuditEntry.subject,
-            m.AuditEntry.detail,
-            m.AuditEntry.detail_sha256,
-            m.AuditEntry.redacted_by,
-            m.AuditEntry.prev_hash,
-            m.AuditEntry.hash,
-        ).order_by(m.AuditEntry.id)
-    ):
+    for values in rows:
+        row = SimpleNamespace(**values)
         n += 1
-        ts = as_micros(row.ts)
+        ts = int(row.ts)
         covered = row.detail if row.detail_sha256 is None else row.detail_sha256
         edited = "entry content does not match its hash (edited or forged)"
         if _digest(row.prev_hash, ts, row.actor, row.action, row.subject, covered) != row.hash:

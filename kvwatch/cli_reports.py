@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from collector.errors import CollectorError
 from collector.timefmt import iso, parse_iso
 from kvwatch.cli_common import DbUrl, database, err
 
@@ -167,21 +168,75 @@ def report_limits(
 
 
 @audit_app.command("verify")
-def audit_verify(database_url: DbUrl = None) -> None:
+def audit_verify(
+    bundle: Annotated[
+        Path | None,
+        typer.Option(help="Check an exported bundle (kvwatch audit export) instead, offline."),
+    ] = None,
+    database_url: DbUrl = None,
+) -> None:
     """Check the audit log's hash chain. Exit 0 intact; 1 naming the first entry where it
     breaks (edited, inserted, deleted or reordered)."""
-    from collector.reports.audit import AuditLog
+    from collector.reports.audit import AuditLog, verify_bundle
 
-    with database(database_url) as (db, _):
-        check = AuditLog(db).verify()
+    if bundle is not None:
+        try:
+            check = verify_bundle(bundle)
+        except CollectorError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+    else:
+        _warn_if_a_bare_sqlite_copy(database_url)
+        with database(database_url) as (db, _):
+            check = AuditLog(db).verify()
     if check.ok:
         err.print(f"[green]intact:[/] {check.entries} entries; head {check.head or '-'}")
         return
-    err.print(
-        f"[red]broken at entry {check.first_bad_id}:[/] {check.problem} "
-        f"({check.entries} entries read)"
-    )
+    where = f"broken at entry {check.first_bad_id}" if check.first_bad_id else "not intact"
+    err.print(f"[red]{where}:[/] {check.problem} ({check.entries} entries read)")
     raise typer.Exit(1)
+
+
+def _warn_if_a_bare_sqlite_copy(database_url: str | None) -> None:
+    """A SQLite file in WAL mode with no ``-wal`` beside it is either cleanly closed (all
+    there) or a copy taken from a running collector without its ``-wal`` (recent entries
+    missing): the file cannot tell which, so say so rather than call a partial log intact."""
+    from kvwatch.cli_common import settings
+
+    url = settings(database_url).database_url
+    if not url.startswith("sqlite:///"):
+        return
+    path = Path(url.removeprefix("sqlite:///"))
+    try:
+        with path.open("rb") as f:
+            header = f.read(20)
+    except OSError:
+        return
+    wal_mode = len(header) == 20 and header[18] == 2 and header[19] == 2
+    if wal_mode and not Path(f"{path}-wal").exists():
+        err.print(
+            f"[yellow]warning:[/] {path} is in WAL mode with no {path.name}-wal beside it. If it "
+            "was copied from a running collector without its -wal, the newest entries are not "
+            "in it and the check below cannot see them: copy with `kvwatch audit export` or "
+            "`sqlite3 SRC '.backup DST'` instead."
+        )
+
+
+@audit_app.command("export")
+def audit_export(
+    out: Annotated[Path, typer.Option("--out", help="An empty (or new) directory.")],
+    database_url: DbUrl = None,
+) -> None:
+    """Write the audit log as a self-contained bundle (entries.jsonl, manifest.json with the
+    head hash and every file's SHA-256) that `kvwatch audit verify --bundle DIR` checks
+    without the database."""
+    from collector.reports.audit import AuditLog
+
+    with database(database_url) as (db, _):
+        manifest, check = AuditLog(db).export(out, datetime.now(UTC))
+    state = "intact" if check.ok else f"NOT intact ({check.problem})"
+    err.print(f"exported {manifest['entries']} entries, chain {state}; head {manifest['head']}")
+    typer.echo(str(out))
 
 
 @report_app.command("review")
