@@ -405,11 +405,18 @@ class BreachService:
             "opened_at": iso(inc.opened_at),
             "closed_at": iso(inc.closed_at),
         }
-        # Charts: an hour before the first stale read to a minute after the last.
+        # Charts at the incident's own scale: from the first event of its requests to the
+        # last stale read, with a margin of a tenth of that span (at least 10 s) each side,
+        # so minute-long incidents are not one dot on a day's axis.
         series_lo, series_hi = lo, min(hi, to_micros(now) + 1)
         if reads:
-            series_lo = max(lo, to_micros(parse_iso(reads[0]["ts"])) - 3600 * 10**6)
-            series_hi = min(hi, to_micros(parse_iso(reads[-1]["ts"])) + 60 * 10**6)
+            first = to_micros(parse_iso(reads[0]["ts"]))
+            if agg.first_ts is not None:
+                first = min(first, agg.first_ts)
+            last = to_micros(parse_iso(reads[-1]["ts"]))
+            margin = max((last - first) // 10, 10 * 10**6)
+            series_lo = max(lo, first - margin)
+            series_hi = min(hi, last + margin)
         series = self._series(conn, deps, model_ids, series_lo, max(series_hi, series_lo + 1))
         # The hashed scope names the incident's own window, never the generation time: two
         # generations of the same evidence give the same hash. Open-ended sides stay None
@@ -564,6 +571,7 @@ class BreachService:
             "prompt_tokens_max": prompt.points(),
             "pool_occupancy_max": pool.points(),
             "stale_reads": stale.points(),
+            "window": {"from": iso(lo), "until": iso(hi)},  # the charts' time axis
         }
 
     def _cause(

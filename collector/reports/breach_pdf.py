@@ -29,20 +29,24 @@ def _chart(
     ylabel: str,
     lines: list[tuple[float, str]],
     kind: str = "line",
+    window: dict[str, str] | None = None,
 ) -> bytes | None:
     if not series:
         return None
     x: Any = [parse_iso(p["ts"]) for p in series]
     y = [p["value"] for p in series]
-    # A window of one point (or a few close together) still needs a readable time axis:
-    # pad it to at least ten minutes around the data.
+    # The report's own window when it has one (an incident's minutes, not a day); otherwise
+    # a window of one point still needs a readable axis: at least ten minutes around it.
     span = max(x) - min(x)
     pad = max(span * 0.05, (timedelta(minutes=10) - span) / 2, timedelta(seconds=30))
+    lo, hi = min(x) - pad, max(x) + pad
+    if window and window.get("from") and window.get("until"):
+        lo, hi = parse_iso(window["from"]), parse_iso(window["until"])
     fig, ax = plt.subplots(figsize=(7.5, 2.6), dpi=110)
     try:
         if kind == "bar":
             gaps = [b - a for a, b in pairwise(x) if b > a]
-            step = min(gaps) if gaps else timedelta(minutes=1)
+            step = min(gaps) if gaps else (hi - lo) / 48
             ax.bar(x, y, width=0.8 * step.total_seconds() / 86400, color="#c0392b")
         else:
             ax.plot(x, y, marker="o", markersize=3, color="#2c3e50", label=ylabel)
@@ -51,7 +55,7 @@ def _chart(
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.set_xlim(min(x) - pad, max(x) + pad)
+        ax.set_xlim(lo, hi)
         locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
         ax.xaxis.set_major_locator(locator)
         ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
@@ -179,15 +183,30 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             (float(min(safe)), f"safe context ({min(safe)})"),
         ]
     series = report["series"]
+    win = series.get("window")
     charts = [
-        _chart(series["prompt_tokens_max"], "Prompt tokens (max per bucket)", "tokens", lines),
+        _chart(
+            series["prompt_tokens_max"],
+            "Prompt tokens (max per bucket)",
+            "tokens",
+            lines,
+            window=win,
+        ),
         _chart(
             series["pool_occupancy_max"],
             "Pool occupancy (max per bucket)",
             "used/capacity",
             [(1.0, "full")],
+            window=win,
         ),
-        _chart(series["stale_reads"], "Stale reads per bucket", "stale reads", [], kind="bar"),
+        _chart(
+            series["stale_reads"],
+            "Stale reads per bucket",
+            "stale reads",
+            [],
+            kind="bar",
+            window=win,
+        ),
     ]
     for title, png in zip(("Prompt tokens", "Pool occupancy", "Stale reads"), charts, strict=True):
         if png is None:
@@ -326,4 +345,8 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     for reason in a34["reasons"]:
         pdf.para(f"- {reason}")
     pdf.para(a34["note"])
+    pdf.ln(10)
+    pdf.para("Assessed by (name, role): ______________________________")
+    pdf.ln(4)
+    pdf.para("Signature: ______________________________    Date: ______________")
     return bytes(pdf.output())
