@@ -23,6 +23,7 @@ from collector.timefmt import to_micros
 from kvwatch.cli import app
 from tests import factories as f
 from tests.conftest import Collector
+from tests.pdf_helpers import assert_renders
 
 runner = CliRunner()
 MODEL = "glm-5.3"
@@ -243,6 +244,7 @@ def test_limits_card_from_config_and_verification(collector: Collector, tmp_path
         "--out", str(tmp_path), "--database-url", collector.db_url,
     )  # fmt: skip
     assert res.exit_code == 0, res.output
+    assert_renders((tmp_path / "limits-glm-prod.pdf").read_bytes())
     pages = pypdf.PdfReader(tmp_path / "limits-glm-prod.pdf").pages
     text = "\n".join(page.extract_text() for page in pages)
     assert "FAILED on " in text and "600,000 tokens" in text and "prefill-0" in text

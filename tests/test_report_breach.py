@@ -35,6 +35,7 @@ from engine_probe import events as ev
 from kvwatch.cli import app as cli
 from tests import factories as f
 from tests.conftest import Collector
+from tests.pdf_helpers import assert_renders
 
 T0 = f.T0
 MODEL = "glm-5.3"
@@ -485,11 +486,11 @@ def test_tenant_notices_name_no_one_else(env: Env, tmp_path: Path) -> None:
                 ],
             )
             assert res.exit_code == 0, res.output
-            text = (
-                "\n".join(p.extract_text() for p in pypdf.PdfReader(out).pages)
-                if suffix == ".pdf"
-                else out.read_text()
-            )
+            if suffix == ".pdf":
+                assert_renders(out.read_bytes())
+                text = "\n".join(p.extract_text() for p in pypdf.PdfReader(out).pages)
+            else:
+                text = out.read_text()
             texts[f"{tenant}{suffix}"] = text
             assert own in text and "another customer" in text
             assert other not in text and foreign not in text, (tenant, suffix)

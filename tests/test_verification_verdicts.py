@@ -22,6 +22,7 @@ from collector.timefmt import to_micros
 from kvwatch.embedded import serve_in_thread
 from kvwatch.gateway import GatewaySettings, create_app
 from tests.conftest import Collector
+from tests.pdf_helpers import assert_renders
 from tests.test_alerts_api import Receiver
 from tests.test_verify import KEYS, MODEL, kvwatch_verify, refengine
 
@@ -128,6 +129,7 @@ def test_a_leaking_verification_reaches_everything_and_a_pass_undoes_it(
         assert "**UNSAFE: cross-tenant leak at ≥" in md
         r = http.get(f"/v1/deployments/{deployment}/limits-card", params={"format": "pdf"})
         assert r.status_code == 200 and r.headers["content-type"] == "application/pdf"
+        assert_renders(r.content)
         text = _pdf_text(r.content)
         assert "UNSAFE: cross-tenant leak at" in text and f"{smallest:,} tokens" in text
         assert "acme->globex" in text or "globex->acme" in text
