@@ -412,6 +412,27 @@ def test_a_data_map_declares_what_tags_do_not(collector: Collector, tmp_path: Pa
         db.dispose()
 
 
+def test_a_window_names_only_the_deployments_where_data_crossed(env: Env) -> None:
+    """A deployment in the window whose long prompt was refused cleanly is in scope (its
+    request is listed) but not involved in the breach."""
+    hardened = [
+        f.config(1, dep="lab-hardened", probe="p-h"),
+        f.rejected(2, "r-refused", tenant="globex", dep="lab-hardened", probe="p-h"),
+    ]
+    with env.c.client(env.c.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(e) for e in hardened])
+        assert r.status_code == 200, r.text
+    report = BreachService(env.db, Settings(database_url=env.c.db_url)).build(
+        BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(hours=1)),
+        now=datetime.now(UTC),
+    )
+    assert {d["deployment_id"] for d in report["deployments"]} == {"glm-prod", "lab-hardened"}
+    assert report["involved_deployments"] == ["glm-prod"]
+    nature = {x["key"]: x for x in report["checklist"]}["nature"]["value"]
+    assert "glm-prod" in nature and "lab-hardened" not in nature
+    assert "lab-hardened" not in report["account"]
+
+
 def test_late_report_asks_for_a_reason(env: Env) -> None:
     svc = BreachService(env.db, Settings(database_url=env.c.db_url, dpo_contact="dpo@x.example"))
     with env.db.read() as conn:

@@ -342,6 +342,7 @@ class BreachService:
         body["art34"] = _art34(body)
         body["account"] = plain_account(body)
         body["notices"] = implied_notices(body)
+        body["involved_deployments"] = crossed_deployments(body)
         body["evidence_sha256"] = evidence_digest(body)
         return body
 
@@ -905,7 +906,7 @@ class BreachService:
         nature = (
             f"Confidentiality breach: {sr['cross_tenant']} cross-tenant stale KV-cache page "
             f"reads ({sr['count']} stale reads, {sr['pages']} pages) on "
-            f"{', '.join(d['deployment_id'] for d in body['deployments']) or 'no deployment'}: "
+            f"{', '.join(crossed_deployments(body)) or 'no deployment'}: "
             "responses carried fragments of other tenants' prompts."
             if sr["cross_tenant"]
             else f"No cross-tenant stale read recorded; {ar['count']} requests in scope are at "
@@ -1048,6 +1049,12 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def crossed_deployments(body: dict[str, Any]) -> list[str]:
+    """The deployments where data crossed tenants: the ones a breach involves. A deployment
+    in scope whose requests were refused cleanly is listed in ``deployments``, not here."""
+    return sorted({s["deployment_id"] for s in body["stale_reads"]["items"] if s["cross_tenant"]})
+
+
 def implied_notices(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The tenant notices an incident implies (Art. 33(2): each affected controller), one per
     exposed or receiving tenant, with the command that writes it."""
@@ -1080,7 +1087,8 @@ def plain_account(body: dict[str, Any]) -> str:
     """One paragraph in plain language, generated from the report's own figures (a template,
     no model): what happened, why, and what is not known."""
     sr, t, cats = body["stale_reads"], body["tenants"], body["data_categories"]
-    deps = ", ".join(d["deployment_id"] for d in body["deployments"]) or "no deployment"
+    deps = ", ".join(crossed_deployments(body) or [d["deployment_id"] for d in body["deployments"]])
+    deps = deps or "no deployment"
     steps = {x["step"] for x in body.get("cause", [])}
     parts: list[str] = []
     if sr["cross_tenant"]:

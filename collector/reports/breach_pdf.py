@@ -124,6 +124,10 @@ def render_pdf(report: dict[str, Any]) -> bytes:
                 "Stale reads",
                 f"{sr['count']} ({sr['cross_tenant']} cross-tenant, {sr['pages']} pages)",
             ),
+            (
+                "Deployments where data crossed",
+                ", ".join(report.get("involved_deployments") or []) or "none",
+            ),
             ("Exposed tenants", tn["exposed_count"]),
             ("Exposed requests", tn.get("exposed_requests", "-")),
             ("Receiving tenants", tn.get("receiving_count", tn["victim_count"])),
