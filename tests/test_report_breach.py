@@ -215,6 +215,7 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert tl["deadline_at"] in text
     assert "NEEDS A PERSON" in text and "r-victim" in text and "r-exposed" in text
     assert "What happened" in text and "Cause chain, in order" in text
+    assert "3-5 (3 pages)" in text  # page lists as ranges, never cut mid-list
     assert "pool below advertised" in text and "prefill rejected" in text
 
 

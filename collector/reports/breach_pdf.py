@@ -69,6 +69,23 @@ def _chart(
         plt.close(fig)
 
 
+def page_ranges(pages: list[int]) -> str:
+    """``10-741, 800 (733 pages)``: runs of consecutive ids as ranges, never an ellipsis
+    mid-list; past eight runs, the first ones and how many more."""
+    ids = sorted(set(pages))
+    runs: list[str] = []
+    start = prev = None
+    for p in [*ids, None]:
+        if start is not None and (p is None or p != prev + 1):  # type: ignore[operator]
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = None
+        if p is not None:
+            start = p if start is None else start
+            prev = p
+    shown = runs if len(runs) <= 8 else [*runs[:8], f"and {len(runs) - 8} more runs"]
+    return f"{', '.join(shown)} ({len(ids)} page{'s' if len(ids) != 1 else ''})"
+
+
 def _special(cats: dict[str, Any]) -> str:
     if cats["special"]:
         return ", ".join(cats["special"])
@@ -253,17 +270,17 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         ["when", "reader request", "reader tenant", "previous request", "previous tenant", "pages"],
         [
             [
-                s["ts"],
+                short_time(s["ts"]),
                 s["reader_request_id"],
                 s["reader_tenant"],
-                s["previous_request_id"],
-                s["previous_tenant"],
-                ",".join(str(p) for p in s["pages"]),
+                s["previous_request_id"] or "never written",
+                s["previous_tenant"] or "no one",
+                page_ranges(s["pages"]),
             ]
             for s in items
         ]
         or [["none", "", "", "", "", ""]],
-        [38, 30, 25, 30, 25, 32],
+        [36, 30, 25, 30, 25, 34],
     )
     if sr["count"] > len(items):
         pdf.para(f"{len(items)} of {sr['count']} stale reads shown; all are in the JSON report.")
