@@ -26,6 +26,7 @@ from collector.reports.audit import AuditLog
 from collector.reports.breach import BreachService
 from collector.reports.inventory import InventoryService
 from collector.reports.limits import LimitsService
+from collector.reports.notice import NoticeService
 from collector.reports.review import ReviewService
 from collector.reports.stored import ReportStore
 from collector.rollups.refresh import RollupRefresher
@@ -123,7 +124,11 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
     app.include_router(reads.build_router(ReadService(db)))
     app.include_router(alerts.build_router(alerting))
     app.include_router(schedules_api.build_router(schedules))
-    app.include_router(breach.build_router(BreachService(db, settings), reviews, ReportStore(db)))
+    app.include_router(
+        breach.build_router(
+            BreachService(db, settings), reviews, ReportStore(db), NoticeService(db, settings)
+        )
+    )
     app.include_router(
         reports.build_router(InventoryService(db), LimitsService(db), reviews, AuditLog(db))
     )

@@ -33,6 +33,11 @@ PAGES = [
         icon=":material/notifications_active:",
     ),
     st.Page(
+        HERE / "views" / "incident.py",
+        title="Incident",
+        icon=":material/emergency:",
+    ),
+    st.Page(
         HERE / "views" / "verifications.py",
         title="Verifications",
         icon=":material/verified:",

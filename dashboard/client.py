@@ -225,6 +225,21 @@ class CollectorClient:
     def incidents(self, *, state: str | None = None, limit: int = 100) -> list[JSON]:
         return list(self._json("GET", "/v1/incidents", params=_params(state=state, limit=limit)))
 
+    def incident_assessment(self, incident_id: int) -> JSON:
+        """The incident's breach assessment as it stands (not stored)."""
+        path = f"/v1/incidents/{incident_id}/assessment"
+        return dict(self._json("GET", path, timeout_s=120))
+
+    def incident_notice(self, incident_id: int, tenant: str) -> bytes:
+        """The PDF notice to one tenant (admin; audited)."""
+        r = self._send(
+            "GET",
+            f"/v1/incidents/{incident_id}/notice",
+            params={"tenant": tenant, "format": "pdf"},
+            timeout_s=120,
+        )
+        return r.content
+
     def verifications(self, *, deployment_id: str | None = None, limit: int = 200) -> list[JSON]:
         p = _params(deployment_id=deployment_id, limit=limit)
         return list(self._json("GET", "/v1/verifications", params=p))

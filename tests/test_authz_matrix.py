@@ -73,6 +73,8 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/incidents"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}"): _allow(200, *OPERATORS),
     ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, "admin"),
+    ("GET", "/v1/incidents/{incident_id}/assessment"): _allow(200, *OPERATORS),
+    ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
     ("GET", "/v1/verifications"): _allow(200, "ingest", *READERS),
     ("POST", "/v1/verifications"): _allow(201, "ingest", "admin"),
     ("GET", "/v1/verify-schedules"): _allow(200, "admin"),
@@ -307,7 +309,7 @@ def _path(w: World, op: Operation) -> str:
 
 
 def _required_query(w: World, op: Operation) -> dict[str, str]:
-    values = {"model_id": MODEL, "since": w.since, "until": w.until}
+    values = {"model_id": MODEL, "since": w.since, "until": w.until, "tenant": ACME}
     out = {}
     for p in op.query_params():
         if p.get("required"):

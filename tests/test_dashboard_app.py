@@ -28,6 +28,7 @@ PAGES = [
     "views/context.py",
     "views/pool.py",
     "views/alerts.py",
+    "views/incident.py",
     "views/verifications.py",
     "views/reports.py",
 ]
@@ -314,7 +315,7 @@ def test_a_tenant_token_sees_only_its_tenant(
         assert other not in t, f"{page} shows tenant {other!r} to a {h.TENANT} token"
     assert not problems(at)
     assert "tenant-scoped token: only its tenant's traffic" in t
-    if page in ("views/alerts.py", "views/reports.py"):
+    if page in ("views/alerts.py", "views/reports.py", "views/incident.py"):
         assert "not available to a tenant-scoped token" in t
     if page == "views/context.py":
         assert set(table(at, "share of safe context")["tenant"]) == {h.TENANT}
@@ -394,6 +395,7 @@ EMPTY = {
     "views/context.py": "No requests in the last 24 hours.",
     "views/pool.py": "No deployments yet.",
     "views/alerts.py": "No incidents.",
+    "views/incident.py": "No incidents.",
     "views/verifications.py": "No verifications yet.",
     "views/reports.py": "No reports generated yet.",
 }
@@ -417,3 +419,27 @@ def test_window_changes_what_is_shown(env: pytest.MonkeyPatch, seeded: h.Seeded)
     last_hour = int(metric(at, "Requests").replace(",", ""))
     assert 0 < last_hour < all_day
     assert datetime.now(UTC).year >= 2026  # the seed is relative to now; nothing fixed
+
+
+def test_incident_view_for_the_person_on_call(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
+    """(Last in this module: it stores an assessment the reports page must not see first.)
+    The incident's page: the countdown, who is affected, the cause chain, the stale reads,
+    then the assessment and a tenant's notice written from it."""
+    at = open_page(env, seeded.url, seeded.admin, "views/incident.py")
+    t = text(at)
+    assert re.fullmatch(r"2 d 23 h \d+ min", metric(at, "Time left"))
+    assert metric(at, "Exposed tenants") == "1" and metric(at, "Receiving tenants") == "1"
+    assert metric(at, "Data subjects") == "unknown"
+    cause = table(at, "step")
+    assert "stale_read_cross_tenant" in set(cause["step"])
+    reads = table(at, "reader request")
+    assert h.TENANT in set(reads["reader tenant"])
+    assert "may contain fragments of the other tenant's prompts" in t
+    at = submit(at, "Generate the breach assessment (stored, audited)")
+    assert any(s.value.startswith("Assessment rpt_") for s in at.success)
+    notice = next(b for b in at.button if b.label.startswith(f"Prepare the notice to {h.TENANT}"))
+    notice.click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    pdf = at.session_state[f"notice-{seeded.incident_id}-{h.TENANT}"]
+    assert pdf.startswith(b"%PDF")
+    assert not problems(at)

@@ -238,6 +238,13 @@ PAGES = [
         ["stale_page_read", "pool_below_advertised"],
         0,
     ),
+    (
+        "incident",
+        "incident",
+        ["Cause chain, from the evidence", "Time left", "Pool occupancy over the incident"],
+        ["stale_read_cross_tenant", "r-victim"],
+        0,  # the seeded pool samples lie outside the incident's own seconds
+    ),
     ("verifications", "verifications", ["Evidence", "kvwatch verify"], ["600000"], 1),
     ("reports", "reports", ["Breach assessment", "Quarterly review"], [], 0),
 ]

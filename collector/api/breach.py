@@ -5,10 +5,10 @@ rows) or its PDF."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.convertors import Convertor, register_url_convertor
@@ -16,8 +16,11 @@ from starlette.convertors import Convertor, register_url_convertor
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
-from collector.errors import InvalidInput
+from collector.errors import Forbidden, InvalidInput
 from collector.reports.breach import BreachScope, BreachService, to_csv
+from collector.reports.notice import NoticeService
+from collector.reports.notice import render_pdf as notice_pdf
+from collector.reports.notice import to_markdown as notice_md
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
 from collector.reports.stored import ID_PATTERN, ReportStore
@@ -75,6 +78,7 @@ def build_router(
     service: BreachService,
     reviews: ReviewService,
     store: ReportStore,
+    notices: NoticeService,
 ) -> APIRouter:
     r = caller.router()
 
@@ -153,6 +157,43 @@ def build_router(
             render = review_pdf if kind == "review" else breach_pdf
             return attachment(await in_thread(render, report), name, "pdf")
         return JSONResponse(report)
+
+    @r.get(
+        "/v1/incidents/{incident_id}/assessment",
+        responses=_ERRORS,
+        summary="The incident's breach assessment as it stands now (not stored: POST "
+        "/v1/reports stores one)",
+    )
+    async def incident_assessment(
+        incident_id: Annotated[int, Path(ge=1, le=2**63 - 1)], who: Caller
+    ) -> dict[str, Any]:
+        if who.kind == "read" and who.tenant is not None:
+            raise Forbidden("a tenant-scoped read token cannot read incidents")
+        who.require("admin", "read")
+        scope = BreachScope(incident_id=incident_id)
+        return await in_thread(lambda: service.build(scope, now=datetime.now(UTC)))
+
+    @r.get(
+        "/v1/incidents/{incident_id}/notice",
+        responses={**_ERRORS, 200: {"content": {"application/pdf": {}, "text/markdown": {}}}},
+        summary="The notice to one tenant about the incident (audited); names no other tenant",
+    )
+    async def incident_notice(
+        incident_id: Annotated[int, Path(ge=1, le=2**63 - 1)],
+        tenant: Annotated[str, Query(min_length=1, max_length=128)],
+        who: Caller,
+        format: Annotated[Literal["json", "md", "pdf"], Query()] = "json",
+    ) -> Response:
+        who.require("admin")
+        doc = await in_thread(
+            notices.notice, incident_id, tenant, created_by=who.label, now=datetime.now(UTC)
+        )
+        name = f"notice-{incident_id}-{tenant}"
+        if format == "pdf":
+            return attachment(await in_thread(notice_pdf, doc), name, "pdf")
+        if format == "md":
+            return Response(notice_md(doc), media_type="text/markdown")
+        return JSONResponse(doc)
 
     return r
 

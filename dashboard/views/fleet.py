@@ -95,6 +95,10 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
             f"last seen {ui.when(dep['last_seen'])} · {dep['firing_alerts']} firing alert(s), "
             f"{dep['critical_alerts']} critical · {dep['open_incidents']} open incident(s)"
         )
+        for incident_id in sorted({a["incident_id"] for a in alerts or [] if a.get("incident_id")}):
+            st.markdown(
+                f"[:material/emergency: Open incident #{incident_id}](/incident?id={incident_id})"
+            )
         if dep["reasons"]:
             lines = "\n".join(f"- {r}" for r in dep["reasons"])
             (st.error if status == "red" else st.warning)(f"**Why {status}:**\n{lines}")
