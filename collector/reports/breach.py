@@ -482,28 +482,7 @@ class BreachService:
     ) -> list[dict[str, Any]]:
         if not deps:
             return []
-        p = m.PageEvent
-        rows = conn.execute(
-            select(
-                p.deployment_id,
-                type_coerce(p.ts, BigInteger).label("ts"),
-                p.node,
-                p.request_id,
-                p.tenant,
-                p.other_request_id,
-                p.other_tenant,
-                p.page_count,
-                p.cross_tenant,
-                p.detail,
-            )
-            .where(
-                p.kind == "page.stale_read",
-                p.deployment_id.in_(deps),
-                type_coerce(p.ts, BigInteger) >= lo,
-                type_coerce(p.ts, BigInteger) < hi,
-            )
-            .order_by(p.ts, p.id)
-        )
+        rows = _page_events(conn, "page.stale_read", deps, lo, hi)
         out = []
         for row in rows:
             detail = json.loads(row.detail or "{}")
@@ -613,24 +592,7 @@ class BreachService:
                         f"by prefill: {r['reject_reason']}",
                     }
                 )
-        p = m.PageEvent
-        lo, hi = window_us
-        for row in conn.execute(
-            select(
-                type_coerce(p.ts, BigInteger).label("ts"),
-                p.request_id,
-                p.tenant,
-                p.page_count,
-                p.detail,
-            )
-            .where(
-                p.kind == "kv.transfer",
-                p.deployment_id.in_(deps),
-                type_coerce(p.ts, BigInteger) >= lo,
-                type_coerce(p.ts, BigInteger) < hi,
-            )
-            .order_by(p.ts, p.id)
-        ):
+        for row in _page_events(conn, "kv.transfer", deps, *window_us):
             detail = json.loads(row.detail or "{}")
             if detail.get("prefill_rejected"):
                 steps.append(
@@ -1047,6 +1009,28 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
         "needs_person": True,
         "note": "decision support only: a person decides under Art. 34(1) and (3)",
     }
+
+
+def _page_events(conn: Connection, kind: str, deps: list[str], lo: int, hi: int) -> Any:
+    """The deployments' page events of one kind in ``[lo, hi)`` µs, in time order."""
+    p = m.PageEvent
+    ts = type_coerce(p.ts, BigInteger)
+    return conn.execute(
+        select(
+            p.deployment_id,
+            ts.label("ts"),
+            p.node,
+            p.request_id,
+            p.tenant,
+            p.other_request_id,
+            p.other_tenant,
+            p.page_count,
+            p.cross_tenant,
+            p.detail,
+        )
+        .where(p.kind == kind, p.deployment_id.in_(deps), ts >= lo, ts < hi)
+        .order_by(p.ts, p.id)
+    )
 
 
 def crossed_deployments(body: dict[str, Any]) -> list[str]:
