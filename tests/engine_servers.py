@@ -34,6 +34,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -155,6 +156,13 @@ class VllmServer:
         with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(head.encode() + payload)
             time.sleep(after_s)
+            # Gone at once and for certain: shutdown ends the connection even where another
+            # process holds a copy of this descriptor (a fork elsewhere in the test process),
+            # and a zero linger makes the close a reset rather than a FIN the server may
+            # read only after it has written the whole answer.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def metrics_text(self) -> str:
         """The server's Prometheus exposition (GET /metrics)."""
