@@ -19,7 +19,7 @@ union of theirs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -92,6 +92,3 @@ class DataMap:
             frozenset(c for e in hits for c in e.special),
             sum(subjects) if subjects else None,
         )
-
-    def declared_all(self, requests: Iterable[Mapping[str, object]]) -> list[Declared]:
-        return [self.declared(r) for r in requests]
