@@ -182,9 +182,9 @@ def test_alerts_pushed_to_alertmanager_fire_then_resolve(
     # kept active for the horizon (an hour) past the notification, not resolved at once
     ends = alert["endsAt"].replace("Z", "+00:00")
     assert datetime.fromisoformat(ends).timestamp() > time.time() + 3000
-    (inc,) = _find(active, alertname="kvwatch_incident")
+    (inc,) = _find(active, alertname="KvwatchIncident")
     assert inc["labels"] == {
-        "alertname": "kvwatch_incident",
+        "alertname": "KvwatchIncident",
         "deployment_id": "d1",
         "severity": "critical",
         "incident_id": "9",
@@ -203,7 +203,7 @@ def test_alerts_pushed_to_alertmanager_fire_then_resolve(
     )
     active = alertmanager.alerts(active="true")
     assert _find(active, alertname="kv_pressure") == []
-    assert _find(active, alertname="kvwatch_incident") == []
+    assert _find(active, alertname="KvwatchIncident") == []
 
 
 def test_our_webhook_v4_body_has_alertmanagers_own_shape(
@@ -325,6 +325,6 @@ def test_api_v2_alerts_end_a_horizon_ahead_while_firing() -> None:
             external_url="",
         )
     )
-    assert inc["labels"]["alertname"] == "kvwatch_incident" and inc["labels"]["incident_id"] == "2"
+    assert inc["labels"]["alertname"] == "KvwatchIncident" and inc["labels"]["incident_id"] == "2"
     with pytest.raises(ValueError, match="format"):
         render("webhook", "slack", alert_doc(1), receiver_name="", external_url="")

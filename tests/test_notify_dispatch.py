@@ -153,7 +153,7 @@ def test_receiver_down_then_up_every_message_arrives_once_in_order_signed(db: Da
     am = [d.doc for d in receiver.by_path("/b")]
     assert {a["version"] for a in am} == {"4"}
     assert [a["status"] for a in am] == ["firing", "resolved"] * 3 + ["firing"]
-    assert am[-1]["alerts"][0]["labels"]["alertname"] == "kvwatch_incident"
+    assert am[-1]["alerts"][0]["labels"]["alertname"] == "KvwatchIncident"
     # every attempt recorded: the refused connections, then one 200 per message
     attempts = _attempts(db)
     assert len(attempts) == failed + 2 * len(docs)

@@ -35,7 +35,7 @@ written in the same transaction as the alert or incident change that caused it::
 
 Every document is rendered per endpoint at send time, deterministically (a retry sends the
 same body under the same ``webhook-id``). For Alertmanager (its API and its webhook format)
-a document with an incident is the incident's own alert (``alertname=kvwatch_incident``,
+a document with an incident is the incident's own alert (``alertname=KvwatchIncident``,
 deadline and affected-tenant count as annotations, resolved when closed); fingerprints are
 Alertmanager's own.
 
@@ -48,7 +48,7 @@ The package:
 * ``payloads``: the bodies. ``kvwatch`` format: the document plus ``"version": 1``.
   Alertmanager webhook v4 format, and Alertmanager API v2 alerts for ``alertmanager``
   endpoints; there an incident-only document is one alert labelled
-  ``alertname="kvwatch_incident"``, ``deployment_id``, ``severity="critical"``,
+  ``alertname="KvwatchIncident"``, ``deployment_id``, ``severity="critical"``,
   ``incident_id``. A firing alert is posted with ``endsAt`` an hour ahead
   (``payloads.AM_FIRING_HORIZON_S``): the alerting side must send ``alert.repeat`` more often
   than that to Alertmanager endpoints, or Alertmanager resolves the alert by itself.

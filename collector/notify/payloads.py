@@ -13,7 +13,7 @@ Three shapes:
   ``POST /api/v2/alerts``, so its routing (PagerDuty, Slack, e-mail) applies unchanged.
 
 An incident-only document becomes, in both Alertmanager shapes, one alert labelled
-``alertname="kvwatch_incident"``, ``deployment_id``, ``severity="critical"``, ``incident_id``.
+``alertname="KvwatchIncident"``, ``deployment_id``, ``severity="critical"``, ``incident_id``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ FORMATS = ("kvwatch", "alertmanager")
 KVWATCH_VERSION = 1
 AM_WEBHOOK_VERSION = "4"
 AM_ZERO_TIME = "0001-01-01T00:00:00Z"  # Go's zero time.Time: "not ended" in Alertmanager
-INCIDENT_ALERTNAME = "kvwatch_incident"
+INCIDENT_ALERTNAME = "KvwatchIncident"
 # Alertmanager resolves an alert by itself once endsAt passes, so a firing alert is posted
 # with endsAt this far ahead and must be re-posted (alert.repeat) before it runs out, as
 # Prometheus does; a collector that dies thus leaves alerts that expire rather than linger.
@@ -142,7 +142,7 @@ def am_fingerprint(labels: dict[str, str]) -> str:
 def _alerts(doc: dict[str, Any], external_url: str) -> list[dict[str, Any]]:
     """The document's alerts in Alertmanager's terms (``endsAt`` None while not ended).
 
-    A notice about an incident is the incident's own alert (``alertname=kvwatch_incident``):
+    A notice about an incident is the incident's own alert (``alertname=KvwatchIncident``):
     its linked alerts reach Alertmanager through their own notifications, and the incident,
     with its deadline, would otherwise never be seen there. Fingerprints are Alertmanager's
     own (kvwatch's 32-hex alert hash stays in kvwatch's format)."""
