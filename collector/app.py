@@ -122,12 +122,11 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
 
     app.include_router(ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter))
     app.include_router(reads.build_router(ReadService(db)))
-    app.include_router(alerts.build_router(alerting))
+    notices = NoticeService(db, settings)
+    app.include_router(alerts.build_router(alerting, notices))
     app.include_router(schedules_api.build_router(schedules))
     app.include_router(
-        breach.build_router(
-            BreachService(db, settings), reviews, ReportStore(db), NoticeService(db, settings)
-        )
+        breach.build_router(BreachService(db, settings), reviews, ReportStore(db), notices)
     )
     app.include_router(
         reports.build_router(InventoryService(db), LimitsService(db), reviews, AuditLog(db))

@@ -66,6 +66,13 @@ def sidebar() -> None:
         if scope:
             st.caption(scope)
         st.selectbox("Time window", list(ui.WINDOWS), index=2, key="window")
+        st.toggle(
+            "Zoom charts to the data",
+            value=True,
+            key="zoom",
+            help="When the events cover a small part of the window (a minute in a day), the "
+            "charts show just that stretch, in finer buckets.",
+        )
         period = settings.dashboard_refresh_s
         if period > 0:
             st.toggle(f"Auto-refresh every {period:g} s", value=True, key="auto_refresh")
@@ -89,7 +96,28 @@ def _scope_caption() -> str | None:
     }[scope]
 
 
+def tenant_banner() -> None:
+    """A tenant-scoped token is told, on every page, that an open incident concerns its data."""
+    if ui.token() is None:
+        return
+    try:
+        with ui.collector(timeout_s=5) as c:
+            if ui.token_scope(c) != "tenant":
+                return
+            mine = c.incidents(state="open", limit=20)
+    except DashboardError:
+        return  # the page says what is wrong, in full
+    for inc in mine:
+        st.error(
+            f"**{inc['summary']}** Incident #{inc['id']}, opened {ui.when(inc['opened_at'])}: "
+            f"[open it](/incident?id={inc['id']})",
+            icon=":material/emergency:",
+        )
+
+
 st.set_page_config(page_title="kvwatch", page_icon=":material/shield:", layout="wide")
 page = st.navigation(PAGES)
 sidebar()
+if page.url_path != "incident":  # the incident page says it in full
+    tenant_banner()
 page.run()

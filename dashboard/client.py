@@ -225,6 +225,10 @@ class CollectorClient:
     def incidents(self, *, state: str | None = None, limit: int = 100) -> list[JSON]:
         return list(self._json("GET", "/v1/incidents", params=_params(state=state, limit=limit)))
 
+    def incident(self, incident_id: int) -> JSON:
+        """One incident: its alerts (operators), or its own side of it (a tenant's token)."""
+        return dict(self._json("GET", f"/v1/incidents/{incident_id}"))
+
     def incident_assessment(self, incident_id: int) -> JSON:
         """The incident's breach assessment as it stands (not stored)."""
         path = f"/v1/incidents/{incident_id}/assessment"

@@ -70,8 +70,9 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/silences"): _allow(200, *OPERATORS),
     ("POST", "/v1/silences"): _allow(201, "admin"),
     ("DELETE", "/v1/silences/{silence_id}"): _allow(200, "admin"),
-    ("GET", "/v1/incidents"): _allow(200, *OPERATORS),
-    ("GET", "/v1/incidents/{incident_id}"): _allow(200, *OPERATORS),
+    # a tenant's token sees the incidents that concern it, its own side only
+    ("GET", "/v1/incidents"): _allow(200, *READERS),
+    ("GET", "/v1/incidents/{incident_id}"): _allow(200, *READERS),
     ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, "admin"),
     ("GET", "/v1/incidents/{incident_id}/assessment"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
@@ -483,12 +484,11 @@ def test_a_tenant_token_is_refused_the_other_tenant_by_filter_and_id(
     for path in ("/v1/requests", "/v1/page-events"):
         r = c.get(path, params={"tenant": other})
         assert r.status_code == 403 and _error_shape(r) == "forbidden", r.text
-    # alerts, incidents and reports name tenants: refused by list and by id, in every format
+    # alerts, assessments and reports name tenants: refused by list and by id, in every format
     refused = [
         "/v1/alerts",
         f"/v1/alerts/{world.alert_id}",
-        "/v1/incidents",
-        f"/v1/incidents/{world.incident_id}",
+        f"/v1/incidents/{world.incident_id}/assessment",
         "/v1/reports",
         *(f"/v1/reports/{world.report_id}?format={x}" for x in ("json", "csv", "pdf")),
         "/v1/silences",
@@ -512,6 +512,16 @@ def test_a_tenant_token_is_refused_the_other_tenant_by_filter_and_id(
         )
     else:  # the exposed: told its pages were read, not by whom
         assert (stale["tenant"], stale["request_id"], stale["other_tenant"]) == (None, None, ACME)
+    # the incident concerns both: each is told so, and sees its own side of it
+    (inc,) = _ok(c.get("/v1/incidents"))
+    side = "received" if tenant == GLOBEX else "exposed"
+    assert (inc["id"], inc["concerns"]) == (world.incident_id, side)
+    assert inc["summary"].startswith("This incident concerns your data")
+    view = _ok(c.get(f"/v1/incidents/{world.incident_id}"))
+    assert view["tenant"] == tenant and view["concerns"] == side
+    key = "read_by_another" if side == "exposed" else "that_read_another"
+    mine = view[f"your_requests_{key}"]
+    assert {x["request_id"] for x in mine} <= world.request_ids[tenant] and mine
     window = {"since": world.since, "until": world.until}
     inventory = _ok(c.get("/v1/inventory", params={"model_id": MODEL, **window}))
     assert {row["tenant"] for row in inventory["rows"]} == {tenant}

@@ -137,6 +137,7 @@ class Dashboards:
     main: Dashboard  # the seeded collector, refreshing every 30 s
     fast: Dashboard  # the seeded collector, refreshing every second
     down: Dashboard  # a collector address where nothing listens
+    tenant: Dashboard  # the seeded collector, with the reading tenant's token
     dead_url: str
 
 
@@ -149,14 +150,16 @@ def dashboards(seeded: h.Seeded, tmp_path_factory: pytest.TempPathFactory) -> It
         launch(seeded.url, seeded.admin, tmp / "main.log"),
         launch(seeded.url, seeded.admin, tmp / "fast.log", refresh_s=1),
         launch(dead, "kvw_admin_nothing", tmp / "down.log"),
+        launch(seeded.url, seeded.tenant, tmp / "tenant.log"),
         dead,
     )
+    every = (ds.main, ds.fast, ds.down, ds.tenant)
     try:
-        for d in (ds.main, ds.fast, ds.down):
+        for d in every:
             ready(d)
         yield ds
     finally:
-        for d in (ds.main, ds.fast, ds.down):
+        for d in every:
             stop(d)
 
 
@@ -265,6 +268,24 @@ def test_each_page_renders(
 ) -> None:
     visit(page, f"{dashboards.main.url}/{path}", *texts, cells=tuple(cells), charts=charts)
     shot(page, artifacts, name)
+
+
+def test_a_tenant_sees_its_own_side_of_the_incident(
+    dashboards: Dashboards, page: Page, artifacts: Path
+) -> None:
+    """The reading tenant's token: a banner on every page, and on the incident page its own
+    requests, the other party never named."""
+    visit(page, f"{dashboards.tenant.url}/", "This incident concerns your data", "open it")
+    visit(
+        page,
+        f"{dashboards.tenant.url}/incident",
+        "Your requests that read another customer's data",
+        "delete those answers",
+        cells=("r-victim", "another customer of the service"),
+    )
+    body = page.locator("[data-testid='stMain']").inner_text()
+    assert not [o for o in h.OTHERS if o in body], body
+    shot(page, artifacts, "incident-tenant")
 
 
 def test_generate_and_download_reports(

@@ -16,6 +16,7 @@ longer than the pool.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,6 +212,25 @@ def test_legacy_incident_leaks_and_the_collector_stores_the_stale_read(
             pools["prefill"]["pool_capacity_tokens"] == 512 < pools["prefill"]["advertised_context"]
         )
         assert pools["prefill"]["role"] == "prefill" and pools["decode"]["role"] == "decode"
+        (incident,) = http.get("/v1/incidents").json()
+
+    # Each tenant's token sees the incident only if it concerns that tenant's data, and then
+    # only its own side; to a tenant it does not concern, the incident does not exist.
+    bystanders = sorted(set(TENANTS) - set(exposed))
+    for tenant, side in [("mallory", "received"), *((t, "exposed") for t in exposed)]:
+        with collector.client(collector.token("read", tenant=tenant)) as mine:
+            (seen,) = mine.get("/v1/incidents").json()
+            assert (seen["id"], seen["concerns"]) == (incident["id"], side)
+            view = mine.get(f"/v1/incidents/{incident['id']}").json()
+            assert view["concerns"] == side
+            assert view["summary"].startswith("This incident concerns your data")
+            others = {"mallory", *exposed} - {tenant}
+            assert not [o for o in others if o in json.dumps(view)]
+    assert bystanders  # the workload has tenants whose data never crossed
+    with collector.client(collector.token("read", tenant=bystanders[0])) as theirs:
+        assert theirs.get("/v1/incidents").json() == []
+        r = theirs.get(f"/v1/incidents/{incident['id']}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
 
 
 def test_hardened_same_workload_is_a_clean_rejection(collector: Collector) -> None:

@@ -13,6 +13,7 @@ from collector.alerting.service import AlertingService
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.errors import Forbidden, InvalidInput
+from collector.reports.notice import NoticeService
 from collector.tokens import Principal
 from policies.durations import parse_duration
 
@@ -74,7 +75,12 @@ def _operator(who: Principal) -> None:
     who.require("admin", "read")
 
 
-def build_router(service: AlertingService) -> APIRouter:
+def _tenant(who: Principal) -> str | None:
+    """The tenant of a tenant-scoped read token (it sees only incidents that concern it)."""
+    return who.tenant if who.kind == "read" else None
+
+
+def build_router(service: AlertingService, notices: NoticeService) -> APIRouter:
     r = caller.router()
 
     @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
@@ -159,12 +165,24 @@ def build_router(service: AlertingService) -> APIRouter:
         state: Literal["open", "closed"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        _operator(who)
         params.known_params(request, {"state", "limit"})
+        tenant = _tenant(who)
+        if tenant is not None:
+            return await in_thread(
+                notices.tenant_incidents, tenant, state=state, limit=limit, now=datetime.now(UTC)
+            )
+        _operator(who)
         return await in_thread(service.list_incidents, state, limit)
 
-    @r.get("/v1/incidents/{incident_id}", responses=_ERRORS, summary="One incident and its alerts")
+    @r.get(
+        "/v1/incidents/{incident_id}",
+        responses=_ERRORS,
+        summary="One incident and its alerts (to a tenant-scoped token: its own side of it)",
+    )
     async def get_incident(incident_id: Id, who: Caller) -> dict[str, Any]:
+        tenant = _tenant(who)
+        if tenant is not None:
+            return await in_thread(notices.tenant_view, incident_id, tenant, now=datetime.now(UTC))
         _operator(who)
         return await in_thread(service.incident, incident_id)
 

@@ -20,14 +20,27 @@ import json
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
+from sqlalchemy import BigInteger, select, type_coerce
+
 from collector import audit
+from collector import models as m
 from collector.db import Database
-from collector.errors import CollectorError, InvalidInput
-from collector.reports.breach import BreachScope, BreachService
+from collector.errors import CollectorError, InvalidInput, NotFound
+from collector.reports.breach import BreachScope, BreachService, previous_close
 from collector.settings import Settings
 from collector.timefmt import iso, to_micros
 
 OTHER = "another customer of the service"
+CONCERNS = {
+    "exposed": "This incident concerns your data: another customer's requests read KV-cache "
+    "pages that held data of your requests.",
+    "received": "This incident concerns your data: your requests read KV-cache pages that held "
+    "another customer's data; the answers may contain it and are to be deleted.",
+    "both": "This incident concerns your data: another customer's requests read KV-cache pages "
+    "that held data of your requests, and your requests read pages that held another "
+    "customer's data.",
+}
 
 
 class NoticeLeak(CollectorError):
@@ -60,6 +73,85 @@ class NoticeService:
                 },
             )
         return doc
+
+    # ------------------------------------------------------------ a tenant's own view
+
+    def tenant_incidents(
+        self, tenant: str, *, state: str | None, limit: int, now: datetime
+    ) -> list[dict[str, Any]]:
+        """The incidents in which ``tenant``'s data crossed (its pages read by another, or it
+        read another's), newest first: what a tenant-scoped token sees of ``/v1/incidents``.
+        Each names only the tenant's side (``concerns``), never the other party."""
+        i, p = m.Incident, m.PageEvent
+        q = select(
+            i.id,
+            i.deployment_id,
+            i.state,
+            type_coerce(i.opened_at, BigInteger).label("opened_at"),
+            type_coerce(i.closed_at, BigInteger).label("closed_at"),
+        ).order_by(i.id.desc())
+        if state is not None:
+            q = q.where(i.state == state)
+        ts = type_coerce(p.ts, BigInteger)
+        out: list[dict[str, Any]] = []
+        with self.db.read() as conn:
+            for inc in conn.execute(q).all():
+                lo = previous_close(conn, inc.deployment_id, inc.id) or 0
+                hi = inc.closed_at or to_micros(now) + 1
+                sides = conn.execute(
+                    select(p.tenant, p.other_tenant)
+                    .where(
+                        p.kind == "page.stale_read",
+                        p.cross_tenant.is_(True),
+                        p.deployment_id == inc.deployment_id,
+                        ts >= lo,
+                        ts < hi,
+                        sa.or_(p.tenant == tenant, p.other_tenant == tenant),
+                    )
+                    .distinct()
+                ).all()
+                exposed = any(s.other_tenant == tenant for s in sides)
+                received = any(s.tenant == tenant for s in sides)
+                if not (exposed or received):
+                    continue
+                kind = "both" if exposed and received else "exposed" if exposed else "received"
+                out.append(
+                    {
+                        "id": inc.id,
+                        "deployment_id": inc.deployment_id,
+                        "state": inc.state,
+                        "opened_at": iso(inc.opened_at),
+                        "closed_at": iso(inc.closed_at),
+                        "concerns": kind,
+                        "summary": CONCERNS[kind],
+                    }
+                )
+                if len(out) >= limit:
+                    break
+        return out
+
+    def tenant_view(self, incident_id: int, tenant: str, *, now: datetime) -> dict[str, Any]:
+        """One incident as ``tenant`` may see it: its notice (naming no other party), with
+        ``concerns`` and ``summary``. An incident that does not concern the tenant is, to it,
+        no incident (404): its existence is other tenants' business."""
+        try:
+            report = BreachService(self.db, self.settings).build(
+                BreachScope(incident_id=incident_id), now=now
+            )
+            doc = build_notice(report, tenant, self.settings, now)
+        except (InvalidInput, NotFound):
+            raise NotFound(f"no incident {incident_id}") from None
+        # The notice's measures are a draft for the operator to review before sending, and
+        # its missing-contact placeholder is addressed to the operator: neither is for the
+        # tenant until a person has sent the notice.
+        return {
+            "concerns": doc["kind"],
+            "summary": CONCERNS[doc["kind"]],
+            **doc,
+            "measures": "The measures taken are in the operator's notice to you.",
+            "contact": self.settings.dpo_contact.strip()
+            or "Your usual contact at the service (no data-protection contact is configured).",
+        }
 
 
 def build_notice(
@@ -99,7 +191,9 @@ def build_notice(
         "incident": {
             "id": inc["id"],
             "deployment_id": inc["deployment_id"],
+            "state": inc["state"],
             "opened_at": inc["opened_at"],
+            "closed_at": inc["closed_at"],
             "our_awareness_at": report["timeline"]["awareness_at"],
         },
         "generated_at": iso(now),
