@@ -7,7 +7,7 @@ a chart read on its own still says what the lines mean.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import altair as alt
@@ -39,15 +39,29 @@ def _time_x(window: Window | None, title: str = "time (UTC)") -> alt.X:
     """Time on a UTC axis, spanning the whole window the page asked for: a gap with no data
     shows as a gap, and every chart of a page lines up."""
     domain: Any = alt.Undefined
+    fmt = "%b %d %H:%M"
     if window is not None:
         domain = [_datetime(t) for t in window]
+        fmt = _tick_format(window[1] - window[0])
     return alt.X(
         "time:T",
         title=title,
         scale=alt.Scale(type="utc", domain=domain),
         # 24-hour UTC, as the tables write times (a utc scale formats its ticks in UTC)
-        axis=alt.Axis(format="%b %d %H:%M", labelOverlap=True),
+        axis=alt.Axis(format=fmt, labelOverlap=True),
     )
+
+
+def _tick_format(span: timedelta) -> str:
+    """Ticks that differ from one another: seconds (and milliseconds) once a chart is zoomed
+    to a burst of events, the date only when the span crosses days."""
+    if span < timedelta(seconds=20):
+        return "%H:%M:%S.%L"
+    if span < timedelta(hours=1):
+        return "%H:%M:%S"
+    if span < timedelta(days=1):
+        return "%H:%M"
+    return "%b %d %H:%M"
 
 
 def _datetime(t: datetime) -> alt.DateTime:
@@ -60,6 +74,7 @@ def _datetime(t: datetime) -> alt.DateTime:
         hours=u.hour,
         minutes=u.minute,
         seconds=u.second,
+        milliseconds=u.microsecond // 1000,
         utc=True,
     )
 
@@ -67,6 +82,29 @@ def _datetime(t: datetime) -> alt.DateTime:
 def _with_when(df: pd.DataFrame, column: str = "time") -> pd.DataFrame:
     """A UTC label for tooltips (Vega would show the browser's local time)."""
     return df.assign(when=pd.to_datetime(df[column], utc=True).dt.strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def _steps(df: pd.DataFrame, keys: list[str], bucket_s: float | None) -> pd.DataFrame:
+    """``df`` with, per series (``keys``), its last row repeated at the end of its last
+    bucket: a value stands for a whole bucket, so a step-after line draws every bucket as
+    wide as it is, and a series of one bucket is a segment, not a dot."""
+    if df.empty or not bucket_s:
+        return df
+    last = df.sort_values("time").groupby(keys, as_index=False, dropna=False).tail(1).copy()
+    last["time"] = last["time"] + pd.Timedelta(seconds=bucket_s)
+    return pd.concat([df, last], ignore_index=True)
+
+
+def _across(df: pd.DataFrame, keys: list[str], window: Window | None) -> pd.DataFrame:
+    """``df`` with each series' first value repeated at the window's start and its last at
+    the window's end: a capacity drawn across the whole chart, as its legend promises."""
+    if df.empty or window is None:
+        return df
+    ordered = df.sort_values("time").groupby(keys, as_index=False, dropna=False)
+    first, last = ordered.head(1).copy(), ordered.tail(1).copy()
+    first["time"] = pd.Timestamp(window[0]).tz_convert("UTC")
+    last["time"] = pd.Timestamp(window[1]).tz_convert("UTC")
+    return pd.concat([first, df, last], ignore_index=True)
 
 
 def _lines(warn: int, critical: int, short: bool = False) -> pd.DataFrame:
@@ -112,23 +150,40 @@ def fleet_limits(df: pd.DataFrame) -> AnyChart:
 
 
 def prompt_timeline(
-    df: pd.DataFrame, warn: int | None, critical: int | None, window: Window | None = None
+    df: pd.DataFrame,
+    warn: int | None,
+    critical: int | None,
+    window: Window | None = None,
+    bucket_s: float | None = None,
 ) -> AnyChart:
-    """Largest and p99 prompt per route and time bucket, against the 80% and 100% lines.
+    """Largest and p99 prompt per route and time bucket (each a step as wide as its bucket,
+    with a point at its start), against the 80% and 100% lines.
 
     Columns: ``time``, ``route``, ``stat`` (max | p99), ``tokens``, ``requests``."""
+    x = _time_x(window)
+    y = alt.Y("tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s"))
+    color = alt.Color("route:N", title="route", legend=alt.Legend(orient="bottom"))
     lines = (
-        alt.Chart(_with_when(df))
-        .mark_line(point=True, interpolate="step-after")
+        alt.Chart(_steps(df, ["route", "stat"], bucket_s))
+        .mark_line(interpolate="step-after")
         .encode(
-            x=_time_x(window),
-            y=alt.Y("tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s")),
-            color=alt.Color("route:N", title="route", legend=alt.Legend(orient="bottom")),
+            x=x,
+            y=y,
+            color=color,
             strokeDash=alt.StrokeDash(
                 "stat:N",
                 title=None,
                 scale=alt.Scale(domain=["max", "p99"], range=[[1, 0], [4, 3]]),
             ),
+        )
+    )
+    points = (
+        alt.Chart(_with_when(df))
+        .mark_point(filled=True)
+        .encode(
+            x=x,
+            y=y,
+            color=alt.Color("route:N", legend=None),  # the lines' legend says it
             tooltip=[
                 alt.Tooltip("when:N", title="bucket"),
                 "route:N",
@@ -138,7 +193,7 @@ def prompt_timeline(
             ],
         )
     )
-    layers: list[alt.Chart] = [lines]
+    layers: list[alt.Chart] = [lines, points]
     if warn is not None and critical is not None:
         layers.extend(_threshold_rules(_lines(warn, critical), "y"))
     return alt.layer(*layers).resolve_scale(color="independent").properties(height=280)
@@ -208,29 +263,91 @@ def prompt_histogram(df: pd.DataFrame, warn: int | None, critical: int | None) -
     return alt.layer(*layers).resolve_scale(color="independent").properties(height=280)
 
 
-def pool_occupancy(df: pd.DataFrame, window: Window | None = None) -> AnyChart:
-    """Tokens in use per node over time (bucket max, with the mean in the tooltip), and each
-    node's capacity as a dashed line. Columns: ``time``, ``node``, ``used_max``, ``used_avg``,
-    ``capacity``."""
-    base = alt.Chart(_with_when(df)).encode(
-        x=_time_x(window),
-        color=alt.Color("node:N", title="node (role)", legend=alt.Legend(orient="bottom")),
+def pool_occupancy(
+    df: pd.DataFrame, window: Window | None = None, bucket_s: float | None = None
+) -> AnyChart:
+    """Tokens in use per node over time (bucket max as a step as wide as its bucket, the mean
+    in the tooltip), and each node's capacity as a dashed line across the whole chart.
+    Columns: ``time``, ``node``, ``used_max``, ``used_avg``, ``capacity``."""
+    x = _time_x(window)
+    color = alt.Color("node:N", title="node (role)", legend=alt.Legend(orient="bottom"))
+    y = alt.Y("used_max:Q", title="KV tokens in use", axis=alt.Axis(format="~s"))
+    steps = (
+        alt.Chart(_steps(df, ["node"], bucket_s))
+        .mark_line(interpolate="step-after")
+        .encode(x=x, y=y, color=color)
     )
-    used = base.mark_line(point=True).encode(
-        y=alt.Y("used_max:Q", title="KV tokens in use", axis=alt.Axis(format="~s")),
-        tooltip=[
-            alt.Tooltip("when:N", title="bucket"),
-            "node:N",
-            alt.Tooltip("used_max:Q", title="used (max)", format=","),
-            alt.Tooltip("used_avg:Q", title="used (mean)", format=",.0f"),
-            alt.Tooltip("capacity:Q", format=","),
-            alt.Tooltip("occupancy:Q", format=".0%"),
-        ],
+    used = (
+        alt.Chart(_with_when(df))
+        .mark_point(filled=True)
+        .encode(
+            x=x,
+            y=y,
+            color=color,
+            tooltip=[
+                alt.Tooltip("when:N", title="bucket"),
+                "node:N",
+                alt.Tooltip("used_max:Q", title="used (max)", format=","),
+                alt.Tooltip("used_avg:Q", title="used (mean)", format=",.0f"),
+                alt.Tooltip("capacity:Q", format=","),
+                alt.Tooltip("occupancy:Q", format=".0%"),
+            ],
+        )
     )
-    capacity = base.mark_line(strokeDash=[6, 4], opacity=0.6).encode(
-        y="capacity:Q", tooltip=["node:N", alt.Tooltip("capacity:Q", format=",")]
+    capacity = (
+        alt.Chart(_across(df[["time", "node", "capacity"]], ["node"], window))
+        .mark_line(strokeDash=[6, 4], opacity=0.7, interpolate="step-after")
+        .encode(
+            x=x,
+            y="capacity:Q",
+            color=color,
+            tooltip=["node:N", alt.Tooltip("capacity:Q", format=",")],
+        )
     )
-    return alt.layer(capacity, used).properties(height=260)
+    return alt.layer(capacity, steps, used).properties(height=260)
+
+
+def occupancy_ratio(
+    df: pd.DataFrame, window: Window | None = None, bucket_s: float | None = None
+) -> AnyChart:
+    """The pools' highest occupancy (used / capacity) per bucket, as steps, against a dashed
+    line at 100%, the capacity, across the whole chart. Columns: ``time``, ``occupancy``."""
+    x = _time_x(window)
+    y = alt.Y(
+        "occupancy:Q",
+        title="occupancy (used / capacity)",
+        axis=alt.Axis(format="%"),
+        scale=alt.Scale(domain=[0, max(1.05, float(df["occupancy"].max() or 0))]),
+    )
+    df = df.assign(series="occupancy (max)")
+    steps = (
+        alt.Chart(_steps(df, ["series"], bucket_s))
+        .mark_line(interpolate="step-after", color="#1f77b4")
+        .encode(x=x, y=y)
+    )
+    points = (
+        alt.Chart(_with_when(df))
+        .mark_point(filled=True, color="#1f77b4")
+        .encode(
+            x=x,
+            y=y,
+            tooltip=[
+                alt.Tooltip("when:N", title="bucket"),
+                alt.Tooltip("occupancy:Q", format=".1%"),
+            ],
+        )
+    )
+    full = (
+        alt.Chart(pd.DataFrame({"occupancy": [1.0], "line": ["capacity (100%)"]}))
+        .mark_rule(strokeDash=[6, 4], strokeWidth=2, color=CRIT)
+        .encode(y="occupancy:Q", tooltip=["line:N"])
+    )
+    label = (
+        alt.Chart(pd.DataFrame({"occupancy": [1.0], "line": ["capacity (100%)"]}))
+        .mark_text(align="left", baseline="bottom", dx=4, dy=-2, fontWeight="bold", color=CRIT)
+        .encode(y="occupancy:Q", x=alt.value(0), text="line:N")
+    )
+    return alt.layer(full, label, steps, points).properties(height=220)
 
 
 def page_events(df: pd.DataFrame, window: Window | None = None) -> AnyChart:

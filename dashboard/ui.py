@@ -159,6 +159,63 @@ def window() -> tuple[datetime, datetime]:
     return until - WINDOWS.get(label, WINDOWS[DEFAULT_WINDOW]), until
 
 
+ZOOM_BELOW = 20  # data covering less than 1/20 of the window is zoomed to
+ZOOM_MARGIN = timedelta(seconds=1)
+
+
+def fit(
+    window: tuple[datetime, datetime], first: datetime | None, last: datetime | None
+) -> tuple[datetime, datetime] | None:
+    """The window around the data, when the data (``first`` to ``last``) covers less than
+    1/``ZOOM_BELOW`` of the sidebar's window and zooming is on: a minute of events in a day's
+    window is otherwise one dot. A margin of a tenth of the data's span (at least a second)
+    each side, inside the window. None: keep the window."""
+    if first is None or last is None or not st.session_state.get("zoom", True):
+        return None
+    lo, hi = window
+    span = max(last - first, timedelta(0))
+    if span * ZOOM_BELOW >= hi - lo:
+        return None
+    margin = max(span / 10, ZOOM_MARGIN)
+    return max(lo, first - margin), min(hi, last + margin)
+
+
+def buckets_extent(items: list[Any], bucket_s: float) -> tuple[datetime | None, datetime | None]:
+    """From the first bucket's start (``bucket_start_us``) to the last one's end."""
+    starts = [x["bucket_start_us"] for x in items]
+    if not starts:
+        return None, None
+    first, last = parse_time(min(starts)), parse_time(max(starts))
+    assert first is not None and last is not None
+    return first, last + timedelta(seconds=bucket_s)
+
+
+def zoomed(
+    window: tuple[datetime, datetime],
+    fetch: Callable[[datetime, datetime], Any],
+    items: Callable[[Any], list[Any]],
+) -> tuple[tuple[datetime, datetime] | None, Any]:
+    """``fetch(since, until)`` over the window, then again over the window around its data
+    while that narrows it (coarse buckets first: an hour's rollup, then five minutes...).
+    Returns (the zoomed window or None, the last document fetched)."""
+    doc = fetch(*window)
+    zoom: tuple[datetime, datetime] | None = None
+    for _ in range(3):
+        z = fit(window, *buckets_extent(items(doc), doc["bucket_seconds"]))
+        if z is None or z == zoom:
+            break
+        zoom, doc = z, fetch(*z)
+    return zoom, doc
+
+
+def zoom_caption(zoomed: tuple[datetime, datetime]) -> None:
+    st.caption(
+        f":material/zoom_in: Zoomed to where the data is, {when(zoomed[0])} to "
+        f"{when(zoomed[1])} (the window is the {window_label()}; turn zooming off in the "
+        "sidebar)."
+    )
+
+
 def window_label() -> str:
     label = st.session_state.get("window", DEFAULT_WINDOW)
     return str(label if label in WINDOWS else DEFAULT_WINDOW).lower()
@@ -215,16 +272,16 @@ def percent(ratio: float | None) -> str:
     return "—" if ratio is None else f"{ratio:.0%}"
 
 
-def parse_time(value: str | int | None) -> datetime | None:
+def parse_time(value: str | int | datetime | None) -> datetime | None:
     """The collector's ISO strings (``…Z``) and microsecond integers, as aware datetimes."""
-    if value is None:
-        return None
+    if value is None or isinstance(value, datetime):
+        return value
     if isinstance(value, int):
         return datetime.fromtimestamp(value / 1_000_000, UTC)
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def when(value: str | int | None) -> str:
+def when(value: str | int | datetime | None) -> str:
     dt = parse_time(value)
     return "—" if dt is None else dt.strftime("%Y-%m-%d %H:%M:%S UTC")
 

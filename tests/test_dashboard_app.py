@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,10 @@ def table(at: AppTest, column: str) -> Any:
 
 
 def problems(at: AppTest) -> list[str]:
-    """Error boxes other than the fleet's red status (which is data, not a failure)."""
-    return [e.value for e in at.error if not e.value.startswith("**Why red")]
+    """Error boxes other than the fleet's red status and a tenant's incident banner (data,
+    not failures)."""
+    data = ("**Why red", "**This incident concerns your data")
+    return [e.value for e in at.error if not e.value.startswith(data)]
 
 
 def submit(at: AppTest, label: str) -> AppTest:
@@ -198,6 +200,29 @@ def test_alerts_and_incident_deadline(env: pytest.MonkeyPatch, seeded: h.Seeded)
     assert {"stale_page_read", "pool_below_advertised", "context_pressure"} <= set(alerts["rule"])
     assert set(alerts["state"]) == {"firing"}
     assert "No active silences." in t
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_a_tenant_is_told_an_open_incident_concerns_its_data(
+    env: pytest.MonkeyPatch, seeded: h.Seeded, page: str
+) -> None:
+    """(Before the incident is closed below.) Every page tells the reading tenant's token that
+    the open incident concerns its data, with a link to its own side of it."""
+    at = open_page(env, seeded.url, seeded.tenant, page)
+    if page == "views/incident.py":  # the page itself says it, in full
+        assert [e.value for e in at.error] == [
+            "**This incident concerns your data: your requests read KV-cache pages that held "
+            "another customer's data; the answers may contain it and are to be deleted.**"
+        ]
+        return
+    (banner,) = [e.value for e in at.error if "(/incident?id=" in e.value]
+    assert banner.startswith("**This incident concerns your data")
+    assert "your requests read KV-cache pages that held another customer's data" in banner
+    assert f"(/incident?id={seeded.incident_id})" in banner
+    assert not [o for o in h.OTHERS if o in banner]
+    # an operator's token gets no such banner: the incident is on its own pages
+    at = open_page(env, seeded.url, seeded.admin, page)
+    assert not [e for e in at.error if "concerns your data" in e.value]
 
 
 def test_verifications(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
@@ -315,8 +340,13 @@ def test_a_tenant_token_sees_only_its_tenant(
         assert other not in t, f"{page} shows tenant {other!r} to a {h.TENANT} token"
     assert not problems(at)
     assert "tenant-scoped token: only its tenant's traffic" in t
-    if page in ("views/alerts.py", "views/reports.py", "views/incident.py"):
+    if page in ("views/alerts.py", "views/reports.py"):
         assert "not available to a tenant-scoped token" in t
+    if page == "views/incident.py":  # its own side of the (now closed) incident
+        assert "This incident concerns your data" in t and "delete those answers" in t
+        rows = table(at, "data of")
+        assert set(rows["request"]) == {"r-victim"} and "r-exposed" not in t
+        assert set(rows["data of"]) == {"another customer of the service"}
     if page == "views/context.py":
         assert set(table(at, "share of safe context")["tenant"]) == {h.TENANT}
         assert "r-victim" in t and h.NEAR_REQUEST not in t
@@ -435,6 +465,17 @@ def test_incident_view_for_the_person_on_call(env: pytest.MonkeyPatch, seeded: h
     reads = table(at, "reader request")
     assert h.TENANT in set(reads["reader tenant"])
     assert "may contain fragments of the other tenant's prompts" in t
+    # click-through: a stale read's two requests, the reader and the one whose KV it read
+    at.selectbox(key="stale_read_requests").set_value(0).run()
+    assert not at.exception, [e.value for e in at.exception]
+    sides = [d.value for d in at.dataframe if list(d.value.columns) == ["field", "value"]]
+    fields = [dict(zip(d["field"], d["value"], strict=True)) for d in sides]
+    assert [(x["request"], x["tenant"]) for x in fields] == [
+        ("r-victim", h.TENANT),
+        ("r-exposed", "acme"),
+    ]
+    assert fields[0]["rejected because"] == "pool_exhausted"
+    assert fields[1]["prompt tokens"] == "5,000"
     at = submit(at, "Generate the breach assessment (stored, audited)")
     assert any(s.value.startswith("Assessment rpt_") for s in at.success)
     notice = next(b for b in at.button if b.label.startswith(f"Prepare the notice to {h.TENANT}"))
@@ -443,3 +484,89 @@ def test_incident_view_for_the_person_on_call(env: pytest.MonkeyPatch, seeded: h
     pdf = at.session_state[f"notice-{seeded.incident_id}-{h.TENANT}"]
     assert pdf.startswith(b"%PDF")
     assert not problems(at)
+
+
+# ---------------------------------------------------------------------- a minute in a day
+
+
+@pytest.fixture(scope="module")
+def burst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, datetime]]:
+    """A real collector whose only traffic is one minute, three hours ago (as after the
+    demo): a pool sampled every second, requests, page events."""
+    from collector import migrate
+    from collector.app import create_app
+    from collector.settings import Settings
+    from tests import factories as f
+    from tests.conftest import wait_rollups
+
+    db_url = f"sqlite:///{tmp_path_factory.mktemp('burst') / 'kvwatch.db'}"
+    migrate.upgrade(db_url)
+    settings = Settings(
+        database_url=db_url, auto_migrate=False, rollup_interval_s=0.2, notify_enabled=False
+    )
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=3)
+    events: list[Any] = [f.config(1, ts=start)]
+    for i in range(60):
+        at = start + timedelta(seconds=i)
+        events.append(f.pool(2 + 3 * i, used=10_000 * (i % 30), cap=681_280, ts=at))
+        events.append(f.admitted(3 + 3 * i, f"b-{i}", prompt=1_000 + 100 * i, ts=at))
+        events.append(f.finished(4 + 3 * i, f"b-{i}", ts=at + timedelta(milliseconds=500)))
+    events.append(f.stale_read(500, ts=start + timedelta(seconds=59)))
+    with serve_in_thread(create_app(settings)) as url:
+        ingest, admin = make_token(db_url, "ingest"), make_token(db_url, "admin")
+        r = httpx.post(
+            f"{url}/v1/events",
+            json=[f.as_json(e) for e in events],
+            headers={"Authorization": f"Bearer {ingest}"},
+        )
+        assert r.status_code == 200, r.text
+        wait_rollups(db_url)
+        yield url, admin, start
+
+
+def _x_domain(spec: dict[str, Any]) -> tuple[datetime, datetime] | None:
+    """The time axis's domain of a chart (the first layer that fixes one)."""
+    for layer in [spec, *spec.get("layer", [])]:
+        x = layer.get("encoding", {}).get("x", {})
+        domain = x.get("scale", {}).get("domain")
+        if isinstance(domain, list):
+            lo, hi = (
+                datetime(
+                    d["year"], d["month"], d["date"], d["hours"], d["minutes"], d["seconds"],
+                    tzinfo=UTC,
+                )
+                for d in domain
+            )  # fmt: skip
+            return lo, hi
+    return None
+
+
+def _specs(at: AppTest) -> list[dict[str, Any]]:
+    import json
+
+    return [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+
+
+@pytest.mark.parametrize("page", ["views/pool.py", "views/context.py"])
+def test_a_minute_of_events_in_a_day_is_drawn_zoomed(
+    env: pytest.MonkeyPatch, burst: tuple[str, str, datetime], page: str
+) -> None:
+    url, admin, start = burst
+    at = open_page(env, url, admin, page)
+    assert "Zoomed to where the data is" in text(at)
+    domains = [d for d in map(_x_domain, _specs(at)) if d is not None]
+    assert domains
+    for lo, hi in domains:  # the axis is the data's minutes (with a margin), not the day
+        assert lo <= start + timedelta(minutes=5) and hi >= start
+        assert hi - lo < timedelta(minutes=30), (lo, hi)
+    if page == "views/pool.py":
+        # a second-by-second pool: many points once zoomed, and the capacity line drawn
+        # across the whole chart (its first and last points at the axis's ends)
+        occupancy = table(at, "peak occupancy")
+        assert int(occupancy["samples"].sum()) == 60
+        assert "second buckets" in text(at)
+    # and with zooming off, the axis is the whole window again
+    at.sidebar.toggle(key="zoom").set_value(False).run()
+    assert "Zoomed to where the data is" not in text(at)
+    for lo, hi in filter(None, map(_x_domain, _specs(at))):
+        assert hi - lo > timedelta(hours=23)

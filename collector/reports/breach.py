@@ -364,14 +364,7 @@ class BreachService:
         ).one_or_none()
         if inc is None:
             raise NotFound(f"no incident {scope.incident_id}")
-        # The incident window: since the deployment's previous incident closed (or ever),
-        # up to this one's close (or now), unless the caller narrowed it.
-        prev_close = conn.execute(
-            select(sa.func.max(type_coerce(m.Incident.closed_at, BigInteger))).where(
-                m.Incident.deployment_id == inc.deployment_id,
-                m.Incident.id < inc.id,
-            )
-        ).scalar()
+        prev_close = previous_close(conn, inc.deployment_id, inc.id)
         lo = to_micros(scope.since) if scope.since else (prev_close or 0)
         hi = to_micros(scope.until) if scope.until else (inc.closed_at or to_micros(now) + 1)
         deps = [inc.deployment_id]
@@ -552,6 +545,7 @@ class BreachService:
             "pool_occupancy_max": pool.points(),
             "stale_reads": stale.points(),
             "window": {"from": iso(lo), "until": iso(hi)},  # the charts' time axis
+            "bucket_seconds": (max(hi, lo + 1) - lo) / BUCKETS / 1e6,
         }
 
     def _cause(
@@ -1009,6 +1003,17 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
         "needs_person": True,
         "note": "decision support only: a person decides under Art. 34(1) and (3)",
     }
+
+
+def previous_close(conn: Connection, deployment_id: str, incident_id: int) -> int | None:
+    """When the deployment's previous incident closed (µs), or None. An incident's window runs
+    from there (or from the beginning) to its own close (or now): the stale reads it covers."""
+    return conn.execute(
+        select(sa.func.max(type_coerce(m.Incident.closed_at, BigInteger))).where(
+            m.Incident.deployment_id == deployment_id,
+            m.Incident.id < incident_id,
+        )
+    ).scalar()
 
 
 def _page_events(conn: Connection, kind: str, deps: list[str], lo: int, hi: int) -> Any:

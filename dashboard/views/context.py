@@ -86,6 +86,7 @@ def model_section(
     hist: list[JSON],
     line: JSON | None,
     window: tuple[datetime, datetime],
+    bucket_s: float,
 ) -> None:
     st.subheader(model)
     if line is None:
@@ -106,7 +107,7 @@ def model_section(
     left, right = st.columns([3, 2])
     with left:
         st.markdown("**Largest and p99 prompt per route over time**")
-        chart = charts.prompt_timeline(timeline_frame(series), warn, crit, window)
+        chart = charts.prompt_timeline(timeline_frame(series), warn, crit, window, bucket_s)
         st.altair_chart(chart, width="stretch")
     with right:
         st.markdown("**Prompt-size distribution**")
@@ -142,7 +143,18 @@ def render(c: CollectorClient) -> None:
         )
 
     lines = {t["model_id"]: t for t in stats["thresholds"]}
-    series = [s for s in stats["series"] if keep(s)]
+    # The charts zoom to the data, in finer buckets; the figures stay the window's.
+    zoomed, chart_stats = ui.zoomed(
+        (since, until),
+        lambda lo, hi: (
+            stats
+            if (lo, hi) == (since, until)
+            else c.prompt_stats(since=lo, until=hi, deployment_id=deployment, max_points=200)
+        ),
+        lambda doc: doc["series"],
+    )
+    chart_window = zoomed or (since, until)
+    series = [s for s in chart_stats["series"] if keep(s)]
     summary = [r for r in stats["routes"] if keep(r)]
     a, b, cc, d = st.columns(4)
     a.metric("Requests", f"{sum(r['requests'] for r in summary):,}")
@@ -158,8 +170,15 @@ def render(c: CollectorClient) -> None:
     for m in sorted({s["model_id"] for s in series if s["model_id"] is not None}):
         hist = [h for h in stats["histogram"] if h["model_id"] == m]
         model_section(
-            m, [s for s in series if s["model_id"] == m], hist, lines.get(m), (since, until)
+            m,
+            [s for s in series if s["model_id"] == m],
+            hist,
+            lines.get(m),
+            chart_window,
+            chart_stats["bucket_seconds"],
         )
+    if zoomed is not None:
+        ui.zoom_caption(zoomed)
 
     st.subheader("Per model and route")
     st.dataframe(

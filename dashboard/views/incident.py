@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pandas as pd
 import streamlit as st
 
-from dashboard import ui
+from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
 from dashboard.incidents import incident_card
 
@@ -81,6 +81,71 @@ def _reads(doc: JSON) -> None:
         hide_index=True,
         use_container_width=True,
     )
+    _requests_of_read(doc, items)
+
+
+def _requests_of_read(doc: JSON, items: list[JSON]) -> None:
+    """The click-through: one stale read's two requests, the one that read and the one whose
+    KV it read, as the evidence records them."""
+    requests = {(r["deployment_id"], r["request_id"]): r for r in doc["affected_requests"]["items"]}
+
+    def label(i: int) -> str:
+        s = items[i]
+        return (
+            f"{ui.when(s['ts'])}: {s['reader_request_id'] or '?'} read "
+            f"{s['page_count']} pages of {s['previous_request_id'] or 'no earlier request'}"
+        )
+
+    chosen = st.selectbox(
+        "The requests of a stale read",
+        range(len(items)),
+        index=None,
+        format_func=label,
+        placeholder="Choose a stale read to see the requests on both sides",
+        key="stale_read_requests",
+    )
+    if chosen is None:
+        return
+    s = items[chosen]
+    left, right = st.columns(2)
+    for col, title, rid in (
+        (left, "The request that read", s["reader_request_id"]),
+        (right, "The request whose KV was read", s["previous_request_id"]),
+    ):
+        with col, st.container(border=True):
+            st.markdown(f"**{title}**")
+            r = requests.get((s["deployment_id"], rid)) if rid else None
+            if r is None:
+                st.caption(
+                    "No earlier writer is recorded for these pages: they were read before any "
+                    "request wrote them (zeroed or never used), so no one's data was exposed."
+                    if not rid
+                    else f"Request {rid} is not in the evidence (its record was not received)."
+                )
+                continue
+            st.dataframe(
+                pd.DataFrame(
+                    [
+                        ("request", r["request_id"]),
+                        ("tenant", r["tenant"]),
+                        ("route", r["route"] or "—"),
+                        ("model", r["model_id"] or "—"),
+                        ("prompt tokens", _num(r["prompt_tokens"])),
+                        ("completion tokens", _num(r["completion_tokens"])),
+                        ("status", r["status"]),
+                        ("rejected because", r["reject_reason"] or "—"),
+                        ("first seen", ui.when(r["first_ts"])),
+                        ("last seen", ui.when(r["last_ts"])),
+                    ],
+                    columns=["field", "value"],
+                ),
+                hide_index=True,
+                use_container_width=True,
+            )
+
+
+def _num(v: int | None) -> str:
+    return "—" if v is None else f"{v:,}"
 
 
 def _pool(doc: JSON) -> None:
@@ -90,14 +155,17 @@ def _pool(doc: JSON) -> None:
     if not points:
         st.info("No pool sample in the incident's window.")
         return
-    df = pd.DataFrame(
-        [{"time": ui.parse_time(p["ts"]), "occupancy": p["value"], "full": 1.0} for p in points]
-    )
-    st.line_chart(df.set_index("time"), y=["occupancy", "full"], height=220)
     window = series.get("window") or {}
+    lo, hi = ui.parse_time(window.get("from")), ui.parse_time(window.get("until"))
+    df = pd.DataFrame([{"time": ui.parse_time(p["ts"]), "occupancy": p["value"]} for p in points])
+    df["time"] = pd.to_datetime(df["time"], utc=True)
+    span = (lo, hi) if lo is not None and hi is not None else None
+    chart = charts.occupancy_ratio(df, span, series.get("bucket_seconds"))
+    st.altair_chart(chart, width="stretch")
     st.caption(
-        f"Max occupancy (used/capacity) per bucket, {ui.when(window.get('from'))} to "
-        f"{ui.when(window.get('until'))}; 'full' is the capacity."
+        f"The highest occupancy (used / capacity) of the involved pools per bucket, "
+        f"{ui.when(window.get('from'))} to {ui.when(window.get('until'))}; the dashed line is "
+        "the capacity: at 100% the pool is full and the next allocation must reuse pages."
     )
 
 
@@ -134,8 +202,63 @@ def _actions(c: CollectorClient, inc: JSON, doc: JSON) -> None:
             )
 
 
+def _tenant_view(c: CollectorClient) -> None:
+    """A tenant-scoped token sees the incidents that concern its data, its own side of each
+    (the notice's contents: its requests, never the other party)."""
+    mine = c.incidents(limit=200)
+    if not mine:
+        st.success("No incident concerns your data.", icon=":material/check_circle:")
+        return
+    inc = _choose(mine)
+    view = c.incident(inc["id"])
+    st.error(f"**{view['summary']}**", icon=":material/emergency:")
+    i = view["incident"]
+    st.caption(
+        f"Incident #{i['id']} on {i['deployment_id']} · {i['state']} · opened "
+        f"{ui.when(i['opened_at'])} · the service became aware {ui.when(i['our_awareness_at'])}"
+    )
+    st.markdown(view["what_happened"])
+    for title, rows, who in (
+        (
+            "Your requests whose data another customer read",
+            "your_requests_read_by_another",
+            "read_by",
+        ),
+        (
+            "Your requests that read another customer's data",
+            "your_requests_that_read_another",
+            "data_of",
+        ),
+    ):
+        if view[rows]:
+            st.subheader(title)
+            st.dataframe(
+                pd.DataFrame(
+                    [
+                        {
+                            "request": r["request_id"],
+                            "first seen": ui.when(r["first_seen"]),
+                            "prompt tokens": r["prompt_tokens"],
+                            "read at": ui.when(r["read_at"]),
+                            "pages": r["pages"],
+                            who.replace("_", " "): r[who],
+                        }
+                        for r in view[rows]
+                    ]
+                ),
+                hide_index=True,
+                use_container_width=True,
+            )
+    if view["please_delete"]:
+        st.warning(view["please_delete"], icon=":material/delete:")
+    st.markdown(f"**Measures.** {view['measures']}")
+    st.markdown(f"**Contact.** {view['contact']}")
+    st.caption(f"Legal basis: {view['legal_basis']}")
+
+
 def render(c: CollectorClient) -> None:
-    if ui.require_operator(c, "Incidents") is None:
+    if ui.token_scope(c) == "tenant":
+        _tenant_view(c)
         return
     incidents = c.incidents(limit=200)
     if not incidents:

@@ -56,6 +56,14 @@ def peaks_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 def stale_frame(items: list[JSON]) -> pd.DataFrame:
     hidden = "(another tenant)"
+
+    def previous(x: JSON, field: str) -> str:
+        if x[field] is not None:
+            return str(x[field])
+        # Not cross-tenant and no one named: the pages had no earlier writer (a tenant's
+        # token sees a cross-tenant party redacted instead).
+        return hidden if x["cross_tenant"] else "no one (never written)"
+
     return pd.DataFrame(
         [
             {
@@ -64,8 +72,8 @@ def stale_frame(items: list[JSON]) -> pd.DataFrame:
                 "node": x["node"],
                 "reader tenant": x["tenant"] or hidden,
                 "reader request": x["request_id"] or hidden,
-                "exposed tenant (previous writer)": x["other_tenant"] or hidden,
-                "exposed request": x["other_request_id"] or hidden,
+                "exposed tenant (previous writer)": previous(x, "other_tenant"),
+                "exposed request": previous(x, "other_request_id"),
                 "pages": x["page_count"],
                 "cross-tenant": bool(x["cross_tenant"]),
                 "zeroized": bool((x.get("detail") or {}).get("zeroized")),
@@ -78,7 +86,13 @@ def stale_frame(items: list[JSON]) -> pd.DataFrame:
 def occupancy(c: CollectorClient, deployment: str | None) -> None:
     since, until = ui.window()
     st.subheader("KV pool occupancy")
-    pool = c.pool_samples(since=since, until=until, deployment_id=deployment, max_points=200)
+    zoomed, pool = ui.zoomed(
+        (since, until),
+        lambda lo, hi: c.pool_samples(since=lo, until=hi, deployment_id=deployment, max_points=200),
+        lambda doc: doc["items"],
+    )
+    if zoomed is not None:
+        since, until = zoomed
     if not pool["items"]:
         st.info(
             f"**No pool samples in the {ui.window_label()}.** Probes report `pool.sample` "
@@ -89,7 +103,8 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
     df = occupancy_frame(pool["items"])
     for dep, part in df.groupby("deployment_id", sort=True):
         st.markdown(f"**{dep}**: tokens in use per node (line), capacity (dashed)")
-        st.altair_chart(charts.pool_occupancy(part, (since, until)), width="stretch")
+        chart = charts.pool_occupancy(part, (since, until), pool["bucket_seconds"])
+        st.altair_chart(chart, width="stretch")
     st.dataframe(
         peaks_frame(df),
         hide_index=True,
@@ -104,12 +119,22 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
         },
     )
     st.caption(f"{pool['bucket_seconds']:g}-second buckets: the mean and the max of each.")
+    if zoomed is not None:
+        ui.zoom_caption(zoomed)
 
 
 def page_activity(c: CollectorClient, deployment: str | None) -> None:
     since, until = ui.window()
     st.subheader("Page reuse, transfers and stale reads")
-    stats = c.page_event_stats(since=since, until=until, deployment_id=deployment, max_points=120)
+    zoomed, stats = ui.zoomed(
+        (since, until),
+        lambda lo, hi: c.page_event_stats(
+            since=lo, until=hi, deployment_id=deployment, max_points=120
+        ),
+        lambda doc: doc["items"],
+    )
+    if zoomed is not None:
+        since, until = zoomed
     items = stats["items"]
     by_kind: dict[str, dict[str, int]] = {}
     for x in items:
@@ -139,6 +164,9 @@ def page_activity(c: CollectorClient, deployment: str | None) -> None:
     df["time"] = ui.us_to_time(df["bucket_start_us"])
     df["end"] = df["time"] + pd.Timedelta(seconds=stats["bucket_seconds"])
     st.altair_chart(charts.page_events(df, (since, until)), width="stretch")
+    st.caption(f"{stats['bucket_seconds']:g}-second buckets.")
+    if zoomed is not None:
+        ui.zoom_caption(zoomed)
 
 
 def stale_reads(c: CollectorClient, deployment: str | None) -> None:
