@@ -541,3 +541,66 @@ def test_tenant_notices_name_no_one_else(env: Env, tmp_path: Path) -> None:
             select(m.AuditEntry.action).where(m.AuditEntry.action == "report.notice")
         ).all()
     assert len(actions) == 6
+
+
+def test_the_pdf_wraps_at_word_boundaries_and_explains_its_figures(
+    collector: Collector, tmp_path: Path
+) -> None:
+    """Long tenant names and request ids are never broken mid-word (a cell too narrow for a
+    word sets it smaller); every summary figure and the no-writer stale read are explained."""
+    reader, victim = "massive-dynamic-holdings-international", "hooli-xyz-europe-subsidiary"
+    reader_req, victim_req = "req-2026-12-02-0000000000123456", "req-2026-12-02-0000000000654321"
+    events = [
+        f.config(1),
+        f.config(2, role="decode", node="decode-0", pool_tokens=2_000_000),
+        f.admitted(3, victim_req, tenant=victim, prompt=5_000),
+        f.finished(4, victim_req, tenant=victim),
+        f.rejected(5, reader_req, tenant=reader),
+        f.stale_read(
+            6,
+            reader_request_id=reader_req,
+            reader_tenant=reader,
+            previous_request_id=victim_req,
+            previous_tenant=victim,
+        ),
+        f.stale_read(
+            7,
+            reader_request_id=reader_req,
+            reader_tenant=reader,
+            previous_request_id=None,
+            previous_tenant=None,
+            page_ids=list(range(10, 742)),
+        ),
+    ]
+    with collector.client(collector.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(e) for e in events])
+        assert r.status_code == 200, r.text
+    with collector.client(collector.admin) as admin:
+        (inc,) = admin.get("/v1/incidents").json()
+        created = admin.post("/v1/reports", json={"kind": "breach", "incident_id": inc["id"]})
+        rid = created.json()["report_id"]
+        report = admin.get(f"/v1/reports/{rid}").json()
+        pdf = admin.get(f"/v1/reports/{rid}", params={"format": "pdf"}).content
+    (tmp_path / "long-names.pdf").write_bytes(pdf)  # for a person to look at
+    _pdf_checks(pdf, report)
+    lines = [
+        line
+        for page in pypdf.PdfReader(io.BytesIO(pdf)).pages
+        for line in (page.extract_text() or "").splitlines()
+    ]
+    for word in (reader, victim, reader_req, victim_req):
+        assert any(word in line for line in lines), f"{word!r} is broken across lines"
+    text = " ".join(" ".join(lines).split())
+    for figure in (
+        "Affected requests:",
+        "Largest prompt:",
+        "Stale reads:",
+        "Exposed tenants, requests:",
+        "Receiving tenants, requests:",
+        "Data subjects:",
+        "Special categories:",
+        "never written / no one:",
+        "10-741 (732 pages)",
+    ):
+        assert figure in text, figure
+    assert "receiving tenant" in text and "victim tenant" not in text

@@ -15,21 +15,59 @@ matplotlib.use("Agg")
 
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
+from matplotlib.ticker import Formatter, FuncFormatter
 
 from collector.reports.breach import EVIDENCE_KEYS
 from collector.reports.pdf import ReportPdf, short_time
 from collector.timefmt import parse_iso
 
 MAX_TABLE_ROWS = 200
+WARN, CRIT = "#e67e22", "#c0392b"  # the 80% line and the 100% line (as on the dashboard)
+SUMMARY_NOTES = [
+    (
+        "Affected requests",
+        "the requests on either side of a stale read in scope (those that read, and those "
+        "whose pages were read); in a window report, every request in the window.",
+    ),
+    ("Largest prompt", "the longest prompt, in tokens, among the affected requests."),
+    (
+        "Stale reads",
+        "reads of KV pages the reading request did not write; cross-tenant: last written by "
+        "another tenant's request; pages: all pages those reads covered.",
+    ),
+    (
+        "Exposed tenants, requests",
+        "the tenants (customers) and requests whose KV pages another tenant's request read.",
+    ),
+    (
+        "Receiving tenants, requests",
+        "the tenants and requests that read another tenant's KV pages (their answers may hold it).",
+    ),
+    (
+        "Data subjects",
+        "the persons the exposed prompts concern: kvwatch stores no prompt text and cannot "
+        "count them; the exposed tenant (the controller) can.",
+    ),
+    (
+        "Special categories",
+        "the categories declared in the data map (KVWATCH_DATA_MAP) or tagged on the exposed "
+        "requests; never guessed.",
+    ),
+    (
+        "Awareness, deadline",
+        "when the incident was opened (the operator's awareness), and 72 hours later.",
+    ),
+]
 
 
 def _chart(
     series: list[dict[str, Any]],
     title: str,
     ylabel: str,
-    lines: list[tuple[float, str]],
+    lines: list[tuple[float, str, str]],
     kind: str = "line",
     window: dict[str, str] | None = None,
+    bucket_s: float | None = None,
 ) -> bytes | None:
     if not series:
         return None
@@ -44,21 +82,25 @@ def _chart(
         lo, hi = parse_iso(window["from"]), parse_iso(window["until"])
     fig, ax = plt.subplots(figsize=(7.5, 2.6), dpi=110)
     try:
+        gaps = [b - a for a, b in pairwise(x) if b > a]
+        step = timedelta(seconds=bucket_s) if bucket_s else (min(gaps) if gaps else (hi - lo) / 48)
         if kind == "bar":
-            gaps = [b - a for a, b in pairwise(x) if b > a]
-            step = min(gaps) if gaps else (hi - lo) / 48
-            ax.bar(x, y, width=0.8 * step.total_seconds() / 86400, color="#c0392b")
+            # each bar as wide as its bucket, starting where the bucket starts
+            ax.bar(x, y, width=step.total_seconds() / 86400, align="edge", color="#c0392b")
         else:
-            ax.plot(x, y, marker="o", markersize=3, color="#2c3e50", label=ylabel)
-        for value, label in lines:
-            ax.axhline(value, linestyle="--", linewidth=1, color="#e67e22", label=label)
+            # a value stands for its whole bucket: a step as wide as it, a dot at its start
+            ax.step([*x, x[-1] + step], [*y, y[-1]], where="post", color="#2c3e50", label=ylabel)
+            ax.plot(x, y, "o", markersize=3, color="#2c3e50")
+        for value, label, color in lines:
+            ax.axhline(value, linestyle="--", linewidth=1, color=color, label=label)
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.set_xlim(lo, hi)
-        locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
-        ax.xaxis.set_major_locator(locator)
-        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+        ax.set_ylim(bottom=0)
+        ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=3, maxticks=8))
+        ax.xaxis.set_major_formatter(_ticks(hi - lo))
+        ax.set_xlabel(f"time (UTC), {lo:%Y-%m-%d}", fontsize=7)
         if lines:
             ax.legend(fontsize=7, loc="upper left")
         fig.tight_layout()
@@ -67,6 +109,20 @@ def _chart(
         return buf.getvalue()
     finally:
         plt.close(fig)
+
+
+def _ticks(span: timedelta) -> Formatter:
+    """Tick labels that tell each other apart: milliseconds for a burst of seconds, seconds at
+    an incident's minutes, dates only across days (the date itself is in the axis title)."""
+    if span < timedelta(seconds=20):
+        return FuncFormatter(lambda v, _: mdates.num2date(v).strftime("%H:%M:%S.%f")[:-3])
+    if span < timedelta(hours=1):
+        return mdates.DateFormatter("%H:%M:%S")
+    return mdates.DateFormatter("%H:%M" if span < timedelta(days=1) else "%m-%d %H:%M")
+
+
+def _n(v: Any) -> str:
+    return f"{v:,}" if isinstance(v, int) else "-" if v is None else str(v)
 
 
 def page_ranges(pages: list[int]) -> str:
@@ -142,7 +198,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
                 f"{sr['count']} ({sr['cross_tenant']} cross-tenant, {sr['pages']} pages)",
             ),
             (
-                "Deployments where data crossed",
+                "Where data crossed",
                 ", ".join(report.get("involved_deployments") or []) or "none",
             ),
             ("Exposed tenants", tn["exposed_count"]),
@@ -160,10 +216,14 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ("Art. 34 high risk", _art34_verdict(report["art34"])),
         ]
     )
+    pdf.ln(1)
+    pdf.notes(SUMMARY_NOTES)
     pdf.para(
         "The evidence SHA-256 is computed over the canonical JSON (sorted keys, compact) of the "
         f"sections {', '.join(EVIDENCE_KEYS)} of the JSON report; `kvwatch report verify` "
-        "recomputes it."
+        "recomputes it. The generation time is outside it: the same evidence gives the same "
+        "hash.",
+        8,
     )
     if report.get("account"):
         pdf.ln(2)
@@ -200,33 +260,38 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     lines = []
     if safe:
         lines = [
-            (0.8 * min(safe), f"80% of safe context ({int(0.8 * min(safe))})"),
-            (float(min(safe)), f"safe context ({min(safe)})"),
+            (0.8 * min(safe), f"80% of safe context ({int(0.8 * min(safe)):,})", WARN),
+            (float(min(safe)), f"safe context ({min(safe):,})", CRIT),
         ]
     series = report["series"]
     win = series.get("window")
+    bucket_s = series.get("bucket_seconds")
+    width = f"{bucket_s:.3g}-second" if bucket_s else "equal"
     charts = [
         _chart(
             series["prompt_tokens_max"],
-            "Prompt tokens (max per bucket)",
+            f"Prompt tokens: the largest per {width} bucket",
             "tokens",
             lines,
             window=win,
+            bucket_s=bucket_s,
         ),
         _chart(
             series["pool_occupancy_max"],
-            "Pool occupancy (max per bucket)",
-            "used/capacity",
-            [(1.0, "full")],
+            f"Pool occupancy: the highest per {width} bucket",
+            "used / capacity",
+            [(1.0, "capacity (full)", CRIT)],
             window=win,
+            bucket_s=bucket_s,
         ),
         _chart(
             series["stale_reads"],
-            "Stale reads per bucket",
+            f"Stale reads per {width} bucket",
             "stale reads",
             [],
             kind="bar",
             window=win,
+            bucket_s=bucket_s,
         ),
     ]
     for title, png in zip(("Prompt tokens", "Pool occupancy", "Stale reads"), charts, strict=True):
@@ -234,6 +299,28 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             pdf.para(f"{title}: no data in scope.")
         else:
             pdf.image(io.BytesIO(png), w=pdf.epw)
+    pdf.notes(
+        [
+            (
+                "Time axis",
+                f"{win['from'] if win else 'the scope'} to {win['until'] if win else ''}: "
+                "for an incident, from the first event of its requests to its last stale read, "
+                "with a margin (its own minutes, not a day).",
+            ),
+            (
+                "Prompt tokens",
+                "the largest prompt (in tokens) among the requests of the models in scope "
+                "that started in each bucket; the dashed lines are 80% and 100% of the "
+                "smallest safe context of the deployments in scope.",
+            ),
+            (
+                "Pool occupancy",
+                "the highest used / capacity of any KV pool sample of the deployments in "
+                "scope; at 1.0 the pool is full and the next allocation reuses pages.",
+            ),
+            ("Stale reads", "how many stale reads (of any tenant) were recorded in each bucket."),
+        ]
+    )
 
     # ---- tables
     pdf.add_page()
@@ -247,7 +334,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         [40, 25, 25, 90],
     )
     pdf.grid(
-        ["victim tenant", "stale reads", "requests", "received data of"],
+        ["receiving tenant", "stale reads", "requests", "received data of"],
         [
             [t["tenant"], t["stale_reads"], t["requests"], ", ".join(t["sources"])]
             for t in tn["victims"]
@@ -282,6 +369,22 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         or [["none", "", "", "", "", ""]],
         [36, 30, 25, 30, 25, 34],
     )
+    pdf.notes(
+        [
+            (
+                "A stale read",
+                "a request read KV pages it did not write. Cross-tenant (the contract's one "
+                "definition): the pages were last written by another tenant's request.",
+            ),
+            (
+                "never written / no one",
+                "the pages were read before any request wrote them since the pool was made: "
+                "they held no one's data (a zeroed or unused page), so no tenant is exposed by "
+                "that row; it is listed because reading them is the defect's own symptom.",
+            ),
+            ("pages", "the page ids read, as runs of consecutive ids, and how many pages."),
+        ]
+    )
     if sr["count"] > len(items):
         pdf.para(f"{len(items)} of {sr['count']} stale reads shown; all are in the JSON report.")
     pdf.h1("Affected requests")
@@ -295,13 +398,24 @@ def render_pdf(report: dict[str, Any]) -> bytes:
                 r["deployment_id"],
                 r["prompt_tokens"],
                 r["status"],
-                r["role"],
-                r["first_ts"],
+                r["role"].replace("_", " "),
+                short_time(r["first_ts"]),
             ]
             for r in reqs
         ]
         or [["none", "", "", "", "", "", ""]],
-        [28, 22, 28, 18, 20, 26, 38],
+        [24, 28, 26, 16, 22, 26, 36],
+    )
+    pdf.notes(
+        [
+            (
+                "role",
+                "reader: the request read another request's pages; previous writer: its pages "
+                "were read by another request; both: each; in window: in a window report's "
+                "window, on neither side.",
+            ),
+            ("prompt", "the request's prompt length in tokens, as the engine counted it."),
+        ]
     )
     if ar["count"] > len(reqs):
         pdf.para(
@@ -311,15 +425,15 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     pdf.h1("Deployments")
     for d in report["deployments"]:
         pdf.para(
-            f"{d['deployment_id']}: advertised context {d['advertised_context']}, smallest "
-            f"prefill pool {d['min_pool_capacity_tokens']}, safe context {d['safe_context']} "
-            f"({d['safe_context_source'] or 'unknown'})"
+            f"{d['deployment_id']}: advertised context {_n(d['advertised_context'])} tokens, "
+            f"smallest prefill pool {_n(d['min_pool_capacity_tokens'])}, safe context "
+            f"{_n(d['safe_context'])} ({d['safe_context_source'] or 'unknown'})"
         )
         pdf.grid(
             ["since", "node", "role", "engine", "pool", "advertised", "quant", "tp"],
             [
                 [
-                    c["ts"],
+                    short_time(c["ts"]),
                     c["node"],
                     c["role"],
                     f"{c['engine']} {c['engine_version']}",
@@ -337,7 +451,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ["verified at", "model", "passed", "safe context", "engine"],
             [
                 [
-                    v["verified_at"],
+                    short_time(v["verified_at"]),
                     v["model_id"],
                     v["passed"],
                     v["verified_safe_context"],

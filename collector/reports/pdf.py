@@ -11,10 +11,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from fpdf import FPDF
+from fpdf import FPDF, FontFace
 
 FONT_DIR = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
 _CELL_MAX = 160  # characters: a table row must fit on one page (page-id lists can be long)
+GRID_PT, GRID_MIN_PT = 7, 5  # a table's type size, and the smallest a long word is set in
+CELL_PAD = 1.0  # mm, each side of a table cell
 
 
 class ReportPdf(FPDF):
@@ -51,24 +53,88 @@ class ReportPdf(FPDF):
         self.multi_cell(0, 5, text, new_x="LMARGIN", new_y="NEXT")
 
     def kv(self, rows: list[tuple[str, Any]]) -> None:
+        """Label and value rows; the label column as wide as the longest label (a label never
+        runs into its value)."""
+        self.set_font("DejaVu", "B", 9)
+        width = min(max((self.get_string_width(k) for k, _ in rows), default=0) + 4, 90)
+        width = max(width, 45)
         for k, v in rows:
             self.set_font("DejaVu", "B", 9)
-            self.cell(55, 6, k)
+            self.multi_cell(width, 6, k, new_x="RIGHT", new_y="TOP")
             self.set_font("DejaVu", "", 9)
             self.multi_cell(0, 6, "-" if v is None else str(v), new_x="LMARGIN", new_y="NEXT")
 
     def grid(self, headings: list[str], rows: list[list[Any]], widths: list[int]) -> None:
-        self.set_font("DejaVu", "", 7)
-        with self.table(col_widths=widths, text_align="LEFT", line_height=4.5) as t:
-            head = t.row()
-            for h in headings:
-                head.cell(h)
-            for r in rows:
+        """A table wrapped at word boundaries: a cell holding a word wider than its column
+        (a long tenant name, an id) is set in a smaller type instead of being broken
+        mid-word."""
+        self.set_font("DejaVu", "", GRID_PT)
+        cells = [[cell_text(v) for v in r] for r in [headings, *rows]]
+        final = self._column_widths(cells, widths)
+        room = [w - 2 * CELL_PAD for w in final]
+        with self.table(
+            col_widths=final,
+            text_align="LEFT",
+            line_height=4.5,
+            padding=CELL_PAD,
+        ) as t:
+            for r in cells:
                 row = t.row()
-                for v in r:
-                    row.cell(cell_text(v))
+                for text, fits in zip(r, room, strict=True):
+                    size = self._fitting_size(text, fits)
+                    row.cell(text, style=None if size == GRID_PT else FontFace(size_pt=size))
         self.ln(2)
         self.set_font("DejaVu", "", 9)
+
+    def _column_widths(self, cells: list[list[str]], widths: list[int]) -> list[float]:
+        """The given proportions, each column widened to hold its longest word (taken from
+        columns with room to spare): at the table's type size if the page allows, else at
+        the smallest; what still does not fit is set smaller cell by cell."""
+        prop = [w * self.epw / sum(widths) for w in widths]
+        for size in (GRID_PT, GRID_MIN_PT):
+            self.set_font_size(size)
+            need = [
+                max(self.get_string_width(_longest(r[i])) for r in cells) + 2 * CELL_PAD + 0.5
+                for i in range(len(widths))
+            ]
+            final = [max(p, n) for p, n in zip(prop, need, strict=True)]
+            excess = sum(final) - self.epw
+            slack = [f - n for f, n in zip(final, need, strict=True)]
+            if excess <= sum(slack):
+                self.set_font_size(GRID_PT)
+                if excess <= 0:
+                    return final
+                total = sum(slack)
+                return [f - sl * excess / total for f, sl in zip(final, slack, strict=True)]
+        self.set_font_size(GRID_PT)
+        return prop
+
+    def _fitting_size(self, text: str, width: float) -> float:
+        """The largest type size (down to ``GRID_MIN_PT``) at which the longest word fits."""
+        longest = _longest(text)
+        size = float(GRID_PT)
+        while size > GRID_MIN_PT:
+            self.set_font_size(size)
+            if self.get_string_width(longest) <= width:
+                break
+            size -= 0.5
+        self.set_font_size(GRID_PT)
+        return size
+
+    def notes(self, items: list[tuple[str, str]]) -> None:
+        """Footnotes: what each figure above means, one line each."""
+        self.set_font("DejaVu", "", 7.5)
+        for term, meaning in items:
+            self.set_font("DejaVu", "B", 7.5)
+            self.write(4, f"{term}: ")
+            self.set_font("DejaVu", "", 7.5)
+            self.write(4, meaning)
+            self.ln(4)
+        self.set_font("DejaVu", "", 9)
+
+
+def _longest(text: str) -> str:
+    return max(text.split(), key=len, default="")
 
 
 def short_time(at: str | None) -> str:
