@@ -342,8 +342,10 @@ def render_pdf(doc: dict[str, Any]) -> bytes:
     pdf.add_page()
     pdf.h1(f"Notice of a personal-data incident: {doc['tenant']}")
     pdf.para(
-        f"Incident {inc['id']} on {inc['deployment_id']}, opened {inc['opened_at']}; we became "
-        f"aware at {inc['our_awareness_at']}. Generated {doc['generated_at']}."
+        f"Incident {inc['id']} on {inc['deployment_id']}, opened "
+        f"{short_time(inc['opened_at'])} UTC; we became aware at "
+        f"{short_time(inc['our_awareness_at'])} UTC. Generated "
+        f"{short_time(doc['generated_at'])} UTC."
     )
     pdf.para(doc["legal_basis"])
     pdf.ln(2)

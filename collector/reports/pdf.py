@@ -50,7 +50,8 @@ class ReportPdf(FPDF):
 
     def para(self, text: str, size: int = 9) -> None:
         self.set_font("DejaVu", "", size)
-        self.multi_cell(0, 5, text, new_x="LMARGIN", new_y="NEXT")
+        # ragged right: justified lines holding long timestamps and ids open wide gaps
+        self.multi_cell(0, 5, text, new_x="LMARGIN", new_y="NEXT", align="L")
 
     def kv(self, rows: list[tuple[str, Any]]) -> None:
         """Label and value rows; the label column as wide as the longest label (a label never
