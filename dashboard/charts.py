@@ -107,6 +107,15 @@ def _across(df: pd.DataFrame, keys: list[str], window: Window | None) -> pd.Data
     return pd.concat([first, df, last], ignore_index=True)
 
 
+def _bucket_points(df: pd.DataFrame, x: Any, y: Any, color: Any, tips: list[Any]) -> alt.Chart:
+    """A dot at each bucket's start, its tooltip naming the bucket: drawn over the steps."""
+    return (
+        alt.Chart(_with_when(df))
+        .mark_point(filled=True)
+        .encode(x=x, y=y, color=color, tooltip=[alt.Tooltip("when:N", title="bucket"), *tips])
+    )
+
+
 def _lines(warn: int, critical: int, short: bool = False) -> pd.DataFrame:
     names = _SHORT if short else _LONG
     return pd.DataFrame({"line": names, "tokens": [warn, critical], "row": [16, 2]})
@@ -177,21 +186,17 @@ def prompt_timeline(
             ),
         )
     )
-    points = (
-        alt.Chart(_with_when(df))
-        .mark_point(filled=True)
-        .encode(
-            x=x,
-            y=y,
-            color=alt.Color("route:N", legend=None),  # the lines' legend says it
-            tooltip=[
-                alt.Tooltip("when:N", title="bucket"),
-                "route:N",
-                "stat:N",
-                alt.Tooltip("tokens:Q", format=","),
-                alt.Tooltip("requests:Q", format=","),
-            ],
-        )
+    points = _bucket_points(
+        df,
+        x,
+        y,
+        alt.Color("route:N", legend=None),  # the lines' legend says it
+        [
+            "route:N",
+            "stat:N",
+            alt.Tooltip("tokens:Q", format=","),
+            alt.Tooltip("requests:Q", format=","),
+        ],
     )
     layers: list[alt.Chart] = [lines, points]
     if warn is not None and critical is not None:
@@ -277,22 +282,18 @@ def pool_occupancy(
         .mark_line(interpolate="step-after")
         .encode(x=x, y=y, color=color)
     )
-    used = (
-        alt.Chart(_with_when(df))
-        .mark_point(filled=True)
-        .encode(
-            x=x,
-            y=y,
-            color=color,
-            tooltip=[
-                alt.Tooltip("when:N", title="bucket"),
-                "node:N",
-                alt.Tooltip("used_max:Q", title="used (max)", format=","),
-                alt.Tooltip("used_avg:Q", title="used (mean)", format=",.0f"),
-                alt.Tooltip("capacity:Q", format=","),
-                alt.Tooltip("occupancy:Q", format=".0%"),
-            ],
-        )
+    used = _bucket_points(
+        df,
+        x,
+        y,
+        color,
+        [
+            "node:N",
+            alt.Tooltip("used_max:Q", title="used (max)", format=","),
+            alt.Tooltip("used_avg:Q", title="used (mean)", format=",.0f"),
+            alt.Tooltip("capacity:Q", format=","),
+            alt.Tooltip("occupancy:Q", format=".0%"),
+        ],
     )
     capacity = (
         alt.Chart(_across(df[["time", "node", "capacity"]], ["node"], window))
@@ -325,17 +326,8 @@ def occupancy_ratio(
         .mark_line(interpolate="step-after", color="#1f77b4")
         .encode(x=x, y=y)
     )
-    points = (
-        alt.Chart(_with_when(df))
-        .mark_point(filled=True, color="#1f77b4")
-        .encode(
-            x=x,
-            y=y,
-            tooltip=[
-                alt.Tooltip("when:N", title="bucket"),
-                alt.Tooltip("occupancy:Q", format=".1%"),
-            ],
-        )
+    points = _bucket_points(
+        df, x, y, alt.value("#1f77b4"), [alt.Tooltip("occupancy:Q", format=".1%")]
     )
     full = (
         alt.Chart(pd.DataFrame({"occupancy": [1.0], "line": ["capacity (100%)"]}))
