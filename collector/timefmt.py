@@ -91,6 +91,30 @@ def utc(dt: datetime) -> datetime:
         raise ValueError(f"{dt.isoformat()} is outside the years 1-9999 in UTC") from None
 
 
+# The instants a query, a report scope or a stored document may name. Outside them window
+# arithmetic (a default 90-day window before 0001-01-05) and pandas' nanosecond timestamps
+# (until 2262) overflow; nothing kvwatch records lies before the epoch.
+EARLIEST: Final = EPOCH
+LATEST: Final = datetime(2200, 1, 1, tzinfo=UTC)
+
+
+def bounded(dt: datetime) -> datetime:
+    """``dt`` as :func:`utc` gives it, if it lies in [``EARLIEST``, ``LATEST``); else
+    ``ValueError`` saying the range. For every time a caller passes in."""
+    at = utc(dt)
+    if not EARLIEST <= at < LATEST:
+        raise ValueError(
+            f"{at.isoformat()} is outside the range kvwatch accepts "
+            f"({EARLIEST:%Y-%m-%d} to {LATEST:%Y-%m-%d} UTC)"
+        )
+    return at
+
+
+def parse_bounded(text: str) -> datetime:
+    """:func:`parse_iso`, then :func:`bounded`: a time a person or a client typed."""
+    return bounded(parse_iso(text))
+
+
 def parse_iso(text: str) -> datetime:
     """An aware UTC datetime from ISO 8601 text (``Z`` or an offset; none: UTC). Raises
     ``ValueError`` on anything else, or on an instant outside the years 1-9999 in UTC."""

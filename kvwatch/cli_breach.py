@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from collector.timefmt import parse_iso
+from collector.timefmt import parse_bounded
 from kvwatch.cli_common import DbUrl, database, err
 
 
@@ -17,7 +17,7 @@ def _when(value: str | None, name: str) -> datetime | None:
     if value is None:
         return None
     try:
-        return parse_iso(value)
+        return parse_bounded(value)
     except ValueError as exc:
         err.print(f"[red]error:[/] {name}: not an ISO 8601 time in range: {value!r} ({exc})")
         raise typer.Exit(2) from None

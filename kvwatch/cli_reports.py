@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from collector.errors import CollectorError
-from collector.timefmt import iso, parse_iso
+from collector.timefmt import iso, parse_bounded
 from kvwatch.cli_common import DbUrl, database, err
 
 # `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
@@ -31,7 +31,7 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 def _when(value: str) -> datetime:
     """An ISO 8601 instant (naive: UTC); a bad one is a usage error (exit 2)."""
     try:
-        return parse_iso(value)
+        return parse_bounded(value)
     except ValueError as exc:
         raise typer.BadParameter(f"{value!r} is not an ISO 8601 time in range ({exc})") from None
 

@@ -143,8 +143,10 @@ def build_router(service: AlertingService, notices: NoticeService) -> APIRouter:
             ends = _aware(body.ends_at, "ends_at")
         elif body.duration is not None:
             try:
-                ends = starts + timedelta(seconds=parse_duration(body.duration))
-            except ValueError as exc:
+                ends = params.aware(
+                    starts + timedelta(seconds=parse_duration(body.duration)), "duration"
+                )
+            except (ValueError, OverflowError) as exc:
                 raise InvalidInput(f"duration: {exc}", {"field": "duration"}) from None
         else:
             raise InvalidInput("a silence needs ends_at or duration", {"field": "ends_at"})

@@ -10,7 +10,7 @@ from fastapi import Header, Request
 
 from collector.api import schemas as s
 from collector.errors import InvalidInput
-from collector.timefmt import utc
+from collector.timefmt import bounded
 
 Auth = Annotated[str | None, Header(include_in_schema=False)]
 
@@ -43,13 +43,13 @@ def aware(dt: datetime, field: str) -> datetime: ...
 def aware(dt: None, field: str) -> None: ...
 def aware(dt: datetime | None, field: str) -> datetime | None:
     """A query time as an aware UTC instant. Naive times are read as UTC: what a person
-    typing ?since=2026-08-27 means. A time whose UTC instant falls outside the years 1-9999
-    (0001-01-01T00:00+00:01) is refused here, naming ``field``, before any service formats
-    it."""
+    typing ?since=2026-08-27 means. A time outside 1970-01-01 to 2200-01-01 UTC
+    (:func:`collector.timefmt.bounded`) is refused here, naming ``field``, before any service
+    computes with it."""
     if dt is None:
         return None
     try:
-        return utc(dt)
+        return bounded(dt)
     except ValueError as exc:
         raise InvalidInput(f"{field}: {exc}", [{"field": field, "message": str(exc)}]) from None
 
