@@ -15,6 +15,7 @@ from collector import migrate, partitions
 from collector.alerting.service import AlertingService
 from collector.api import alerts, breach, dashboard, errors, health, ingest, openapi, reads, reports
 from collector.api import schedules as schedules_api
+from collector.api.bodies import LimitBody
 from collector.db import Database
 from collector.fleet import FleetService
 from collector.ingest import IngestService
@@ -109,6 +110,7 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
         lifespan=_lifespan(settings, db, maintainer, workers),
     )
     errors.install(app)
+    app.add_middleware(LimitBody, limit=settings.max_request_bytes)
     app.state.settings = settings
     app.state.db = db
     app.state.metrics = metrics
@@ -123,7 +125,7 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
     app.include_router(ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter))
     app.include_router(reads.build_router(ReadService(db)))
     notices = NoticeService(db, settings)
-    app.include_router(alerts.build_router(alerting, notices))
+    app.include_router(alerts.build_router(alerting, notices, settings.max_evidence_bytes))
     app.include_router(schedules_api.build_router(schedules))
     app.include_router(
         breach.build_router(BreachService(db, settings), reviews, ReportStore(db), notices)

@@ -84,6 +84,17 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="Largest POST /v1/events body, in bytes."
     )
+    max_request_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="Largest body of every other request (verifications, silences, reports, "
+        "schedules, ...), in bytes; over it: 413.",
+    )
+    max_evidence_bytes: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        description="Largest verification evidence stored, in bytes of compact JSON; over it: 413.",
+    )
     max_clock_skew_s: float = Field(
         default=3600.0, ge=0, description="How far in the future an event's ts may lie."
     )

@@ -244,6 +244,10 @@ class CollectorClient:
         )
         return r.content
 
+    def verification(self, verification_id: int) -> JSON:
+        """One verification with its evidence (admin)."""
+        return dict(self._json("GET", f"/v1/verifications/{verification_id}"))
+
     def verifications(self, *, deployment_id: str | None = None, limit: int = 200) -> list[JSON]:
         p = _params(deployment_id=deployment_id, limit=limit)
         return list(self._json("GET", "/v1/verifications", params=p))

@@ -78,6 +78,8 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
     ("GET", "/v1/verifications"): _allow(200, "ingest", *READERS),
     ("POST", "/v1/verifications"): _allow(201, "ingest", "admin"),
+    # the evidence names tenants: admin only
+    ("GET", "/v1/verifications/{verification_id}"): _allow(200, "admin"),
     ("GET", "/v1/verify-schedules"): _allow(200, "admin"),
     ("POST", "/v1/verify-schedules"): _allow(201, "admin"),
     ("DELETE", "/v1/verify-schedules/{schedule_id}"): _allow(200, "admin"),
@@ -110,6 +112,7 @@ class World:
     silence_id: int
     report_id: str
     schedule_id: int
+    verification_id: int
     request_ids: dict[str, set[str]]
     seq: int = 0
     clients: dict[str, httpx.Client] = field(default_factory=dict)
@@ -217,7 +220,7 @@ def world(collector: Collector) -> Iterator[World]:
             ),
             201,
         )
-        _ok(
+        verification = _ok(
             ingest.post(
                 "/v1/verifications",
                 json={
@@ -225,6 +228,7 @@ def world(collector: Collector) -> Iterator[World]:
                     "model_id": MODEL,
                     "passed": True,
                     "verified_safe_context": 600_000,
+                    "evidence": {"leak_pairs": [f"{GLOBEX}->{ACME}"]},
                 },
             ),
             201,
@@ -243,6 +247,7 @@ def world(collector: Collector) -> Iterator[World]:
         silence_id=int(silence["id"]),
         report_id=str(report["report_id"]),
         schedule_id=int(schedule["id"]),
+        verification_id=int(verification["id"]),
         seq=max(e.seq for e in traffic),
         request_ids={
             t: {
@@ -306,6 +311,7 @@ def _path(w: World, op: Operation) -> str:
         silence_id=w.silence_id,
         report_id=w.report_id,
         schedule_id=w.schedule_id,
+        verification_id=w.verification_id,
     )
 
 

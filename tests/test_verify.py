@@ -564,7 +564,8 @@ def test_upload_reaches_the_collector_tied_to_the_engine_config(
     # the collector tied it to the engine's reported settings
     assert record["pool_capacity_tokens"] == engine.config.prefill_pool_tokens
     assert record["engine_version"] == engine.info()["engine_version"]
-    ev = record["evidence"]
+    with collector.client(collector.admin) as http:
+        ev = http.get(record["links"]["self"]).json()["evidence"]
     assert ev["tool"] == "kvwatch verify" and ev["rejection_point"] == limit + 1
     assert ev["leaks"] == 0 and ev["findings"] == 0 and ev["tenants"] == list(keys)
     assert ran.report is not None

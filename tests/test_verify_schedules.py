@@ -112,7 +112,8 @@ def test_a_schedule_runs_records_alerts_and_reruns_on_drift(
         def verifications() -> list[dict[str, Any]]:
             r = admin.get("/v1/verifications", params={"deployment_id": deployment})
             assert r.status_code == 200, r.text
-            return list(r.json())
+            # lists carry summaries: each record with its evidence from its own path
+            return [admin.get(v["links"]["self"]).json() for v in r.json()]
 
         (first,) = _wait("the first scheduled run", verifications)
         assert first["created_by"] == f"schedule:{sid}" and first["result"] == "fail"

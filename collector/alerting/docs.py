@@ -83,10 +83,27 @@ def group_key(labels: dict[str, str], group_by: tuple[str, ...]) -> tuple[str, d
     return label_string(chosen), chosen
 
 
-def verification_doc(v: Any) -> dict[str, Any]:
+def verification_doc(v: Any, *, evidence: bool = True) -> dict[str, Any]:
     """``result``: pass, fail (found unsafe) or error (no verdict); ``verdict``: the limits
-    card's words for this record alone."""
+    card's words for this record alone. Without ``evidence`` it is the summary lists give:
+    the evidence (which names tenants and can be large) stays on the record's own path, and
+    the one figure a gateway needs from it, the shortest leaking prompt, comes up front."""
     fact = verification_fact(v, None)
+    if not evidence:
+        return {
+            **_verification_fields(v, fact),
+            "smallest_leaking_prompt_tokens": fact.smallest_leaking_prompt,
+            "evidence_bytes": len(v.evidence.encode()),
+            "links": {"self": f"/v1/verifications/{v.id}"},
+        }
+    return {
+        **_verification_fields(v, fact),
+        "smallest_leaking_prompt_tokens": fact.smallest_leaking_prompt,
+        "evidence": json.loads(v.evidence),
+    }
+
+
+def _verification_fields(v: Any, fact: Any) -> dict[str, Any]:
     return {
         "id": v.id,
         "deployment_id": v.deployment_id,
@@ -103,7 +120,6 @@ def verification_doc(v: Any) -> dict[str, Any]:
         "verified_at": iso(v.verified_at),
         "created_at": iso(v.created_at),
         "created_by": v.created_by,
-        "evidence": json.loads(v.evidence),
     }
 
 

@@ -98,9 +98,16 @@ class AlertQueries:
     ) -> list[dict[str, Any]]:
         with self.db.read() as conn:
             return [
-                docs.verification_doc(v)
+                docs.verification_doc(v, evidence=False)
                 for v in repo.list_verifications(conn, deployment_id, limit)
             ]
+
+    def verification(self, verification_id: int) -> dict[str, Any]:
+        with self.db.read() as conn:
+            v = repo.get_verification(conn, verification_id)
+        if v is None:
+            raise NotFound(f"no verification {verification_id}")
+        return docs.verification_doc(v)
 
     def rules_health(self) -> list[dict[str, Any]]:
         with self.db.read() as conn:

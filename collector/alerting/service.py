@@ -144,5 +144,8 @@ class AlertingService:
     ) -> list[dict[str, Any]]:
         return self.queries.list_verifications(deployment_id, limit)
 
+    def verification(self, verification_id: int) -> dict[str, Any]:
+        return self.queries.verification(verification_id)
+
     def rules_health(self) -> list[dict[str, Any]]:
         return self.queries.rules_health()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -12,12 +13,12 @@ from pydantic import BaseModel, Field
 from collector.alerting.service import AlertingService
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
-from collector.errors import Forbidden, InvalidInput
+from collector.errors import Forbidden, InvalidInput, PayloadTooLarge
 from collector.reports.notice import NoticeService
 from collector.tokens import Principal
 from policies.durations import parse_duration
 
-_ERRORS = params.errors(401, 403, 404, 409, 422, 503)
+_ERRORS = params.errors(401, 403, 404, 409, 413, 422, 503)
 Text = Annotated[str, Field(min_length=1, max_length=2000)]
 Who = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
@@ -80,7 +81,9 @@ def _tenant(who: Principal) -> str | None:
     return who.tenant if who.kind == "read" else None
 
 
-def build_router(service: AlertingService, notices: NoticeService) -> APIRouter:
+def build_router(
+    service: AlertingService, notices: NoticeService, max_evidence_bytes: int
+) -> APIRouter:
     r = caller.router()
 
     @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
@@ -209,12 +212,21 @@ def build_router(service: AlertingService, notices: NoticeService) -> APIRouter:
     ) -> list[dict[str, Any]]:
         who.require("admin", "read", "ingest")
         params.known_params(request, {"deployment_id", "limit"})
-        items = await in_thread(service.list_verifications, deployment_id, limit)
-        if who.tenant_filter(None) is not None:
-            # The evidence names the tenants whose keys the sweep used: not for one tenant.
-            for v in items:
-                v["evidence"] = None
-        return items
+        if who.kind == "ingest" and who.deployment_id is not None:
+            # An ingest token writes for its deployment; what it reads back is limited to it.
+            if deployment_id not in (None, who.deployment_id):
+                raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
+            deployment_id = who.deployment_id
+        return await in_thread(service.list_verifications, deployment_id, limit)
+
+    @r.get(
+        "/v1/verifications/{verification_id}",
+        responses=_ERRORS,
+        summary="One verification with its evidence (admin: the evidence names tenants)",
+    )
+    async def get_verification(verification_id: Id, who: Caller) -> dict[str, Any]:
+        who.require("admin")
+        return await in_thread(service.verification, verification_id)
 
     @r.post(
         "/v1/verifications", responses=_ERRORS, status_code=201, summary="Record a verification"
@@ -225,6 +237,13 @@ def build_router(service: AlertingService, notices: NoticeService) -> APIRouter:
             raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
         values = body.model_dump()
         values["verified_at"] = _aware(body.verified_at, "verified_at")
+        size = len(json.dumps(body.evidence, separators=(",", ":")).encode())
+        if size > max_evidence_bytes:
+            raise PayloadTooLarge(
+                f"evidence of {size} bytes exceeds the limit of {max_evidence_bytes} "
+                "(KVWATCH_MAX_EVIDENCE_BYTES)",
+                {"field": "evidence", "limit_bytes": max_evidence_bytes},
+            )
         return await in_thread(service.add_verification, values, who.label, datetime.now(UTC))
 
     @r.get("/v1/rules", responses=_ERRORS, summary="The rules in force and their health")

@@ -20,6 +20,7 @@ _DESCRIPTIONS = {
     403: "The token may not do this",
     404: "No such object",
     409: "Not in a state that allows this",
+    413: "Body or document over its size limit",
     422: "Invalid parameters",
     503: "Database unavailable; retry",
 }

@@ -76,7 +76,12 @@ def build_router(
     ) -> Any:
         who.require("admin", "read")
         _known_params(request, {"format"})
-        card = await in_thread(limits.card, deployment_id, datetime.now(UTC))
+        # The leaking tenant pairs name other tenants: not on a tenant's card.
+        card = await in_thread(
+            lambda: limits.card(
+                deployment_id, datetime.now(UTC), name_tenants=who.tenant_filter(None) is None
+            )
+        )
         if format == "md":
             return PlainTextResponse(to_markdown(card), media_type="text/markdown")
         if format == "pdf":

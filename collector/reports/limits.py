@@ -32,7 +32,21 @@ class LimitsService:
     def __init__(self, db: Database):
         self.db = db
 
-    def card(self, deployment_id: str, now: datetime) -> dict[str, Any]:
+    def card(
+        self, deployment_id: str, now: datetime, *, name_tenants: bool = True
+    ) -> dict[str, Any]:
+        """``name_tenants=False`` (a tenant-scoped reader): the leaking tenant pairs are left
+        out, their count kept (``leak_pairs`` empty, ``leak_pairs_count``)."""
+        card = self._card(deployment_id, now)
+        for model in card["models"]:
+            latest = model.get("latest_verification")
+            if latest is not None:
+                latest["leak_pairs_count"] = len(latest["leak_pairs"])
+                if not name_tenants:
+                    latest["leak_pairs"] = []
+        return card
+
+    def _card(self, deployment_id: str, now: datetime) -> dict[str, Any]:
         with self.db.read() as conn:
             if not deployment_exists(conn, deployment_id):
                 raise NotFound(f"no deployment {deployment_id!r}", {"deployment_id": deployment_id})

@@ -56,7 +56,7 @@ def chart_frame(items: list[JSON]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["time", "target", "safe_context", "result"])
 
 
-def evidence(items: list[JSON]) -> None:
+def evidence(c: CollectorClient, items: list[JSON]) -> None:
     st.subheader("Evidence")
     by_id = {v["id"]: v for v in items}
     picked = st.selectbox(
@@ -68,17 +68,23 @@ def evidence(items: list[JSON]) -> None:
         ),
         key="evidence_for",
     )
-    v = by_id[picked]
-    ev = v.get("evidence") or {}
+    if ui.token_scope(c) != "admin":
+        st.info(
+            "**The evidence needs an admin token:** it names the tenants whose keys the "
+            "verification used.",
+            icon=":material/lock:",
+        )
+        return
+    ev = c.verification(picked).get("evidence") or {}
     shown = [(label, ev[k]) for k, label in _KEY_FIGURES.items() if k in ev]
     if shown:
         for col, (label, value) in zip(st.columns(len(shown)), shown, strict=True):
             col.metric(label, f"{value:,}" if isinstance(value, int) else str(value))
     if "clamped_to_pool" in ev:
-        c = ev["clamped_to_pool"]
+        clamp = ev["clamped_to_pool"]
         st.info(
-            f"The measured safe context ({ui.tokens(c.get('measured'))}) was clamped to the "
-            f"prefill pool ({ui.tokens(c.get('pool_capacity_tokens'))}): a prompt longer "
+            f"The measured safe context ({ui.tokens(clamp.get('measured'))}) was clamped to "
+            f"the prefill pool ({ui.tokens(clamp.get('pool_capacity_tokens'))}): a prompt longer "
             "than the pool is never safe."
         )
     if ev:
@@ -113,7 +119,7 @@ def render(c: CollectorClient) -> None:
         hide_index=True,
         column_config={"verified safe context": _TOKENS, "pool": _TOKENS},
     )
-    evidence(items)
+    evidence(c, items)
 
 
 ui.page_header(

@@ -73,12 +73,10 @@ def read_verdicts(records: list[Any]) -> Verdicts:
             if result == "fail":
                 text = r.get("verdict")
                 failed[model] = text if isinstance(text, str) else f"verification {r.get('id')}"
-                evidence = r.get("evidence")
-                at = (
-                    evidence.get("smallest_leaking_prompt_tokens")
-                    if isinstance(evidence, dict)
-                    else None
-                )
+                at = r.get("smallest_leaking_prompt_tokens")
+                evidence = r.get("evidence")  # a collector from before lists carried summaries
+                if at is None and isinstance(evidence, dict):
+                    at = evidence.get("smallest_leaking_prompt_tokens")
                 if isinstance(at, int) and not isinstance(at, bool) and at > 0:
                     leaked_at[model] = at
         safe = r.get("verified_safe_context")

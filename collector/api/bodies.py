@@ -1,0 +1,58 @@
+"""The body limit every route but ``POST /v1/events`` shares (that one streams its own,
+larger limit: a probe's batch).
+
+A body is read up to the limit before any route runs, and refused with 413 past it (the
+declared ``Content-Length`` is refused before a byte is read). Bodies here are small JSON
+documents, so holding one in memory is the price of a route never seeing a partial one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collector.api.errors import error
+
+EXEMPT = frozenset({"/v1/events"})
+
+
+class LimitBody:
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in EXEMPT:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send, int(declared))
+            return
+        messages: list[dict[str, Any]] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # the client left: let the app see it as it would
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(scope, receive, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict[str, Any]:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any, declared: int | None) -> None:
+        what = f"body of {declared} bytes" if declared is not None else "body"
+        response = error(
+            413,
+            "payload_too_large",
+            f"{what} exceeds the limit of {self.limit} bytes (KVWATCH_MAX_REQUEST_BYTES)",
+            {"limit_bytes": self.limit},
+        )
+        await response(scope, receive, send)
