@@ -68,9 +68,12 @@ def erase(
     by: By = "cli",
     database_url: DbUrl = None,
 ) -> None:
-    """Remove a tenant's records everywhere kvwatch stores them (requests, page events,
-    alerts, notifications, reports, tokens), blank it where it was the other party, redact
-    audit details naming it, and record the erasure in the audit log. Prints counts as JSON."""
+    """Remove a tenant's name and request ids from every table, in one transaction: its own
+    rows and the alerts, notifications, silences and reports about it are deleted; other
+    tenants' records and documents that name it (as a whole id, JSON walked) have the name
+    replaced by <erased>; audit details naming it are redacted. The audit chain's hashes
+    and the fields they cover are kept, so `kvwatch audit verify` still passes. Prints, as
+    JSON, the rows removed and rewritten per table and what was kept and why."""
     from collector.lifecycle.erasure import ErasureService
 
     if not yes:
@@ -79,3 +82,16 @@ def erase(
     with database(database_url) as (db, _):
         result = ErasureService(db).erase_tenant(tenant, by=by, now=datetime.now(UTC))
     print(json.dumps(result, indent=2))
+    removed = ", ".join(f"{t} {n}" for t, n in result["removed"].items()) or "nothing"
+    rewritten = ", ".join(f"{t} {n}" for t, n in result["rewritten"].items()) or "nothing"
+    log = result["audit_log"]
+    n = result["request_ids"]
+    err.print(f"erased tenant {tenant!r} and its {n} request id(s)", markup=False)
+    err.print(f"rows removed: {removed}", markup=False)
+    err.print(f"rows rewritten (name or ids replaced): {rewritten}", markup=False)
+    err.print(f"audit entries redacted: {log['redacted']}", markup=False)
+    for what, why in result["kept"].items():
+        err.print(f"kept ({what}): {why}", markup=False)
+    if log["named_in_hashed_fields"]:
+        ids = ", ".join(map(str, log["named_in_hashed_fields"]))
+        err.print(f"audit entries still naming it in hashed fields: {ids}", markup=False)

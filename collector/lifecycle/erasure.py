@@ -1,29 +1,65 @@
-"""Erasure (GDPR Art. 17): remove one tenant's records everywhere kvwatch stores them.
+"""Erasure (GDPR Art. 17): remove one tenant's name and request ids from every table.
 
-- requests, their rollups, the deployment-tenant index and tenant-scoped tokens: deleted;
-- page events the tenant read or owned: deleted; events where it was the other party (the
-  exposed writer of another tenant's stale read): that party is blanked, so the other
-  tenant's evidence stays;
-- alerts whose labels or texts name it (with their history), notifications that name it
-  (with their delivery attempts), silences matching it and stored reports that name it:
-  deleted; verification evidence and incident texts that name it: the name is replaced;
-- audit entries whose details name it: redacted (:func:`collector.audit.redact`), listed by
-  the erasure's own entry, which names the tenant only by a count of what was removed.
+**What is looked for.** The tenant's name, and every request id of its: collected first, in
+the same transaction, from its requests and from the page events it read, owned or was the
+other party of. A request id is unique only within its deployment: the structural steps
+below use (deployment, request id) pairs; the walk of free text and documents, which cannot
+tell deployments apart, uses the bare ids.
 
-A name counts as present where a JSON value equals it or a text holds it as a whole word
-(so erasing ``acme`` leaves ``acme-eu`` alone). All of it is one transaction.
+**The rule for a name inside a value** (:class:`Names`). A column holding a JSON object or
+array is decoded and walked: every key and every string value, at any depth; any other text
+column is one string. Inside a string, a name counts where it stands as a whole id: take
+each maximal run of id characters (letters, digits and ``._:/@+=-``, the id rule of
+:mod:`engine_probe.events`); the name must be all of the run but punctuation at its two ends.
+So ``globex->acme`` names both tenants (the run ``globex-`` ends in punctuation), as do
+``(r-7).`` and ``acme, globex``; ``acme-eu``, ``r-70``, ``tenant:acme`` and
+``notice-acme.pdf`` are other ids and do not name ``acme`` (reading them as the tenant would
+rewrite other tenants' names too). Names compare exactly (case matters, as in ids). Each
+occurrence is replaced by :data:`ERASED`, the punctuation around it kept
+(``<erased>->acme``); a decoded document is stored again as JSON.
+
+**What happens, table by table** (one transaction):
+
+- its requests (with their PostgreSQL keys), its rollup rows, the page events it read or
+  owned, its deployment-tenant rows and its tenant-scoped tokens: deleted; the all-tenant
+  (``'*'``) rollup buckets they fed are marked for recomputation;
+- page events where it was the other party: that party (tenant and request id) is blanked,
+  so the reader's evidence stays; another request naming one of its requests as the one it
+  shares a prompt with: that link is blanked;
+- alerts (with their history), notifications (with their delivery attempts), silences and
+  stored reports whose documents name the tenant: deleted whole, as they are about it (one
+  naming only a request id, which may be another deployment's, is rewritten instead);
+- every other string column of every table (:func:`_walked`): the rule above, for the name
+  and the request ids. Not walked: keys, which identify rows (the tenant's own rows are
+  deleted above), the columns the structural steps own, and the columns naming kvwatch's
+  own objects or vocabularies (:data:`_OWN`): a deployment, node, model or rule that shares
+  the tenant's name is not the tenant;
+- the audit log: an entry whose detail names it or one of its request ids has that detail
+  redacted (:func:`collector.audit.redact`), listed by the erasure's own ``tenant.erase``
+  entry, which holds counts per table, never the name.
+
+**What is kept, and why** (:data:`KEPT`, also in the result): the audit chain's hashes and
+what they cover. Each entry's ``ts``, ``actor``, ``action``, ``subject``, ``prev_hash`` and
+``hash``, and a redacted detail's ``detail_sha256``, stay as they were: changing any of them
+breaks the chain, and ``kvwatch audit verify`` would report the entry as edited. A digest
+does not reveal its detail (though it confirms a detail someone guesses exactly). Entries
+whose actor or subject (``kind:id``, the id read on its own) name the tenant or a request
+id, and entries from before detail digests whose detail does, cannot be changed either: the
+result lists their ids for a person to judge.
+
+Erasing twice is safe: the second run finds nothing and refuses, changing nothing.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import Connection, select
+from sqlalchemy import Column, Connection, Table, select
 
 from collector import audit
 from collector import models as m
@@ -32,50 +68,172 @@ from collector.errors import InvalidInput, NotFound
 from collector.rollups import refresh as rollups
 from collector.rollups.buckets import REQUEST_BUCKET_US, floor_to
 from collector.timefmt import iso, to_micros
+from engine_probe.events import is_valid_id
 
 ERASED = "<erased>"
 
+# The id rule's punctuation (engine_probe.events: letters, digits and these; an id starts
+# with a letter or digit). A run of id characters is one id, give or take punctuation at
+# its ends.
+_PUNCT = "._:/@+=-"
+_RUN = re.compile(r"[A-Za-z0-9._:/@+=-]+")
 
-class _Matcher:
-    def __init__(self, tenant: str):
+# Columns naming kvwatch's own objects (deployments, probes, nodes, models, rules, ...) or
+# holding its fixed vocabularies and digests: never a tenant's data, and walking them would
+# rewrite a deployment or rule that merely shares the tenant's name. The tenant and request
+# id columns are the structural steps' (deployment-scoped: a bare request id matches other
+# deployments' requests too).
+_OWN = frozenset(
+    {
+        "deployment_id",
+        "probe_id",
+        "node",
+        "role",
+        "kind",
+        "state",
+        "status",
+        "severity",
+        "mode",
+        "health",
+        "engine",
+        "engine_version",
+        "model_id",
+        "dtype",
+        "quantization",
+        "config_hash",
+        "fingerprint",
+        "rule",
+        "cause_rule",
+        "event_type",
+        "format",
+        "prefix",
+        "token_hash",
+        "secret",
+        "sha256",
+        "msg_id",
+        "report_id",
+        "target_key",
+        "lease_owner",
+        "reject_reason",
+        "reason",
+        "from_state",
+        "to_state",
+        "last_trigger",
+        "last_result",
+        "tenant",
+        "other_tenant",
+        "request_id",
+        "other_request_id",
+        "prompt_shared_with",
+    }
+)
+
+KEPT = {
+    "audit_log": (
+        "every entry's ts, actor, action, subject, prev_hash and hash, and each redacted "
+        "detail's detail_sha256: the chain covers them, so changing one would make "
+        "`kvwatch audit verify` report the entry as edited; a digest does not reveal the "
+        "detail it was taken of. Entries naming the tenant or a request id in those fields "
+        "(or, written before detail digests, in their detail) are listed under "
+        "audit_log.named_in_hashed_fields."
+    ),
+    "not walked": (
+        "keys, and the columns naming kvwatch's own objects or vocabularies (deployment, "
+        "probe, node, model and rule ids, states, digests): a deployment or rule that shares "
+        "the tenant's name is not the tenant; its own rows were deleted by their tenant "
+        "and (deployment, request id) columns."
+    ),
+}
+
+
+class Names:
+    """The tenant's name and request ids, and the rule for finding them in a value (see the
+    module's docstring)."""
+
+    def __init__(self, tenant: str, request_ids: Iterable[str] = ()):
         self.tenant = tenant
-        self.word = re.compile(rf"(?<![\w.:@/-]){re.escape(tenant)}(?![\w.:@/-])")
+        self.only_tenant = frozenset({tenant})
+        self.every = frozenset({tenant, *request_ids})
 
-    def text(self, s: str | None) -> bool:
-        if not s:
-            return False
-        return s == self.tenant or self.word.search(s) is not None
+    def _hit(self, core: str, within: frozenset[str]) -> str | None:
+        """The name a run of id characters (leading punctuation stripped) stands for: the
+        run less some of its trailing punctuation, the longest such name first (an id may
+        end in punctuation)."""
+        base = core.rstrip(_PUNCT)
+        for end in range(len(core), len(base) - 1, -1):
+            if end and core[:end] in within:
+                return core[:end]
+        return None
 
-    def value(self, v: Any) -> bool:
-        """Whether a decoded JSON value names the tenant anywhere."""
+    def _text(self, s: str, within: frozenset[str]) -> str:
+        if s in within:
+            return ERASED
+
+        def one(run: re.Match[str]) -> str:
+            r = run.group()
+            core = r.lstrip(_PUNCT)
+            hit = self._hit(core, within)
+            return r if hit is None else r[: len(r) - len(core)] + ERASED + core[len(hit) :]
+
+        return _RUN.sub(one, s)
+
+    def scrub(self, value: Any, *, tenant_only: bool = False) -> Any:
+        """``value`` (a string or decoded JSON) with every name replaced by :data:`ERASED`;
+        ``tenant_only``: the tenant's name alone."""
+        within = self.only_tenant if tenant_only else self.every
+        return self._scrub(value, within)
+
+    def _scrub(self, v: Any, within: frozenset[str]) -> Any:
         if isinstance(v, str):
-            return self.text(v)
+            return self._text(v, within)
         if isinstance(v, dict):
-            return any(self.text(k) or self.value(x) for k, x in v.items())
+            return {self._text(k, within): self._scrub(x, within) for k, x in v.items()}
         if isinstance(v, list):
-            return any(self.value(x) for x in v)
-        return False
-
-    def json(self, raw: str | None) -> bool:
-        if not raw:
-            return False
-        try:
-            return self.value(json.loads(raw))
-        except ValueError:
-            return self.text(raw)
-
-    def scrub(self, v: Any) -> Any:
-        if isinstance(v, str):
-            return (
-                self.word.sub(ERASED, v)
-                if self.text(v) and v != self.tenant
-                else (ERASED if v == self.tenant else v)
-            )
-        if isinstance(v, dict):
-            return {self.scrub(k): self.scrub(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [self.scrub(x) for x in v]
+            return [self._scrub(x, within) for x in v]
         return v
+
+    def _may_name(self, raw: str, within: frozenset[str]) -> bool:
+        # A JSON escape could hide an id character from the runs: those are decoded first.
+        if "\\" in raw or raw in within:
+            return True
+        return any(self._hit(r.lstrip(_PUNCT), within) for r in _RUN.findall(raw))
+
+    def rewrite(self, raw: str | None, *, tenant_only: bool = False) -> str | None:
+        """A stored column value with the names replaced, or None when it names none."""
+        within = self.only_tenant if tenant_only else self.every
+        if not raw or not self._may_name(raw, within):
+            return None
+        doc = _document(raw)
+        if doc is not None:
+            new_doc = self._scrub(doc, within)
+            return None if new_doc == doc else json.dumps(new_doc, sort_keys=True)
+        new = self._text(raw, within)
+        return None if new == raw else new
+
+    def names(self, raw: str | None, *, tenant_only: bool = False) -> bool:
+        return self.rewrite(raw, tenant_only=tenant_only) is not None
+
+
+def _document(raw: str) -> Any:
+    """The decoded JSON object or array a column holds, else None (a text, even one that
+    happens to parse as a JSON scalar)."""
+    if raw[:1] not in "[{":
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict | list) else None
+
+
+def _walked(table: Table, col: Column[Any]) -> bool:
+    if not isinstance(col.type, sa.String) or col.name in _OWN:
+        return False
+    keyed = {c.name for u in table.constraints if isinstance(u, sa.UniqueConstraint) for c in u}
+    return not (col.primary_key or col.unique or col.foreign_keys or col.name in keyed)
+
+
+Pair = tuple[str, str]  # (deployment_id, request_id)
 
 
 class ErasureService:
@@ -84,158 +242,228 @@ class ErasureService:
 
     def erase_tenant(self, tenant: str, *, by: str, now: datetime) -> dict[str, Any]:
         tenant = tenant.strip()
-        if not tenant or len(tenant) > 128:
-            raise InvalidInput("tenant must be 1-128 characters", {"field": "tenant"})
-        match = _Matcher(tenant)
-        now_us = to_micros(now)
+        if not is_valid_id(tenant):
+            raise InvalidInput(
+                f"{tenant!r} is not a tenant id (1-128 letters, digits and ._:/@+=-, "
+                "starting with a letter or digit)",
+                {"field": "tenant"},
+            )
         with self.db.write() as conn:
-            if not self._known(conn, tenant):
-                raise NotFound(f"no records of tenant {tenant!r}", {"field": "tenant"})
-            counts = self._erase(conn, match)
-            doomed = [
-                i
-                for i, detail in conn.execute(select(m.AuditEntry.id, m.AuditEntry.detail))
-                if match.json(detail)
-            ]
+            pairs = _request_ids(conn, tenant)
+            names = Names(tenant, {rid for _, rid in pairs})
+            removed = _delete(conn, names, pairs)
+            rewritten = _blank(conn, pairs, tenant)
+            for table, n in _walk(conn, names):
+                rewritten[table] = rewritten.get(table, 0) + n
+            redact, held = _audit_scan(conn, names)
+            if not redact and not any(removed.values()) and not any(rewritten.values()):
+                held_note = (
+                    f"; {len(held)} audit entries name it in fields the chain hashes"
+                    if held
+                    else ""
+                )
+                raise NotFound(f"no records of tenant {tenant!r} to erase{held_note}")
+            removed = {t: n for t, n in removed.items() if n}
             audit.append(
                 conn,
-                now_us=now_us,
+                now_us=to_micros(now),
                 actor=by,
                 action="tenant.erase",
                 subject=None,
-                detail={"removed": counts, "redacted_entries": doomed},
+                detail={"removed": removed, "rewritten": rewritten, "redacted_entries": redact},
             )
-            counts["audit_entries_redacted"] = audit.redact(conn, doomed, audit.last_id(conn))
-            counts["audit_entries_unredactable"] = len(doomed) - counts["audit_entries_redacted"]
-        return {"erased_at": iso(now), "removed": counts}
+            entry = audit.last_id(conn)
+            redacted = audit.redact(conn, redact, entry)
+        return {
+            "erased_at": iso(now),
+            "request_ids": len({rid for _, rid in pairs}),
+            "removed": removed,
+            "rewritten": rewritten,
+            "audit_log": {
+                "erasure_entry": entry,
+                "redacted": redacted,
+                "named_in_hashed_fields": held,
+            },
+            "kept": KEPT,
+        }
 
-    @staticmethod
-    def _known(conn: Connection, tenant: str) -> bool:
-        for q in (
-            select(m.Request.id).where(m.Request.tenant == tenant),
-            select(m.DeploymentTenant.tenant).where(m.DeploymentTenant.tenant == tenant),
-            select(m.PageEvent.id).where(
-                sa.or_(m.PageEvent.tenant == tenant, m.PageEvent.other_tenant == tenant)
-            ),
-            select(m.ApiToken.id).where(m.ApiToken.tenant == tenant),
-        ):
-            if conn.execute(q.limit(1)).first() is not None:
-                return True
-        return False
 
-    def _erase(self, conn: Connection, match: _Matcher) -> dict[str, int]:
-        t = match.tenant
-        r, pe = m.Request, m.PageEvent
-        out: dict[str, int] = {}
-        # The all-tenant rollup rows hold the tenant's counts too: their buckets are
-        # recomputed without them.
+def _request_ids(conn: Connection, tenant: str) -> set[Pair]:
+    r, pe = m.Request, m.PageEvent
+    qs = (
+        select(r.deployment_id, r.request_id).where(r.tenant == tenant),
+        select(pe.deployment_id, pe.request_id).where(pe.tenant == tenant),
+        select(pe.deployment_id, pe.other_request_id).where(pe.other_tenant == tenant),
+    )
+    return {(d, i) for q in qs for d, i in conn.execute(q) if i is not None}
+
+
+def _chunks(items: Iterable[Any], n: int = 500) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for x in items:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _delete_ids(conn: Connection, model: Any, ids: Iterable[int]) -> int:
+    return sum(conn.execute(sa.delete(model).where(model.id.in_(c))).rowcount for c in _chunks(ids))
+
+
+def _delete(conn: Connection, names: Names, pairs: set[Pair]) -> dict[str, int]:
+    """Delete the tenant's own rows and the documents about it; rows deleted per table."""
+    t = names.tenant
+    r, pe, k = m.Request, m.PageEvent, m.RequestKey
+    out: dict[str, int] = {}
+    # The all-tenant rollup rows hold its counts too: their buckets are recomputed without.
+    first = sa.type_coerce(r.first_ts, sa.BigInteger)
+    touched = conn.execute(select(r.deployment_id, first).where(r.tenant == t).distinct())
+    rollups.mark(conn, (("requests", d, floor_to(int(ts), REQUEST_BUCKET_US)) for d, ts in touched))
+    mine = select(r.deployment_id, r.request_id).where(r.tenant == t)
+    out[k.__tablename__] = conn.execute(
+        sa.delete(k).where(sa.tuple_(k.deployment_id, k.request_id).in_(mine))
+    ).rowcount
+    out[r.__tablename__] = conn.execute(sa.delete(r).where(r.tenant == t)).rowcount
+    for rollup in (m.RequestRollup, m.RequestRollupHourly):
+        out[rollup.__tablename__] = conn.execute(
+            sa.delete(rollup).where(rollup.tenant == t)
+        ).rowcount
+    n = conn.execute(sa.delete(pe).where(pe.tenant == t)).rowcount
+    for chunk in _chunks(sorted(pairs)):
+        # its requests' events that carry no tenant (or, inconsistently, another)
+        n += conn.execute(
+            sa.delete(pe).where(sa.tuple_(pe.deployment_id, pe.request_id).in_(chunk))
+        ).rowcount
+    out[pe.__tablename__] = n
+    dt = m.DeploymentTenant
+    out[dt.__tablename__] = conn.execute(sa.delete(dt).where(dt.tenant == t)).rowcount
+    tok = m.ApiToken
+    out[tok.__tablename__] = conn.execute(sa.delete(tok).where(tok.tenant == t)).rowcount
+
+    a, at = m.Alert, m.AlertTransition
+    alerts = {
+        i
+        for i, labels, ann in conn.execute(select(a.id, a.labels, a.annotations))
+        if names.names(labels, tenant_only=True) or names.names(ann, tenant_only=True)
+    }
+    alerts |= {
+        i
+        for i, detail in conn.execute(select(at.alert_id, at.detail))
+        if i not in alerts and names.names(detail, tenant_only=True)
+    }
+    out[at.__tablename__] = sum(
+        conn.execute(sa.delete(at).where(at.alert_id.in_(c))).rowcount
+        for c in _chunks(sorted(alerts))
+    )
+    out[a.__tablename__] = _delete_ids(conn, a, sorted(alerts))
+
+    ob, da = m.OutboxMessage, m.DeliveryAttempt
+    msgs = sorted(
+        i
+        for i, data, err in conn.execute(select(ob.id, ob.data, ob.last_error))
+        if names.names(data, tenant_only=True) or names.names(err, tenant_only=True)
+    )
+    out[da.__tablename__] = sum(
+        conn.execute(sa.delete(da).where(da.outbox_id.in_(c))).rowcount for c in _chunks(msgs)
+    )
+    out[ob.__tablename__] = _delete_ids(conn, ob, msgs)
+
+    s = m.Silence
+    out[s.__tablename__] = _delete_ids(
+        conn,
+        s,
+        sorted(
+            i
+            for i, matchers, comment in conn.execute(select(s.id, s.matchers, s.comment))
+            if names.names(matchers, tenant_only=True) or names.names(comment, tenant_only=True)
+        ),
+    )
+    rep = m.Report
+    out[rep.__tablename__] = _delete_ids(
+        conn,
+        rep,
+        sorted(
+            i
+            for i, body, scope in conn.execute(select(rep.id, rep.body, rep.scope))
+            if names.names(body, tenant_only=True) or names.names(scope, tenant_only=True)
+        ),
+    )
+    return out
+
+
+def _blank(conn: Connection, pairs: set[Pair], tenant: str) -> dict[str, int]:
+    """Blank the tenant where another tenant's rows name it as a party; rows per table."""
+    pe, r = m.PageEvent, m.Request
+    other = sa.update(pe).values(other_tenant=None, other_request_id=None)
+    n = conn.execute(other.where(pe.other_tenant == tenant)).rowcount
+    shared = 0
+    for chunk in _chunks(sorted(pairs)):
+        n += conn.execute(
+            other.where(sa.tuple_(pe.deployment_id, pe.other_request_id).in_(chunk))
+        ).rowcount
+        # A changed prompt link changes the usage rollups: their buckets are recomputed.
+        linked = sa.tuple_(r.deployment_id, r.prompt_shared_with).in_(chunk)
         first = sa.type_coerce(r.first_ts, sa.BigInteger)
-        touched = select(r.deployment_id, first).where(r.tenant == t).distinct()
         rollups.mark(
             conn,
             (
                 ("requests", d, floor_to(int(ts), REQUEST_BUCKET_US))
-                for d, ts in conn.execute(touched)
+                for d, ts in conn.execute(select(r.deployment_id, first).where(linked))
             ),
         )
-        k = m.RequestKey  # PostgreSQL's partition keys (SQLite: none)
-        mine = select(r.deployment_id, r.request_id).where(r.tenant == t)
-        conn.execute(sa.delete(k).where(sa.tuple_(k.deployment_id, k.request_id).in_(mine)))
-        out["requests"] = conn.execute(sa.delete(r).where(r.tenant == t)).rowcount
-        out["request_rollups"] = conn.execute(
-            sa.delete(m.RequestRollup).where(m.RequestRollup.tenant == t)
-        ).rowcount
-        out["request_rollups"] += conn.execute(
-            sa.delete(m.RequestRollupHourly).where(m.RequestRollupHourly.tenant == t)
-        ).rowcount
-        out["page_events"] = conn.execute(sa.delete(pe).where(pe.tenant == t)).rowcount
-        out["page_events_blanked"] = conn.execute(
-            sa.update(pe)
-            .where(pe.other_tenant == t)
-            .values(other_tenant=None, other_request_id=None)
-        ).rowcount
-        out["deployment_tenants"] = conn.execute(
-            sa.delete(m.DeploymentTenant).where(m.DeploymentTenant.tenant == t)
-        ).rowcount
-        out["tokens"] = conn.execute(
-            sa.delete(m.ApiToken).where(sa.or_(m.ApiToken.tenant == t, m.ApiToken.name == t))
-        ).rowcount
-        a, at = m.Alert, m.AlertTransition
-        alerts = [
-            i
-            for i, labels, ann in conn.execute(select(a.id, a.labels, a.annotations))
-            if match.json(labels) or match.json(ann)
-        ]
-        alerts += [
-            i
-            for (i,) in conn.execute(
-                select(at.alert_id).where(at.alert_id.not_in(alerts)).distinct()
-            )
-            if any(
-                match.json(d) for (d,) in conn.execute(select(at.detail).where(at.alert_id == i))
-            )
-        ]
-        out["alerts"] = 0
-        for chunk in _chunks(sorted(set(alerts))):
-            conn.execute(sa.delete(at).where(at.alert_id.in_(chunk)))
-            out["alerts"] += conn.execute(sa.delete(a).where(a.id.in_(chunk))).rowcount
-        ob, da = m.OutboxMessage, m.DeliveryAttempt
-        msgs = [
-            i
-            for i, data, err in conn.execute(select(ob.id, ob.data, ob.last_error))
-            if match.json(data) or match.text(err)
-        ]
-        out["notifications"] = 0
-        for chunk in _chunks(msgs):
-            conn.execute(sa.delete(da).where(da.outbox_id.in_(chunk)))
-            out["notifications"] += conn.execute(sa.delete(ob).where(ob.id.in_(chunk))).rowcount
-        s = m.Silence
-        silences = [
-            i
-            for i, mt, c in conn.execute(select(s.id, s.matchers, s.comment))
-            if match.json(mt) or match.text(c)
-        ]
-        out["silences"] = _delete_ids(conn, s, silences)
-        rep = m.Report
-        reports = [
-            i
-            for i, body, scope in conn.execute(select(rep.id, rep.body, rep.scope))
-            if match.json(body) or match.json(scope)
-        ]
-        out["reports"] = _delete_ids(conn, rep, reports)
-        out["verifications_scrubbed"] = _scrub_column(
-            conn, m.Verification, "evidence", match, json_col=True
-        )
-        out["incidents_scrubbed"] = _scrub_column(conn, m.Incident, "title", match) + _scrub_column(
-            conn, m.Incident, "close_reason", match
-        )
-        return out
+        shared += conn.execute(sa.update(r).where(linked).values(prompt_shared_with=None)).rowcount
+    return {t: c for t, c in ((pe.__tablename__, n), (r.__tablename__, shared)) if c}
 
 
-def _chunks(ids: list[int], n: int = 500) -> list[list[int]]:
-    return [ids[i : i + n] for i in range(0, len(ids), n)]
-
-
-def _delete_ids(conn: Connection, model: Any, ids: list[int]) -> int:
-    return sum(conn.execute(sa.delete(model).where(model.id.in_(c))).rowcount for c in _chunks(ids))
-
-
-def _scrub_column(
-    conn: Connection, model: Any, col: str, match: _Matcher, *, json_col: bool = False
-) -> int:
-    column = getattr(model, col)
-    n = 0
-    test: Callable[[str | None], bool] = match.json if json_col else match.text
-    for i, raw in conn.execute(select(model.id, column)):
-        if raw is None or not test(raw):
+def _walk(conn: Connection, names: Names) -> Iterator[tuple[str, int]]:
+    """Apply the rule to every walked column of every table but the audit log; yields
+    (table, rows rewritten) for each table where something was."""
+    for table in m.Base.metadata.sorted_tables:
+        if table.name == m.AuditEntry.__tablename__:
             continue
-        if json_col:
-            try:
-                new = json.dumps(match.scrub(json.loads(raw)), sort_keys=True)
-            except ValueError:
-                new = match.word.sub(ERASED, raw)
-        else:
-            new = match.word.sub(ERASED, raw)
-        conn.execute(sa.update(model).where(model.id == i).values({col: new}))
-        n += 1
-    return n
+        cols = [c for c in table.columns if _walked(table, c)]
+        if not cols:
+            continue
+        key = list(table.primary_key.columns)
+        changes: list[tuple[tuple[Any, ...], dict[str, str]]] = []
+        # Streamed (a server-side cursor on PostgreSQL); the few rewrites wait until the
+        # scan is done rather than write under an open cursor.
+        q = select(*key, *cols).execution_options(yield_per=2_000)
+        for row in conn.execute(q):
+            values = {
+                c.name: new
+                for c, raw in zip(cols, row[len(key) :], strict=True)
+                if (new := names.rewrite(raw)) is not None
+            }
+            if values:
+                changes.append((tuple(row[: len(key)]), values))
+        for pk, values in changes:
+            conn.execute(
+                sa.update(table)
+                .where(*(c == v for c, v in zip(key, pk, strict=True)))
+                .values(values)
+            )
+        if changes:
+            yield table.name, len(changes)
+
+
+def _audit_scan(conn: Connection, names: Names) -> tuple[list[int], list[int]]:
+    """(entries whose detail can be redacted, entries naming it where the chain hashes the
+    name itself: actor, subject, or a detail from before detail digests)."""
+    e = m.AuditEntry
+    redact: list[int] = []
+    held: list[int] = []
+    q = select(e.id, e.actor, e.subject, e.detail, e.detail_sha256).order_by(e.id)
+    for i, actor, subject, detail, digest in conn.execute(q):
+        in_detail = names.names(detail)
+        if in_detail and digest is not None:
+            redact.append(i)
+        # A subject is "kind:id" (endpoint:NAME, ...): its id is a value of its own, which
+        # the rule alone would read as part of one longer id.
+        hashed = (actor, subject, (subject or "").partition(":")[2])
+        if any(names.names(v) for v in hashed) or (in_detail and digest is None):
+            held.append(i)
+    return redact, held
