@@ -15,6 +15,7 @@ from collector import migrate, partitions
 from collector.alerting.service import AlertingService
 from collector.api import alerts, breach, dashboard, errors, health, ingest, openapi, reads, reports
 from collector.api import schedules as schedules_api
+from collector.api import tokens as tokens_api
 from collector.api.bodies import LimitBody
 from collector.db import Database
 from collector.fleet import FleetService
@@ -34,7 +35,7 @@ from collector.rollups.refresh import RollupRefresher
 from collector.rollups.stats import StatsService
 from collector.scrape import ScheduledScraper
 from collector.settings import Settings
-from collector.tokens import Authenticator
+from collector.tokens import Authenticator, TokenService
 from collector.verify_schedules import Verifier, VerifyScheduleService
 from policies import RuleSet, load_ruleset
 
@@ -134,6 +135,7 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
         reports.build_router(InventoryService(db), LimitsService(db), reviews, AuditLog(db))
     )
     app.include_router(dashboard.build_router(FleetService(db), StatsService(db)))
+    app.include_router(tokens_api.build_router(TokenService(db)))
     app.include_router(health.build_router(metrics, db.ping))
     openapi.install(app)
     return app

@@ -100,6 +100,7 @@ class IngestService:
                             conn,
                             probe_id=events[0].probe_id,
                             token_id=principal.token_id,
+                            lineage_id=principal.lineage,
                             events=events,
                             now_us=micros(now),
                             rows=rows,

@@ -385,6 +385,9 @@ class ApiToken(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UtcMicros)
     # when a token.use audit entry was last written for it (at most one per interval)
     last_used_at: Mapped[int | None] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    # the token a rotation chain started from (NULL: this one); probes belong to a lineage
+    lineage_id: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class AuditEntry(Base):

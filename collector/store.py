@@ -22,7 +22,7 @@ from itertools import pairwise
 from typing import Any
 
 import msgspec
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, delete, func, insert, select, update
 
 from collector import models as m
 from collector.errors import Forbidden
@@ -391,6 +391,7 @@ class IngestStore:
         events: Sequence[ev.Event],
         now_us: int,
         rows: Rows | None = None,
+        lineage_id: int | None = None,
     ) -> WriteResult:
         """Store a batch (all from ``probe_id``) inside the caller's transaction.
 
@@ -399,7 +400,9 @@ class IngestStore:
         out to be new.
         """
         probe = self._lock_probe(conn, probe_id, token_id, events[0].deployment_id, now_us)
-        if probe.token_id != token_id:
+        # A probe id belongs to the token lineage that first wrote it: a rotated token (and
+        # the old one in its grace period) writes on for the same probes.
+        if probe.lineage != (token_id if lineage_id is None else lineage_id):
             raise Forbidden(
                 f"probe_id {probe_id!r} is registered to another ingest token",
                 {"field": "probe_id"},
@@ -470,10 +473,16 @@ class IngestStore:
             + " ON CONFLICT (probe_id) DO NOTHING",
             (probe_id, token_id, deployment_id, now_us, now_us),
         )
+        t = m.ApiToken
         return conn.execute(
-            select(m.Probe.token_id, m.Probe.max_seq)
+            select(
+                m.Probe.token_id,
+                m.Probe.max_seq,
+                func.coalesce(t.lineage_id, t.id).label("lineage"),
+            )
+            .join(t, t.id == m.Probe.token_id)
             .where(m.Probe.probe_id == probe_id)
-            .with_for_update()
+            .with_for_update(of=m.Probe)
         ).one()
 
     def _rewrite_gaps(

@@ -1,7 +1,20 @@
-"""API tokens: creation, lookup, and the principal a request acts as.
+"""API tokens: creation, lookup, their lifecycle (list, revoke, expire, rotate), and the
+principal a request acts as.
 
 Tokens are 256 bits from ``secrets`` and stored only as SHA-256. Lookup is by the hash's
 unique index, so the time a check takes does not depend on how much of a guess matches.
+
+Lifecycle invariants:
+
+* a token is valid while ``revoked_at`` is NULL and ``expires_at`` is NULL or in the future;
+  every replica checks both at lookup and caches a valid token for at most
+  ``KVWATCH_TOKEN_CACHE_S`` (never past its expiry), so a revocation takes effect within that;
+* a rotation creates a token with the same kind, scope and name, and sets the old one to
+  expire after a grace period (``DEFAULT_GRACE_S`` unless given), so probes can be
+  reconfigured without losing events; both belong to one *lineage* (``lineage_id``, the first
+  token's id), and a probe id registered to a lineage accepts any of its valid tokens;
+* every operation is in the audit log (``token.create``, ``token.revoke``,
+  ``token.rotate``); a secret is never stored nor shown after creation.
 """
 
 from __future__ import annotations
@@ -11,20 +24,29 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy import Connection, insert, or_, select, update
 
 from collector import audit
 from collector import models as m
 from collector.db import Database
-from collector.errors import CollectorError, Forbidden, InvalidInput, Unauthorized
-from collector.timefmt import now_micros
+from collector.errors import (
+    CollectorError,
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    Unauthorized,
+)
+from collector.timefmt import as_micros, iso, now_micros
 
 log = logging.getLogger("kvwatch.tokens")
 
 TokenKind = Literal["ingest", "read", "admin"]
 KINDS: tuple[TokenKind, ...] = ("ingest", "read", "admin")
+DEFAULT_GRACE_S = 24 * 3600  # a rotated token's old secret keeps working this long
+MAX_LIFETIME_S = 10 * 365 * 24 * 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +56,12 @@ class Principal:
     tenant: str | None
     deployment_id: str | None
     label: str
+    lineage_id: int | None = None  # None: the token is its own lineage
+    expires_at_us: int | None = None
+
+    @property
+    def lineage(self) -> int:
+        return self.lineage_id if self.lineage_id is not None else self.token_id
 
     def require(self, *kinds: TokenKind) -> None:
         if self.kind not in kinds:
@@ -62,8 +90,27 @@ def create_token(
     deployment_id: str | None = None,
     name: str | None = None,
     actor: str = "cli",
+    expires_in_s: float | None = None,
+    lineage_id: int | None = None,
 ) -> tuple[int, str]:
-    """Create a token; returns (id, secret). The secret is never stored or shown again."""
+    """Create a token; returns (id, secret). The secret is never stored or shown again.
+    ``expires_in_s``: it stops working that long after ``now_us``. A name is unique among
+    valid tokens (so ``revoke NAME`` means one token), except within a rotation's lineage."""
+    if expires_in_s is not None and not 0 < expires_in_s <= MAX_LIFETIME_S:
+        raise InvalidInput(
+            f"expires_in must be between 1 second and 10 years, not {expires_in_s:g} s",
+            {"field": "expires_in"},
+        )
+    if name is not None and lineage_id is None:
+        clash = _valid(conn, now_us).where(m.ApiToken.name == name)
+        held = conn.execute(clash.with_only_columns(m.ApiToken.id)).scalars().first()
+        if held is not None:
+            raise Conflict(
+                f"a valid token is already named {name!r} (#{held}); names must be unique "
+                "(rotate it, or revoke it first)",
+                {"field": "name", "token_id": held},
+            )
+    expires_us = None if expires_in_s is None else now_us + int(expires_in_s * 1_000_000)
     if kind not in KINDS:
         raise InvalidInput(f"token kind must be one of {', '.join(KINDS)}, not {kind!r}")
     if tenant is not None and kind != "read":
@@ -81,6 +128,8 @@ def create_token(
             prefix=secret[:16],
             token_hash=hash_token(secret),
             created_at=now_us,
+            expires_at=expires_us,
+            lineage_id=lineage_id,
         )
         .returning(m.ApiToken.id)
     ).scalar_one()
@@ -90,9 +139,145 @@ def create_token(
         actor=actor,
         action="token.create",
         subject=f"token:{token_id}",
-        detail={"kind": kind, "tenant": tenant, "deployment_id": deployment_id, "name": name},
+        detail={
+            "kind": kind,
+            "tenant": tenant,
+            "deployment_id": deployment_id,
+            "name": name,
+            "expires_at": iso(expires_us),
+            "lineage_id": lineage_id,
+        },
     )
     return token_id, secret
+
+
+def _valid(conn: Connection, now_us: int) -> Any:
+    t = m.ApiToken
+    return select(t).where(
+        t.revoked_at.is_(None), or_(t.expires_at.is_(None), t.expires_at > now_us)
+    )
+
+
+def token_doc(row: Any, now_us: int) -> dict[str, Any]:
+    """What anyone may know of a token: everything but its secret (the prefix identifies it
+    in logs and errors)."""
+    expires = as_micros(row.expires_at)
+    state = (
+        "revoked"
+        if row.revoked_at is not None
+        else "expired"
+        if expires is not None and expires <= now_us
+        else "valid"
+    )
+    return {
+        "id": row.id,
+        "kind": row.kind,
+        "tenant": row.tenant,
+        "deployment_id": row.deployment_id,
+        "name": row.name,
+        "prefix": row.prefix,
+        "created_at": iso(as_micros(row.created_at)),
+        "last_used_at": iso(row.last_used_at),
+        "expires_at": iso(expires),
+        "revoked_at": iso(as_micros(row.revoked_at)),
+        "lineage_id": row.lineage_id if row.lineage_id is not None else row.id,
+        "state": state,
+    }
+
+
+def list_tokens(conn: Connection, now_us: int) -> list[dict[str, Any]]:
+    rows = conn.execute(select(m.ApiToken).order_by(m.ApiToken.id)).all()
+    return [token_doc(r, now_us) for r in rows]
+
+
+def find_token(conn: Connection, id_or_name: str | int, now_us: int) -> Any:
+    """A token by id, or by name among valid tokens (one, or the newest of one lineage);
+    a name shared by tokens of different lineages is refused, naming their ids."""
+    t = m.ApiToken
+    if isinstance(id_or_name, int) or str(id_or_name).isdigit():
+        row = conn.execute(select(t).where(t.id == int(id_or_name))).first()
+        if row is None:
+            raise NotFound(f"no token #{id_or_name}")
+        return row
+    rows = conn.execute(_valid(conn, now_us).where(t.name == id_or_name).order_by(t.id)).all()
+    if not rows:
+        raise NotFound(f"no valid token named {id_or_name!r}")
+    lineages = {r.lineage_id if r.lineage_id is not None else r.id for r in rows}
+    if len(lineages) > 1:
+        ids = ", ".join(f"#{r.id}" for r in rows)
+        raise Conflict(f"{len(rows)} valid tokens are named {id_or_name!r} ({ids}): give an id")
+    return rows[-1]
+
+
+def revoke_token(
+    conn: Connection, id_or_name: str | int, *, actor: str, now_us: int
+) -> dict[str, Any]:
+    """Revoke a token (by id or unique name) at once; revoking one twice is a no-op that
+    says so."""
+    row = find_token(conn, id_or_name, now_us)
+    if row.revoked_at is None:
+        conn.execute(update(m.ApiToken).where(m.ApiToken.id == row.id).values(revoked_at=now_us))
+        audit.append(
+            conn,
+            now_us=now_us,
+            actor=actor,
+            action="token.revoke",
+            subject=f"token:{row.id}",
+            detail={"kind": row.kind, "name": row.name},
+        )
+    fresh = conn.execute(select(m.ApiToken).where(m.ApiToken.id == row.id)).one()
+    return token_doc(fresh, now_us)
+
+
+def rotate_token(
+    conn: Connection,
+    id_or_name: str | int,
+    *,
+    actor: str,
+    now_us: int,
+    grace_s: float = DEFAULT_GRACE_S,
+    expires_in_s: float | None = None,
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """A new token with the old one's kind, scope and name (and lifetime, unless
+    ``expires_in_s``), in its lineage; the old one expires ``grace_s`` from now (sooner if it
+    already would). Returns (new token, its secret, old token)."""
+    if not 0 <= grace_s <= 30 * 24 * 3600:
+        raise InvalidInput(
+            f"grace must be between 0 and 30 days, not {grace_s:g} s", {"field": "grace"}
+        )
+    old = find_token(conn, id_or_name, now_us)
+    if token_doc(old, now_us)["state"] != "valid":
+        raise Conflict(f"token #{old.id} is {token_doc(old, now_us)['state']}: create a new one")
+    lineage = old.lineage_id if old.lineage_id is not None else old.id
+    if expires_in_s is None and old.expires_at is not None:
+        # the new token lives as long as the old one was given to
+        expires_in_s = (as_micros(old.expires_at) - as_micros(old.created_at)) / 1_000_000
+    new_id, secret = create_token(
+        conn,
+        kind=old.kind,
+        tenant=old.tenant,
+        deployment_id=old.deployment_id,
+        name=old.name,
+        now_us=now_us,
+        actor=actor,
+        expires_in_s=expires_in_s,
+        lineage_id=lineage,
+    )
+    ends = now_us + int(grace_s * 1_000_000)
+    current = as_micros(old.expires_at)
+    if current is None or ends < current:
+        conn.execute(update(m.ApiToken).where(m.ApiToken.id == old.id).values(expires_at=ends))
+    audit.append(
+        conn,
+        now_us=now_us,
+        actor=actor,
+        action="token.rotate",
+        subject=f"token:{old.id}",
+        detail={"new_token_id": new_id, "old_expires_at": iso(min(ends, current or ends))},
+    )
+    t = m.ApiToken
+    rows = {r.id: r for r in conn.execute(select(t).where(t.id.in_([old.id, new_id])))}
+    return token_doc(rows[new_id], now_us), secret, token_doc(rows[old.id], now_us)
 
 
 def authenticate(conn: Connection, authorization: str | None) -> Principal:
@@ -112,12 +297,25 @@ def authenticate(conn: Connection, authorization: str | None) -> Principal:
             m.ApiToken.prefix,
             m.ApiToken.name,
             m.ApiToken.revoked_at,
+            m.ApiToken.expires_at,
+            m.ApiToken.lineage_id,
         ).where(m.ApiToken.token_hash == hash_token(secret))
     ).first()
     if row is None or row.revoked_at is not None:
         raise Unauthorized("unknown or revoked token")
+    expires = as_micros(row.expires_at)
+    if expires is not None and expires <= now_micros():
+        raise Unauthorized(f"token {row.prefix}… expired at {iso(expires)}")
     # Who acted, in the audit log and on acks: the token's name when it has one.
-    return Principal(row.id, row.kind, row.tenant, row.deployment_id, row.name or row.prefix)
+    return Principal(
+        row.id,
+        row.kind,
+        row.tenant,
+        row.deployment_id,
+        row.name or row.prefix,
+        row.lineage_id,
+        expires,
+    )
 
 
 def record_use(conn: Connection, principal: Principal, *, now_us: int, every_us: int) -> bool:
@@ -177,7 +375,10 @@ class Authenticator:
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
         assert authorization is not None  # authenticate() refused a missing header
-        self._cache[authorization] = (now + self.ttl_s, principal)
+        until = now + self.ttl_s
+        if principal.expires_at_us is not None:  # never remembered past its expiry
+            until = min(until, now + (principal.expires_at_us - now_micros()) / 1e6)
+        self._cache[authorization] = (until, principal)
         last = self._audited.get(principal.token_id)
         if last is None or now - last >= self.use_audit_s:
             self._audit_use(principal, now)
@@ -198,3 +399,61 @@ class Authenticator:
         if len(self._audited) >= self.max_entries:
             self._audited.clear()
         self._audited[principal.token_id] = now
+
+
+class TokenService:
+    """The token operations the API and the CLI offer an admin, each in one transaction."""
+
+    def __init__(self, db: Database):
+        self.db = db
+
+    def list(self) -> list[dict[str, Any]]:
+        with self.db.read() as conn:
+            return list_tokens(conn, now_micros())
+
+    def create(
+        self,
+        *,
+        kind: str,
+        tenant: str | None,
+        deployment_id: str | None,
+        name: str | None,
+        expires_in_s: float | None,
+        actor: str,
+    ) -> tuple[dict[str, Any], str]:
+        now_us = now_micros()
+        with self.db.write() as conn:
+            token_id, secret = create_token(
+                conn,
+                kind=kind,
+                tenant=tenant,
+                deployment_id=deployment_id,
+                name=name,
+                now_us=now_us,
+                actor=actor,
+                expires_in_s=expires_in_s,
+            )
+            row = conn.execute(select(m.ApiToken).where(m.ApiToken.id == token_id)).one()
+            return token_doc(row, now_us), secret
+
+    def revoke(self, id_or_name: str | int, *, actor: str) -> dict[str, Any]:
+        with self.db.write() as conn:
+            return revoke_token(conn, id_or_name, actor=actor, now_us=now_micros())
+
+    def rotate(
+        self,
+        id_or_name: str | int,
+        *,
+        actor: str,
+        grace_s: float = DEFAULT_GRACE_S,
+        expires_in_s: float | None = None,
+    ) -> tuple[dict[str, Any], str, dict[str, Any]]:
+        with self.db.write() as conn:
+            return rotate_token(
+                conn,
+                id_or_name,
+                actor=actor,
+                now_us=now_micros(),
+                grace_s=grace_s,
+                expires_in_s=expires_in_s,
+            )

@@ -265,6 +265,7 @@ class Exporter:
         self._attempt = 0
         self._retry_at = 0.0
         self._healthy = True
+        self._refused_status: int | None = None  # the 401/403 already said, until a success
         self._max_attempts = settings.probe_max_attempts
         # Refusals counted against the backlog's head (reset whenever the head changes or
         # makes progress), and the foreign probe ids given up on after a 403.
@@ -673,6 +674,8 @@ class Exporter:
         if status in (400, 422):
             return self._reject(body, n, resp, deadline)
         said = f"collector answered {status}{_error_message(resp)}"
+        if status in (401, 403):
+            self._token_refused(status, said)
         if status in _UNAVAILABLE:
             if status == 401:
                 said += " (check KVWATCH_INGEST_TOKEN; events are kept and retried)"
@@ -770,7 +773,30 @@ class Exporter:
         self._drops.add(reason, own)
         self._drops.add(reason, len(heads) - own, report=False)
 
+    def _token_refused(self, status: int, said: str) -> None:
+        """A refused token is a person's mistake (a revoked, rotated-out or mistyped token, a
+        scope that does not fit), not an outage: said once, as an error, until a batch gets
+        through again. The events stay in the spool for the token that will be valid."""
+        if self._refused_status == status:
+            return
+        self._refused_status = status
+        what = (
+            "the ingest token is unknown, revoked or expired"
+            if status == 401
+            else "the ingest token may not write this (its deployment scope, or a probe_id "
+            "registered to another token)"
+        )
+        log.error(
+            "kvwatch probe %s: the collector refused its token: %s (%s). This is a "
+            "configuration error, not an outage: set KVWATCH_INGEST_TOKEN to a valid token "
+            "(kvwatch tokens list / rotate). Events are kept in the spool and sent once it is.",
+            self._url,
+            what,
+            said,
+        )
+
     def _succeeded(self, resp: httpx.Response, n: int) -> None:
+        self._refused_status = None
         if not self._healthy:
             log.info(
                 "kvwatch collector reachable again; replaying %d spooled batches",

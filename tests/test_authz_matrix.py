@@ -84,6 +84,10 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/verify-schedules"): _allow(201, "admin"),
     ("DELETE", "/v1/verify-schedules/{schedule_id}"): _allow(200, "admin"),
     ("GET", "/v1/rules"): _allow(200, *OPERATORS),
+    ("GET", "/v1/tokens"): _allow(200, "admin"),
+    ("POST", "/v1/tokens"): _allow(201, "admin"),
+    ("POST", "/v1/tokens/{ref}/revoke"): _allow(200, "admin"),
+    ("POST", "/v1/tokens/{ref}/rotate"): _allow(201, "admin"),
     ("POST", "/v1/reports"): _allow(201, "admin"),
     ("GET", "/v1/reports"): _allow(200, "admin"),
     ("GET", "/v1/reports/{report_id}"): _allow(200, "admin"),
@@ -113,6 +117,7 @@ class World:
     report_id: str
     schedule_id: int
     verification_id: int
+    spare_tokens: dict[str, int]  # a token for the matrix to revoke, one to rotate
     request_ids: dict[str, set[str]]
     seq: int = 0
     clients: dict[str, httpx.Client] = field(default_factory=dict)
@@ -237,6 +242,10 @@ def world(collector: Collector) -> Iterator[World]:
             admin.post("/v1/reports", json={"kind": "breach", "incident_id": incident["id"]}), 201
         )
         schedule = _ok(admin.post("/v1/verify-schedules", json=_schedule_body()), 201)
+        spares = {
+            op: _ok(admin.post("/v1/tokens", json={"kind": "read"}), 201)["token"]["id"]
+            for op in ("revoke", "rotate")
+        }
     wait_rollups(collector.db_url)
     w = World(
         c=collector,
@@ -248,6 +257,7 @@ def world(collector: Collector) -> Iterator[World]:
         report_id=str(report["report_id"]),
         schedule_id=int(schedule["id"]),
         verification_id=int(verification["id"]),
+        spare_tokens=spares,
         seq=max(e.seq for e in traffic),
         request_ids={
             t: {
@@ -312,6 +322,7 @@ def _path(w: World, op: Operation) -> str:
         report_id=w.report_id,
         schedule_id=w.schedule_id,
         verification_id=w.verification_id,
+        ref=w.spare_tokens["rotate" if op.path.endswith("/rotate") else "revoke"],
     )
 
 
@@ -346,6 +357,9 @@ def _body(w: World, op: Operation) -> Any:
         },
         ("POST", "/v1/reports"): lambda: {"kind": "breach", "incident_id": w.incident_id},
         ("POST", "/v1/verify-schedules"): _schedule_body,
+        ("POST", "/v1/tokens"): lambda: {"kind": "read"},
+        ("POST", "/v1/tokens/{ref}/revoke"): lambda: None,
+        ("POST", "/v1/tokens/{ref}/rotate"): lambda: {"grace": "1h"},
     }
     if op.method in {"GET", "DELETE"}:
         return None
@@ -581,7 +595,10 @@ def test_token_creation_and_use_are_in_the_audit_log(world: World) -> None:
             entries = conn.execute(select(m.AuditEntry.action, m.AuditEntry.subject)).all()
     finally:
         db.dispose()
-    assert len(tokens) == len(KINDS) - 2  # none and wrong are not tokens
+    # none and wrong are not tokens; the two spares (for revoke and rotate) are never used
+    spares = set(world.spare_tokens.values())
+    assert len(tokens) == len(KINDS) - 2 + len(spares)
+    tokens = [t for t in tokens if t not in spares]
     created = {s for a, s in entries if a == "token.create"}
     assert {f"token:{t}" for t in tokens} <= created  # creation: audited today
     used = {s for a, s in entries if a == "token.use"}
