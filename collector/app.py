@@ -45,7 +45,11 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
     ``kvwatch.verify``'s); without one, schedules are kept but not run."""
     settings = settings or Settings()
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
-    metrics = CollectorMetrics(db)
+    metrics = CollectorMetrics(
+        db,
+        max_deployments=settings.metrics_max_deployments,
+        min_requests=settings.metrics_min_requests,
+    )
     authenticator = Authenticator(
         db, ttl_s=settings.token_cache_s, use_audit_s=settings.token_use_audit_s
     )
@@ -136,7 +140,8 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
     )
     app.include_router(dashboard.build_router(FleetService(db), StatsService(db)))
     app.include_router(tokens_api.build_router(TokenService(db)))
-    app.include_router(health.build_router(metrics, db.ping))
+    token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
+    app.include_router(health.build_router(metrics, db.ping, metrics_token=token))
     openapi.install(app)
     return app
 

@@ -7,6 +7,7 @@ and nothing is lost on restart.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
@@ -19,10 +20,11 @@ from collector import models as m
 from collector import queries
 from collector.db import Database
 from collector.errors import Unavailable
+from collector.rollups.buckets import bin_high, bin_of
 
 
 class CollectorMetrics:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, *, max_deployments: int = 200, min_requests: int = 10):
         self.registry = CollectorRegistry(auto_describe=True)
         self.events = Counter(
             "kvwatch_ingest_events",
@@ -62,7 +64,7 @@ class CollectorMetrics:
         # Pre-create the label sets so a scrape shows zeros instead of nothing.
         for r in ("accepted", "duplicate"):
             self.events.labels(r)
-        self.registry.register(_DeploymentGauges(db))
+        self.registry.register(_DeploymentGauges(db, max_deployments, min_requests))
         self.registry.register(_AlertGauges(db))
 
 
@@ -119,8 +121,18 @@ class _AlertGauges(Collector):
 
 
 class _DeploymentGauges(Collector):
-    def __init__(self, db: Database):
+    """Per-deployment gauges, for at most ``max_deployments`` deployments (the most recently
+    seen): /metrics is scraped often and its size must not grow with whatever names a batch
+    brings. The deployments left out are counted (``kvwatch_metrics_deployments_omitted``).
+
+    /metrics needs no token by default, so nothing here describes one request: the largest
+    prompt of the hour is published rounded up to its 9%-wide size bin, and only for a
+    deployment with at least ``min_requests`` requests in that hour."""
+
+    def __init__(self, db: Database, max_deployments: int, min_requests: int):
         self.db = db
+        self.max_deployments = max_deployments
+        self.min_requests = min_requests
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: collected from the database at scrape time
@@ -149,8 +161,14 @@ class _DeploymentGauges(Collector):
         )
         maxp = GaugeMetricFamily(
             "kvwatch_deployment_max_prompt_tokens_1h",
-            "Largest prompt seen in the last hour.",
+            "Largest prompt in the last hour, rounded up to its 9%-wide size bin; only with "
+            f"at least {self.min_requests} requests in the hour.",
             labels=["deployment"],
+        )
+        omitted = GaugeMetricFamily(
+            "kvwatch_metrics_deployments_omitted",
+            f"Deployments whose series this scrape left out (over the {self.max_deployments} "
+            "most recently seen; KVWATCH_METRICS_MAX_DEPLOYMENTS).",
         )
         missing = GaugeMetricFamily(
             "kvwatch_probe_missing_events",
@@ -159,24 +177,35 @@ class _DeploymentGauges(Collector):
         )
         try:
             with self.db.read() as conn:
+                d = m.Deployment
+                ranked = conn.execute(select(d.id).order_by(d.last_seen.desc(), d.id)).scalars()
+                everyone = list(ranked)
+                kept = set(everyone[: self.max_deployments])
+                omitted.add_metric([], len(everyone) - len(kept))
                 for c in queries.latest_configs(conn):
+                    if c.deployment_id not in kept:
+                        continue
                     lv = [c.deployment_id, c.node, c.role, c.model_id]
                     adv.add_metric(lv, c.advertised_context)
                     cap.add_metric(lv, c.pool_capacity_tokens)
-                for p in queries.latest_pool_samples(conn):
+                for p in queries.latest_pool_samples(conn, sorted(kept)):
                     lv = [p.deployment_id, p.node, p.role]
                     used.add_metric(lv, p.used_tokens)
                     occ.add_metric(
                         lv, p.used_tokens / p.capacity_tokens if p.capacity_tokens else 0
                     )
                 since = int((time.time() - 3600) * 1_000_000)
-                for dep, mx in conn.execute(
-                    select(m.Request.deployment_id, func.max(m.Request.prompt_tokens))
+                for dep, mx, n in conn.execute(
+                    select(
+                        m.Request.deployment_id,
+                        func.max(m.Request.prompt_tokens),
+                        func.count(),
+                    )
                     .where(m.Request.first_ts >= since)
                     .group_by(m.Request.deployment_id)
                 ):
-                    if mx is not None:
-                        maxp.add_metric([dep], mx)
+                    if mx is not None and n >= self.min_requests and dep in kept:
+                        maxp.add_metric([dep], math.ceil(bin_high(bin_of(int(mx)))))
                 for probe, dep, n in conn.execute(
                     select(
                         m.SeqGap.probe_id,
@@ -186,7 +215,8 @@ class _DeploymentGauges(Collector):
                     .join(m.Probe, m.Probe.probe_id == m.SeqGap.probe_id)
                     .group_by(m.SeqGap.probe_id, m.Probe.deployment_id)
                 ):
-                    missing.add_metric([probe, dep], n)
+                    if dep in kept:
+                        missing.add_metric([probe, dep], n)
         except Unavailable:
             return  # the ingest counters still scrape while the database is down
-        yield from (adv, cap, used, occ, maxp, missing)
+        yield from (adv, cap, used, occ, maxp, missing, omitted)

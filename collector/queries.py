@@ -53,12 +53,15 @@ def latest_configs(conn: Connection) -> list[Any]:
     return list(conn.execute(_latest(m.DeploymentConfig)))
 
 
-def latest_pool_samples(conn: Connection) -> list[Any]:
-    """The latest sample of each (deployment, node, role). The table is large: each
-    deployment's newest rows come from a backward scan of its (deployment_id, ts) index,
-    and a node that has sent nothing among them counts as silent."""
+def latest_pool_samples(conn: Connection, deployments: list[str] | None = None) -> list[Any]:
+    """The latest sample of each (deployment, node, role), of ``deployments`` (default:
+    all). The table is large: each deployment's newest rows come from a backward scan of its
+    (deployment_id, ts) index, and a node that has sent nothing among them counts as
+    silent."""
     out = []
-    for dep in conn.execute(select(m.Deployment.id)).scalars():
+    if deployments is None:
+        deployments = list(conn.execute(select(m.Deployment.id)).scalars())
+    for dep in deployments:
         seen: set[tuple[str, str]] = set()
         for p in conn.execute(
             select(m.PoolSample)

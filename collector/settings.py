@@ -6,7 +6,15 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine_probe.events import is_valid_id
@@ -94,6 +102,25 @@ class Settings(BaseSettings):
         default=256 * 1024,
         ge=1024,
         description="Largest verification evidence stored, in bytes of compact JSON; over it: 413.",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="If set, GET /metrics needs 'Authorization: Bearer <this>' (Prometheus: "
+        "authorization.credentials). Unset: /metrics is open, and carries no figure of a "
+        "single request.",
+    )
+    metrics_max_deployments: int = Field(
+        default=200,
+        ge=1,
+        description="Per-deployment series on /metrics for at most this many deployments "
+        "(the most recently seen); the rest are counted in "
+        "kvwatch_metrics_deployments_omitted.",
+    )
+    metrics_min_requests: int = Field(
+        default=10,
+        ge=1,
+        description="kvwatch_deployment_max_prompt_tokens_1h is published only for a "
+        "deployment with at least this many requests in the hour.",
     )
     max_clock_skew_s: float = Field(
         default=3600.0, ge=0, description="How far in the future an event's ts may lie."

@@ -3,6 +3,7 @@ answers), ``/readyz`` (the database answers too) and ``/metrics``."""
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -10,18 +11,27 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from collector.api import params
 from collector.api import schemas as s
 from collector.api.caller import in_thread
-from collector.errors import CollectorError
+from collector.errors import CollectorError, Unauthorized
 from collector.metrics import CollectorMetrics
 
 
-def build_router(metrics: CollectorMetrics, ping: Callable[[], None]) -> APIRouter:
-    """``ping``: raises a :class:`CollectorError` when the database does not answer."""
+def build_router(
+    metrics: CollectorMetrics, ping: Callable[[], None], *, metrics_token: str | None = None
+) -> APIRouter:
+    """``ping``: raises a :class:`CollectorError` when the database does not answer.
+    ``metrics_token`` (KVWATCH_METRICS_TOKEN): if set, /metrics needs it as a bearer token."""
     r = APIRouter()
+    expected = None if metrics_token is None else f"Bearer {metrics_token}".encode()
 
     @r.get("/metrics", include_in_schema=True, response_class=Response)
-    async def get_metrics() -> Response:
+    async def get_metrics(authorization: params.Auth = None) -> Response:
+        if expected is not None and not hmac.compare_digest(
+            (authorization or "").encode(), expected
+        ):
+            raise Unauthorized("/metrics needs the scrape token (KVWATCH_METRICS_TOKEN)")
         data = await in_thread(generate_latest, metrics.registry)
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
