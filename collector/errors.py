@@ -68,6 +68,14 @@ class UnsupportedMediaType(CollectorError):
     code = "unsupported_media_type"
 
 
+class TooManyNewNames(CollectorError):
+    """A token named more new deployments, nodes, models or routes in the last hour than
+    its limit allows. Retrying later succeeds (a probe keeps its events meanwhile)."""
+
+    status = 429
+    code = "too_many_new_names"
+
+
 class Unavailable(CollectorError):
     """The database is unreachable: retry later. Never a 500 for an outage."""
 

@@ -13,6 +13,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from collector.alerting.evaluation import PassResult
 from collector.alerting.service import AlertingService
+from collector.cardinality import Limits, NewNames
 from collector.db import DRIVER_ERRORS, Database
 from collector.errors import (
     CollectorError,
@@ -67,6 +68,14 @@ class IngestService:
         self.settings = settings
         self.metrics = metrics
         self.store = IngestStore(db.dialect)
+        self.names = NewNames(
+            Limits(
+                deployment=settings.max_new_deployments_per_hour,
+                node=settings.max_new_nodes_per_hour,
+                model=settings.max_new_models_per_hour,
+                route=settings.max_new_routes_per_hour,
+            )
+        )
 
     def authenticate(self, authorization: str | None) -> Principal:
         try:
@@ -96,6 +105,7 @@ class IngestService:
                             if self.alerting is not None
                             else {}
                         )
+                        self.names.admit(conn, principal.lineage, events, micros(now))
                         res = self.store.write_batch(
                             conn,
                             probe_id=events[0].probe_id,

@@ -448,6 +448,24 @@ class DeploymentTenant(Base):
     first_seen: Mapped[datetime] = mapped_column(UtcMicros)
 
 
+class LabelValue(Base):
+    """Every deployment, node, model and route named to the collector (``kind``; a
+    deployment's own row has ``deployment_id == value``), with the token lineage that first
+    named it and when: new names per token per hour are limited (``collector.cardinality``).
+    Rows stored before this table existed have no lineage and ``first_seen`` 0."""
+
+    __tablename__ = "label_values"
+    __table_args__ = (
+        Index("ix_label_values_token_lineage_first_seen", "token_lineage", "first_seen"),
+    )
+
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    value: Mapped[str] = mapped_column(String(NAME_MAX), primary_key=True)
+    token_lineage: Mapped[int | None] = mapped_column(BigInteger)
+    first_seen: Mapped[int] = mapped_column(BigInteger)
+
+
 class Alert(Base):
     """One alert per fingerprint (the hash of its labels); its state history is in
     ``alert_transitions``. A resolved alert that fires again is the same row, re-opened."""

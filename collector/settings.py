@@ -122,6 +122,21 @@ class Settings(BaseSettings):
         description="kvwatch_deployment_max_prompt_tokens_1h is published only for a "
         "deployment with at least this many requests in the hour.",
     )
+    max_new_deployments_per_hour: int = Field(
+        default=20,
+        ge=1,
+        description="New deployment ids one ingest token (with its rotations) may name per "
+        "hour; a batch over it gets 429 and nothing is stored.",
+    )
+    max_new_nodes_per_hour: int = Field(
+        default=200, ge=1, description="New nodes one ingest token may name per hour (429)."
+    )
+    max_new_models_per_hour: int = Field(
+        default=50, ge=1, description="New model ids one ingest token may name per hour (429)."
+    )
+    max_new_routes_per_hour: int = Field(
+        default=200, ge=1, description="New routes one ingest token may name per hour (429)."
+    )
     max_clock_skew_s: float = Field(
         default=3600.0, ge=0, description="How far in the future an event's ts may lie."
     )

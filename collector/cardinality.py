@@ -1,0 +1,132 @@
+"""Limits on new names: the deployments, nodes, models and routes one token (its rotation
+lineage) may introduce per hour. A batch is the unit: if the new names it carries would take
+its token over a limit, the whole batch is refused with 429 naming the limit, and nothing is
+stored (a probe retries it later; the window slides). Names already known cost nothing.
+
+Invariant: every (kind, deployment, value) a stored event carries has a row in
+``label_values`` (written in the batch's own transaction), so "new" is decided against the
+database, the same on every replica. A process-local set of known names spares the query for
+names seen before; it only ever says "known" for names with a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, func, select, tuple_
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from collector import models as m
+from collector.errors import TooManyNewNames
+from engine_probe import events as ev
+
+KINDS = ("deployment", "node", "model", "route")
+HOUR_US = 3_600_000_000
+_KNOWN_MAX = 200_000  # names remembered per process before the set starts over
+
+Name = tuple[str, str, str]  # (kind, deployment_id, value)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """New names per token lineage per hour, by kind (``KVWATCH_MAX_NEW_*_PER_HOUR``)."""
+
+    deployment: int
+    node: int
+    model: int
+    route: int
+
+    def of(self, kind: str) -> int:
+        return int(getattr(self, kind))
+
+
+def names_of(events: Iterable[ev.Event]) -> set[Name]:
+    """Every (kind, deployment, value) a batch names."""
+    out: set[Name] = set()
+    for e in events:
+        dep = e.deployment_id
+        out.add(("deployment", dep, dep))
+        node = getattr(e, "node", None)
+        if node:
+            out.add(("node", dep, node))
+        model = getattr(e, "model_id", None)
+        if model:
+            out.add(("model", dep, model))
+        route = getattr(e, "route", None)
+        if route:
+            out.add(("route", dep, route))
+    return out
+
+
+class NewNames:
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self._known: set[Name] = set()
+
+    def admit(
+        self, conn: Connection, lineage: int, events: Sequence[ev.Event], now_us: int
+    ) -> None:
+        """Record the batch's new names for ``lineage``, or raise :class:`TooManyNewNames`
+        (inside the caller's transaction, before anything of the batch is written)."""
+        wanted = names_of(events) - self._known
+        if not wanted:
+            return
+        lv = m.LabelValue
+        have = {
+            (k, d, v)
+            for k, d, v in conn.execute(
+                select(lv.kind, lv.deployment_id, lv.value).where(
+                    tuple_(lv.kind, lv.deployment_id, lv.value).in_(sorted(wanted))
+                )
+            )
+        }
+        new = wanted - have
+        if new:
+            self._check(conn, lineage, new, now_us)
+            # Two replicas may add the same name at once: the second insert is a no-op.
+            upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+            conn.execute(
+                upsert(lv).on_conflict_do_nothing(),
+                [
+                    {
+                        "kind": k,
+                        "deployment_id": d,
+                        "value": v,
+                        "token_lineage": lineage,
+                        "first_seen": now_us,
+                    }
+                    for k, d, v in sorted(new)
+                ],
+            )
+        if len(self._known) > _KNOWN_MAX:
+            self._known.clear()
+        # Only names already committed by someone are remembered here; this batch's own may
+        # still roll back, and are learnt again from the table next time.
+        self._known |= have
+
+    def _check(self, conn: Connection, lineage: int, new: set[Name], now_us: int) -> None:
+        lv = m.LabelValue
+        counts = dict(
+            conn.execute(
+                select(lv.kind, func.count())
+                .where(lv.token_lineage == lineage, lv.first_seen > now_us - HOUR_US)
+                .group_by(lv.kind)
+            ).all()
+        )
+        for kind in KINDS:
+            adding = sum(1 for k, _, _ in new if k == kind)
+            if not adding:
+                continue
+            limit = self.limits.of(kind)
+            had = int(counts.get(kind, 0))
+            if had + adding > limit:
+                env = f"KVWATCH_MAX_NEW_{kind.upper()}S_PER_HOUR"
+                raise TooManyNewNames(
+                    f"this token named {had} new {kind}s in the last hour and the batch adds "
+                    f"{adding}: over the limit of {limit} per hour ({env}); nothing was "
+                    "stored, retry later or ask an operator to raise it",
+                    {"kind": kind, "limit_per_hour": limit, "in_last_hour": had,
+                     "in_batch": adding, "setting": env},
+                )  # fmt: skip
