@@ -128,7 +128,8 @@ class _OneLineErrors(logging.Filter):
 
 def _seed(url: str, admin: str, ingest: str) -> dict[str, Any]:
     """A deployment's traffic with a cross-tenant stale read (an alert and an incident), a
-    silence, a verification and a breach report; returns their ids by path parameter name."""
+    silence, a verification, a breach report and a spare token; returns their ids by path
+    parameter name."""
     t = datetime.now(UTC) - timedelta(minutes=10)
     events = [
         f.config(1, ts=t),
@@ -167,7 +168,8 @@ def _seed(url: str, admin: str, ingest: str) -> dict[str, Any]:
             201,
         )
         verification = {"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True}
-        ok(c.post("/v1/verifications", json=verification), 201)
+        verification_id = ok(c.post("/v1/verifications", json=verification), 201)["id"]
+        token = ok(c.post("/v1/tokens", json={"kind": "read", "name": "fuzzed"}), 201)
         report = ok(
             c.post("/v1/reports", json={"kind": "breach", "incident_id": incident["id"]}), 201
         )
@@ -177,6 +179,8 @@ def _seed(url: str, admin: str, ingest: str) -> dict[str, Any]:
         "incident_id": incident["id"],
         "silence_id": silence["id"],
         "report_id": report["report_id"],
+        "verification_id": verification_id,
+        "ref": token["token"]["id"],
     }
 
 
