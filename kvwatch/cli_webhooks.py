@@ -51,7 +51,7 @@ def add(
 
     The collector POSTs to whatever host the URL names, internal ones included: only let
     trusted operators add endpoints."""
-    from collector.notify.outbox import add_endpoint
+    from collector.notify.outbox import add_endpoint, redacted_url
 
     with _db(database_url) as conn:
         endpoint_id, new_secret = add_endpoint(
@@ -64,7 +64,7 @@ def add(
             secret=secret,
             now_us=now_micros(),
         )
-    err.print(f"added {kind} endpoint #{endpoint_id} {name!r} -> {url}")
+    err.print(f"added {kind} endpoint #{endpoint_id} {name!r} -> {redacted_url(url)}")
     if new_secret is not None:
         err.print("its signing secret is shown once; give it to the receiver now:")
         print(new_secret)

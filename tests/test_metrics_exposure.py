@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 import re
-from datetime import UTC, datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 

@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
@@ -95,7 +95,8 @@ def enqueue(
 
 @dataclass(frozen=True, slots=True)
 class EndpointInfo:
-    """An endpoint as operators see it; the secret is never part of it."""
+    """An endpoint as operators see it: the secret is never part of it, and the URL's
+    password (``user:pass@host``) shows as ``***``."""
 
     id: int
     name: str
@@ -240,7 +241,20 @@ def list_endpoints(conn: Connection) -> list[EndpointInfo]:
         .outerjoin(pending, pending.c.endpoint_id == e.id)
         .order_by(e.name)
     ).all()
-    return [EndpointInfo(*row) for row in rows]
+    return [EndpointInfo(**{**row._mapping, "url": redacted_url(row.url)}) for row in rows]
+
+
+def redacted_url(url: str) -> str:
+    """``url`` fit to print: a password in it (``https://user:pass@host/``) as ``***``.
+
+    Listings are read over shoulders, pasted into tickets and kept in CI logs; the stored URL
+    keeps the password, which the dispatcher needs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
 
 
 def enable_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "cli") -> None:
