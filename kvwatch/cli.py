@@ -4,29 +4,34 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach, report_notice, report_verify
-from kvwatch.cli_common import DbUrl, err, probe_settings_or_exit
+from kvwatch.cli_common import DEBUG, DbUrl, KvwatchGroup, err, probe_settings_or_exit, redacted
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
 from kvwatch.cli_lifecycle import erase, retention_app
 from kvwatch.cli_reports import audit_app, report_app
 from kvwatch.cli_scrape import scrape
+from kvwatch.cli_tokens import tokens_app
 from kvwatch.cli_verify import verify_app
 from kvwatch.cli_webhooks import webhooks_app
 
+if TYPE_CHECKING:
+    from collector.db import Database
+    from collector.settings import Settings
+
 app = typer.Typer(
+    cls=KvwatchGroup,
     help="kvwatch: KV-cache safety and compliance for multi-tenant LLM inference.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
-tokens_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 engine_app = typer.Typer(help="refengine, the reference paged-KV engine.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
@@ -49,6 +54,21 @@ app.add_typer(retention_app, name="retention")
 app.command("erase")(erase)
 
 
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            envvar="KVWATCH_DEBUG",
+            help="On a failure, also show its traceback (before the one line saying what failed).",
+        ),
+    ] = False,
+) -> None:
+    ctx.meta[DEBUG] = debug
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address [KVWATCH_HOST].")] = None,
@@ -63,18 +83,22 @@ def serve(
 
     import uvicorn
 
-    from collector import migrate
     from collector.app import create_app
     from kvwatch.verify.scheduled import run_scheduled
 
     settings = collector_settings(database_url)
     n = workers or settings.workers
     if n == 1:
-        app_or_path: object = create_app(settings, verifier=run_scheduled)
+        # Migrated here, not in the app's startup: a database it cannot reach then ends the
+        # command with the CLI's one line, not uvicorn's traceback after its banner.
+        collector = create_app(
+            settings.model_copy(update={"auto_migrate": False}), verifier=run_scheduled
+        )
+        _database_ready(settings, collector.state.db)
+        app_or_path: object = collector
     else:
         # Workers build their own app from the environment; migrate once, here, first.
-        if settings.auto_migrate:
-            migrate.upgrade(settings.database_url)
+        _database_ready(settings, None)
         os.environ["KVWATCH_DATABASE_URL"] = settings.database_url
         os.environ["KVWATCH_AUTO_MIGRATE"] = "false"
         app_or_path = "kvwatch.embedded:collector_app"
@@ -89,6 +113,23 @@ def serve(
     )
 
 
+def _database_ready(settings: Settings, db: Database | None) -> None:
+    """Migrate the database (KVWATCH_AUTO_MIGRATE) or check that it answers; raises what the
+    driver raises, for :class:`~kvwatch.cli_common.KvwatchGroup` to report."""
+    from collector import migrate
+    from collector.db import Database
+
+    if settings.auto_migrate:
+        migrate.upgrade(settings.database_url)
+        return
+    probe = db or Database(settings.database_url)
+    try:
+        probe.ping()
+    finally:
+        if db is None:
+            probe.dispose()
+
+
 @db_app.command("upgrade")
 def db_upgrade(database_url: DbUrl = None) -> None:
     """Apply Alembic migrations up to head."""
@@ -96,47 +137,7 @@ def db_upgrade(database_url: DbUrl = None) -> None:
 
     settings = collector_settings(database_url)
     migrate.upgrade(settings.database_url)
-    err.print(f"[green]database at head[/] ({_redact(settings.database_url)})")
-
-
-@tokens_app.command("create")
-def tokens_create(
-    kind: Annotated[str, typer.Option(help="ingest | read | admin")],
-    tenant: Annotated[str | None, typer.Option(help="Scope a read token to one tenant.")] = None,
-    deployment: Annotated[
-        str | None, typer.Option(help="Scope an ingest token to one deployment.")
-    ] = None,
-    name: Annotated[str | None, typer.Option(help="A label for people.")] = None,
-    database_url: DbUrl = None,
-) -> None:
-    """Create a token and print it once, alone on the last line. Only its hash is stored."""
-    from collector import migrate
-    from collector.db import Database
-    from collector.errors import CollectorError
-    from collector.timefmt import now_micros
-    from collector.tokens import create_token
-
-    settings = collector_settings(database_url)
-    migrate.upgrade(settings.database_url)
-    db = Database(settings.database_url)
-    try:
-        with db.write() as conn:
-            token_id, secret = create_token(
-                conn,
-                kind=kind,
-                tenant=tenant,
-                deployment_id=deployment,
-                name=name,
-                now_us=now_micros(),
-            )
-    except CollectorError as exc:
-        err.print(f"[red]error:[/] {exc.message}")
-        raise typer.Exit(2) from None
-    finally:
-        db.dispose()
-    scope = f" tenant={tenant}" if tenant else f" deployment={deployment}" if deployment else ""
-    err.print(f"created {kind} token #{token_id}{scope}; it is shown once, store it now:")
-    print(secret)
+    err.print(f"[green]database at head[/] ({redacted(settings.database_url)})")
 
 
 @app.command()
@@ -331,12 +332,6 @@ def engine_serve(
                 else "the rest is lost (KVWATCH_PROBE_SPOOL_DIR keeps it on disk)"
             )
             err.print(f"[yellow]warning:[/] not every event reached the collector; {kept}")
-
-
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

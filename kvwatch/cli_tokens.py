@@ -1,0 +1,154 @@
+"""``kvwatch tokens``: create, list, revoke and rotate API tokens (straight on the database,
+like the other admin commands; the same operations are on ``/v1/tokens`` for an admin
+token). A secret is printed once, alone on the last line, and never stored."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvwatch.cli_common import DbUrl, database, err
+
+tokens_app = typer.Typer(
+    help="API tokens: create, list, revoke, rotate (each in the audit log).",
+    no_args_is_help=True,
+)
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _seconds(value: str | None, option: str) -> float | None:
+    from policies.durations import parse_duration
+
+    if value is None:
+        return None
+    try:
+        return float(parse_duration(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
+
+
+@tokens_app.command("create")
+def tokens_create(
+    kind: Annotated[str, typer.Option(help="ingest | read | admin")],
+    tenant: Annotated[str | None, typer.Option(help="Scope a read token to one tenant.")] = None,
+    deployment: Annotated[
+        str | None, typer.Option(help="Scope an ingest token to one deployment.")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="A label for people, unique among valid tokens.")
+    ] = None,
+    expires_in: Annotated[
+        str | None,
+        typer.Option("--expires-in", metavar="DURATION", help="It stops working after, e.g. 90d."),
+    ] = None,
+    by: Annotated[str, typer.Option(help="Who creates it (audit log).")] = "cli",
+    database_url: DbUrl = None,
+) -> None:
+    """Create a token and print it once, alone on the last line. Only its hash is stored."""
+    from collector.tokens import TokenService
+
+    seconds = _seconds(expires_in, "--expires-in")
+    with database(database_url) as (db, _):
+        doc, secret = TokenService(db).create(
+            kind=kind,
+            tenant=tenant,
+            deployment_id=deployment,
+            name=name,
+            expires_in_s=seconds,
+            actor=by,
+        )
+    scope = f" tenant={tenant}" if tenant else f" deployment={deployment}" if deployment else ""
+    until = f", valid until {doc['expires_at']}" if doc["expires_at"] else ""
+    err.print(f"created {kind} token #{doc['id']}{scope}{until}; it is shown once, store it now:")
+    print(secret)
+
+
+@tokens_app.command("list")
+def tokens_list(
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    database_url: DbUrl = None,
+) -> None:
+    """Every token: id, kind, scope, name, created, last used, expiry, state. Never a secret.
+    'last used' is exact to within KVWATCH_TOKEN_USE_AUDIT_S (one audit entry per period)."""
+    from collector.tokens import TokenService
+
+    with database(database_url) as (db, _):
+        docs = TokenService(db).list()
+    if as_json:
+        print(json.dumps(docs, indent=2))
+        return
+    table = Table("id", "kind", "scope", "name", "created", "last used", "expires", "state")
+    for d in docs:
+        scope = (
+            f"tenant={d['tenant']}"
+            if d["tenant"]
+            else f"deployment={d['deployment_id']}"
+            if d["deployment_id"]
+            else "-"
+        )
+        table.add_row(
+            str(d["id"]),
+            d["kind"],
+            scope,
+            d["name"] or "-",
+            d["created_at"],
+            d["last_used_at"] or "never",
+            d["expires_at"] or "never",
+            d["state"],
+        )
+    out.print(table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(
+    token: Annotated[str, typer.Argument(metavar="ID_OR_NAME", help="Token id or unique name.")],
+    by: Annotated[str, typer.Option(help="Who revokes it (audit log).")] = "cli",
+    database_url: DbUrl = None,
+) -> None:
+    """Revoke a token now. Every collector stops accepting it within KVWATCH_TOKEN_CACHE_S
+    (5 s by default)."""
+    from collector.tokens import TokenService
+
+    with database(database_url) as (db, settings):
+        doc = TokenService(db).revoke(token, actor=by)
+    err.print(
+        f"token #{doc['id']} ({doc['kind']}, {doc['name'] or doc['prefix']}) revoked at "
+        f"{doc['revoked_at']}; collectors refuse it within {settings.token_cache_s:g} s"
+    )
+
+
+@tokens_app.command("rotate")
+def tokens_rotate(
+    token: Annotated[str, typer.Argument(metavar="ID_OR_NAME", help="Token id or unique name.")],
+    grace: Annotated[
+        str,
+        typer.Option(metavar="DURATION", help="How long the old token keeps working (≤ 30d)."),
+    ] = "24h",
+    expires_in: Annotated[
+        str | None,
+        typer.Option("--expires-in", metavar="DURATION", help="The new token's lifetime."),
+    ] = None,
+    by: Annotated[str, typer.Option(help="Who rotates it (audit log).")] = "cli",
+    database_url: DbUrl = None,
+) -> None:
+    """A new token with the same kind, scope and name, printed once on the last line; the
+    old one keeps working for --grace so probes can be reconfigured without losing events
+    (a probe's events stay its own across the rotation)."""
+    from collector.tokens import TokenService
+
+    grace_s = _seconds(grace, "--grace")
+    assert grace_s is not None
+    with database(database_url) as (db, _):
+        new, secret, old = TokenService(db).rotate(
+            token, actor=by, grace_s=grace_s, expires_in_s=_seconds(expires_in, "--expires-in")
+        )
+    err.print(
+        f"token #{new['id']} replaces #{old['id']} ({new['kind']}); #{old['id']} works until "
+        f"{old['expires_at']}. The new token is shown once, store it now:"
+    )
+    print(secret)

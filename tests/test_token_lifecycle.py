@@ -1,0 +1,222 @@
+"""Tokens have a lifecycle (issue 20, item 3): listed without secrets, revoked (on every
+replica within KVWATCH_TOKEN_CACHE_S), expired, rotated with a grace period during which a
+probe's events keep their owner; each operation is audited, on the CLI and the admin API. A
+probe whose token is refused says so once, as an error, and keeps its events for the next
+token."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+from typer.testing import CliRunner
+
+from engine_probe import events as ev
+from engine_probe.probe import Probe
+from engine_probe.settings import ProbeSettings
+from kvwatch.cli import app as cli
+from tests import factories as f
+from tests.conftest import Collector
+from tests.probe_helpers import exporter_threads, wait_for
+
+
+def _cli(db_url: str, *args: str) -> Any:
+    return CliRunner().invoke(cli, [*args, "--database-url", db_url])
+
+
+def _audit(db_url: str) -> list[tuple[str, str]]:
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT action, subject FROM audit_log ORDER BY id"))
+            return [(str(a), str(s)) for a, s in rows]
+    finally:
+        engine.dispose()
+
+
+def _ingest(url: str, token: str, seq: int, probe: str = "p-life") -> int:
+    r = httpx.post(
+        f"{url}/v1/events",
+        json=[f.as_json(f.pool(seq, probe=probe))],
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+    return r.status_code
+
+
+def test_the_cli_creates_lists_revokes_and_rotates(collector: Collector) -> None:
+    db = collector.db_url
+    made = _cli(db, "tokens", "create", "--kind", "ingest", "--deployment", "glm-prod",
+                "--name", "probe-glm", "--expires-in", "90d")  # fmt: skip
+    assert made.exit_code == 0, made.output
+    secret = made.stdout.strip().splitlines()[-1]
+    assert secret.startswith("kvw_ingest_") and "valid until" in made.stderr
+    # a name means one token: a second valid token of that name is refused
+    again = _cli(db, "tokens", "create", "--kind", "read", "--name", "probe-glm")
+    assert again.exit_code == 2 and "already named 'probe-glm'" in again.output
+    listed = _cli(db, "tokens", "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    docs = {d["name"]: d for d in json.loads(listed.stdout)}
+    mine = docs["probe-glm"]
+    assert (mine["kind"], mine["deployment_id"], mine["state"]) == ("ingest", "glm-prod", "valid")
+    assert mine["expires_at"] is not None and secret not in listed.stdout
+    assert secret[:16] == mine["prefix"] and "token_hash" not in mine
+    table = _cli(db, "tokens", "list")
+    assert "probe-glm" in table.stdout and "deployment=glm-prod" in table.stdout
+
+    assert _ingest(collector.url, secret, 1) == 200
+    # rotate: a new token, same scope and name; the old one still works during the grace
+    rotated = _cli(db, "tokens", "rotate", "probe-glm", "--grace", "1h")
+    assert rotated.exit_code == 0, rotated.output
+    new = rotated.stdout.strip().splitlines()[-1]
+    assert new.startswith("kvw_ingest_") and new != secret
+    assert _ingest(collector.url, secret, 2) == 200
+    # ... and the probe's events stay its own under the new token (one lineage)
+    assert _ingest(collector.url, new, 3) == 200
+    docs = json.loads(_cli(db, "tokens", "list", "--json").stdout)
+    lineage = [d for d in docs if d["name"] == "probe-glm"]
+    assert len(lineage) == 2 and len({d["lineage_id"] for d in lineage}) == 1
+    assert lineage[0]["expires_at"] < lineage[1]["expires_at"]  # the old one goes first
+
+    # revoke by name: two valid tokens of one lineage share it, the newest is meant
+    gone = _cli(db, "tokens", "revoke", str(lineage[0]["id"]))
+    assert gone.exit_code == 0 and "revoked" in gone.output
+    assert _cli(db, "tokens", "revoke", "no-such-token").exit_code == 2
+    actions = [a for a, _ in _audit(db)]
+    for action in ("token.create", "token.rotate", "token.revoke"):
+        assert action in actions, actions
+
+
+def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
+    """On a running collector, within KVWATCH_TOKEN_CACHE_S (1 s here) of the change."""
+    from collector import migrate
+    from collector.app import create_app
+    from collector.settings import Settings
+    from kvwatch.embedded import serve_in_thread
+    from tests.conftest import make_token
+
+    db_url = f"sqlite:///{tmp_path / 'kvwatch.db'}"
+    migrate.upgrade(db_url)
+    settings = Settings(database_url=db_url, auto_migrate=False, token_cache_s=1.0)
+    with serve_in_thread(create_app(settings)) as url:
+        admin = make_token(db_url, "admin")
+        h = {"Authorization": f"Bearer {admin}"}
+        made = httpx.post(
+            f"{url}/v1/tokens", json={"kind": "read", "name": "dash", "expires_in": "2s"},
+            headers=h,
+        ).json()  # fmt: skip
+        short = made["secret"]
+        assert made["token"]["state"] == "valid" and "secret" not in made["token"]
+        assert httpx.get(f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"})
+        wait_for(
+            lambda: (
+                httpx.get(
+                    f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"}
+                ).status_code
+                == 401
+            ),
+            10,
+            "the 2-second token to expire",
+        )
+        r = httpx.get(f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"})
+        assert "expired at" in r.json()["error"]["message"]
+
+        kept = httpx.post(f"{url}/v1/tokens", json={"kind": "ingest"}, headers=h).json()
+        token, tid = kept["secret"], kept["token"]["id"]
+        assert _ingest(url, token, 1) == 200  # now cached by the collector
+        revoked = httpx.post(f"{url}/v1/tokens/{tid}/revoke", headers=h).json()
+        assert revoked["state"] == "revoked"
+        started = time.monotonic()
+        wait_for(lambda: _ingest(url, token, 2) == 401, 10, "the revocation to take effect")
+        assert time.monotonic() - started < 5  # the cache's 1 s, with room for a busy machine
+        listed = httpx.get(f"{url}/v1/tokens", headers=h).json()
+        assert {d["id"]: d["state"] for d in listed}[tid] == "revoked"
+        assert all("secret" not in d and "token_hash" not in d for d in listed)
+        rotated = httpx.post(f"{url}/v1/tokens/{tid}/rotate", headers=h)
+        assert rotated.status_code == 409, rotated.text  # a revoked token is not rotated
+        bad = httpx.post(f"{url}/v1/tokens", json={"kind": "read", "expires_in": "soon"}, headers=h)
+        assert bad.status_code == 422 and "expires_in" in bad.text
+
+
+@pytest.fixture
+def probes() -> Iterator[list[Probe]]:
+    made: list[Probe] = []
+    yield made
+    for probe in made:
+        probe.shutdown(2.0)
+    wait_for(lambda: not exporter_threads(), 5.0, "exporter threads to end")
+
+
+def test_a_probe_whose_token_is_rotated_out_says_so_once_and_keeps_its_events(
+    collector: Collector, probes: list[Probe], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    db = collector.db_url
+    made = _cli(db, "tokens", "create", "--kind", "ingest", "--name", "engine-0-token")
+    old = made.stdout.strip().splitlines()[-1]
+    spool = tmp_path / "spool"
+
+    def settings(token: str) -> ProbeSettings:
+        return ProbeSettings(
+            collector_url=collector.url,
+            ingest_token=token,
+            deployment_id="real-dep",
+            probe_id="engine-0",
+            probe_spool_dir=spool,
+            probe_batch_size=5,
+            probe_flush_interval_s=0.05,
+            probe_backoff_base_s=0.01,
+            probe_backoff_max_s=0.05,
+        )
+
+    first = Probe(settings(old))
+    probes.append(first)
+    for i in range(5):
+        assert first.emit(ev.PoolSample, capacity_tokens=10**6, used_tokens=i, free_tokens=0)
+    assert first.force_flush(10)
+    # rotated with no grace: the running probe's token is refused from now on
+    rotated = _cli(db, "tokens", "rotate", "engine-0-token", "--grace", "0s")
+    assert rotated.exit_code == 0, rotated.output
+    new = rotated.stdout.strip().splitlines()[-1]
+    time.sleep(5.5)  # the collector's token cache (KVWATCH_TOKEN_CACHE_S, 5 s)
+    caplog.set_level(logging.INFO, logger="engine_probe.exporter")
+    for i in range(5, 15):
+        assert first.emit(ev.PoolSample, capacity_tokens=10**6, used_tokens=i, free_tokens=0)
+    wait_for(lambda: first.stats()["spooled"]["files"] > 0, 10, "the refused batches to spool")
+    time.sleep(0.5)  # several more refused attempts
+    loud = [r for r in caplog.records if "refused its token" in r.getMessage()]
+    assert len(loud) == 1 and loud[0].levelno == logging.ERROR, [r.getMessage() for r in loud]
+    assert "configuration error, not an outage" in loud[0].getMessage()
+    assert sum(first.stats()["dropped"].values()) == 0
+    first.shutdown(1.0)
+    assert first.stats()["spooled"]["files"] > 0  # the refused events wait on disk
+    wait_for(lambda: not exporter_threads(), 10, "the first probe's exporter to end")
+    # the same engine restarted with the new token: the spool goes out under it
+    second = Probe(settings(new))
+    probes.append(second)
+    # (its exporter, which adopts the spool, starts with its first event)
+    assert second.emit(ev.PoolSample, capacity_tokens=10**6, used_tokens=99, free_tokens=0)
+    assert second.force_flush(20)
+    assert second.stats()["adopted_files"] > 0
+    wait_for(lambda: second.stats()["spooled"]["files"] == 0, 20, "the spool to drain")
+    engine = create_engine(db)
+    try:
+        with engine.connect() as conn:
+            used = (
+                conn.execute(
+                    text("SELECT used_tokens FROM pool_samples WHERE probe_id = :p ORDER BY seq"),
+                    {"p": first.probe_id},
+                )
+                .scalars()
+                .all()
+            )
+    finally:
+        engine.dispose()
+    rejected = list((spool / "rejected").glob("*.txt"))
+    assert used == list(range(15)), (used, [p.read_text()[:300] for p in rejected])
