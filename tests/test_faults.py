@@ -57,6 +57,7 @@ can_restart_pg = pytest.mark.skipif(
 
 
 @pytest.mark.postgres
+@pytest.mark.serial  # every other test's PostgreSQL goes down with it
 @can_restart_pg
 def test_postgresql_restarted_under_ingest_answers_503_and_loses_nothing(
     pg_url: str, tmp_path: Path
