@@ -7,20 +7,33 @@ BIN    := $(VENV)/bin
 TORCH           ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 DEMO_DIR        ?= kvwatch-demo
-STAMP  := $(VENV)/.kvwatch-installed
+STAMP   := $(VENV)/.kvwatch-installed
+RUNTIME := $(VENV)/.kvwatch-runtime
 
 ENGINES := vllm sglang
 ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 
-.PHONY: setup engines demo test pytest pytest-engines lint clean
+.PHONY: runtime setup engines demo test pytest pytest-engines lint clean
 
-$(STAMP): pyproject.toml Makefile
+# What the demo needs: torch's CPU wheel and kvwatch with its runtime dependencies. Each
+# step says what it installs (pip itself stays quiet).
+$(RUNTIME): pyproject.toml Makefile
+	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see README, GPU, for CUDA)"
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	@echo "==> [3/3] installing kvwatch and its runtime dependencies"
 	# flock: the engine venvs install this checkout editable too, maybe at the same time
-	flock .editable.lock $(BIN)/pip install --quiet -e '.[engine,dev]'
+	flock .editable.lock $(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine]'
+	touch $(RUNTIME)
+
+# What the tests and linters add: pytest and its plugins, mypy, ruff, playwright...
+$(STAMP): $(RUNTIME)
+	@echo "==> installing the development tools (tests, lint, types)"
+	flock .editable.lock $(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
 	touch $(STAMP)
 
+runtime: $(RUNTIME)
 setup: $(STAMP)
 
 # One venv per real engine (their pins conflict with each other and with ours).
@@ -29,7 +42,8 @@ setup: $(STAMP)
 
 engines: $(ENGINE_STAMPS)
 
-demo: setup
+demo: $(RUNTIME)
+	@echo "==> running the demo (kvwatch demo --dir $(DEMO_DIR))"
 	$(BIN)/kvwatch demo --dir $(DEMO_DIR)
 
 # The three venvs build side by side (mostly downloads and unpacking): minutes off CI.
@@ -37,8 +51,12 @@ test:
 	$(MAKE) -j3 setup engines
 	$(MAKE) lint pytest pytest-engines
 
+# Two workers, a test module each at a time (module fixtures stay shared); the tests that
+# restart PostgreSQL run alone afterwards, since every other test uses it.
+PYTEST_WORKERS ?= 2
 pytest: setup engines
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -m serial
 
 # Tests that drive the engines' own classes in-process run inside each engine's venv.
 pytest-engines: engines
