@@ -51,8 +51,9 @@ test:
 	$(MAKE) -j3 setup engines
 	$(MAKE) lint pytest pytest-engines
 
-# Two workers, a test module each at a time (module fixtures stay shared); the tests that
-# restart PostgreSQL run alone afterwards, since every other test uses it.
+# Two workers, a test module each at a time (module fixtures stay shared); the tests marked
+# serial (one restarts PostgreSQL, which every other test uses; the live vLLM server's times
+# a client's disconnect) run alone afterwards.
 PYTEST_WORKERS ?= 2
 pytest: setup engines
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not serial"
