@@ -674,7 +674,7 @@ class Exporter:
         if status in (400, 422):
             return self._reject(body, n, resp, deadline)
         said = f"collector answered {status}{_error_message(resp)}"
-        if status in (401, 403):
+        if status in (401, 403, 404):
             self._token_refused(status, said)
         if status in _UNAVAILABLE:
             if status == 401:
@@ -774,12 +774,21 @@ class Exporter:
         self._drops.add(reason, len(heads) - own, report=False)
 
     def _token_refused(self, status: int, said: str) -> None:
-        """A refused token is a person's mistake (a revoked, rotated-out or mistyped token, a
-        scope that does not fit), not an outage: said once, as an error, until a batch gets
-        through again. The events stay in the spool for the token that will be valid."""
+        """A refused token (401, 403) or a URL that is no collector (404) is a person's
+        mistake, not an outage: said once, as an error naming the setting to fix, until a
+        batch gets through again. Events wait (in the spool, if one is set) meanwhile."""
         if self._refused_status == status:
             return
         self._refused_status = status
+        if status == 404:
+            log.error(
+                "kvwatch probe: %s answered 404 (%s): it is not a kvwatch collector's "
+                "/v1/events. This is a configuration error, not an outage: fix "
+                "KVWATCH_COLLECTOR_URL (the collector's base URL, e.g. http://host:8700).",
+                self._url,
+                said,
+            )
+            return
         what = (
             "the ingest token is unknown, revoked or expired"
             if status == 401
