@@ -133,6 +133,12 @@ def alerts_ack(
     """Acknowledge an alert: no repeat notifications until it resolves."""
     with database(database_url) as (db, s):
         a = _service(db, s.policy_packs_dir).ack(alert_id, by, comment, _now())
+    if a["acked_by"] != by or comment != a.get("ack_comment"):
+        err.print(
+            f"alert {a['id']} ({a['rule']}) was already acknowledged by {a['acked_by']} at "
+            f"{a['acked_at']}; nothing changed"
+        )
+        return
     err.print(f"alert {a['id']} ({a['rule']}) acknowledged by {a['acked_by']}")
 
 
@@ -228,5 +234,11 @@ def incidents_close(
 ) -> None:
     """Close an incident: a person, with a reason."""
     with database(database_url) as (db, s):
-        _service(db, s.policy_packs_dir).close_incident(incident_id, by, reason, _now())
+        inc = _service(db, s.policy_packs_dir).close_incident(incident_id, by, reason, _now())
+    if inc["closed_by"] != by or inc["close_reason"] != reason:
+        err.print(
+            f"incident {incident_id} was already closed by {inc['closed_by']} at "
+            f"{inc['closed_at']}; nothing changed"
+        )
+        return
     err.print(f"incident {incident_id} closed by {by}")

@@ -153,6 +153,12 @@ def test_ack_stops_repeats_and_is_audited(env: Env) -> None:
     assert rx_endpoint_needed
     history = env.admin.get(f"/v1/alerts/{a['id']}").json()["history"]
     assert history[-1]["actor"] and history[-1]["detail"]["ack"] is True
+    # acknowledging twice changes nothing: the first acknowledgement stands, audited once
+    twice = env.admin.post(f"/v1/alerts/{a['id']}/ack", json={"comment": "me too"})
+    assert twice.status_code == 200 and twice.json()["ack_comment"] == "on it"
+    with env.db.read() as conn:
+        acks = conn.execute(select(m.AuditEntry.action)).scalars().all().count("alert.ack")
+    assert acks == 1
 
 
 def test_silence_holds_back_notifications_but_not_the_alert(env: Env) -> None:
@@ -200,8 +206,11 @@ def test_incident_reminders_then_a_person_closes_it(env: Env) -> None:
     ok = env.admin.post(f"/v1/incidents/{inc['id']}/close", json={"reason": "false positive: test"})
     assert ok.status_code == 200, ok.text
     assert ok.json()["state"] == "closed" and ok.json()["close_reason"] == "false positive: test"
+    # closing twice, like acknowledging twice, changes nothing: the first close stands
     twice = env.admin.post(f"/v1/incidents/{inc['id']}/close", json={"reason": "again"})
-    assert twice.status_code == 409
+    assert twice.status_code == 200, twice.text
+    assert twice.json()["close_reason"] == "false positive: test"
+    assert twice.json()["closed_at"] == ok.json()["closed_at"]
     # new cross-tenant reads after closing open a new incident
     env.stale(reader_tenant="umbrella")
     assert [i["state"] for i in env.admin.get("/v1/incidents").json()] == ["open", "closed"]

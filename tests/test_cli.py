@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,29 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
     assert r.returncode == 2 and "scopes read tokens only" in r.stderr
     r = kvwatch("db", "upgrade", env={"KVWATCH_DATABASE_URL": "mysql://nope"})
     assert r.returncode == 2 and "KVWATCH_DATABASE_URL" in r.stderr
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_acknowledging_or_closing_twice_changes_nothing_and_says_so(collector: Any) -> None:
+    """One rule for repeated operator actions: the first stands, the second exits 0 saying
+    nothing changed (acking twice used to overwrite silently, closing twice to exit 2)."""
+    from tests import factories as f
+
+    with collector.client(collector.ingest) as c:
+        assert c.post("/v1/events", json=[f.as_json(f.stale_read(1))]).status_code == 200
+    with collector.client(collector.admin) as c:
+        (alert,) = c.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
+        (incident,) = c.get("/v1/incidents").json()
+    db = ["--database-url", collector.db_url]
+    first = kvwatch("alerts", "ack", str(alert["id"]), "--by", "dana", *db)
+    assert first.returncode == 0 and "acknowledged by dana" in first.stderr, first.stderr
+    again = kvwatch("alerts", "ack", str(alert["id"]), "--by", "lee", *db)
+    assert again.returncode == 0, again.stderr
+    assert "already acknowledged by dana" in again.stderr and "nothing changed" in again.stderr
+    closed = kvwatch("incidents", "close", str(incident["id"]), "--by", "dana",
+                     "--reason", "contained", *db)  # fmt: skip
+    assert closed.returncode == 0 and "closed by dana" in closed.stderr, closed.stderr
+    twice = kvwatch("incidents", "close", str(incident["id"]), "--by", "lee",
+                    "--reason", "again", *db)  # fmt: skip
+    assert twice.returncode == 0, twice.stderr
+    assert "already closed by dana" in twice.stderr and "nothing changed" in twice.stderr

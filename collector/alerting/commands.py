@@ -40,6 +40,10 @@ class OperatorCommands:
                 raise NotFound(f"no alert {alert_id}")
             if a.state == "resolved":
                 raise Conflict(f"alert {alert_id} is resolved; there is nothing to acknowledge")
+            if a.acked_at is not None:
+                # Done already: as closing a closed incident or expiring an expired silence,
+                # nothing changes and the first acknowledgement stands (said by the caller).
+                return docs.alert_doc(a)
             repo.update_alert(
                 conn,
                 alert_id,
@@ -142,7 +146,8 @@ class OperatorCommands:
             if inc is None:
                 raise NotFound(f"no incident {incident_id}")
             if inc.state == "closed":
-                raise Conflict(f"incident {incident_id} is already closed")
+                # Closing twice changes nothing: the first close's person and reason stand.
+                return incident_with_alerts(conn, incident_id)
             repo.update_incident(
                 conn,
                 incident_id,
