@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -173,3 +174,16 @@ def wait_rollups(db_url: str, timeout_s: float = 20.0) -> None:
             time.sleep(0.05)
     finally:
         db.dispose()
+
+
+@pytest.fixture
+def probes() -> Iterator[list[Any]]:
+    """Probes (``engine_probe.probe.Probe``) a test made, shut down after it whatever
+    happened, their exporter threads gone."""
+    from tests.probe_helpers import exporter_threads, wait_for
+
+    made: list[Any] = []
+    yield made
+    for probe in made:
+        probe.shutdown(2.0)
+    wait_for(lambda: not exporter_threads(), 5.0, "exporter threads to end")

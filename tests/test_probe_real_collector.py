@@ -20,7 +20,7 @@ from engine_probe.probe import Probe
 from engine_probe.settings import ProbeSettings
 from engine_probe.spool import REJECTED_DIR, Spool
 from tests.conftest import Collector
-from tests.probe_helpers import exporter_threads, wait_for
+from tests.probe_helpers import wait_for
 
 
 @pytest.fixture
@@ -30,16 +30,6 @@ def db(collector: Collector) -> Iterator[Engine]:
         yield engine
     finally:
         engine.dispose()
-
-
-@pytest.fixture
-def probes() -> Iterator[list[Probe]]:
-    """Probes to shut down after the test, whatever happened."""
-    made: list[Probe] = []
-    yield made
-    for probe in made:
-        probe.shutdown(2.0)
-    wait_for(lambda: not exporter_threads(), 5.0, "exporter threads to end")
 
 
 def probe_settings(collector: Collector, token: str, **overrides: Any) -> ProbeSettings:

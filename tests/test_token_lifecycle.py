@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,15 +142,6 @@ def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
         assert rotated.status_code == 409, rotated.text  # a revoked token is not rotated
         bad = httpx.post(f"{url}/v1/tokens", json={"kind": "read", "expires_in": "soon"}, headers=h)
         assert bad.status_code == 422 and "expires_in" in bad.text
-
-
-@pytest.fixture
-def probes() -> Iterator[list[Probe]]:
-    made: list[Probe] = []
-    yield made
-    for probe in made:
-        probe.shutdown(2.0)
-    wait_for(lambda: not exporter_threads(), 5.0, "exporter threads to end")
 
 
 def test_a_probe_whose_token_is_rotated_out_says_so_once_and_keeps_its_events(
