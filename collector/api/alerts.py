@@ -7,7 +7,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
 
 from collector.alerting.service import AlertingService
@@ -88,7 +88,6 @@ def build_router(
 
     @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
     async def list_alerts(
-        request: Request,
         who: Caller,
         state: Literal["pending", "firing", "resolved"] | None = None,
         severity: Literal["info", "warning", "critical"] | None = None,
@@ -100,9 +99,6 @@ def build_router(
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
         _operator(who)
-        params.known_params(
-            request, {"state", "severity", "rule", "deployment_id", "before_id", "limit"}
-        )
         return await in_thread(
             service.list_alerts,
             state=state,
@@ -165,12 +161,10 @@ def build_router(
 
     @r.get("/v1/incidents", responses=_ERRORS, summary="Incidents, newest first")
     async def list_incidents(
-        request: Request,
         who: Caller,
         state: Literal["open", "closed"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        params.known_params(request, {"state", "limit"})
         tenant = _tenant(who)
         if tenant is not None:
             return await in_thread(
@@ -205,13 +199,11 @@ def build_router(
 
     @r.get("/v1/verifications", responses=_ERRORS, summary="Verifications, newest first")
     async def list_verifications(
-        request: Request,
         who: Caller,
         deployment_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
         who.require("admin", "read", "ingest")
-        params.known_params(request, {"deployment_id", "limit"})
         if who.kind == "ingest" and who.deployment_id is not None:
             # An ingest token writes for its deployment; what it reads back is limited to it.
             if deployment_id not in (None, who.deployment_id):

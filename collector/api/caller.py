@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Annotated, Any, ParamSpec, TypeVar
 
 import anyio
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
-from collector.api.params import Auth
+from collector.api.params import Auth, known_params
 from collector.tokens import Principal
 
 P = ParamSpec("P")
@@ -82,12 +83,33 @@ def _resolving_caller(
 
 
 class CallerRoute(APIRoute):
-    """A route whose :data:`Caller` is resolved after the request is validated."""
+    """A route whose :data:`Caller` is resolved after the request is validated, and which
+    refuses a query parameter it does not declare (422 naming it): one rule for every read,
+    so a misspelt filter is never silently ignored."""
 
     def __init__(
         self, path: str, endpoint: Callable[..., Coroutine[Any, Any, Any]], **kwargs: Any
     ) -> None:
         super().__init__(path, _resolving_caller(endpoint), **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        # (APIRoute builds the handler inside its __init__, with self.dependant already set)
+        known = _query_names(self.dependant)
+
+        async def checked(request: Request) -> Response:
+            known_params(request, known)
+            return await handler(request)
+
+        return checked
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route declares, its dependencies' included."""
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
 
 
 def router() -> APIRouter:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
@@ -19,7 +19,6 @@ from collector.timefmt import to_micros
 _ERRORS = params.errors(401, 403, 422, 503)
 Label = Annotated[str | None, Query(min_length=1, max_length=256)]
 Points = Annotated[int, Query(ge=1, le=2_000, description="Buckets per series")]
-_WINDOW = {"since", "until", "max_points"}
 
 
 def _window(since: datetime | None, until: datetime | None, points: int) -> Window:
@@ -69,7 +68,6 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         "lines (the smallest safe context among the deployments serving the model).",
     )
     async def get_prompt_tokens(
-        request: Request,
         who: Caller,
         model_id: Label = None,
         route: Label = None,
@@ -79,7 +77,6 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         max_points: Points = 200,
     ) -> dict[str, Any]:
         who.require("admin", "read")
-        params.known_params(request, _WINDOW | {"model_id", "route", "deployment_id"})
         scope = Scope(model_id, route, deployment_id, who.tenant_filter(None))
         window = _window(since, until, max_points)
         return await in_thread(stats.prompt_tokens, scope, window)
@@ -92,7 +89,6 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         "first, each with its model's safe context and the ratio to it.",
     )
     async def get_top_prompts(
-        request: Request,
         who: Caller,
         model_id: Label = None,
         route: Label = None,
@@ -102,9 +98,6 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=500)] = 20,
     ) -> dict[str, Any]:
         who.require("admin", "read")
-        params.known_params(
-            request, {"since", "until", "limit", "model_id", "route", "deployment_id"}
-        )
         scope = Scope(model_id, route, deployment_id, who.tenant_filter(None))
         window = _window(since, until, 1)
         return await in_thread(stats.top_prompts, scope, window, limit)
@@ -117,7 +110,6 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         "events. A tenant-scoped token counts only events its tenant is a party to.",
     )
     async def get_page_event_stats(
-        request: Request,
         who: Caller,
         deployment_id: Label = None,
         since: datetime | None = None,
@@ -125,7 +117,6 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         max_points: Points = 200,
     ) -> dict[str, Any]:
         who.require("admin", "read")
-        params.known_params(request, _WINDOW | {"deployment_id"})
         scope = Scope(deployment_id=deployment_id, tenant=who.tenant_filter(None))
         return await in_thread(stats.page_events, scope, _window(since, until, max_points))
 
