@@ -551,11 +551,17 @@ def sglang_server(
     yield _sglang
 
 
+# Lists that take no deployment filter (the collector refuses a parameter a route does not
+# take); each live server has a collector of its own, so they hold only its deployment.
+_UNFILTERED = frozenset({"/v1/deployments", "/v1/probes"})
+
+
 def collector_get(server: Any, path: str, **params: Any) -> Any:
     """GET ``path`` from a live server's collector (admin token), for that server's
     deployment; the decoded JSON."""
+    scope = {} if path in _UNFILTERED else {"deployment_id": server.deployment_id}
     with server.collector.client() as c:
-        r = c.get(path, params={"deployment_id": server.deployment_id, **params})
+        r = c.get(path, params={**scope, **params})
         r.raise_for_status()
         return r.json()
 
