@@ -30,3 +30,19 @@ def format_duration(seconds: float) -> str:
         if n >= 1 and n == int(n):
             return f"{int(n)}{unit}"
     return f"{seconds:g}s"
+
+
+def human_duration(seconds: float) -> str:
+    """How every output (CLI, alert summaries, reports, dashboard) prints an elapsed time or
+    an age: at most its two largest units, rounded down, ``45s``, ``6m 49s``, ``1h 9m``,
+    ``3d 4h``; under a second ``0s``. Rule packs keep :func:`format_duration`'s exact form."""
+    left = max(0, int(seconds))
+    parts: list[str] = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        n, left = divmod(left, size)
+        if n or parts:
+            parts.append(f"{n}{unit}")
+        if len(parts) == 2:
+            break
+    parts = [p for p in parts if not p.startswith("0")] or ["0s"]
+    return " ".join(parts)
