@@ -202,8 +202,10 @@ def test_chat_and_completions_streamed_and_not(upstream: Upstream, tap: Tap) -> 
         assert chat.choices[0].message.content == f"user: {prompt}\n"
 
         # A stream without include_usage: the usage chunk the gateway asked for is held back.
+        # (How many chunks carry the text depends on scheduling: the engine coalesces what it
+        # produced while the client was not reading, so a busy machine may send one.)
         chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=200, stream=True))
-        assert all(ch.choices for ch in chunks) and len(chunks) > 1
+        assert chunks and all(ch.choices for ch in chunks)
         assert "".join(ch.choices[0].text for ch in chunks) == prompt
         # With include_usage the client gets it, last, as from any OpenAI server.
         stream = c.chat.completions.create(

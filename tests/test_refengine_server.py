@@ -176,7 +176,9 @@ def test_streaming_concatenates_to_the_non_streamed_answer() -> None:
             events = sse(r)
         assert events[-1] == "[DONE]"
         chunks = events[:-1]
-        assert len(chunks) > 1
+        # The count of chunks is the scheduler's: text the engine produced while the client was
+        # not reading is coalesced into one chunk, so a busy machine may send a single one.
+        assert chunks
         assert {c["object"] for c in chunks} == {"text_completion"}
         assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
         assert (
