@@ -52,7 +52,10 @@ def policies_check(
     path: Annotated[Path, typer.Argument(help="A pack file, or a directory of packs.")],
 ) -> None:
     """Validate a pack (or every pack in a directory, together with the default pack).
-    Exit 0 valid, 1 invalid (the error names file, line and field)."""
+    Exit 0 valid, 1 invalid: every problem is listed, one a line, each naming file, line,
+    rule and field."""
+    from rich.markup import escape
+
     from policies import PackError, RuleSet, default_pack, load_pack, load_ruleset
 
     try:
@@ -61,7 +64,11 @@ def policies_check(
         else:
             ruleset = RuleSet.of([default_pack(), load_pack(path)])
     except PackError as exc:
-        err.print(f"[red]invalid:[/] {exc}")
+        problems = exc.errors
+        if len(problems) > 1:
+            err.print(f"[red]invalid:[/] {len(problems)} problems")
+        for e in problems:
+            err.print(f"[red]invalid:[/] {escape(e.describe())}")
         raise typer.Exit(1) from None
     out.print(_rules_table(list(ruleset.rules)))
     err.print(f"[green]valid:[/] {len(ruleset.rules)} rules in {len(ruleset.packs)} pack(s)")

@@ -8,7 +8,7 @@ what the :mod:`policies.lifecycle` functions return.
 
 from __future__ import annotations
 
-from policies.errors import PackError, PolicyError, RuleError
+from policies.errors import PackError, PackErrors, PolicyError, RuleError
 from policies.evaluate import Evaluation, RuleHealth, evaluate_batch, evaluate_timer
 from policies.facts import (
     BatchFacts,
@@ -34,6 +34,7 @@ __all__ = [
     "Evaluation",
     "NodeConfig",
     "PackError",
+    "PackErrors",
     "PolicyError",
     "ProbeFact",
     "Rule",

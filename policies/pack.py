@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.resources
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,7 +38,7 @@ from policies.errors import PackError
 from policies.kinds import KINDS
 from policies.rule import Rule
 from policies.signals import Severity
-from policies.yamlfile import YamlDoc, checked
+from policies.yamlfile import Problems, YamlDoc, checked
 
 NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
@@ -66,12 +66,16 @@ class RuleSpec(msgspec.Struct, forbid_unknown_fields=True, rename={"for_": "for"
 
 
 class PackSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """A pack's top level. ``rules`` (each a :class:`RuleSpec`) and ``incidents`` (an
+    :class:`IncidentSpec`) are converted one by one, so that every rule's problems are
+    reported, not the first rule's only."""
+
     pack: Name
-    rules: list[RuleSpec]
+    rules: list[Any]
     description: str = ""
     group_by: list[str] = msgspec.field(default_factory=lambda: ["alertname", "deployment_id"])
     repeat_interval: Duration = "4h"
-    incidents: IncidentSpec = msgspec.field(default_factory=IncidentSpec)
+    incidents: dict[str, Any] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,23 +96,29 @@ class RuleSet:
     @classmethod
     def of(cls, packs: Iterable[RulePack]) -> RuleSet:
         """Later packs replace earlier ones of the same name; rule names must then be
-        unique (a clash names both files)."""
+        unique (each clash names both files; all are reported together)."""
         by_name: dict[str, RulePack] = {}
         for p in packs:
             by_name[p.name] = p
         seen: dict[str, Rule] = {}
+        problems = Problems()
         for p in by_name.values():
             for r in p.rules:
                 if r.name in seen:
                     first = seen[r.name]
                     path, _, line = r.source.rpartition(":")
-                    raise PackError(
-                        path,
-                        int(line) if line.isdigit() else None,
-                        "name",
-                        f"rule {r.name!r} is already defined at {first.source}",
+                    problems.add(
+                        PackError(
+                            path,
+                            int(line) if line.isdigit() else None,
+                            "name",
+                            f"rule {r.name!r} is already defined at {first.source}",
+                            rule=r.name,
+                        )
                     )
+                    continue
                 seen[r.name] = r
+        problems.raise_any()
         return cls(packs=tuple(by_name.values()), rules=tuple(seen.values()))
 
     def enabled(self) -> Iterator[Rule]:
@@ -130,77 +140,150 @@ def _seconds(doc: YamlDoc, at: tuple[str | int, ...], value: Duration) -> float:
 
 
 def parse_pack(doc: YamlDoc, base_dir: Path) -> RulePack:
-    """A parsed document as a validated pack (PackError on the first problem)."""
+    """A parsed document as a validated pack. Every problem is found in one pass: a
+    :class:`PackError` names one, a :class:`~policies.errors.PackErrors` several (each
+    naming its line, field and, inside a rule, the rule's name)."""
     if not isinstance(doc.data, dict):
         raise PackError(
             doc.path, doc.line_of(()), None, "a rule pack is a mapping with 'pack' and 'rules'"
         )
-    spec = doc.convert(doc.data, PackSpec)
-    for i, label in enumerate(spec.group_by):
-        if not LABEL_NAME.match(label):
-            raise doc.error(("group_by", i), f"not a label name: {label!r}")
-    repeat = _seconds(doc, ("repeat_interval",), spec.repeat_interval)
-    if repeat <= 0:
-        raise doc.error(("repeat_interval",), "must be positive")
-    deadline = _seconds(doc, ("incidents", "deadline"), spec.incidents.deadline)
-    reminders = tuple(
-        sorted(
-            (
-                _seconds(doc, ("incidents", "reminders_before", i), v)
-                for i, v in enumerate(spec.incidents.reminders_before)
-            ),
-            reverse=True,
+    problems = Problems()
+    spec = doc.convert_fields(doc.data, PackSpec, (), problems)
+    group_by: tuple[str, ...] = ("alertname", "deployment_id")
+    repeat = 4 * 3600.0
+    if spec is not None:
+        group_by = tuple(spec.group_by)
+        for i, label in enumerate(group_by):
+            if not LABEL_NAME.match(label):
+                problems.add(doc.error(("group_by", i), f"not a label name: {label!r}"))
+        seconds = problems.attempt(
+            partial(_seconds, doc, ("repeat_interval",), spec.repeat_interval)
         )
-    )
-    for i, r in enumerate(reminders):
-        if not 0 < r < deadline:
-            raise doc.error(
-                ("incidents", "reminders_before", i),
-                "a reminder must fall between awareness and the deadline",
-            )
-    rules = []
+        if seconds is not None and seconds <= 0:
+            problems.add(doc.error(("repeat_interval",), "must be positive"))
+        elif seconds is not None:
+            repeat = seconds
+    deadline, reminders = _incidents(doc, problems)
+    rules: list[Rule] = []
+    raw_rules = doc.data.get("rules")
     names: set[str] = set()
-    for i, rs in enumerate(spec.rules):
-        at: tuple[str | int, ...] = ("rules", i)
-        kind = KINDS.get(rs.kind)
-        if kind is None:
-            raise doc.error((*at, "kind"), f"unknown kind {rs.kind!r}; known: {sorted(KINDS)}")
-        if rs.name in names:
-            raise doc.error((*at, "name"), f"rule {rs.name!r} appears twice in this pack")
-        names.add(rs.name)
-        for key in rs.labels:
-            if not LABEL_NAME.match(key) or key in ("alertname", "severity"):
-                raise doc.error(
-                    (*at, "labels", key), f"label name {key!r} is not allowed", key=True
+    for i, data in enumerate(raw_rules if isinstance(raw_rules, list) else []):
+        found = len(problems.errors)
+        rule = _rule(doc, base_dir, i, data, names, problems)
+        name = data.get("name") if isinstance(data, dict) else None
+        for e in problems.errors[found:]:
+            if isinstance(name, str) and e.path == doc.path and e.rule is None:
+                e.rule = name
+        if rule is not None:
+            rules.append(rule)
+    problems.errors.sort(key=lambda e: e.line or 0)  # in file order (stable within a line)
+    problems.raise_any()
+    assert spec is not None
+    pack_rules = tuple(
+        replace(
+            r,
+            group_by=group_by,
+            repeat_interval_s=repeat,
+            incident_deadline_s=deadline,
+            reminders_before_s=reminders,
+            pack=spec.pack,
+        )
+        for r in rules
+    )
+    return RulePack(name=spec.pack, path=doc.path, description=spec.description, rules=pack_rules)
+
+
+def _incidents(doc: YamlDoc, problems: Problems) -> tuple[float, tuple[float, ...]]:
+    """The incident deadline and reminders (seconds, reminders latest first)."""
+    at: tuple[str | int, ...] = ("incidents",)
+    default = IncidentSpec()
+    spec = default
+    if isinstance(doc.data.get("incidents"), dict):
+        spec = doc.convert_fields(doc.data["incidents"], IncidentSpec, at, problems) or default
+    deadline = problems.attempt(partial(_seconds, doc, (*at, "deadline"), spec.deadline))
+    if deadline is None:
+        deadline = parse_duration(default.deadline)
+    reminders = []
+    for i, v in enumerate(spec.reminders_before):
+        seconds = problems.attempt(partial(_seconds, doc, (*at, "reminders_before", i), v))
+        if seconds is not None and not 0 < seconds < deadline:
+            problems.add(
+                doc.error(
+                    (*at, "reminders_before", i),
+                    "a reminder must fall between awareness and the deadline",
                 )
-        params = doc.convert(rs.params, kind.params, (*at, "params"))
-        checked(doc, (*at, "params"), partial(kind.check, params))
-        params = checked(doc, (*at, "params"), partial(kind.prepare, params, base_dir))
-        resolve = (
-            kind.default_resolve_after_s
-            if rs.resolve_after is None
-            else _seconds(doc, (*at, "resolve_after"), rs.resolve_after)
-        )
-        rules.append(
-            Rule(
-                name=rs.name,
-                kind=rs.kind,
-                severity=rs.severity or kind.default_severity,
-                params=params,
-                for_s=_seconds(doc, (*at, "for"), rs.for_),
-                resolve_after_s=resolve,
-                enabled=rs.enabled,
-                labels=dict(rs.labels),
-                annotations=dict(rs.annotations),
-                group_by=tuple(spec.group_by),
-                repeat_interval_s=repeat,
-                incident_deadline_s=deadline,
-                reminders_before_s=reminders,
-                pack=spec.pack,
-                source=f"{doc.path}:{doc.line_of(at)}",
             )
+        elif seconds is not None:
+            reminders.append(seconds)
+    return deadline, tuple(sorted(reminders, reverse=True))
+
+
+def _rule(
+    doc: YamlDoc,
+    base_dir: Path,
+    i: int,
+    data: Any,
+    names: set[str],
+    problems: Problems,
+) -> Rule | None:
+    """Rule ``i`` of the pack, or None with its problems recorded: the rule's fields, then
+    (whenever its kind is known, even if another field is wrong) its parameters."""
+    at: tuple[str | int, ...] = ("rules", i)
+    rs = doc.convert_fields(data, RuleSpec, at, problems)
+    kind_name = data.get("kind") if isinstance(data, dict) else None
+    kind = KINDS.get(kind_name) if isinstance(kind_name, str) else None
+    if isinstance(kind_name, str) and kind is None:
+        problems.add(
+            doc.error((*at, "kind"), f"unknown kind {kind_name!r}; known: {sorted(KINDS)}")
         )
-    return RulePack(name=spec.pack, path=doc.path, description=spec.description, rules=tuple(rules))
+    name = data.get("name") if isinstance(data, dict) else None
+    if isinstance(name, str):
+        if name in names:
+            problems.add(doc.error((*at, "name"), f"rule {name!r} appears twice in this pack"))
+        names.add(name)
+    labels = data.get("labels") if isinstance(data, dict) else None
+    if isinstance(labels, dict):
+        for key in labels:
+            if not LABEL_NAME.match(str(key)) or key in ("alertname", "severity"):
+                problems.add(
+                    doc.error((*at, "labels", key), f"label name {key!r} is not allowed", key=True)
+                )
+    params = None
+    raw_params = data.get("params", {}) if isinstance(data, dict) else None
+    if kind is not None and isinstance(raw_params, dict):
+        pat = (*at, "params")
+        params = doc.convert_fields(raw_params, kind.params, pat, problems)
+        if params is not None:
+            found = len(problems.errors)
+            problems.attempt(partial(checked, doc, pat, partial(kind.check, params)))
+            if len(problems.errors) == found:
+                params = problems.attempt(
+                    partial(checked, doc, pat, partial(kind.prepare, params, base_dir))
+                )
+            else:
+                params = None
+    durations = {}
+    if rs is not None:
+        durations["for"] = problems.attempt(partial(_seconds, doc, (*at, "for"), rs.for_))
+        if rs.resolve_after is not None:
+            durations["resolve_after"] = problems.attempt(
+                partial(_seconds, doc, (*at, "resolve_after"), rs.resolve_after)
+            )
+    if rs is None or kind is None or params is None or None in durations.values():
+        return None
+    resolve = durations.get("resolve_after")
+    return Rule(
+        name=rs.name,
+        kind=rs.kind,
+        severity=rs.severity or kind.default_severity,
+        params=params,
+        for_s=durations["for"] or 0.0,
+        resolve_after_s=kind.default_resolve_after_s if resolve is None else resolve,
+        enabled=rs.enabled,
+        labels=dict(rs.labels),
+        annotations=dict(rs.annotations),
+        source=f"{doc.path}:{doc.line_of(at)}",
+    )
 
 
 def load_pack(path: str | Path) -> RulePack:
@@ -224,8 +307,14 @@ def pack_files(directory: str | Path) -> list[Path]:
 
 
 def load_ruleset(directory: str | Path | None = None, *, include_default: bool = True) -> RuleSet:
-    """The default pack, then every ``*.yaml``/``*.yml`` in ``directory`` (sorted by name)."""
+    """The default pack, then every ``*.yaml``/``*.yml`` in ``directory`` (sorted by name).
+    Every problem of every file is reported together (then the clashes between files)."""
     packs = [default_pack()] if include_default else []
     if directory is not None:
-        packs.extend(load_pack(p) for p in pack_files(directory))
+        problems = Problems()
+        for path in pack_files(directory):
+            pack = problems.attempt(partial(load_pack, path))
+            if pack is not None:
+                packs.append(pack)
+        problems.raise_any()
     return RuleSet.of(packs)

@@ -82,6 +82,55 @@ class YamlDoc:
         except msgspec.ValidationError as exc:
             raise self._translate(str(exc), at) from None
 
+    def convert_fields(
+        self,
+        data: Any,
+        type_: type[T],
+        at: PathKey,
+        problems: Problems,
+        skip: tuple[str, ...] = (),
+    ) -> T | None:
+        """``data`` (found at ``at``) as ``type_``, each field checked on its own so that every
+        bad, unknown or missing field lands in ``problems`` (msgspec stops at the first);
+        None when any did. Fields named in ``skip`` are the caller's to check (they must have
+        defaults: they are left out of the struct built here)."""
+        if not isinstance(data, dict):
+            return problems.attempt(lambda: self.convert(data, type_, at))
+        fields = msgspec.structs.fields(type_)  # type: ignore[arg-type]
+        known = {f.encode_name for f in fields}
+        bad = False
+        for key in data:
+            if key not in known:
+                problems.add(
+                    self.error((*at, str(key)), f"object contains unknown field `{key}`", key=True)
+                )
+                bad = True
+        for f in fields:
+            name = f.encode_name
+            if name in skip:
+                continue
+            if name not in data:
+                if f.required:
+                    problems.add(
+                        PackError(
+                            self.path,
+                            self.line_of(at),
+                            dotted((*at, name)),
+                            f"object missing required field `{name}`",
+                        )
+                    )
+                    bad = True
+                continue
+            try:
+                msgspec.convert(data[name], f.type, strict=True)
+            except msgspec.ValidationError as exc:
+                problems.add(self._translate(str(exc), (*at, name)))
+                bad = True
+        if bad:
+            return None
+        rest = {k: v for k, v in data.items() if k not in skip}
+        return problems.attempt(lambda: self.convert(rest, type_, at))
+
     def _translate(self, message: str, at: PathKey) -> PackError:
         m = _AT.search(message)
         text = message[: m.start()] if m else message
@@ -125,3 +174,26 @@ def checked(doc: YamlDoc, at: PathKey, check: Callable[[], T]) -> T:
 
 def _raise(exc: PackError) -> Any:
     raise exc
+
+
+class Problems:
+    """The errors found while validating a document, gathered so that one pass reports them
+    all (:meth:`raise_any` raises them as one :class:`PackError`)."""
+
+    def __init__(self) -> None:
+        self.errors: list[PackError] = []
+
+    def add(self, exc: PackError) -> None:
+        self.errors.extend(exc.errors)
+
+    def attempt(self, step: Callable[[], T]) -> T | None:
+        """``step()``, or None with its PackError(s) recorded."""
+        try:
+            return step()
+        except PackError as exc:
+            self.add(exc)
+            return None
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise PackError.of(self.errors)

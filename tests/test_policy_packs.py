@@ -14,6 +14,7 @@ from policies import (
     DeploymentFacts,
     NodeConfig,
     PackError,
+    PackErrors,
     Rule,
     RuleSet,
     default_pack,
@@ -208,7 +209,7 @@ def test_cli_check_and_list(tmp_path: Path) -> None:
     assert "acme_pressure" in ok.stdout and "valid" in ok.stderr
     no = subprocess.run([*run, "check", str(bad)], capture_output=True, text=True, timeout=60)
     assert no.returncode == 1
-    assert f"{bad}:4" in no.stderr and "rules[0].kind" in no.stderr
+    assert f"{bad}:4" in no.stderr and "rules[0] (a).kind" in no.stderr
     listed = subprocess.run(
         [*run, "list", "--packs-dir", str(tmp_path / "none")],
         capture_output=True,
@@ -221,6 +222,74 @@ def test_cli_check_and_list(tmp_path: Path) -> None:
         [*run, "list", "--packs-dir", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert listed.returncode == 0 and "acme_pressure" in listed.stdout
+
+
+THREE_PROBLEMS = """\
+pack: acme
+rules:
+  - name: fine
+    kind: pool_headroom
+  - name: pressure
+    kind: context_pressure
+    params: {warn_ratio: lots, critical_ratio: 0.5}
+  - name: drift
+    kind: config_drift
+    for: soon
+    params: {settings: [colour]}
+"""
+
+
+def test_check_reports_every_problem_of_a_pack_in_one_run(tmp_path: Path) -> None:
+    """Not the first problem only: each bad field of each rule, by line, rule and field, so
+    one run of ``policies check`` says everything to fix; exit 1."""
+    bad = write(tmp_path, THREE_PROBLEMS, "bad.yaml")
+    run = [sys.executable, "-m", "kvwatch.cli", "policies", "check", str(bad)]
+    no = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert no.returncode == 1
+    lines = [line for line in no.stderr.splitlines() if line.startswith("invalid:")]
+    assert lines[0] == "invalid: 3 problems", no.stderr
+    assert lines[1:] == [
+        f"invalid: {bad}:7: rules[1] (pressure).params.warn_ratio: expected `float`, got `str`",
+        f"invalid: {bad}:10: rules[2] (drift).for: expected a duration such as 30s, 15m or 4h, "
+        "got 'soon'",
+        f"invalid: {bad}:11: rules[2] (drift).params.settings: unknown ['colour']; known: "
+        "['engine_version', 'pool_capacity_tokens', 'quantization', 'tp_size', 'cuda_graphs', "
+        "'advertised_context', 'disaggregated', 'prefix_caching', 'prefix_cache_salting', "
+        "'model_id', 'engine']",
+    ], no.stderr
+    # the same errors, as one exception, wherever packs are loaded (the collector refuses
+    # to start with all of them)
+    with pytest.raises(PackErrors) as info:
+        load_ruleset(tmp_path)
+    assert [(e.line, e.rule, e.field) for e in info.value.errors] == [
+        (7, "pressure", "rules[1].params.warn_ratio"),
+        (10, "drift", "rules[2].for"),
+        (11, "drift", "rules[2].params.settings"),
+    ]
+    assert str(info.value).count("\n") == 2
+
+
+def test_a_directory_reports_every_files_problems_and_every_clash(tmp_path: Path) -> None:
+    write(tmp_path, "pack: a\nrules:\n  - name: x\n    kind: nope\n", "a.yaml")
+    write(tmp_path, "pack: b\nrules:\n  - kind: pool_headroom\n", "b.yaml")
+    with pytest.raises(PackErrors) as info:
+        load_ruleset(tmp_path)
+    assert [(Path(e.path).name, e.field) for e in info.value.errors] == [
+        ("a.yaml", "rules[0].kind"),
+        ("b.yaml", "rules[0].name"),
+    ]
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).unlink()
+    write(
+        tmp_path,
+        "pack: c\nrules:\n  - name: stale_page_read\n    kind: stale_page_read\n"
+        "  - name: pool_headroom\n    kind: pool_headroom\n",
+        "c.yaml",
+    )
+    with pytest.raises(PackErrors) as clash:
+        load_ruleset(tmp_path)
+    assert [e.rule for e in clash.value.errors] == ["stale_page_read", "pool_headroom"]
+    assert all("already defined at" in e.message for e in clash.value.errors)
 
 
 def test_group_keys_quote_label_values() -> None:
