@@ -4,7 +4,10 @@ States: ``pending`` (the condition holds, not yet for the rule's ``for``) → ``
 ``resolved``. A resolved alert that fires again starts over at pending (or firing, with no
 ``for``): the same alert (same fingerprint), a new episode; its acknowledgement is cleared.
 
-Event-mode alerts resolve once no occurrence has come for the rule's ``resolve_after``;
+Event-mode alerts resolve once no occurrence has come for the rule's ``resolve_after``,
+counted from the occurrences' own time (``last_seen_at``; never later than the evaluation),
+so events that arrive late (a probe's spool replayed after an outage, a loaded history) fire
+their alert and let it resolve as their time says, not hours after they happened;
 state-mode alerts resolve when a signal says the condition no longer holds.
 """
 
@@ -54,13 +57,16 @@ def on_signal(prev: AlertState | None, signal: Signal, rule: Rule, now: datetime
             replace(prev, state="resolved", resolved_at=now, value=signal.value, acked=False),
             "resolved",
         )
+    seen_at = now
+    if signal.mode == "event" and signal.occurred_at is not None:
+        seen_at = min(now, signal.occurred_at)
     if prev is None or prev.state == "resolved":
         start = AlertState(
             fingerprint=signal.fingerprint,
             state="pending",
             mode=signal.mode,
             active_since=now,
-            last_seen_at=now,
+            last_seen_at=seen_at,
             occurrences=signal.count,
             value=signal.value,
         )
@@ -68,7 +74,10 @@ def on_signal(prev: AlertState | None, signal: Signal, rule: Rule, now: datetime
             return Step(replace(start, state="firing", fired_at=now), "firing")
         return Step(start, "pending")
     seen = replace(
-        prev, last_seen_at=now, occurrences=prev.occurrences + signal.count, value=signal.value
+        prev,
+        last_seen_at=max(prev.last_seen_at, seen_at),
+        occurrences=prev.occurrences + signal.count,
+        value=signal.value,
     )
     if prev.state == "pending" and now - prev.active_since >= timedelta(seconds=rule.for_s):
         return Step(replace(seen, state="firing", fired_at=now), "firing")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from policies.signals import Mode, Severity, Signal
@@ -62,6 +63,7 @@ class Rule:
         count: int = 1,
         deployment_id: str | None = None,
         opens_incident: bool = False,
+        occurred_at: datetime | None = None,
     ) -> Signal:
         """A signal of this rule: the pack's labels, the finding's, then ``alertname`` and
         ``severity`` (which neither may override); the pack's annotations rendered with the
@@ -85,4 +87,5 @@ class Rule:
             if deployment_id is not None
             else labels.get("deployment_id"),
             opens_incident=opens_incident,
+            occurred_at=occurred_at,
         )

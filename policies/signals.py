@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Literal
 
 Severity = Literal["info", "warning", "critical"]
@@ -41,6 +42,9 @@ class Signal:
 
     ``labels`` include ``alertname`` (the rule) and ``severity``; the fingerprint is theirs.
     ``opens_incident``: a critical isolation finding that must open (or join) an incident.
+    ``occurred_at``: for an event signal, when its latest occurrence happened (the events'
+    own ``ts``), which can be long before the evaluation when a probe replays its spool or a
+    history is loaded; ``resolve_after`` counts from it. None: at the evaluation.
     """
 
     rule: str
@@ -54,6 +58,7 @@ class Signal:
     count: int = 1
     deployment_id: str | None = None
     opens_incident: bool = False
+    occurred_at: datetime | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -61,8 +66,9 @@ class Signal:
 
     def merge(self, other: Signal) -> Signal:
         """Two signals of one fingerprint in one evaluation: one, firing if either is, with
-        the larger value, the counts added, the later annotations."""
+        the larger value, the counts added, the later annotations and occurrence."""
         values = [v for v in (self.value, other.value) if v is not None]
+        times = [t for t in (self.occurred_at, other.occurred_at) if t is not None]
         return Signal(
             rule=self.rule,
             kind=self.kind,
@@ -75,4 +81,5 @@ class Signal:
             count=self.count + other.count,
             deployment_id=self.deployment_id,
             opens_incident=self.opens_incident or other.opens_incident,
+            occurred_at=max(times) if times else None,
         )

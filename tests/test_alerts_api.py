@@ -80,8 +80,10 @@ class Env:
         assert r.status_code == 200, r.text
 
     def stale(self, **kw: Any) -> None:
+        """A stale read that happens now (``resolve_after`` counts from an occurrence's own
+        time, so the factories' fixed past ``ts`` would be an old one, replayed late)."""
         self.seq += 1
-        self.send(f.stale_read(self.seq, probe="probe-ops", **kw))
+        self.send(f.stale_read(self.seq, probe="probe-ops", **{"ts": datetime.now(UTC)} | kw))
 
     def alert(self, rule: str = "stale_page_read") -> dict[str, Any]:
         (a,) = self.admin.get("/v1/alerts", params={"rule": rule}).json()
@@ -159,6 +161,30 @@ def test_ack_stops_repeats_and_is_audited(env: Env) -> None:
     with env.db.read() as conn:
         acks = conn.execute(select(m.AuditEntry.action)).scalars().all().count("alert.ack")
     assert acks == 1
+
+
+def test_late_events_fire_and_resolve_as_their_own_time_says(env: Env) -> None:
+    """A stale read replayed from a spool two days after it happened fires its alert (and
+    opens its incident), and the next timer pass resolves it: no occurrence for 24h, counted
+    from when it happened. A fresh one of the same alert keeps it firing."""
+    now = datetime.now(UTC)
+    env.stale(ts=now - timedelta(days=2))
+    old = env.alert()
+    assert old["state"] == "firing" and old["last_seen_at"].startswith(
+        (now - timedelta(days=2)).date().isoformat()
+    )
+    (incident,) = env.admin.get("/v1/incidents").json()
+    assert incident["state"] == "open"  # awareness is when kvwatch learned, not resolved
+    env.service.tick(now + timedelta(seconds=1))
+    assert env.alert()["state"] == "resolved"
+
+    env.stale(ts=now)
+    env.stale(ts=now - timedelta(days=3))  # an older one after it does not move it back
+    env.service.tick(now + timedelta(hours=23))
+    fresh = env.alert()
+    assert fresh["state"] == "firing" and fresh["id"] == old["id"]
+    env.service.tick(now + timedelta(hours=24, seconds=1))
+    assert env.alert()["state"] == "resolved"
 
 
 def test_silence_holds_back_notifications_but_not_the_alert(env: Env) -> None:

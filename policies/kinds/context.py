@@ -48,7 +48,7 @@ class ContextPressure(RuleKind):
         # Most prompts are far below any bound: compare each with its (deployment, model)'s
         # threshold, worked out once, before doing anything else with it.
         bounds: dict[tuple[str, str], tuple[float, int, bool]] = {}
-        worst: dict[tuple[str, str], tuple[int, str, str | None, int, bool]] = {}
+        worst: dict[tuple[str, str], tuple[int, str, str | None, int, bool, datetime]] = {}
         for e in cast(list[RequestEvent], facts.of(*_REQUEST_EVENTS)):
             tokens, model = e.prompt_tokens, e.model_id
             if tokens is None or not model:
@@ -69,17 +69,17 @@ class ContextPressure(RuleKind):
             rid = (e.deployment_id, e.request_id)  # a request counts once, at its largest
             seen = worst.get(rid)
             if seen is None or tokens > seen[0]:
-                worst[rid] = (tokens, model, e.route, b[1], b[2])
-        groups: dict[tuple[str, str, str, str, Severity], list[tuple[int, int]]] = {}
-        for (dep, _request), (tokens, model, route, safe, verified) in worst.items():
+                worst[rid] = (tokens, model, e.route, b[1], b[2], e.ts)
+        groups: dict[tuple[str, str, str, str, Severity], list[tuple[int, int, datetime]]] = {}
+        for (dep, _request), (tokens, model, route, safe, verified, at) in worst.items():
             severity: Severity = "critical" if tokens >= p.critical_ratio * safe else rule.severity
             key5 = (dep, model, route or "none", "true" if verified else "false", severity)
-            groups.setdefault(key5, []).append((tokens, safe))
+            groups.setdefault(key5, []).append((tokens, safe, at))
         for group, sized in groups.items():
             dep, model, route_label, verified_label, severity = group
             verified = verified_label == "true"
-            top, safe = max(sized, key=lambda ts: ts[0] / ts[1])
-            sizes = [t for t, _ in sized]
+            top, safe, _ = max(sized, key=lambda ts: ts[0] / ts[1])
+            sizes = [t for t, _, _ in sized]
             what = (
                 "verified safe context"
                 if verified
@@ -97,6 +97,7 @@ class ContextPressure(RuleKind):
                 severity=severity,
                 value=round(top / safe, 4),
                 count=len(sizes),
+                occurred_at=max(at for _, _, at in sized),
                 annotations={
                     "summary": (
                         f"{len(sizes)} prompt(s) to {model} on route {route_label} reached "

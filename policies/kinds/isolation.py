@@ -39,6 +39,7 @@ class StalePageRead(RuleKind):
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         p: StaleReadParams = rule.params
         found: dict[tuple[str, str, str, str, str], list[int]] = {}
+        latest: dict[tuple[str, str, str, str, str], datetime] = {}
         kinds = (ev.PageStaleRead, ev.CanaryHit) if p.include_canary else (ev.PageStaleRead,)
         for e in facts.of(*kinds):
             # e.cross_tenant: the contract's one definition (events.crosses_tenants)
@@ -52,11 +53,13 @@ class StalePageRead(RuleKind):
                     _flag(e.cross_tenant),
                 )
                 found.setdefault(key, []).append(len(e.page_ids))
+                latest[key] = max(e.ts, latest.get(key, e.ts))
             elif isinstance(e, ev.CanaryHit):
                 prev = e.canary_tenant
                 crossed = _flag(e.cross_tenant)
                 key = (e.deployment_id, e.node, e.reader_tenant, prev or "unknown", crossed)
                 found.setdefault(key, []).append(max(1, len(e.page_ids)))
+                latest[key] = max(e.ts, latest.get(key, e.ts))
         for (dep, node, reader, prev, cross), pages in found.items():
             crossing = cross == "true"
             opens = p.open_incident == "always" or (p.open_incident == "cross_tenant" and crossing)
@@ -72,6 +75,7 @@ class StalePageRead(RuleKind):
                 value=float(sum(pages)),
                 count=len(pages),
                 opens_incident=opens,
+                occurred_at=latest[(dep, node, reader, prev, cross)],
                 annotations={
                     "summary": (
                         f"{len(pages)} stale read(s) on {dep} node {node}: tenant {reader} read "
@@ -105,6 +109,7 @@ class RejectedPrefillKvTransfer(RuleKind):
                 {"deployment_id": dep, "from_node": src, "to_node": dst},
                 value=float(sum(t.pages for t in transfers)),
                 count=len(transfers),
+                occurred_at=max(t.ts for t in transfers),
                 annotations={
                     "summary": (
                         f"{len(transfers)} rejected prefill(s) on {dep} still transferred KV "
