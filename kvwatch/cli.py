@@ -10,7 +10,15 @@ import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach, report_notice, report_verify
-from kvwatch.cli_common import DEBUG, DbUrl, KvwatchGroup, err, probe_settings_or_exit, redacted
+from kvwatch.cli_common import (
+    DEBUG,
+    DbUrl,
+    KvwatchGroup,
+    KvwatchTyper,
+    err,
+    probe_settings_or_exit,
+    redacted,
+)
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
@@ -25,14 +33,14 @@ if TYPE_CHECKING:
     from collector.db import Database
     from collector.settings import Settings
 
-app = typer.Typer(
+app = KvwatchTyper(
     cls=KvwatchGroup,
     help="kvwatch: KV-cache safety and compliance for multi-tenant LLM inference.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
-engine_app = typer.Typer(help="refengine, the reference paged-KV engine.", no_args_is_help=True)
+db_app = KvwatchTyper(help="Database schema.", no_args_is_help=True)
+engine_app = KvwatchTyper(help="refengine, the reference paged-KV engine.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
 app.add_typer(engine_app, name="engine")

@@ -13,15 +13,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvwatch.cli_common import DbUrl, database, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
 
 if TYPE_CHECKING:
     from collector.alerting.service import AlertingService
 
-policies_app = typer.Typer(help="Rule packs: check and list.", no_args_is_help=True)
-alerts_app = typer.Typer(help="Alerts: list and acknowledge.", no_args_is_help=True)
-silences_app = typer.Typer(help="Silences: hold back notifications.", no_args_is_help=True)
-incidents_app = typer.Typer(help="Incidents: list and close.", no_args_is_help=True)
+policies_app = KvwatchTyper(help="Rule packs: check and list.", no_args_is_help=True)
+alerts_app = KvwatchTyper(help="Alerts: list and acknowledge.", no_args_is_help=True)
+silences_app = KvwatchTyper(help="Silences: hold back notifications.", no_args_is_help=True)
+incidents_app = KvwatchTyper(help="Incidents: list and close.", no_args_is_help=True)
 out = Console(width=None if sys.stdout.isatty() else 200)
 
 PacksDir = Annotated[
@@ -186,6 +186,8 @@ def silences_create(
 
 @silences_app.command("list")
 def silences_list(database_url: DbUrl = None) -> None:
+    """Silences, newest first: whether each is active, its matchers, when it ends, who made
+    it and why."""
     with database(database_url) as (db, s):
         silences = _service(db, s.policy_packs_dir).list_silences()
     t = Table("id", "active", "matchers", "ends", "by", "comment")
@@ -207,6 +209,7 @@ def silences_list(database_url: DbUrl = None) -> None:
 def silences_expire(
     silence_id: int, by: Annotated[str, typer.Option(help="Who.")], database_url: DbUrl = None
 ) -> None:
+    """End a silence now: notifications of the alerts it held back are sent again."""
     with database(database_url) as (db, s):
         _service(db, s.policy_packs_dir).expire_silence(silence_id, by, _now())
     err.print(f"silence {silence_id} expired")
@@ -217,6 +220,8 @@ def incidents_list(
     state: Annotated[str | None, typer.Option(help="open | closed")] = None,
     database_url: DbUrl = None,
 ) -> None:
+    """Incidents, newest first: when kvwatch became aware of each, and its notification
+    deadline (GDPR Art. 33; 72 hours by default)."""
     with database(database_url) as (db, s):
         incidents = _service(db, s.policy_packs_dir).list_incidents(state)
     t = Table("id", "state", "deployment", "aware since", "Art. 33 deadline", "title")

@@ -1,7 +1,9 @@
-"""What every ``kvwatch`` command module shares: settings, the database option, errors."""
+"""What every ``kvwatch`` command module shares: settings, the database option, errors, the
+help's layout (:class:`KvwatchTyper`) and how tables and durations are printed."""
 
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +14,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from typer.core import TyperGroup
+from rich.table import Table
+from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
 if TYPE_CHECKING:
     from collector.db import Database
@@ -171,7 +175,177 @@ def _about_file_of(exc: OSError, url: str | None) -> bool:
     return failed == db_file or failed in db_file.parents
 
 
-class KvwatchGroup(TyperGroup):
+# -- help -----------------------------------------------------------------------------------
+#
+# typer lays an option out in four columns (names, negative names, type, help) that leave the
+# help a dozen characters at 80 columns, where rich cuts every longer word with an ellipsis
+# (environment variable names first), and it shows a flag's type (`--yes <bool>`). kvwatch's
+# commands and groups render their option panels with `_options_panel` instead: the names
+# and the type on the left (a negative flag, or a type that does not fit, on a line of its
+# own), the help on the right with its environment variable on a line of its own, and no
+# type for a flag. Every other part of the help is typer's.
+
+_NAMES_MAX = 28  # a type joins its option's line up to this width, else goes below it
+
+
+def _short_help(help_text: str | None) -> str | None:
+    """A command's line in its group's list: its help's first sentence, on one line."""
+    if not help_text:
+        return None
+    first = " ".join(help_text.split("\n\n", 1)[0].split())
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z`])", first, maxsplit=1)[0]
+
+
+def _options_panel(
+    *, name: str, params: list[Any], ctx: Any, markup_mode: str, console: Console
+) -> None:
+    """typer's ``_print_options_panel``, laid out to fit: see above."""
+    from rich.panel import Panel
+    from typer import rich_utils as ru
+
+    if not params:
+        return
+    table = Table(
+        highlight=True, show_header=False, expand=True, box=None, padding=(0, 1), pad_edge=False
+    )
+    required = any(p.required for p in params)
+    if required:
+        table.add_column(no_wrap=True, width=1)
+    table.add_column(no_wrap=True)
+    table.add_column(ratio=1, overflow="fold")
+    for param in params:
+        row: list[Any] = (
+            [Text(ru.REQUIRED_SHORT_STRING, style=ru.STYLE_REQUIRED_SHORT)]
+            if (required and param.required)
+            else ([""] if required else [])
+        )
+        table.add_row(*row, _param_names(param, ctx), _param_help(param, ctx, markup_mode))
+    console.print(
+        Panel(
+            table,
+            border_style=ru.STYLE_OPTIONS_PANEL_BORDER,
+            title=name,
+            title_align=ru.ALIGN_OPTIONS_PANEL,
+        )
+    )
+
+
+def _param_names(param: Any, ctx: Any) -> Text:
+    from typer import rich_utils as ru
+    from typer.core import TyperArgument
+
+    if isinstance(param, TyperArgument):
+        label = param.display_name_raw
+        if param.metavar is None and param.nargs != 1:
+            label += "..."
+        first = label
+    else:
+        opts = sorted(param.opts, key=lambda o: o.startswith("--"))  # -x before --long
+        first = ", ".join(opts)
+    lines = [ru.highlighter(Text(first))]
+    for negative in getattr(param, "secondary_opts", None) or []:
+        lines.append(ru.negative_highlighter(Text(negative)))
+    kind = None if getattr(param, "is_flag", False) else param.display_type_rich(ctx=ctx)
+    if kind:
+        number_range = param._get_number_range_help_str()
+        kind = f"{kind} [{number_range}]" if number_range else kind
+        typed = Text(kind, style=ru.STYLE_TYPES)
+        if len(lines) == 1 and len(first) + 1 + len(kind) <= _NAMES_MAX:
+            lines[0].append(" ").append_text(ru.types_highlighter(typed))
+        else:
+            lines.append(Text("  ").append_text(ru.types_highlighter(typed)))
+    return Text("\n").join(lines)
+
+
+def _param_help(param: Any, ctx: Any, markup_mode: str) -> Text:
+    """The help, then its default and whether it is required; the environment variable on a
+    line of its own, so that it wraps as a whole."""
+    from typer import rich_utils as ru
+    from typer.core import TyperArgument, TyperOption
+
+    cell = Text(overflow="fold")
+    help_value: str | None = getattr(param, "help", None)
+    if help_value:
+        paragraphs = [" ".join(p.split()) for p in help_value.split("\n\n")]
+        text = "\n".join(paragraphs).strip()
+        prose = Text(text) if markup_mode != "rich" else Text.from_markup(text)
+        cell.append_text(ru.highlighter(prose))
+    extras: list[Text] = []
+    if isinstance(param, TyperOption | TyperArgument):
+        default = param._extract_default_help_str(ctx=ctx)
+        shown = isinstance(param.show_default, str)
+        if shown or (default is not None and (param.show_default or ctx.show_default)):
+            text = param._get_default_string(
+                ctx=ctx, show_default_is_str=shown, default_value=default
+            )
+            if text:
+                extras.append(Text(ru.DEFAULT_STRING.format(text), style=ru.STYLE_OPTION_DEFAULT))
+    if param.required:
+        extras.append(Text(ru.REQUIRED_LONG_STRING, style=ru.STYLE_REQUIRED_LONG))
+    for extra in extras:
+        if cell:
+            cell.append(" ")
+        cell.append_text(extra)
+    envvar = getattr(param, "envvar", None)
+    if envvar and getattr(param, "show_envvar", False):
+        names = envvar if isinstance(envvar, str) else ", ".join(envvar)
+        if cell:
+            cell.append("\n")
+        cell.append(ru.ENVVAR_STRING.format(names), style=ru.STYLE_OPTION_ENVVAR)
+    return cell
+
+
+@contextmanager
+def _kvwatch_options_panels() -> Iterator[None]:
+    from typer import rich_utils
+
+    typers = rich_utils._print_options_panel
+    rich_utils._print_options_panel = _options_panel
+    try:
+        yield
+    finally:
+        rich_utils._print_options_panel = typers
+
+
+class KvwatchCommand(TyperCommand):
+    """A kvwatch command: its help laid out to fit (see ``_options_panel``), and a one-line
+    short help (its help's first sentence) for its group's list."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.short_help = self.short_help or _short_help(self.help)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _kvwatch_options_panels():
+            super().format_help(ctx, formatter)
+
+
+class KvwatchSubgroup(TyperGroup):
+    """A group of kvwatch commands: help as :class:`KvwatchCommand`'s."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.short_help = self.short_help or _short_help(self.help)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _kvwatch_options_panels():
+            super().format_help(ctx, formatter)
+
+
+class KvwatchTyper(typer.Typer):
+    """``typer.Typer`` whose groups are :class:`KvwatchSubgroup` and whose commands are
+    :class:`KvwatchCommand` unless told otherwise: every kvwatch app is one."""
+
+    def __init__(self, *, cls: type[TyperGroup] | None = None, **kwargs: Any) -> None:
+        super().__init__(cls=cls or KvwatchSubgroup, **kwargs)
+
+    def command(
+        self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **kwargs: Any
+    ) -> Any:
+        return super().command(name, cls=cls or KvwatchCommand, **kwargs)
+
+
+class KvwatchGroup(KvwatchSubgroup):
     """The root command group, which every command runs inside: a database a command cannot
     use ends it with one line naming the database (password hidden) and what to check, and
     exit 2; with ``--debug`` the traceback comes first."""

@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from kvwatch.cli_common import DbUrl, database, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
 
-retention_app = typer.Typer(
+retention_app = KvwatchTyper(
     help="How long request, pool and page data is kept, per deployment.", no_args_is_help=True
 )
 By = Annotated[str, typer.Option("--by", help="Who does it (audit log).")]

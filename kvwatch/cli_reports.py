@@ -16,15 +16,15 @@ from rich.table import Table
 
 from collector.errors import CollectorError
 from collector.timefmt import iso, parse_bounded
-from kvwatch.cli_common import DbUrl, database, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
 
 # `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
 # with `report_app.command("breach")(breach)`.
-report_app = typer.Typer(
+report_app = KvwatchTyper(
     help="Reports: breach assessment, inventory, limits card, quarterly review.",
     no_args_is_help=True,
 )
-audit_app = typer.Typer(help="The hash-chained audit log.", no_args_is_help=True)
+audit_app = KvwatchTyper(help="The hash-chained audit log.", no_args_is_help=True)
 out = Console(width=None if sys.stdout.isatty() else 200)
 
 

@@ -12,9 +12,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvwatch.cli_common import DbUrl, database, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
 
-tokens_app = typer.Typer(
+tokens_app = KvwatchTyper(
     help="API tokens: create, list, revoke, rotate (each in the audit log).",
     no_args_is_help=True,
 )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from kvwatch.cli_common import DbUrl, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, err
 
 if TYPE_CHECKING:
     from collector.verify_schedules import VerifyScheduleService
@@ -60,8 +60,8 @@ def _settings(deployment: str | None) -> VerifierSettings:
         raise typer.Exit(EXIT_COULD_NOT_RUN) from None
 
 
-verify_app = typer.Typer()
-schedule_app = typer.Typer(
+verify_app = KvwatchTyper()
+schedule_app = KvwatchTyper(
     help="Verifications the collector runs by itself: every --every, and again at once when "
     "the deployment's config drifts.",
     no_args_is_help=True,

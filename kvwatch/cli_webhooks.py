@@ -11,9 +11,9 @@ import typer
 from sqlalchemy import Connection
 
 from collector.timefmt import now_micros
-from kvwatch.cli_common import DbUrl, database, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
 
-webhooks_app = typer.Typer(
+webhooks_app = KvwatchTyper(
     help="Notification endpoints (signed webhooks, Alertmanager) and signature checks.",
     no_args_is_help=True,
 )
