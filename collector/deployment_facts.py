@@ -17,10 +17,10 @@ from typing import Any
 from sqlalchemy import Connection, func, select, text
 
 from collector import models as m
-from collector.timefmt import as_datetime
+from collector.timefmt import as_datetime, to_micros
 from engine_probe import events as ev
 from policies import DeploymentFacts, NodeConfig, ProbeFact, TimerFacts, VerificationFact
-from policies.facts import VerificationResult
+from policies.facts import VerificationResult, clock_period
 
 _CONFIG_HISTORY = 64  # per deployment: configs are stored only when they change
 
@@ -209,11 +209,38 @@ def fold_configs(
     return out
 
 
-def timer_facts(conn: Connection) -> TimerFacts:
-    """Every deployment and every probe (bounded by how many exist, not by history)."""
+# How a quiet probe's evidence is looked for (policies.kinds.telemetry.evidence). Request and
+# sample times are the producers' clocks, last_seen the collector's: they are compared with
+# some slack, and only over the minutes before the probe went quiet (an index range on time,
+# never a scan of history).
+_US = 1_000_000
+_IN_FLIGHT_WINDOW_US = 15 * 60 * _US  # requests admitted this long before it went quiet
+_CADENCE_WINDOW_US = 3600 * _US  # its pool samples this long before it went quiet
+_CLOCK_SLACK_US = 5 * 60 * _US
+_CADENCE_SAMPLES = 4
+
+
+def timer_facts(
+    conn: Connection, now: datetime | None = None, evidence_after_s: float | None = None
+) -> TimerFacts:
+    """Every deployment and every probe (bounded by how many exist, not by history). With
+    ``now`` and ``evidence_after_s`` (``policies.kinds.telemetry.probe_evidence_after``),
+    the probes quiet at least that long, and the other probes of their deployments, carry
+    the evidence that they should be sending (see :class:`policies.ProbeFact`)."""
     configs = node_configs(conn, None)
     deps = {d for d, _ in configs} | set(conn.execute(select(m.Deployment.id)).scalars())
     facts = deployment_facts(configs, verifications(conn, None), tenant_counts(conn, None), deps)
+    rows = list(
+        conn.execute(
+            text(
+                "SELECT probe_id, deployment_id, first_seen, last_seen, stopped_at FROM probes "
+                "ORDER BY probe_id"
+            )
+        )
+    )
+    found: dict[str, dict[str, Any]] = {}
+    if now is not None and evidence_after_s is not None:
+        found = _probe_evidence(conn, rows, to_micros(now) - round(evidence_after_s * _US))
     probes = [
         ProbeFact(
             probe_id=p,
@@ -221,12 +248,66 @@ def timer_facts(conn: Connection) -> TimerFacts:
             last_seen=as_datetime(seen),
             first_seen=as_datetime(first),
             stopped_at=as_datetime(stopped),
+            **found.get(p, {}),
         )
-        for p, d, first, seen, stopped in conn.execute(
-            text(
-                "SELECT probe_id, deployment_id, first_seen, last_seen, stopped_at FROM probes "
-                "ORDER BY probe_id"
-            )
-        )
+        for p, d, first, seen, stopped in rows
     ]
     return TimerFacts(deployments=facts, probes=probes)
+
+
+def _probe_evidence(
+    conn: Connection, rows: Sequence[Any], quiet_since_us: int
+) -> dict[str, dict[str, Any]]:
+    """ProbeFact's evidence fields, by probe id: requests in flight for the running probes
+    last heard from before ``quiet_since_us``; their scrape errors; and how every running
+    probe of their deployments sampled its pool."""
+    quiet = [r for r in rows if r.stopped_at is None and r.last_seen <= quiet_since_us]
+    if not quiet:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str | None] = {
+        p: e
+        for p, e in conn.execute(
+            text("SELECT probe_id, last_error FROM scrape_targets WHERE failures > 0")
+        )
+    }
+    for r in quiet:
+        lo = max(r.first_seen - _CLOCK_SLACK_US, r.last_seen - _IN_FLIGHT_WINDOW_US)
+        n = conn.execute(
+            text(
+                "SELECT count(*) FROM requests WHERE deployment_id = :d AND status = 'admitted' "
+                "AND first_ts >= :lo AND first_ts <= :hi"
+            ),
+            {"d": r.deployment_id, "lo": lo, "hi": r.last_seen + _CLOCK_SLACK_US},
+        ).scalar_one()
+        out[r.probe_id] = {"in_flight": int(n), "scrape_error": errors.get(r.probe_id) or None}
+    deployments = {r.deployment_id for r in quiet}
+    for r in rows:
+        if r.stopped_at is None and r.deployment_id in deployments:
+            period = _sample_period(conn, r)
+            if period is not None:
+                out.setdefault(r.probe_id, {})["sample_period_s"] = period
+    return out
+
+
+def _sample_period(conn: Connection, probe: Any) -> float | None:
+    """The clock a probe sampled its pool on (``policies.facts.clock_period``), from the
+    latest samples of the node it sampled last."""
+    samples = conn.execute(
+        text(
+            "SELECT ts, node, used_tokens FROM pool_samples WHERE deployment_id = :d "
+            "AND probe_id = :p AND ts >= :lo AND ts <= :hi ORDER BY ts DESC LIMIT :n"
+        ),
+        {
+            "d": probe.deployment_id,
+            "p": probe.probe_id,
+            "lo": probe.last_seen - _CADENCE_WINDOW_US,
+            "hi": probe.last_seen + _CLOCK_SLACK_US,
+            "n": 4 * _CADENCE_SAMPLES,
+        },
+    ).all()
+    if not samples:
+        return None
+    node = samples[0].node
+    mine = [(s.ts / _US, int(s.used_tokens)) for s in samples if s.node == node]
+    return clock_period(mine[:_CADENCE_SAMPLES])

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from functools import cached_property
+from itertools import pairwise
 from typing import Literal, TypeVar
 
 from engine_probe import events as ev
@@ -154,13 +155,46 @@ class SeqGapFact:
 @dataclass(frozen=True, slots=True)
 class ProbeFact:
     """What the collector knows of one probe: when it was first and last heard from, and
-    when it said it stopped (``probe.stopped``; None while it runs)."""
+    when it said it stopped (``probe.stopped``; None while it runs).
+
+    The rest is evidence that a quiet probe *should* be sending (``telemetry_gap`` tells a
+    silent probe from an idle one by it), loaded only for probes quiet long enough to need
+    it and for their deployments' other probes (:func:`timer_facts` in the collector):
+
+    - ``in_flight``: requests of its deployment admitted in the last minutes before it went
+      quiet (and after it started) that never finished nor were rejected;
+    - ``sample_period_s``: it sampled its pool on a clock, every this many seconds (see
+      :func:`clock_period`), None when it did not (or never sampled);
+    - ``scrape_error``: the collector scrapes this probe's engine itself and its latest
+      scrapes failed (the error).
+    """
 
     probe_id: str
     deployment_id: str
     last_seen: datetime
     first_seen: datetime | None = None
     stopped_at: datetime | None = None
+    in_flight: int = 0
+    sample_period_s: float | None = None
+    scrape_error: str | None = None
+
+
+def clock_period(samples: Sequence[tuple[float, int]]) -> float | None:
+    """The period, in seconds, of pool samples taken on a clock, or None.
+
+    ``samples``: one node's latest pool samples, latest first, as (time in seconds, used
+    tokens). A clock it is when there are at least four, their gaps are within a factor of
+    two of one another, and the pool did not change across them: an engine's own sampler
+    samples every so many engine steps, and steps happen only while requests fill or drain
+    the pool, so a regular beat over an unchanging pool is a scraper or a timer that keeps
+    sampling with no traffic. The period is the longest gap."""
+    if len(samples) < 4 or len({used for _, used in samples}) != 1:
+        return None
+    times = [t for t, _ in samples]
+    gaps = [a - b for a, b in pairwise(times)]
+    if min(gaps) <= 0 or max(gaps) > 2 * min(gaps):
+        return None
+    return max(gaps)
 
 
 def superseded(probes: Iterable[ProbeFact]) -> dict[str, str]:
@@ -222,7 +256,8 @@ class BatchFacts:
 
 @dataclass(frozen=True, slots=True)
 class TimerFacts:
-    """What the timer sees: every known deployment and probe."""
+    """What the timer sees: every known deployment and probe (with, for quiet probes, the
+    evidence of :class:`ProbeFact`)."""
 
     deployments: Mapping[str, DeploymentFacts] = field(default_factory=dict)
     probes: Sequence[ProbeFact] = ()

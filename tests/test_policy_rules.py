@@ -12,8 +12,9 @@ import pytest
 from collector.alerting.service import AlertingService
 from collector.db import Database
 from engine_probe import events as ev
-from policies import load_ruleset
-from policies.facts import ProbeFact, superseded
+from policies import TimerFacts, load_ruleset
+from policies.facts import ProbeFact, clock_period, superseded
+from policies.kinds import KINDS
 from tests import factories as f
 from tests.conftest import Collector
 
@@ -249,12 +250,15 @@ def test_prefix_cache_cross_tenant_on_hits_across_tenants_only(env: Env) -> None
 
 
 def test_telemetry_gaps_missing_fields_and_silent_probes(env: Env) -> None:
-    env.send(f.admitted(env.next(), "r-1", probe=env.probe))
+    # stamped now, as a producer stamps them: three requests admitted and never finished, so
+    # the probe that goes quiet afterwards is silent (not idle)
+    now = datetime.now(UTC)
+    env.send(f.admitted(env.next(), "r-1", probe=env.probe, ts=now))
     assert env.alerts("telemetry_gap") == []
     env.seq += 3  # three events lost
     env.send(
-        f.admitted(env.next(), "r-2", probe=env.probe, prompt=None),  # type: ignore[arg-type]
-        f.admitted(env.next(), "r-3", probe=env.probe, model_id=None),
+        f.admitted(env.next(), "r-2", probe=env.probe, prompt=None, ts=now),  # type: ignore[arg-type]
+        f.admitted(env.next(), "r-3", probe=env.probe, model_id=None, ts=now),
     )
     problems = {a["labels"]["problem"]: a for a in env.alerts("telemetry_gap")}
     assert set(problems) == {"seq_gap", "missing_token_counts", "missing_model_id"}
@@ -263,6 +267,9 @@ def test_telemetry_gaps_missing_fields_and_silent_probes(env: Env) -> None:
     silent = [a for a in env.alerts("telemetry_gap") if a["labels"]["problem"] == "silent"]
     assert [a["state"] for a in silent] == ["firing"]
     assert silent[0]["labels"]["probe_id"] == env.probe
+    summary = silent[0]["annotations"]["summary"]
+    assert "silent for 10m" in summary and "(limit 5m)" in summary, summary
+    assert "3 request(s) admitted before it went quiet never finished" in summary
     # event alerts resolve after an hour without an occurrence
     env.tick(timedelta(hours=2))
     assert env.alerts("telemetry_gap", "firing")[0]["labels"]["problem"] == "silent"
@@ -273,11 +280,13 @@ def test_a_probe_that_stopped_or_restarted_is_not_silent(env: Env) -> None:
     """A probe that said probe.stopped is not silent; nor one whose engine came back on the
     same host under a new probe (same id root, first heard from after the old went quiet),
     and the alert the old one raised resolves when the new one arrives. A probe that went
-    quiet while a sibling of its root kept running is still silent."""
+    quiet while a sibling of its root kept running is still silent. (Each had a request in
+    flight: without one, or other evidence, a quiet probe is idle, not silent.)"""
     stopped, crashed, sibling = "h1-101-aaaaaa", "h1-102-bbbbbb", "h2-201-cccccc"
+    now = datetime.now(UTC)
     for probe in (stopped, crashed, sibling):
-        env.send(f.pool(1, probe=probe))
-    env.send(ev.ProbeStopped(**f.base(2, probe=stopped)))
+        env.send(f.pool(1, probe=probe), f.admitted(2, f"r-{probe}", probe=probe, ts=now))
+    env.send(ev.ProbeStopped(**f.base(3, probe=stopped)))
     env.tick(timedelta(minutes=10))
     silent = {
         a["labels"]["probe_id"]: a["state"]
@@ -325,6 +334,141 @@ def test_probes_running_side_by_side_never_supersede_each_other() -> None:
         "host-1-aaaaaa": "host-3-cccccc",
         "host-2-bbbbbb": "host-3-cccccc",
     }
+
+
+T = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+def silence(*probes: ProbeFact, now: datetime) -> dict[str, tuple[bool, str, str]]:
+    """telemetry_gap's timer pass (the default pack's: silent after 5m) over these probes,
+    pure: probe id -> (firing, state, summary)."""
+    rule = load_ruleset().rule("telemetry_gap")
+    assert rule is not None
+    signals = KINDS["telemetry_gap"].on_timer(rule, TimerFacts(probes=probes), now)
+    return {
+        s.labels["probe_id"]: (s.firing, s.annotations["state"], s.annotations["summary"])
+        for s in signals
+        if s.labels["problem"] == "silent"
+    }
+
+
+def quiet_probe(probe_id: str, quiet: timedelta, **kw: Any) -> ProbeFact:
+    return ProbeFact(probe_id, "gw", last_seen=T - quiet, first_seen=T - timedelta(days=1), **kw)
+
+
+def test_an_idle_probe_is_not_silent() -> None:
+    """A gateway nobody calls sends nothing: quiet for long, with nothing saying it should be
+    sending (no sibling heard from since, no request in flight, no clock), it is idle."""
+    got = silence(quiet_probe("gw-1", timedelta(minutes=6, seconds=49)), now=T)
+    firing, state, summary = got["gw-1"]
+    assert not firing and state == "idle"
+    assert summary.startswith("probe gw-1 of gw idle for 6m 49s: nothing says"), summary
+
+
+def test_a_probe_quiet_while_a_sibling_sends_is_silent() -> None:
+    """Another probe of the deployment was heard from after this one had been quiet for
+    silent_after: the deployment is alive, this probe is not."""
+    got = silence(
+        quiet_probe("gw-1", timedelta(hours=1, minutes=9, seconds=30)),
+        quiet_probe("gw-2", timedelta(seconds=20)),
+        now=T,
+    )
+    firing, state, summary = got["gw-1"]
+    assert firing and state == "silent"
+    assert summary == (
+        "probe gw-1 of gw silent for 1h 9m (limit 5m): probe gw-2 of the same deployment was "
+        "heard from 20s ago"
+    )
+    assert got["gw-2"][:2] == (False, "sending")
+    # a sibling heard from only shortly after this one went quiet proves nothing (two idle
+    # gateways behind one balancer, the last request went to the other one)
+    got = silence(
+        quiet_probe("gw-1", timedelta(minutes=30)),
+        quiet_probe("gw-2", timedelta(minutes=28)),
+        now=T,
+    )
+    assert got["gw-1"][:2] == (False, "idle") and got["gw-2"][:2] == (False, "idle")
+    # nor does a sibling that samples on a clock (the collector's scraper of an idle engine)
+    got = silence(
+        quiet_probe("gw-1", timedelta(minutes=30)),
+        quiet_probe("scrape-gw", timedelta(seconds=5), sample_period_s=15.0),
+        now=T,
+    )
+    assert got["gw-1"][:2] == (False, "idle")
+
+
+def test_a_probe_with_requests_in_flight_that_goes_quiet_is_silent() -> None:
+    got = silence(quiet_probe("eng-1", timedelta(minutes=7), in_flight=2), now=T)
+    firing, state, summary = got["eng-1"]
+    assert firing and state == "silent"
+    assert summary.endswith(
+        "silent for 7m (limit 5m): 2 request(s) admitted before it went quiet never finished"
+    ), summary
+
+
+def test_a_probe_sampling_on_a_clock_that_stops_is_silent() -> None:
+    got = silence(
+        quiet_probe("scrape-a", timedelta(minutes=6), sample_period_s=15.0),
+        quiet_probe("scrape-b", timedelta(minutes=6), scrape_error="connection refused"),
+        now=T,
+    )
+    assert got["scrape-a"][0] and "it sampled its pool every 15s and stopped" in got["scrape-a"][2]
+    assert got["scrape-b"][0] and got["scrape-b"][2].endswith(
+        "the collector's scrape of its engine fails: connection refused"
+    )
+    # a beat longer than silent_after: not silent before two beats are missed
+    slow = silence(quiet_probe("slow", timedelta(minutes=6), sample_period_s=600.0), now=T)
+    assert slow["slow"][:2] == (False, "idle")
+
+
+def test_a_stopped_or_forgotten_probe_is_never_silent() -> None:
+    got = silence(
+        quiet_probe("stopped", timedelta(minutes=10), in_flight=1, stopped_at=T),
+        quiet_probe("forgotten", timedelta(hours=25), in_flight=1),
+        quiet_probe("sibling", timedelta(seconds=1)),
+        now=T,
+    )
+    assert got["stopped"][:2] == (False, "stopped")
+    assert got["stopped"][2] == "probe stopped of gw quiet for 10m; stopped cleanly"
+    assert got["forgotten"][:2] == (False, "silent")  # past forget_after: no longer alerted
+
+
+@pytest.mark.parametrize(
+    ("samples", "period"),
+    [
+        ([(60.0, 0), (45.0, 0), (30.0, 0), (15.0, 0)], 15.0),
+        ([(60.0, 0), (44.0, 0), (30.0, 0), (16.0, 0)], 16.0),
+        ([(60.0, 0), (45.0, 0), (30.0, 0)], None),  # too few to call it a clock
+        ([(60.0, 5), (45.0, 9), (30.0, 5), (15.0, 5)], None),  # the pool changed: traffic
+        ([(60.0, 0), (59.0, 0), (30.0, 0), (15.0, 0)], None),  # irregular
+        ([(60.0, 0), (60.0, 0), (30.0, 0), (15.0, 0)], None),
+    ],
+)
+def test_a_clock_is_regular_samples_of_an_unchanging_pool(
+    samples: list[tuple[float, int]], period: float | None
+) -> None:
+    assert clock_period(samples) == period
+
+
+def test_the_timer_loads_the_evidence_of_quiet_probes(env: Env) -> None:
+    """Through the database: a probe that sampled every 15 s over an unchanged pool and
+    stopped is silent; an engine probe that only said hello is idle."""
+    now = datetime.now(UTC)
+    clock, hello = "scrape-glm", "engine-glm"
+    env.send(
+        *(f.pool(i + 1, probe=clock, ts=now - timedelta(seconds=15 * (3 - i))) for i in range(4))
+    )
+    env.send(f.config(1, probe=hello, ts=now), f.pool(2, probe=hello, ts=now))
+    env.tick(timedelta(minutes=6))
+    got = {
+        a["labels"]["probe_id"]: a
+        for a in env.alerts("telemetry_gap")
+        if a["labels"]["problem"] == "silent"
+    }
+    assert set(got) == {clock}, got
+    assert got[clock]["state"] == "firing"
+    assert "it sampled its pool every 15s and stopped" in got[clock]["annotations"]["summary"]
+    assert got[clock]["annotations"]["state"] == "silent"
 
 
 def test_a_resent_batch_raises_nothing_twice(env: Env) -> None:

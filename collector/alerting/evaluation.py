@@ -41,6 +41,7 @@ from policies import (
 )
 from policies.evaluate import RuleHealth
 from policies.facts import index_by_type
+from policies.kinds.telemetry import probe_evidence_after
 
 _TIMER_LOCK = 0x6B7677_0002  # pg advisory lock: one timer pass at a time across replicas
 
@@ -128,7 +129,8 @@ class Evaluator:
                 ).scalar()
             ):
                 return None
-            evaluation = evaluate_timer(self.rules, F.timer_facts(conn), now)
+            facts = F.timer_facts(conn, now, probe_evidence_after(self.rules.enabled()))
+            evaluation = evaluate_timer(self.rules, facts, now)
             result = self._apply(conn, evaluation.signals, now)
             repo.record_health(
                 conn, [(h.rule, h.kind, h.ok, h.error) for h in evaluation.health], now_us

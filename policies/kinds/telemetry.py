@@ -1,18 +1,23 @@
 """``telemetry_gap``: what kvwatch cannot see. Lost events (seq gaps), requests without token
 counts or model ID (the incident's fourth link: nobody could say afterwards which requests
-crossed the threshold), and probes that went silent."""
+crossed the threshold), and probes that went silent.
+
+A probe that sends nothing may be *silent* (it should be sending and is not: a crashed
+engine, a lost network) or *idle* (nothing happens to report: a gateway nobody calls, an
+engine without traffic). Only a silent probe fires; what tells them apart is evidence that
+it should be sending (:func:`evidence`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 import msgspec
 
 from engine_probe import events as ev
-from policies.durations import format_duration, parse_duration
-from policies.facts import BatchFacts, TimerFacts, superseded
+from policies.durations import human_duration, parse_duration
+from policies.facts import BatchFacts, ProbeFact, TimerFacts, superseded
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
 from policies.signals import Signal
@@ -35,9 +40,11 @@ class TelemetryGap(RuleKind):
     default_resolve_after_s = 3600.0
     description = (
         "Seq gaps (events lost), requests without prompt/completion token counts or model "
-        "ID, and probes silent for longer than silent_after (forgotten after forget_after); "
-        "a probe that stopped cleanly, or was replaced by its restarted engine's new probe, "
-        "is not silent."
+        "ID, and probes silent for longer than silent_after (forgotten after forget_after): "
+        "quiet while something says they should be sending (another probe of the deployment "
+        "sent since, requests were in flight, it sampled on a clock, its scrape fails). A "
+        "quiet probe without such evidence is idle, and does not fire; nor does one that "
+        "stopped cleanly or was replaced by its restarted engine's new probe."
     )
 
     def check(self, params: TelemetryParams) -> None:
@@ -101,21 +108,35 @@ class TelemetryGap(RuleKind):
     def on_timer(self, rule: Rule, facts: TimerFacts, now: datetime) -> Iterable[Signal]:
         p: TelemetryParams = rule.params
         successors = superseded(facts.probes)
+        by_deployment: dict[str, list[ProbeFact]] = {}
+        for probe in facts.probes:
+            by_deployment.setdefault(probe.deployment_id, []).append(probe)
         for probe in facts.probes:
             quiet = (now - probe.last_seen).total_seconds()
+            name = f"probe {probe.probe_id} of {probe.deployment_id}"
             # A probe that said it stopped, or whose engine came back under a new probe, is
             # not silent: it left no events behind that kvwatch could be missing.
             successor = successors.get(probe.probe_id)
+            why = None
             if probe.stopped_at is not None:
-                why = "stopped cleanly"
+                state = "stopped"
+                summary = f"{name} quiet for {human_duration(quiet)}; stopped cleanly"
             elif successor is not None:
-                why = f"replaced by probe {successor}"
+                state = "replaced"
+                summary = f"{name} quiet for {human_duration(quiet)}; replaced by probe {successor}"
+            elif quiet <= p.silent_after_s:
+                state, summary = "sending", f"{name} heard from {human_duration(quiet)} ago"
             else:
-                why = None
-            summary = (
-                f"probe {probe.probe_id} of {probe.deployment_id} silent for "
-                f"{format_duration(round(quiet))} (limit {format_duration(p.silent_after_s)})"
-            )
+                why = evidence(probe, by_deployment[probe.deployment_id], p.silent_after_s, now)
+                state = "idle" if why is None else "silent"
+                summary = (
+                    f"{name} silent for {human_duration(quiet)} (limit "
+                    f"{human_duration(p.silent_after_s)}): {why}"
+                    if why is not None
+                    else f"{name} idle for {human_duration(quiet)}: nothing says it should be "
+                    "sending (no other probe of the deployment heard from since, no request "
+                    "in flight, no sampling on a clock)"
+                )
             yield rule.signal(
                 "state",
                 {
@@ -123,7 +144,50 @@ class TelemetryGap(RuleKind):
                     "probe_id": probe.probe_id,
                     "problem": "silent",
                 },
-                firing=why is None and p.silent_after_s < quiet <= p.forget_after_s,
+                firing=why is not None and quiet <= p.forget_after_s,
                 value=round(quiet, 1),
-                annotations={"summary": summary if why is None else f"{summary}; {why}"},
+                annotations={"summary": summary, "state": state},
             )
+
+
+def evidence(
+    probe: ProbeFact, deployment: Sequence[ProbeFact], silent_after_s: float, now: datetime
+) -> str | None:
+    """Why a quiet probe should be sending (then it is *silent*), or None (it is *idle*):
+
+    - another probe of its deployment was heard from after this one had been quiet for
+      ``silent_after`` (the deployment is alive; a probe that samples on a clock, such as the
+      collector's scraper, proves no traffic and does not count);
+    - requests admitted before it went quiet never finished (``ProbeFact.in_flight``);
+    - it sampled its pool on a clock and has missed at least one beat
+      (``ProbeFact.sample_period_s``);
+    - the collector's own scrape of its engine fails (``ProbeFact.scrape_error``).
+    """
+    quiet = (now - probe.last_seen).total_seconds()
+    heard = [
+        other
+        for other in deployment
+        if other.probe_id != probe.probe_id
+        and other.sample_period_s is None
+        and (other.last_seen - probe.last_seen).total_seconds() >= silent_after_s
+    ]
+    if heard:
+        latest = max(heard, key=lambda o: o.last_seen)
+        ago = human_duration((now - latest.last_seen).total_seconds())
+        return f"probe {latest.probe_id} of the same deployment was heard from {ago} ago"
+    if probe.in_flight:
+        return f"{probe.in_flight} request(s) admitted before it went quiet never finished"
+    period = probe.sample_period_s
+    if period is not None and quiet >= 2 * period:
+        return f"it sampled its pool every {human_duration(period)} and stopped"
+    if probe.scrape_error:
+        return f"the collector's scrape of its engine fails: {probe.scrape_error}"
+    return None
+
+
+def probe_evidence_after(rules: Iterable[Rule]) -> float | None:
+    """How long a probe must have been quiet before the timer's facts need its evidence (the
+    shortest ``silent_after`` of these rules' ``telemetry_gap`` ones); None when none is
+    among them, and the collector loads no evidence."""
+    after = [r.params.silent_after_s for r in rules if r.kind == TelemetryGap.name]
+    return min(after) if after else None
