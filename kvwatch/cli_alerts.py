@@ -56,13 +56,11 @@ def policies_check(
     rule and field."""
     from rich.markup import escape
 
-    from policies import PackError, RuleSet, default_pack, load_pack, load_ruleset
+    from policies import PackError
+    from policies.pack import check_path
 
     try:
-        if path.is_dir():
-            ruleset = load_ruleset(path)
-        else:
-            ruleset = RuleSet.of([default_pack(), load_pack(path)])
+        ruleset = check_path(path)
     except PackError as exc:
         problems = exc.errors
         if len(problems) > 1:

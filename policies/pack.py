@@ -318,3 +318,14 @@ def load_ruleset(directory: str | Path | None = None, *, include_default: bool =
                 packs.append(pack)
         problems.raise_any()
     return RuleSet.of(packs)
+
+
+def check_path(path: str | Path) -> RuleSet:
+    """What ``kvwatch policies check PATH`` validates: a pack file together with the default
+    pack (a rule name clashing with the default pack's is an error; a pack named ``default``
+    replaces it), or a directory as the collector loads ``KVWATCH_POLICY_PACKS_DIR``. Raises
+    :class:`PackError` with every problem found."""
+    p = Path(path)
+    if p.is_dir():
+        return load_ruleset(p)
+    return RuleSet.of([default_pack(), load_pack(p)])
