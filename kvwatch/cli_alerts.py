@@ -4,16 +4,24 @@ operators do with what they raise (through the same service as the HTTP API)."""
 from __future__ import annotations
 
 import json
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
+from kvwatch.cli_common import (
+    DbUrl,
+    KvwatchTyper,
+    database,
+    err,
+    moment,
+    relative,
+    stdout_console,
+    table,
+    to_second,
+)
 
 if TYPE_CHECKING:
     from collector.alerting.service import AlertingService
@@ -22,7 +30,6 @@ policies_app = KvwatchTyper(help="Rule packs: check and list.", no_args_is_help=
 alerts_app = KvwatchTyper(help="Alerts: list and acknowledge.", no_args_is_help=True)
 silences_app = KvwatchTyper(help="Silences: hold back notifications.", no_args_is_help=True)
 incidents_app = KvwatchTyper(help="Incidents: list and close.", no_args_is_help=True)
-out = Console(width=None if sys.stdout.isatty() else 200)
 
 PacksDir = Annotated[
     Path | None,
@@ -31,8 +38,10 @@ PacksDir = Annotated[
 
 
 def _rules_table(rules: list[object]) -> Table:
-    t = Table("rule", "kind", "severity", "for", "resolve after", "pack", "source")
     from policies.durations import format_duration
+
+    # for and resolve after: the pack's own values, in its notation
+    t = table("rule", "kind", "severity", "for", "resolve after", "pack", "source")
 
     for r in rules:
         t.add_row(
@@ -68,7 +77,7 @@ def policies_check(
         for e in problems:
             err.print(f"[red]invalid:[/] {escape(e.describe())}")
         raise typer.Exit(1) from None
-    out.print(_rules_table(list(ruleset.rules)))
+    stdout_console().print(_rules_table(list(ruleset.rules)))
     err.print(f"[green]valid:[/] {len(ruleset.rules)} rules in {len(ruleset.packs)} pack(s)")
 
 
@@ -82,7 +91,7 @@ def policies_list(packs_dir: PacksDir = None) -> None:
     except PackError as exc:
         err.print(f"[red]invalid:[/] {exc}")
         raise typer.Exit(1) from None
-    out.print(_rules_table(list(ruleset.rules)))
+    stdout_console().print(_rules_table(list(ruleset.rules)))
 
 
 def _service(db: object, packs_dir: str | None) -> AlertingService:
@@ -113,7 +122,8 @@ def alerts_list(
         for a in alerts:
             print(json.dumps(a, sort_keys=True))
         return
-    t = Table("id", "state", "severity", "rule", "deployment", "since", "acked", "summary")
+    now = _now()
+    t = table("id", "state", "severity", "rule", "deployment", "started", "acked", "summary")
     for a in alerts:
         t.add_row(
             str(a["id"]),
@@ -121,11 +131,11 @@ def alerts_list(
             a["severity"],
             a["rule"],
             a["deployment_id"] or "",
-            a["starts_at"] or "",
+            relative(a["starts_at"], now),
             a["acked_by"] or "",
             a["annotations"].get("summary", ""),
         )
-    out.print(t)
+    stdout_console().print(t)
 
 
 @alerts_app.command("ack")
@@ -158,7 +168,7 @@ def silences_create(
     database_url: DbUrl = None,
 ) -> None:
     """Hold back notifications of alerts matching every matcher, for a while."""
-    from policies.durations import parse_duration
+    from policies.durations import human_duration, parse_duration
 
     matchers = []
     for m in match:
@@ -178,29 +188,40 @@ def silences_create(
         sil = _service(db, s.policy_packs_dir).silence(
             matchers, now, now + timedelta(seconds=seconds), by, comment, now
         )
-    err.print(f"silence {sil['id']} until {sil['ends_at']}")
+    err.print(f"silence {sil['id']} for {human_duration(seconds)}, until {sil['ends_at']}")
     print(sil["id"])
 
 
 @silences_app.command("list")
 def silences_list(database_url: DbUrl = None) -> None:
-    """Silences, newest first: whether each is active, its matchers, when it ends, who made
+    """Silences, newest first: each one's state (active, pending, ended, or expired: ended
+    early by `kvwatch silences expire`), its matchers, when it ends or really ended, who made
     it and why."""
     with database(database_url) as (db, s):
         silences = _service(db, s.policy_packs_dir).list_silences()
-    t = Table("id", "active", "matchers", "ends", "by", "comment")
+    now = _now()
+    t = table("id", "state", "matchers", "ends", "by", "comment")
     for x in silences:
         t.add_row(
             str(x["id"]),
-            "yes" if x["active"] else "no",
-            ",".join(
+            _silence_state(x, now),
+            ", ".join(
                 f"{m['name']}{'=~' if m['regex'] else '='}{m['value']}" for m in x["matchers"]
             ),
-            x["ends_at"],
+            moment(x["ends_at"], now),
             x["created_by"],
             x["comment"],
         )
-    out.print(t)
+    stdout_console().print(t)
+
+
+def _silence_state(doc: dict[str, Any], now: datetime) -> str:
+    """A silence document's ``ends_at`` is already its real end (its expiry, if expired early)."""
+    if doc["active"]:
+        return "active"
+    if doc["expired_at"] is not None and doc["expired_at"] == doc["ends_at"]:
+        return "expired"
+    return "ended" if datetime.fromisoformat(doc["ends_at"]) <= now else "pending"
 
 
 @silences_app.command("expire")
@@ -208,9 +229,18 @@ def silences_expire(
     silence_id: int, by: Annotated[str, typer.Option(help="Who.")], database_url: DbUrl = None
 ) -> None:
     """End a silence now: notifications of the alerts it held back are sent again."""
+    from collector.timefmt import iso
+
+    now = _now()
     with database(database_url) as (db, s):
-        _service(db, s.policy_packs_dir).expire_silence(silence_id, by, _now())
-    err.print(f"silence {silence_id} expired")
+        doc = _service(db, s.policy_packs_dir).expire_silence(silence_id, by, now)
+    if doc["expired_at"] != iso(now):
+        err.print(
+            f"silence {silence_id} was already expired at {to_second(doc['expired_at'])}; "
+            "nothing changed"
+        )
+        return
+    err.print(f"silence {silence_id} expired at {to_second(doc['expired_at'])}")
 
 
 @incidents_app.command("list")
@@ -222,17 +252,18 @@ def incidents_list(
     deadline (GDPR Art. 33; 72 hours by default)."""
     with database(database_url) as (db, s):
         incidents = _service(db, s.policy_packs_dir).list_incidents(state)
-    t = Table("id", "state", "deployment", "aware since", "Art. 33 deadline", "title")
+    now = _now()
+    t = table("id", "state", "deployment", "aware since", "Art. 33 deadline", "title")
     for i in incidents:
         t.add_row(
             str(i["id"]),
             i["state"],
             i["deployment_id"],
-            i["awareness_at"],
-            i["deadline_at"],
+            to_second(i["awareness_at"]),
+            moment(i["deadline_at"], now) if i["state"] == "open" else to_second(i["deadline_at"]),
             i["title"],
         )
-    out.print(t)
+    stdout_console().print(t)
 
 
 @incidents_app.command("close")

@@ -3,11 +3,14 @@ help's layout (:class:`KvwatchTyper`) and how tables and durations are printed."
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -173,6 +176,50 @@ def _about_file_of(exc: OSError, url: str | None) -> bool:
     db_file = Path(database).absolute()
     failed = Path(str(exc.filename)).absolute()
     return failed == db_file or failed in db_file.parents
+
+
+# -- tables and times -------------------------------------------------------------------------
+
+
+def stdout_console() -> Console:
+    """Where a command prints its table: the terminal's width, or COLUMNS when set; into a
+    pipe or a file without COLUMNS, 200 columns, so that a row stays one line for grep."""
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+    return Console(width=200 if piped else None)
+
+
+def table(*headers: str) -> Table:
+    """A table that never loses a character: a cell wraps at spaces, and a word wider than its
+    column (an id, a name, a matcher) folds onto the next lines whole, never cut with '…'."""
+    t = Table()
+    for header in headers:
+        t.add_column(header, overflow="fold")
+    return t
+
+
+def relative(when: str | None, now: datetime) -> str:
+    """An instant (the API's ISO 8601 text) as time from ``now``, the way every kvwatch output
+    prints a duration (:func:`policies.durations.human_duration`): ``6m 49s ago``,
+    ``in 89d 23h``; '' for None."""
+    from policies.durations import human_duration
+
+    if when is None:
+        return ""
+    seconds = (datetime.fromisoformat(when) - now).total_seconds()
+    return f"in {human_duration(seconds)}" if seconds > 0 else f"{human_duration(-seconds)} ago"
+
+
+def to_second(when: str | None) -> str:
+    """An instant (ISO 8601, UTC) to the second: ``2026-12-02T15:34:00Z``; '' for None."""
+    if when is None:
+        return ""
+    exact = datetime.fromisoformat(when).replace(microsecond=0).isoformat()
+    return exact.removesuffix("+00:00") + "Z"
+
+
+def moment(when: str | None, now: datetime) -> str:
+    """An instant to the second, with its time from ``now``: ``2026-12-02T15:34:00Z (in 2h)``."""
+    return f"{to_second(when)} ({relative(when, now)})" if when is not None else ""
 
 
 # -- help -----------------------------------------------------------------------------------

@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from collector.errors import CollectorError
 from collector.timefmt import iso, parse_bounded
-from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err, stdout_console, table
 
 # `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
 # with `report_app.command("breach")(breach)`.
@@ -25,7 +23,6 @@ report_app = KvwatchTyper(
     no_args_is_help=True,
 )
 audit_app = KvwatchTyper(help="The hash-chained audit log.", no_args_is_help=True)
-out = Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _when(value: str) -> datetime:
@@ -91,7 +88,7 @@ def report_inventory(
     cols = ["tenant", "route", "requests", "prompts"]
     if min_prompt_tokens is not None:
         cols.append(f"prompt ≥ {min_prompt_tokens}")
-    t = Table(*cols, "max prompt", "first seen", "last seen")
+    t = table(*cols, "max prompt", "first seen", "last seen")
     for r in doc["rows"]:
         cells = [r["tenant"], r["route"] or "", str(r["requests"]), str(r["prompts"])]
         if min_prompt_tokens is not None:
@@ -103,7 +100,7 @@ def report_inventory(
             _cell_time(r["last_seen"]),
         ]
         t.add_row(*cells)
-    out.print(t)
+    stdout_console().print(t)
     tot = doc["totals"]
     above = ""
     if min_prompt_tokens is not None:

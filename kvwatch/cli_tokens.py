@@ -5,20 +5,26 @@ token). A secret is printed once, alone on the last line, and never stored."""
 from __future__ import annotations
 
 import json
-import sys
+from datetime import UTC, datetime
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
+from kvwatch.cli_common import (
+    DbUrl,
+    KvwatchTyper,
+    database,
+    err,
+    relative,
+    stdout_console,
+    table,
+    to_second,
+)
 
 tokens_app = KvwatchTyper(
     help="API tokens: create, list, revoke, rotate (each in the audit log).",
     no_args_is_help=True,
 )
-out = Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _seconds(value: str | None, option: str) -> float | None:
@@ -62,8 +68,12 @@ def tokens_create(
             expires_in_s=seconds,
             actor=by,
         )
+    from policies.durations import human_duration
+
     scope = f" tenant={tenant}" if tenant else f" deployment={deployment}" if deployment else ""
-    until = f", valid until {doc['expires_at']}" if doc["expires_at"] else ""
+    until = ""
+    if doc["expires_at"] and seconds is not None:
+        until = f", valid until {doc['expires_at']} (for {human_duration(seconds)})"
     err.print(f"created {kind} token #{doc['id']}{scope}{until}; it is shown once, store it now:")
     print(secret)
 
@@ -73,8 +83,9 @@ def tokens_list(
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
     database_url: DbUrl = None,
 ) -> None:
-    """Every token: id, kind, scope, name, created, last used, expiry, state. Never a secret.
-    'last used' is exact to within KVWATCH_TOKEN_USE_AUDIT_S (one audit entry per period)."""
+    """Every token: id, kind, scope, name, created, how long ago it was last used, how long
+    until it expires, state. Never a secret. 'last used' is exact to within
+    KVWATCH_TOKEN_USE_AUDIT_S (one audit entry per period)."""
     from collector.tokens import TokenService
 
     with database(database_url) as (db, _):
@@ -82,7 +93,8 @@ def tokens_list(
     if as_json:
         print(json.dumps(docs, indent=2))
         return
-    table = Table("id", "kind", "scope", "name", "created", "last used", "expires", "state")
+    now = datetime.now(UTC)
+    rows = table("id", "kind", "scope", "name", "created", "last used", "expires", "state")
     for d in docs:
         scope = (
             f"tenant={d['tenant']}"
@@ -91,17 +103,17 @@ def tokens_list(
             if d["deployment_id"]
             else "-"
         )
-        table.add_row(
+        rows.add_row(
             str(d["id"]),
             d["kind"],
             scope,
             d["name"] or "-",
-            d["created_at"],
-            d["last_used_at"] or "never",
-            d["expires_at"] or "never",
+            to_second(d["created_at"]),
+            relative(d["last_used_at"], now) or "never",
+            relative(d["expires_at"], now) or "never",
             d["state"],
         )
-    out.print(table)
+    stdout_console().print(rows)
 
 
 @tokens_app.command("revoke")
@@ -111,14 +123,16 @@ def tokens_revoke(
     database_url: DbUrl = None,
 ) -> None:
     """Revoke a token now. Every collector stops accepting it within KVWATCH_TOKEN_CACHE_S
-    (5 s by default)."""
+    (5s by default)."""
     from collector.tokens import TokenService
+    from policies.durations import format_duration
 
     with database(database_url) as (db, settings):
         doc = TokenService(db).revoke(token, actor=by)
+    lag = format_duration(settings.token_cache_s)  # a setting, shown as configured
     err.print(
         f"token #{doc['id']} ({doc['kind']}, {doc['name'] or doc['prefix']}) revoked at "
-        f"{doc['revoked_at']}; collectors refuse it within {settings.token_cache_s:g} s"
+        f"{doc['revoked_at']}; collectors refuse it within {lag}"
     )
 
 
@@ -149,6 +163,7 @@ def tokens_rotate(
         )
     err.print(
         f"token #{new['id']} replaces #{old['id']} ({new['kind']}); #{old['id']} works until "
-        f"{old['expires_at']}. The new token is shown once, store it now:"
+        f"{old['expires_at']} ({relative(old['expires_at'], datetime.now(UTC))}). The new "
+        "token is shown once, store it now:"
     )
     print(secret)

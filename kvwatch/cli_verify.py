@@ -219,16 +219,25 @@ def verify(
 
 
 def _run_with_progress(options: VerifyOptions) -> Report:
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, Task, TextColumn
     from rich.progress import Progress as Bar
+    from rich.text import Text
 
     from kvwatch.verify import verify as run_verification
+    from policies.durations import human_duration
+
+    class Elapsed(ProgressColumn):
+        """The time the run has taken, as every kvwatch output prints one (``1m 5s``)."""
+
+        def render(self, task: Task) -> Text:
+            elapsed = task.finished_time if task.finished else task.elapsed
+            return Text(human_duration(elapsed or 0), style="progress.elapsed")
 
     bar = Bar(
         TextColumn("{task.description:<34}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TimeElapsedColumn(),
+        Elapsed(),
         console=err,
         transient=True,
         disable=not err.is_terminal,
@@ -345,9 +354,7 @@ def schedule_list(
     database_url: DbUrl = None,
 ) -> None:
     """The scheduled verifications, with each one's last run."""
-    from rich.console import Console
-    from rich.table import Table
-
+    from kvwatch.cli_common import moment, stdout_console, table
     from policies.durations import format_duration
 
     with contextmanager(_schedules)(database_url) as (service, _):
@@ -356,7 +363,9 @@ def schedule_list(
         for d in docs:
             typer.echo(json.dumps(d, sort_keys=True))
         return
-    t = Table("id", "endpoint", "model", "deployment", "every", "keys from", "next", "last")
+    now = datetime.now(UTC)
+    # every: the schedule's period as configured (format_duration's exact form)
+    t = table("id", "endpoint", "model", "deployment", "every", "keys from", "next", "last")
     for d in docs:
         last = "never"
         if d["last_finished_at"]:
@@ -372,10 +381,10 @@ def schedule_list(
             d["deployment_id"],
             format_duration(d["every_s"]),
             d["keys_from"],
-            "running" if d["running"] else d["next_at"],
+            "running" if d["running"] else moment(d["next_at"], now),
             last,
         )
-    Console(width=200).print(t)
+    stdout_console().print(t)
 
 
 @schedule_app.command("remove")

@@ -124,12 +124,17 @@ def _verification_fields(v: Any, fact: Any) -> dict[str, Any]:
 
 
 def silence_doc(s: Any, now_us: int) -> dict[str, Any]:
-    active = s.expired_at is None and as_micros(s.starts_at) <= now_us < as_micros(s.ends_at)
+    """A silence; its ``ends_at`` is when it stops (or stopped) holding notifications back:
+    for one expired before its end, the moment it was expired (``expired_at``), as
+    Alertmanager does, not the end it was created with."""
+    ends_us = as_micros(s.ends_at)
+    expired_us = as_micros(s.expired_at)
+    active = expired_us is None and as_micros(s.starts_at) <= now_us < ends_us
     return {
         "id": s.id,
         "matchers": json.loads(s.matchers),
         "starts_at": iso(s.starts_at),
-        "ends_at": iso(s.ends_at),
+        "ends_at": iso(ends_us if expired_us is None else min(ends_us, expired_us)),
         "created_by": s.created_by,
         "comment": s.comment,
         "created_at": iso(s.created_at),
