@@ -6,8 +6,11 @@ the incident: the prefill pool holds 65% of the advertised context, disaggregate
 prefill/decode. Five tenants send ordinary requests; then one sends a prompt longer than the
 prefill pool. In ``legacy`` mode the engine answers it from pages other tenants left behind,
 and the probe reports each stale read naming both tenants; in ``hardened`` mode the same
-prompt gets a clean context-length error and nothing leaks. Everything is then read back
-through the collector's HTTP API and printed.
+prompt gets a clean context-length error and nothing leaks. Before the replay, a third,
+healthy deployment (``synthetic-day``) gets a day of generated, clearly labelled traffic
+through its own probe (``kvwatch/synthetic.py``), so that every chart and report of the
+dashboard has a day to show. Everything is then read back through the collector's HTTP API
+and printed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from collector.settings import Settings
 from collector.timefmt import now_micros
 from collector.tokens import create_token
 from engine_probe import Probe, ProbeSettings
+from kvwatch import synthetic
 from kvwatch.embedded import serve_in_thread
 
 console = Console()
@@ -67,8 +72,10 @@ class Replay:
 def run_demo(out_dir: Path | None) -> int:
     out = (out_dir or Path(tempfile.mkdtemp(prefix="kvwatch-demo-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("kvwatch.db*"):
-        stale.unlink()
+    # a re-run starts over: nothing of the previous run's database, PDF or summary is left
+    for pattern in ("kvwatch.db*", "breach-*.pdf", "summary.json"):
+        for stale in out.glob(pattern):
+            stale.unlink()
     db_path = out / "kvwatch.db"
     db_url = f"sqlite:///{db_path}"
     console.rule("[bold]kvwatch demo")
@@ -85,9 +92,12 @@ def run_demo(out_dir: Path | None) -> int:
     token_file.write_text(admin_token + "\n")
     token_file.chmod(0o600)
 
-    settings = Settings(database_url=db_url, auto_migrate=False)
+    # A fast policy timer: the synthetic day's context-pressure alert resolves (its prompts
+    # are hours old) before the demo reads the alerts back.
+    settings = Settings(database_url=db_url, auto_migrate=False, policy_timer_s=1.0)
     with serve_in_thread(create_app(settings)) as url:
         console.print(f"collector: {url} (embedded)")
+        day = _synthetic_day(url, ingest_token, out)
         probe = Probe(
             ProbeSettings(
                 collector_url=url,
@@ -107,9 +117,12 @@ def run_demo(out_dir: Path | None) -> int:
         probe.shutdown(10)
         elapsed = time.perf_counter() - started
         stats = probe.stats()
+        _await_resolved(url, admin_token, synthetic.DEPLOYMENT)
         summary = _report(url, admin_token, stats, replays, elapsed)
+        summary["synthetic"] = day.to_json()
         breach_pdf = _breach_report(url, admin_token, summary["incidents"], out)
     shutil.rmtree(out / "spool", ignore_errors=True)
+    shutil.rmtree(out / "spool-synthetic", ignore_errors=True)
     summary["artefacts"] = {"database": str(db_path), "admin_token": str(token_file)}
     if breach_pdf is not None:
         summary["artefacts"]["breach_report_pdf"] = str(breach_pdf)
@@ -130,6 +143,45 @@ def run_demo(out_dir: Path | None) -> int:
     )
     ok = stats["sent"] >= stats["emitted"] and sum(stats["dropped"].values()) == 0
     return 0 if ok else 1
+
+
+def _synthetic_day(url: str, ingest_token: str, out: Path) -> synthetic.Day:
+    """A day of a healthy deployment's traffic, ending a minute ago, through its own probe."""
+    started = time.perf_counter()
+    probe = Probe(
+        ProbeSettings(
+            collector_url=url,
+            ingest_token=ingest_token,
+            probe_id="synthetic-probe",
+            deployment_id=synthetic.DEPLOYMENT,
+            probe_spool_dir=out / "spool-synthetic",
+            probe_flush_interval_s=0.05,
+        )
+    )
+    end = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
+    day = synthetic.drive(probe, url, ingest_token, end)
+    delivered = probe.shutdown(30)
+    console.print(
+        f"synthetic history: {day.requests:,} requests ({day.events:,} events) of a healthy "
+        f"deployment, [bold]{day.deployment}[/], from {day.start:%Y-%m-%d %H:%M} to "
+        f"{day.end:%Y-%m-%d %H:%M} UTC, in {time.perf_counter() - started:.1f}s"
+        + ("" if delivered else " [red](not all delivered)[/]")
+    )
+    return day
+
+
+def _await_resolved(url: str, token: str, deployment: str, timeout_s: float = 15.0) -> None:
+    """Wait (bounded) for the policy timer to resolve the deployment's event alerts whose
+    occurrences are older than their resolve_after: the synthetic day's episode."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
+        while time.monotonic() < deadline:
+            firing = c.get(
+                "/v1/alerts", params={"deployment_id": deployment, "state": "firing"}
+            ).raise_for_status()
+            if not firing.json():
+                return
+            time.sleep(0.2)
 
 
 def _breach_report(url: str, token: str, incidents: list[dict[str, Any]], out: Path) -> Path | None:
@@ -198,7 +250,13 @@ def _report(
 ) -> dict[str, Any]:
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
         deployments = c.get("/v1/deployments").raise_for_status().json()
-        requests = c.get("/v1/requests", params={"limit": 1000}).raise_for_status().json()
+        requests = [
+            r
+            for rp in replays
+            for r in c.get("/v1/requests", params={"deployment_id": rp.deployment, "limit": 1000})
+            .raise_for_status()
+            .json()["items"]
+        ]
         stale = (
             c.get("/v1/page-events", params={"kind": "page.stale_read", "limit": 1000})
             .raise_for_status()
@@ -207,7 +265,6 @@ def _report(
         probes = c.get("/v1/probes").raise_for_status().json()
         alerts = c.get("/v1/alerts", params={"limit": 1000}).raise_for_status().json()
         incidents = c.get("/v1/incidents").raise_for_status().json()
-    requests = requests["items"]
 
     t = Table(title="Engines: advertised context against each KV pool")
     for col in ("deployment", "node", "advertised", "pool", "pool/advertised"):
@@ -256,15 +313,19 @@ def _report(
     for (dep, rid, reader, exposed, prev), pages in sorted(by_pair.items()):
         t.add_row(dep, rid, reader, f"[red]{exposed}[/]", prev, str(pages))
     console.print(t)
+    # Two columns, so that at 80 columns rule names stay whole and the summary still wraps
     t = Table(title="Alerts the default rule pack raised")
-    for col in ("deployment", "rule", "severity", "state", "summary"):
-        t.add_column(col)
-    for a in sorted(alerts, key=lambda a: (a["deployment_id"] or "", a["rule"])):
+    t.add_column("alert", no_wrap=True)
+    t.add_column("summary")
+    # an alert that never fired (pending, then its condition went away) raised nothing
+    raised = [a for a in alerts if a["state"] != "resolved" or a.get("fired_at")]
+    for a in sorted(raised, key=lambda a: (a["deployment_id"] or "", a["rule"])):
         style = "red" if a["severity"] == "critical" else "yellow"
         t.add_row(
-            a["deployment_id"] or "", a["rule"], f"[{style}]{a['severity']}[/]", a["state"],
-            a["annotations"].get("summary", "")[:90],
-        )  # fmt: skip
+            f"[bold]{a['rule']}[/]\n{a['deployment_id'] or ''}\n[{style}]{a['severity']}[/] "
+            f"{a['state']}",
+            a["annotations"].get("summary", ""),
+        )
     console.print(t)
     for inc in incidents:
         console.print(

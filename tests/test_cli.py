@@ -75,10 +75,28 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
         dump = "\n".join(conn.iterdump())
     assert "merger with Initech" not in dump  # a tenant's prompt text is stored nowhere
     assert "kvwatch serve" in r.stdout or " serve" in r.stdout
+    # a day of a healthy deployment's synthetic traffic, labelled so, whose alerts resolved
+    synthetic = summary["synthetic"]
+    assert synthetic["label"].startswith("synthetic") and synthetic["requests"] > 5000
+    assert synthetic["deployment"] not in fired
+    assert synthetic["deployment"] in r.stdout
     # a second run replaces the first instead of piling onto it
-    assert kvwatch("demo", "--dir", str(out)).returncode == 0
+    (out / "breach-rpt_previous.pdf").write_bytes(b"%PDF-1.4 an earlier run's")
+    again = kvwatch("demo", "--dir", str(out))
+    assert again.returncode == 0
+    second = json.loads((out / "summary.json").read_text())
     with sqlite3.connect(out / "kvwatch.db") as conn:
-        assert conn.execute("SELECT count(*) FROM requests").fetchone() == (12,)
+        per_deployment = dict(
+            conn.execute("SELECT deployment_id, count(*) FROM requests GROUP BY deployment_id")
+        )
+    assert per_deployment == {
+        legacy["deployment"]: 6,
+        hardened["deployment"]: 6,
+        synthetic["deployment"]: second["synthetic"]["requests"],
+    }
+    assert [p.name for p in out.glob("breach-*.pdf")] == [
+        Path(second["artefacts"]["breach_report_pdf"]).name
+    ]
 
 
 def test_tokens_create_prints_the_token_alone_on_the_last_line(tmp_path: Path) -> None:

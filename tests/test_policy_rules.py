@@ -74,7 +74,7 @@ def test_context_pressure_against_the_unverified_bound_then_the_verified_one(env
     assert warn["labels"]["model_id"] == "glm-5.3"
     assert warn["labels"]["route"] == "/v1/chat/completions"
     assert warn["value"] == pytest.approx(600_000 / 681_280, abs=1e-4)
-    assert "681280" in warn["annotations"]["summary"]
+    assert "681,280 tokens" in warn["annotations"]["summary"]
 
     # A verification measured under these settings sets the bound instead.
     r = env.ingest.post(

@@ -100,9 +100,10 @@ class ContextPressure(RuleKind):
                 occurred_at=max(at for _, _, at in sized),
                 annotations={
                     "summary": (
-                        f"{len(sizes)} prompt(s) to {model} on route {route_label} reached "
-                        f"{top / safe:.0%} of the {what} of {safe} tokens "
-                        f"(largest {top} tokens)"
+                        f"{len(sizes)} prompt(s) to {model}"
+                        + (f" on route {route_label}" if route_label != "none" else "")
+                        + f" reached {top / safe:.0%} of the {what} of {safe:,} tokens "
+                        f"(largest {top:,} tokens)"
                     ),
                     "safe_context_tokens": str(safe),
                     "max_prompt_tokens": str(top),
