@@ -194,11 +194,14 @@ def zoomed(
     window: tuple[datetime, datetime],
     fetch: Callable[[datetime, datetime], Any],
     items: Callable[[Any], list[Any]],
+    first: Any = None,
 ) -> tuple[tuple[datetime, datetime] | None, Any]:
-    """``fetch(since, until)`` over the window, then again over the window around its data
-    while that narrows it (coarse buckets first: an hour's rollup, then five minutes...).
-    Returns (the zoomed window or None, the last document fetched)."""
-    doc = fetch(*window)
+    """``fetch(since, until)`` over the window (or ``first``, that fetch's result already at
+    hand), then again over the window around its data while that narrows it (coarse buckets
+    first: an hour's rollup, then five minutes...). Returns (the zoomed window or None, the
+    last document fetched). A page with one chart per deployment or model zooms each chart on
+    its own: a minute of one deployment's events beside another's day is still a line."""
+    doc = fetch(*window) if first is None else first
     zoom: tuple[datetime, datetime] | None = None
     for _ in range(3):
         z = fit(window, *buckets_extent(items(doc), doc["bucket_seconds"]))

@@ -3,6 +3,7 @@ verified safe context, over time, and the requests nearest the threshold."""
 
 from __future__ import annotations
 
+import functools
 from datetime import datetime
 
 import pandas as pd
@@ -80,6 +81,14 @@ def nearest_frame(items: list[JSON]) -> pd.DataFrame:
     )
 
 
+def _stats_of(
+    c: CollectorClient, model: str, deployment: str | None, since: datetime, until: datetime
+) -> JSON:
+    return c.prompt_stats(
+        since=since, until=until, model_id=model, deployment_id=deployment, max_points=200
+    )
+
+
 def model_section(
     model: str,
     series: list[JSON],
@@ -143,18 +152,7 @@ def render(c: CollectorClient) -> None:
         )
 
     lines = {t["model_id"]: t for t in stats["thresholds"]}
-    # The charts zoom to the data, in finer buckets; the figures stay the window's.
-    zoomed, chart_stats = ui.zoomed(
-        (since, until),
-        lambda lo, hi: (
-            stats
-            if (lo, hi) == (since, until)
-            else c.prompt_stats(since=lo, until=hi, deployment_id=deployment, max_points=200)
-        ),
-        lambda doc: doc["series"],
-    )
-    chart_window = zoomed or (since, until)
-    series = [s for s in chart_stats["series"] if keep(s)]
+    series = [s for s in stats["series"] if keep(s)]
     summary = [r for r in stats["routes"] if keep(r)]
     a, b, cc, d = st.columns(4)
     a.metric("Requests", f"{sum(r['requests'] for r in summary):,}")
@@ -168,17 +166,24 @@ def render(c: CollectorClient) -> None:
     )
     d.metric("At or above 100%", f"{sum(r['at_or_above_critical'] or 0 for r in summary):,}")
     for m in sorted({s["model_id"] for s in series if s["model_id"] is not None}):
-        hist = [h for h in stats["histogram"] if h["model_id"] == m]
+        # Each model's chart zooms to its own data, in finer buckets; the figures stay the
+        # window's.
+        zoomed, own = ui.zoomed(
+            (since, until),
+            functools.partial(_stats_of, c, m, deployment),
+            lambda doc: doc["series"],
+            first={**stats, "series": [s for s in series if s["model_id"] == m]},
+        )
         model_section(
             m,
-            [s for s in series if s["model_id"] == m],
-            hist,
+            [s for s in own["series"] if keep(s) and s["model_id"] == m],
+            [h for h in stats["histogram"] if h["model_id"] == m],
             lines.get(m),
-            chart_window,
-            chart_stats["bucket_seconds"],
+            zoomed or (since, until),
+            own["bucket_seconds"],
         )
-    if zoomed is not None:
-        ui.zoom_caption(zoomed)
+        if zoomed is not None:
+            ui.zoom_caption(zoomed)
 
     st.subheader("Per model and route")
     st.dataframe(

@@ -3,6 +3,9 @@ transfers, and every stale read with the tenants on both sides."""
 
 from __future__ import annotations
 
+import functools
+from datetime import datetime
+
 import pandas as pd
 import streamlit as st
 
@@ -86,13 +89,7 @@ def stale_frame(items: list[JSON]) -> pd.DataFrame:
 def occupancy(c: CollectorClient, deployment: str | None) -> None:
     since, until = ui.window()
     st.subheader("KV pool occupancy")
-    zoomed, pool = ui.zoomed(
-        (since, until),
-        lambda lo, hi: c.pool_samples(since=lo, until=hi, deployment_id=deployment, max_points=200),
-        lambda doc: doc["items"],
-    )
-    if zoomed is not None:
-        since, until = zoomed
+    pool = c.pool_samples(since=since, until=until, deployment_id=deployment, max_points=200)
     if not pool["items"]:
         st.info(
             f"**No pool samples in the {ui.window_label()}.** Probes report `pool.sample` "
@@ -101,10 +98,21 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
         )
         return
     df = occupancy_frame(pool["items"])
-    for dep, part in df.groupby("deployment_id", sort=True):
+    for dep in sorted(df["deployment_id"].unique()):
+        own = {**pool, "items": [x for x in pool["items"] if x["deployment_id"] == dep]}
+        zoomed, doc = ui.zoomed(
+            (since, until),
+            functools.partial(_pool_of, c, dep),
+            lambda d: d["items"],
+            first=own,
+        )
         st.markdown(f"**{dep}**: tokens in use per node (line), capacity (dashed)")
-        chart = charts.pool_occupancy(part, (since, until), pool["bucket_seconds"])
+        chart = charts.pool_occupancy(
+            occupancy_frame(doc["items"]), zoomed or (since, until), doc["bucket_seconds"]
+        )
         st.altair_chart(chart, width="stretch")
+        if zoomed is not None:
+            ui.zoom_caption(zoomed)
     st.dataframe(
         peaks_frame(df),
         hide_index=True,
@@ -118,9 +126,14 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
             ),
         },
     )
-    st.caption(f"{pool['bucket_seconds']:g}-second buckets: the mean and the max of each.")
-    if zoomed is not None:
-        ui.zoom_caption(zoomed)
+    st.caption(
+        f"{ui.window_label().capitalize()}, {pool['bucket_seconds']:g}-second buckets: the "
+        "mean and the max of each."
+    )
+
+
+def _pool_of(c: CollectorClient, dep: str, since: datetime, until: datetime) -> JSON:
+    return c.pool_samples(since=since, until=until, deployment_id=dep, max_points=200)
 
 
 def page_activity(c: CollectorClient, deployment: str | None) -> None:
