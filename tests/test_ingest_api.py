@@ -105,6 +105,15 @@ def test_request_events_merge_across_batches_in_any_order(collector: Collector) 
     assert row["first_ts"] < row["last_ts"]
 
 
+def test_the_limit_a_finished_request_was_held_to_is_stored(collector: Collector) -> None:
+    """A gateway's request.finished carries the safe context it guarded the prompt with;
+    the request row keeps it, as it keeps a rejection's."""
+    post(collector, [f.finished(1, "r-guarded", "acme", 8, limit_tokens=2048, prompt_tokens=16)])
+    with collector.client(collector.admin) as c:
+        (row,) = c.get("/v1/requests").json()["items"]
+    assert (row["limit_tokens"], row["prompt_tokens"]) == (2048, 16)
+
+
 def test_shared_prompts_are_stored_and_never_cleared(collector: Collector) -> None:
     """vLLM's n=3 fan-out: children 1 and 2 name child 0. The admission sets the column;
     finishes, which never carry it, leave it alone whichever batch lands first, in one batch
