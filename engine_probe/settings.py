@@ -65,9 +65,19 @@ class ProducerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
 
-    collector_url: str | None = None
-    ingest_token: str | None = Field(default=None, repr=False)
-    deployment_id: str = "default"
+    collector_url: str | None = Field(
+        default=None,
+        description="The collector's root URL, where events go; unset: the probe is a no-op "
+        "(nothing is recorded, nothing sent).",
+    )
+    ingest_token: str | None = Field(
+        default=None,
+        repr=False,
+        description="The ingest bearer token (kvwatch tokens create --kind ingest).",
+    )
+    deployment_id: str = Field(
+        default="default", description="The deployment the events belong to."
+    )
 
     @field_validator("collector_url", "ingest_token", mode="before")
     @classmethod
@@ -117,16 +127,42 @@ class ProbeSettings(ProducerSettings):
         description="Root of this probe's ids (default: the host name). Each process appends "
         "'-{pid}-{6 random hex}', so one root may serve any number of processes and restarts.",
     )
-    probe_spool_dir: Path | None = None
-    probe_buffer_size: int = Field(default=65536, ge=1, le=1 << 26)
-    probe_batch_size: int = Field(default=2000, ge=1)
-    probe_flush_interval_s: float = Field(default=0.5, gt=0, le=3600)
-    probe_max_spool_bytes: int = Field(default=GIB, ge=1)
-    probe_request_timeout_s: float = Field(default=10.0, gt=0, le=3600)
-    probe_backoff_base_s: float = Field(default=0.2, gt=0)
-    probe_backoff_max_s: float = Field(default=30.0, gt=0)
-    probe_max_attempts: int = Field(default=8, ge=1, le=1_000_000)
-    probe_atexit_timeout_s: float = Field(default=2.0, ge=0, le=600)
+    probe_spool_dir: Path | None = Field(
+        default=None,
+        description="Where batches wait while the collector is down, replayed in order "
+        "(unset: memory only).",
+    )
+    probe_buffer_size: int = Field(
+        default=65536,
+        ge=1,
+        le=1 << 26,
+        description="Events held in memory; beyond it new events are dropped and counted.",
+    )
+    probe_batch_size: int = Field(default=2000, ge=1, description="Events per POST.")
+    probe_flush_interval_s: float = Field(
+        default=0.5, gt=0, le=3600, description="Longest wait before a partial batch is sent."
+    )
+    probe_max_spool_bytes: int = Field(
+        default=GIB, ge=1, description="Spool cap; beyond it batches are dropped and counted."
+    )
+    probe_request_timeout_s: float = Field(
+        default=10.0, gt=0, le=3600, description="HTTP timeout of one POST."
+    )
+    probe_backoff_base_s: float = Field(
+        default=0.2, gt=0, description="First retry delay (exponential backoff, full jitter)."
+    )
+    probe_backoff_max_s: float = Field(default=30.0, gt=0, description="Longest retry delay.")
+    probe_max_attempts: int = Field(
+        default=8,
+        ge=1,
+        le=1_000_000,
+        description="How often the collector may refuse one batch (403, 404, 500, ...) before "
+        "it goes to <spool>/rejected/ and counts as dropped; connection errors, timeouts, 401, "
+        "429, 502, 503 and 504 are retried forever.",
+    )
+    probe_atexit_timeout_s: float = Field(
+        default=2.0, ge=0, le=600, description="How long interpreter exit waits to flush."
+    )
 
     @field_validator("probe_id", "probe_spool_dir", mode="before")
     @classmethod

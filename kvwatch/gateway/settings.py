@@ -107,7 +107,9 @@ class GatewaySettings(BaseSettings):
         "'role: content' lines: byte-level engines such as refengine) or 'estimate' (UTF-8 "
         "bytes of the prompt, of the messages' JSON for chat: an over-estimate).",
     )
-    gateway_connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    gateway_connect_timeout_s: float = Field(
+        default=5.0, gt=0, le=600, description="Timeout of connecting to the upstream."
+    )
     gateway_timeout_s: float = Field(
         default=600.0,
         gt=0,
@@ -115,13 +117,25 @@ class GatewaySettings(BaseSettings):
         description="Longest wait for the upstream's next bytes (the answer's start, or the "
         "next chunk of a stream); past it the client gets a 504.",
     )
-    gateway_tokenize_timeout_s: float = Field(default=10.0, gt=0, le=600)
-    gateway_max_body_bytes: int = Field(default=64 << 20, ge=1024)
+    gateway_tokenize_timeout_s: float = Field(
+        default=10.0, gt=0, le=600, description="Timeout of one POST /tokenize to the upstream."
+    )
+    gateway_max_body_bytes: int = Field(
+        default=64 << 20,
+        ge=1024,
+        description="Largest client request body, in bytes; over it: 413.",
+    )
     gateway_verification_refresh_s: float = Field(
         default=60.0, gt=0, le=86400, description="How often verifications are read again."
     )
-    collector_url: str | None = None
-    ingest_token: str | None = Field(default=None, repr=False)
+    collector_url: str | None = Field(
+        default=None,
+        description="The collector the gateway reads the deployment's verifications from and "
+        "sends its records to.",
+    )
+    ingest_token: str | None = Field(
+        default=None, repr=False, description="The ingest token it reads and sends with."
+    )
     deployment_id: str | None = Field(
         default=None,
         description="The deployment whose verified safe contexts the collector holds (and the "
