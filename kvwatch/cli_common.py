@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 err = Console(stderr=True, soft_wrap=True)  # a long path is not broken across lines
 
-# Every command's exit code when it could not run (README, "Exit codes and --debug").
+# Every command's exit code when it could not run (docs/using.md, "Exit codes and --debug").
 EXIT_COULD_NOT_RUN = 2
 
 DEBUG = "kvwatch.debug"  # key in the root context's meta: --debug was given

@@ -1,4 +1,4 @@
-"""Every benchmark runs as a file and as a module, as the README shows both
+"""Every benchmark runs as a file and as a module, as docs/benchmarks.md shows both
 (``python bench/ingest.py --quick`` once failed with "No module named 'bench'")."""
 
 from __future__ import annotations

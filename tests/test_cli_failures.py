@@ -23,7 +23,7 @@ from tests.conftest import PG_ADMIN_URL, Collector, pg_available
 pytestmark = pytest.mark.slow
 
 PASSWORD = "hunter2-not-for-eyes"
-EXIT_COULD_NOT_RUN = 2  # README, "Exit codes"
+EXIT_COULD_NOT_RUN = 2  # docs/using.md, "Exit codes"
 
 
 def kvwatch(*args: str, url: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

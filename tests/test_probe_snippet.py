@@ -1,4 +1,4 @@
-"""The README's probe snippet, run as written against a real collector: with a wrong token or
+"""docs/using.md's probe snippet, run as written against a real collector: with a wrong token or
 a URL that is no collector it says so once as an ERROR naming the setting, and the snippet's
 check of ``shutdown()`` makes it fail instead of exiting 0 with the event gone (issue 21,
 item 5); with the right settings it stores the event."""
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _snippet() -> str:
-    readme = (ROOT / "README.md").read_text()
-    after = readme.split("needs two settings and one call:", 1)[1]
+    page = (ROOT / "docs" / "using.md").read_text()
+    after = page.split("needs two settings and one call:", 1)[1]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)  # type: ignore[union-attr]
 
 
@@ -36,7 +36,7 @@ def _run(url: str, token: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the backend plays no part
-def test_the_readme_probe_snippet_fails_loudly_on_configuration_errors(
+def test_the_documented_probe_snippet_fails_loudly_on_configuration_errors(
     collector: Collector,
 ) -> None:
     wrong_token = _run(collector.url, "kvw_ingest_not-a-real-token")

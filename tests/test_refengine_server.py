@@ -490,7 +490,7 @@ def test_cli_engine_serve_answers_and_stops() -> None:
     assert "hardened disaggregated" in out
 
 
-#: the README's engine example: the incident's sizing, two tenants
+#: docs/using.md's engine example: the incident's sizing, two tenants
 README_ENGINE = (
     "--mode", "legacy", "--topology", "disaggregated", "--advertised-context", "8192",
     "--pool-tokens", "2048", "--decode-pool-tokens", "8192",

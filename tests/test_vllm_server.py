@@ -432,8 +432,8 @@ def test_a_seeded_random_mix_is_reported_exactly(
         if status == "completed" and got == ("length", want[1], job["max_tokens"]):
             # A second known gap: the engine core reached max_tokens before the front end's
             # stop abort arrived (it detects stop strings steps behind): the engine core
-            # ended the request as length with every token it generated (README, "Probing
-            # vLLM"). Nothing else is allowed.
+            # ended the request as length with every token it generated (docs/vllm.md,
+            # "Aborts and stop strings"). Nothing else is allowed.
             continue
         assert got == want, (seed, job["what"], job["max_tokens"], got, want)
     for t in tenants:

@@ -4,7 +4,7 @@ A bounded number of requests of synthetic text only: prompts grow geometrically 
 rejection point and are bisected there; every refusal must be clean (a 4xx in OpenAI's
 error shape, no completion text); then each tenant plants random canaries while the others
 send prompts near and over the limit under background load, and any canary in another
-tenant's answer is a leak. The README's "Verifying an endpoint" shows it used.
+tenant's answer is a leak. docs/verify.md shows it used.
 
 Modules: ``canaries`` (prompt text, canaries, leak matcher), ``client`` (HTTP and outcome
 classification), ``session`` (budget, records, findings, calibration), ``sweep`` (growth
