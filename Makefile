@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# The CPU build of torch. A GPU user overrides it (see README, "GPU"), e.g.
+# The CPU build of torch. A GPU user overrides it (see docs/gpu.md), e.g.
 #   make setup TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 TORCH           ?= torch==2.13.0
 TORCH_INDEX_URL ?=
@@ -13,14 +13,14 @@ RUNTIME := $(VENV)/.kvwatch-runtime
 ENGINES := vllm sglang
 ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 
-.PHONY: runtime setup engines demo test pytest pytest-engines lint clean
+.PHONY: runtime setup engines demo test pytest pytest-engines lint docs docs-config clean
 
 # What the demo needs: torch's CPU wheel and kvwatch with its runtime dependencies. Each
 # step says what it installs (pip itself stays quiet).
 $(RUNTIME): pyproject.toml Makefile
 	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
-	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see README, GPU, for CUDA)"
+	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see docs/gpu.md for CUDA)"
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	@echo "==> [3/3] installing kvwatch and its runtime dependencies"
 	# flock: the engine venvs install this checkout editable too, maybe at the same time
@@ -63,10 +63,18 @@ pytest: setup engines
 pytest-engines: engines
 	$(foreach e,$(ENGINES),.venv-$(e)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$(e) &&) true
 
-lint: setup
+lint: setup docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The documentation site (mkdocs.yml): --strict fails on a broken link or anchor, or a page
+# missing from the nav. docs/configuration.md is generated from the settings classes.
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-config: setup
+	$(BIN)/python -m kvwatch.docs_config > docs/configuration.md
+
 clean:
-	rm -rf $(VENV) $(ENGINES:%=.venv-%) $(DEMO_DIR) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(ENGINES:%=.venv-%) $(DEMO_DIR) site .pytest_cache .mypy_cache .ruff_cache *.egg-info
