@@ -268,7 +268,8 @@ def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> No
     t = type(e)
     if t is ev.RequestFinished:
         new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
-               e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts, None]  # fmt: skip
+               e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts,
+               None]  # fmt: skip
     else:
         cats = e.data_categories
         cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
