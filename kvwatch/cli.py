@@ -18,6 +18,7 @@ from kvwatch.cli_common import (
     err,
     probe_settings_or_exit,
     redacted,
+    stop_cleanly_on_sigterm,
 )
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
@@ -110,6 +111,7 @@ def serve(
         os.environ["KVWATCH_DATABASE_URL"] = settings.database_url
         os.environ["KVWATCH_AUTO_MIGRATE"] = "false"
         app_or_path = "kvwatch.embedded:collector_app"
+    stop_cleanly_on_sigterm()
     uvicorn.run(
         app_or_path,  # type: ignore[arg-type]
         factory=n > 1,
@@ -330,6 +332,7 @@ def engine_serve(
             "[yellow]not reporting:[/] KVWATCH_COLLECTOR_URL is not set, so this engine's "
             "requests, pools and stale reads go nowhere (set it and KVWATCH_INGEST_TOKEN)"
         )
+    stop_cleanly_on_sigterm()
     try:
         uvicorn.run(fastapi_app, host=host, port=port, log_level="info", access_log=False)
     finally:

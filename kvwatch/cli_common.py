@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -427,3 +428,16 @@ def probe_settings_or_exit(**overrides: Any) -> ProbeSettings:
         for e in exc.errors():
             err.print(f"[red]error:[/] KVWATCH_{str(e['loc'][0]).upper()}: {e['msg']}")
         raise typer.Exit(2) from None
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """A server stopped with SIGTERM (``kill``, systemd, Kubernetes) that shut down gracefully
+    did what it was asked: exit 0, after the ``finally`` blocks that flush its probe. Uvicorn
+    handles the signal, shuts down, then raises it again for the handler it found installed;
+    with the default one the process dies by it (143, which a shell's ``wait`` under ``set -e``
+    reads as a failure) before anything after ``uvicorn.run`` runs."""
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit)

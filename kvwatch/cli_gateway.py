@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvwatch.cli_common import err, probe_settings_or_exit
+from kvwatch.cli_common import err, probe_settings_or_exit, stop_cleanly_on_sigterm
 
 if TYPE_CHECKING:
     from kvwatch.gateway import GatewaySettings
@@ -177,6 +177,7 @@ def gateway(
         f"kvwatch gateway on http://{settings.gateway_host}:{settings.gateway_port}/v1 -> "
         + "; ".join(f"{k}: {v}" for k, v in info.items())
     )
+    stop_cleanly_on_sigterm()
     try:
         uvicorn.run(
             create_app(settings),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -483,8 +482,9 @@ def test_cli_engine_serve_answers_and_stops() -> None:
     finally:
         proc.terminate()
         out = proc.communicate(timeout=20)[0]
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal it caught.
-    assert proc.returncode in (0, -signal.SIGTERM), out
+    # SIGTERM is how a service is stopped: after its graceful shutdown it exits 0, so a
+    # shell's `kill $ENGINE; wait $ENGINE` (the docs' way) succeeds under `set -e`
+    assert proc.returncode == 0, out
     assert "Application shutdown complete" in out
     assert "k1" not in out  # the key is never printed
     assert "hardened disaggregated" in out

@@ -75,6 +75,7 @@ def test_two_worker_processes_share_one_sqlite_file(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+    assert proc.returncode == 0  # stopped as a service is: a graceful shutdown, exit 0
     engine = create_engine(db_url)
     with engine.connect() as conn:
         assert (
