@@ -18,6 +18,11 @@ from kvwatch.embedded import free_port, serve_in_thread
 
 __all__ = ["free_port"]
 
+# What the CLI prints is read by tests at a wide terminal's width: pytest hands its children
+# COLUMNS=80, where kvwatch's tables fold long names onto several lines (a test of the narrow
+# layout passes its own COLUMNS: tests/test_cli_tables.py, tests/test_cli_help.py).
+os.environ["COLUMNS"] = "200"
+
 PG_ADMIN_URL = os.environ.get("KVWATCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -205,11 +204,7 @@ def test_cli_check_and_list(tmp_path: Path) -> None:
     good = write(tmp_path, GOOD)
     bad = write(tmp_path, "pack: x\nrules:\n  - name: a\n    kind: nope\n", "bad.yaml")
     run = [sys.executable, "-m", "kvwatch.cli", "policies"]
-    # pytest sets COLUMNS=80 for its children; a table of seven columns folds names there
-    wide = {**os.environ, "COLUMNS": "200"}
-    ok = subprocess.run(
-        [*run, "check", str(good)], capture_output=True, text=True, timeout=60, env=wide
-    )
+    ok = subprocess.run([*run, "check", str(good)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert "acme_pressure" in ok.stdout and "valid" in ok.stderr
     no = subprocess.run([*run, "check", str(bad)], capture_output=True, text=True, timeout=60)
@@ -224,11 +219,7 @@ def test_cli_check_and_list(tmp_path: Path) -> None:
     assert listed.returncode == 1 and "not a directory" in listed.stderr
     bad.unlink()
     listed = subprocess.run(
-        [*run, "list", "--packs-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=wide,
+        [*run, "list", "--packs-dir", str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert listed.returncode == 0 and "acme_pressure" in listed.stdout
 

@@ -44,7 +44,6 @@ def test_the_incident_by_hand_runs_as_written(tmp_path: Path) -> None:
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
     env["PYTHONUNBUFFERED"] = "1"
-    env["COLUMNS"] = "160"  # a reader's terminal (pytest hands its children 80)
     r = subprocess.run(
         ["bash", "-c", _script()],
         cwd=tmp_path,

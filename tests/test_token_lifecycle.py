@@ -27,9 +27,7 @@ from tests.probe_helpers import exporter_threads, wait_for
 
 
 def _cli(db_url: str, *args: str) -> Any:
-    # a wide terminal: at pytest's COLUMNS=80 the eight columns of `tokens list` fold names
-    # (tests/test_cli_tables.py checks that narrow layout)
-    return CliRunner().invoke(cli, [*args, "--database-url", db_url], env={"COLUMNS": "200"})
+    return CliRunner().invoke(cli, [*args, "--database-url", db_url])
 
 
 def _audit(db_url: str) -> list[tuple[str, str]]:
