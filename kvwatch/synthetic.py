@@ -37,8 +37,8 @@ PAGE = 16
 TENANTS = {"acme": 0.3, "globex": 0.25, "initech": 0.2, "umbrella": 0.15, "hooli": 0.1}
 ROUTES = {"/v1/chat/completions": 0.75, "/v1/completions": 0.25}
 # requests per minute: quiet at 04:00 UTC, busiest at 16:00
-TROUGH_PER_MIN = 3.0
-PEAK_PER_MIN = 24.0
+TROUGH_PER_MIN = 2.0
+PEAK_PER_MIN = 14.0
 # the context-pressure episode, in hours after the day's start
 EPISODE = (14.0, 15.5)
 EPISODE_TENANT = "initech"
