@@ -164,17 +164,22 @@ ZOOM_MARGIN = timedelta(seconds=1)
 
 
 def fit(
-    window: tuple[datetime, datetime], first: datetime | None, last: datetime | None
+    window: tuple[datetime, datetime],
+    first: datetime | None,
+    last: datetime | None,
+    resolution: timedelta = timedelta(0),
 ) -> tuple[datetime, datetime] | None:
     """The window around the data, when the data (``first`` to ``last``) covers less than
     1/``ZOOM_BELOW`` of the sidebar's window and zooming is on: a minute of events in a day's
-    window is otherwise one dot. A margin of a tenth of the data's span (at least a second)
-    each side, inside the window. None: keep the window."""
+    window is otherwise one dot. ``resolution``: how much of that span the buckets add (a
+    minute across an hour's boundary is two hourly buckets, yet a minute). A margin of a
+    tenth of the data's span (at least a second) each side, inside the window. None: keep
+    the window."""
     if first is None or last is None or not st.session_state.get("zoom", True):
         return None
     lo, hi = window
     span = max(last - first, timedelta(0))
-    if span * ZOOM_BELOW >= hi - lo:
+    if max(span - resolution, timedelta(0)) * ZOOM_BELOW >= hi - lo:
         return None
     margin = max(span / 10, ZOOM_MARGIN)
     return max(lo, first - margin), min(hi, last + margin)
@@ -204,7 +209,8 @@ def zoomed(
     doc = fetch(*window) if first is None else first
     zoom: tuple[datetime, datetime] | None = None
     for _ in range(3):
-        z = fit(window, *buckets_extent(items(doc), doc["bucket_seconds"]))
+        width = doc["bucket_seconds"]
+        z = fit(window, *buckets_extent(items(doc), width), timedelta(seconds=width))
         if z is None or z == zoom:
             break
         zoom, doc = z, fetch(*z)

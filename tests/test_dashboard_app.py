@@ -491,7 +491,7 @@ def test_incident_view_for_the_person_on_call(env: pytest.MonkeyPatch, seeded: h
 
 @pytest.fixture(scope="module")
 def burst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, datetime]]:
-    """A real collector whose only traffic is one minute, three hours ago (as after the
+    """A real collector whose only traffic is one minute, about three hours ago (as after the
     demo): a pool sampled every second, requests, page events."""
     from collector import migrate
     from collector.app import create_app
@@ -504,7 +504,9 @@ def burst(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, 
     settings = Settings(
         database_url=db_url, auto_migrate=False, rollup_interval_s=0.2, notify_enabled=False
     )
-    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=3)
+    # the minute straddles an hour's boundary: two hourly buckets, still a minute of data
+    hour = (datetime.now(UTC) - timedelta(hours=3)).replace(minute=0, second=0, microsecond=0)
+    start = hour - timedelta(seconds=30)
     events: list[Any] = [f.config(1, ts=start)]
     for i in range(60):
         at = start + timedelta(seconds=i)

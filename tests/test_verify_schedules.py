@@ -118,7 +118,12 @@ def test_a_schedule_runs_records_alerts_and_reruns_on_drift(
         (first,) = _wait("the first scheduled run", verifications)
         assert first["created_by"] == f"schedule:{sid}" and first["result"] == "fail"
         assert first["evidence"]["trigger"] == "added" and first["evidence"]["leaks"] > 0
-        alerts = admin.get("/v1/alerts", params={"rule": "verification_failed"}).json()
+        # evaluated at once, or by the timer's pass that held the lock then, or the next one
+        alerts = _wait(
+            "the verification_failed alert",
+            lambda: admin.get("/v1/alerts", params={"rule": "verification_failed"}).json(),
+            timeout_s=40,
+        )
         assert [(a["deployment_id"], a["state"]) for a in alerts] == [(deployment, "firing")]
 
         # the deployment's engine changes version: config_drift, then a run at once
