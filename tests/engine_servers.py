@@ -489,6 +489,10 @@ def _sglang_command(
         str(free_port()),
         "--device",
         "cpu",
+        # An idle SGLang scheduler otherwise spins a core at 100% for as long as the server
+        # lives (the session-scoped one: the rest of a worker's run), halving the other tests'
+        # share of a 2-core machine; this sleeps on its sockets until a request comes.
+        "--sleep-on-idle",
         # SGLang's plain-PyTorch paths (no sgl-kernel, no CUDA graphs, no grammar)
         "--attention-backend",
         "torch_native",
