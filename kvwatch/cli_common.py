@@ -355,9 +355,13 @@ def _kvwatch_options_panels() -> Iterator[None]:
         rich_utils._print_options_panel = typers
 
 
-class KvwatchCommand(TyperCommand):
-    """A kvwatch command: its help laid out to fit (see ``_options_panel``), and a one-line
-    short help (its help's first sentence) for its group's list."""
+class _KvwatchHelp:
+    """What kvwatch's commands and groups share: their help laid out to fit (see
+    ``_options_panel``), and a one-line short help (their help's first sentence) for the
+    group's list."""
+
+    short_help: str | None
+    help: str | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -365,19 +369,15 @@ class KvwatchCommand(TyperCommand):
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         with _kvwatch_options_panels():
-            super().format_help(ctx, formatter)
+            super().format_help(ctx, formatter)  # type: ignore[misc]
 
 
-class KvwatchSubgroup(TyperGroup):
-    """A group of kvwatch commands: help as :class:`KvwatchCommand`'s."""
+class KvwatchCommand(_KvwatchHelp, TyperCommand):
+    """A kvwatch command."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.short_help = self.short_help or _short_help(self.help)
 
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        with _kvwatch_options_panels():
-            super().format_help(ctx, formatter)
+class KvwatchSubgroup(_KvwatchHelp, TyperGroup):
+    """A group of kvwatch commands."""
 
 
 class KvwatchTyper(typer.Typer):
