@@ -405,3 +405,14 @@ def test_audit_verify_warns_on_a_bare_copy_of_a_live_sqlite_file(
     assert "WAL mode with no copy.db-wal" in res.output, res.output
     res = cli("audit", "verify", "--database-url", collector.db_url)
     assert res.exit_code == 0 and "warning" not in res.output
+
+
+def test_a_limits_card_keeps_a_long_model_id_inside_the_page(collector: Collector) -> None:
+    """Model ids run to 256 characters (a hub path with quantisation and revision in it): the
+    card's heading wraps instead of running off the page."""
+    model = "neuralmagic/Meta-Llama-3.1-405B-Instruct-quantized.w8a8-FP8-dynamic-" + "x" * 150
+    send(collector, f.config(1, model_id=model))
+    with collector.client(collector.admin) as h:
+        r = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "pdf"})
+    assert r.status_code == 200, r.text
+    assert_renders(r.content)

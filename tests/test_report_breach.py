@@ -30,6 +30,7 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.breach import BreachScope, BreachService, evidence_digest
+from collector.reports.breach_pdf import render_pdf
 from collector.settings import Settings
 from engine_probe import events as ev
 from kvwatch.cli import app as cli
@@ -400,6 +401,9 @@ def test_a_data_map_declares_what_tags_do_not(collector: Collector, tmp_path: Pa
         assert report["art34"]["verdict"] == "yes" and "health" in report["art34"]["reasons"][0]
         subjects = {x["key"]: x for x in report["checklist"]}["subjects"]["value"]
         assert subjects.startswith("1,200 (declared in the data map")
+        text = _pdf_checks(render_pdf(report), report)
+        assert re.search(r"Data subjects\s*1,200 \(declared in the data map", text), text[:3000]
+        assert re.search(r"Art. 34 high risk\s*yes", text)
 
         datamap.write_text("entries:\n  - categories: [x]\n    colour: red\n")
         with pytest.raises(InvalidInput) as bad:
@@ -581,7 +585,15 @@ def test_the_pdf_wraps_at_word_boundaries_and_explains_its_figures(
         rid = created.json()["report_id"]
         report = admin.get(f"/v1/reports/{rid}").json()
         pdf = admin.get(f"/v1/reports/{rid}", params={"format": "pdf"}).content
+        notices = [
+            admin.get(f"/v1/incidents/{inc['id']}/notice", params={"tenant": t, "format": "pdf"})
+            for t in (reader, victim)
+        ]
     (tmp_path / "long-names.pdf").write_bytes(pdf)  # for a person to look at
+    assert_renders(pdf)  # nothing runs past a margin
+    for notice in notices:
+        assert notice.status_code == 200, notice.text
+        assert_renders(notice.content)
     _pdf_checks(pdf, report)
     lines = [
         line

@@ -46,7 +46,8 @@ SUMMARY_NOTES = [
     (
         "Data subjects",
         "the persons the exposed prompts concern: kvwatch stores no prompt text and cannot "
-        "count them; the exposed tenant (the controller) can.",
+        "count them; the exposed tenant (the controller) can. A number is shown only where "
+        "the data map declares one for every exposed request.",
     ),
     (
         "Special categories",
@@ -58,6 +59,15 @@ SUMMARY_NOTES = [
         "when the incident was opened (the operator's awareness), and 72 hours later.",
     ),
 ]
+
+
+def _data_subjects(cats: dict[str, Any]) -> str:
+    declared = cats.get("data_subjects")
+    if declared is None:
+        return "unknown (a prompt may concern any number of persons)"
+    return f"{declared:,} (declared in the data map {cats.get('data_map') or ''})".replace(
+        " )", ")"
+    )
 
 
 def _chart(
@@ -205,7 +215,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ("Exposed requests", tn.get("exposed_requests", "-")),
             ("Receiving tenants", tn.get("receiving_count", tn["victim_count"])),
             ("Receiving requests", tn.get("receiving_requests", "-")),
-            ("Data subjects", "unknown (a prompt may concern any number of persons)"),
+            ("Data subjects", _data_subjects(cats)),
             ("Special categories", _special(cats)),
             ("First event", tl["first_event_at"]),
             ("Last event", tl["last_event_at"]),

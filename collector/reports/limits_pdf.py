@@ -32,7 +32,7 @@ def render_pdf(card: dict[str, Any]) -> bytes:
     for mod in card["models"]:
         said = mod["verdict"]
         pdf.set_font("DejaVu", "B", 11)
-        pdf.cell(0, 7, f"Model {mod['model_id']}", new_x="LMARGIN", new_y="NEXT")
+        pdf.multi_cell(0, 7, f"Model {mod['model_id']}", new_x="LMARGIN", new_y="NEXT", align="L")
         pdf.set_text_color(*_COLOURS.get(said["status"], (0, 0, 0)))
         pdf.set_font("DejaVu", "B", 10)
         pdf.multi_cell(0, 6, said["text"], new_x="LMARGIN", new_y="NEXT")

@@ -45,7 +45,8 @@ class ReportPdf(FPDF):
 
     def h1(self, text: str) -> None:
         self.set_font("DejaVu", "B", 14)
-        self.cell(0, 9, text, new_x="LMARGIN", new_y="NEXT")
+        # a heading may hold a tenant's or model's name (up to 256 characters): it wraps
+        self.multi_cell(0, 8, text, new_x="LMARGIN", new_y="NEXT", align="L")
         self.set_font("DejaVu", "", 9)
 
     def para(self, text: str, size: int = 9) -> None:
