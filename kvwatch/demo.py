@@ -56,6 +56,7 @@ SECRETS: dict[str, str] = {
     "hooli": "HOOLI HR CASE 991: complaint against VP of engineering, legal hold in place.",
 }
 LONG_TENANT = "massive-dynamic"
+ROUTE = "/v1/completions"
 
 
 @dataclass
@@ -228,12 +229,14 @@ def _replay(mode: str, probe: Probe) -> Replay:
     )
     attach(engine, probe, deployment_id=deployment)
     answers = {}
+    # as if through the engine's completions endpoint: a route lets a data map (or a rule)
+    # single out one tenant's traffic, as it would on a real endpoint
     for tenant, text in SECRETS.items():
-        done = engine.generate(text, tenant, max_tokens=len(text.encode()) + 1)
+        done = engine.generate(text, tenant, max_tokens=len(text.encode()) + 1, route=ROUTE)
         answers[tenant] = done.text
     long_prompt = "Summarise this contract. " + "clause " * ((PREFILL_POOL + 1200) // 7)
     try:
-        done = engine.generate(long_prompt, LONG_TENANT, max_tokens=256)
+        done = engine.generate(long_prompt, LONG_TENANT, max_tokens=256, route=ROUTE)
         outcome, answer = "answered", done.text
     except ContextLengthExceeded as exc:
         outcome, answer = str(exc), ""

@@ -80,6 +80,7 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     assert synthetic["label"].startswith("synthetic") and synthetic["requests"] > 5000
     assert synthetic["deployment"] not in fired
     assert synthetic["deployment"] in r.stdout
+    _the_demos_incident_as_a_dpo_reads_it(out, incident["id"], tmp_path)
     # a second run replaces the first instead of piling onto it
     (out / "breach-rpt_previous.pdf").write_bytes(b"%PDF-1.4 an earlier run's")
     again = kvwatch("demo", "--dir", str(out))
@@ -97,6 +98,77 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     assert [p.name for p in out.glob("breach-*.pdf")] == [
         Path(second["artefacts"]["breach_report_pdf"]).name
     ]
+
+
+def _the_demos_incident_as_a_dpo_reads_it(out: Path, incident_id: int, tmp: Path) -> None:
+    """The demo's incident (hooli's prompt read by massive-dynamic): the assessment counts
+    one exposed tenant and request and one receiving tenant, data subjects unknown and Art. 34
+    undetermined; a data map declaring health data for hooli's route makes it high risk; two
+    generations cite one evidence hash; each tenant's notice names no one else."""
+    env = {"KVWATCH_DATABASE_URL": f"sqlite:///{out / 'kvwatch.db'}"}
+    reports = []
+    for n in (1, 2):
+        r = kvwatch(
+            "report",
+            "breach",
+            "--incident",
+            str(incident_id),
+            "--out",
+            str(tmp / f"gen{n}"),
+            env=env,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        (path,) = (tmp / f"gen{n}").glob("breach-*.json")
+        reports.append(json.loads(path.read_text()))
+    first, second = reports
+    assert first["evidence_sha256"] == second["evidence_sha256"]
+    assert first["report_id"] != second["report_id"]
+    tenants = first["tenants"]
+    assert [t["tenant"] for t in tenants["exposed"]] == ["hooli"]
+    assert tenants["exposed_count"] == 1 and tenants["exposed_requests"] == 1
+    assert [t["tenant"] for t in tenants["victims"]] == ["massive-dynamic"]
+    assert tenants["receiving_count"] == 1
+    assert first["data_categories"]["data_subjects"] is None
+    assert first["art34"]["verdict"] == "undetermined"
+
+    (route,) = {i["route"] for i in first["affected_requests"]["items"] if i["tenant"] == "hooli"}
+    datamap = tmp / "datamap.yaml"
+    datamap.write_text(f"entries:\n  - tenant: hooli\n    route: {route}\n    special: [health]\n")
+    r = kvwatch(
+        "report",
+        "breach",
+        "--incident",
+        str(incident_id),
+        "--out",
+        str(tmp / "mapped"),
+        env={**env, "KVWATCH_DATA_MAP": str(datamap)},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (path,) = (tmp / "mapped").glob("breach-*.json")
+    mapped = json.loads(path.read_text())
+    assert mapped["art34"]["verdict"] == "yes"
+    assert "health" in " ".join(mapped["art34"]["reasons"])
+
+    for tenant, other in (("hooli", "massive-dynamic"), ("massive-dynamic", "hooli")):
+        notice = tmp / f"notice-{tenant}.json"
+        r = kvwatch(
+            "report",
+            "notice",
+            "--incident",
+            str(incident_id),
+            "--tenant",
+            tenant,
+            "--out",
+            str(notice),
+            env=env,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        text = notice.read_text()
+        assert tenant in text and other not in text
+        for outsider in ("acme", "globex", "initech"):
+            assert outsider not in text
+        doc = json.loads(text)
+        assert bool(doc["please_delete"]) == (tenant == "massive-dynamic")
 
 
 def test_tokens_create_prints_the_token_alone_on_the_last_line(tmp_path: Path) -> None:
