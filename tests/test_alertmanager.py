@@ -23,6 +23,8 @@ from collector.notify.outbox import add_endpoint, enqueue
 from collector.notify.payloads import AM_ZERO_TIME, am_fingerprint, render
 from collector.settings import Settings
 from kvwatch.embedded import free_port
+from tests import factories as f
+from tests.conftest import Collector
 from tests.notify_helpers import Receiver, alert_doc, incident_doc, iso
 
 pytestmark = pytest.mark.slow
@@ -204,6 +206,56 @@ def test_alerts_pushed_to_alertmanager_fire_then_resolve(
     active = alertmanager.alerts(active="true")
     assert _find(active, alertname="kv_pressure") == []
     assert _find(active, alertname="KvwatchIncident") == []
+
+
+def _until(what: str, check: Any, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            assert got, f"timed out waiting for {what}"
+            return got
+        time.sleep(0.2)
+
+
+def test_an_incident_reaches_alertmanager_and_resolves_when_closed(
+    collector: Collector, alertmanager: Alertmanager
+) -> None:
+    """End to end through the running collector: a cross-tenant stale read opens an
+    incident, its dispatcher pushes KvwatchIncident to the real Alertmanager, and closing the
+    incident through the API resolves it there."""
+    db = Database(collector.db_url)
+    try:
+        with db.write() as conn:
+            add_endpoint(conn, "am", alertmanager.url + "/", kind="alertmanager", now_us=0)
+    finally:
+        db.dispose()
+    events = [
+        f.config(1),
+        f.config(2, role="decode", node="decode-0", pool_tokens=2_000_000),
+        f.admitted(4, "r-exposed", tenant="acme", prompt=5_000),
+        f.finished(5, "r-exposed", tenant="acme"),
+        f.rejected(9, "r-victim", tenant="globex"),
+        f.stale_read(10),
+    ]
+    with collector.client(collector.ingest) as ingest:
+        r = ingest.post("/v1/events", json=[f.as_json(e) for e in events])
+        assert r.status_code == 200, r.text
+    with collector.client(collector.admin) as admin:
+        (incident,) = admin.get("/v1/incidents").json()
+        (alert,) = _until(
+            "KvwatchIncident in Alertmanager",
+            lambda: _find(alertmanager.alerts(active="true"), alertname="KvwatchIncident"),
+        )
+        assert alert["labels"]["incident_id"] == str(incident["id"])
+        assert alert["annotations"]["deadline_at"] == incident["deadline_at"]
+        assert alert["annotations"]["affected_tenants"] == "2"
+        r = admin.post(f"/v1/incidents/{incident['id']}/close", json={"reason": "contained"})
+        assert r.status_code == 200, r.text
+    _until(
+        "KvwatchIncident resolved in Alertmanager",
+        lambda: not _find(alertmanager.alerts(active="true"), alertname="KvwatchIncident"),
+    )
 
 
 def test_our_webhook_v4_body_has_alertmanagers_own_shape(
