@@ -308,40 +308,6 @@ def pool_occupancy(
     return alt.layer(capacity, steps, used).properties(height=260)
 
 
-def occupancy_ratio(
-    df: pd.DataFrame, window: Window | None = None, bucket_s: float | None = None
-) -> AnyChart:
-    """The pools' highest occupancy (used / capacity) per bucket, as steps, against a dashed
-    line at 100%, the capacity, across the whole chart. Columns: ``time``, ``occupancy``."""
-    x = _time_x(window)
-    y = alt.Y(
-        "occupancy:Q",
-        title="occupancy (used / capacity)",
-        axis=alt.Axis(format="%"),
-        scale=alt.Scale(domain=[0, max(1.05, float(df["occupancy"].max() or 0))]),
-    )
-    df = df.assign(series="occupancy (max)")
-    steps = (
-        alt.Chart(_steps(df, ["series"], bucket_s))
-        .mark_line(interpolate="step-after", color="#1f77b4")
-        .encode(x=x, y=y)
-    )
-    points = _bucket_points(
-        df, x, y, alt.value("#1f77b4"), [alt.Tooltip("occupancy:Q", format=".1%")]
-    )
-    full = (
-        alt.Chart(pd.DataFrame({"occupancy": [1.0], "line": ["capacity (100%)"]}))
-        .mark_rule(strokeDash=[6, 4], strokeWidth=2, color=CRIT)
-        .encode(y="occupancy:Q", tooltip=["line:N"])
-    )
-    label = (
-        alt.Chart(pd.DataFrame({"occupancy": [1.0], "line": ["capacity (100%)"]}))
-        .mark_text(align="left", baseline="bottom", dx=4, dy=-2, fontWeight="bold", color=CRIT)
-        .encode(y="occupancy:Q", x=alt.value(0), text="line:N")
-    )
-    return alt.layer(full, label, steps, points).properties(height=220)
-
-
 def page_events(df: pd.DataFrame, window: Window | None = None) -> AnyChart:
     """Page events per time bucket, stacked by kind (stale reads in red), each bar as wide as
     its bucket. Columns: ``time``, ``end``, ``kind``, ``events``, ``pages``, ``cross_tenant``."""

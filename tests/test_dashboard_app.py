@@ -5,6 +5,7 @@ error and empty states (wrong token, no token, collector down, nothing ingested 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
@@ -121,6 +123,8 @@ def test_fleet(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
     red = next(e.value for e in at.error if h.RED in t and "Why red" in e.value)
     assert "glm-5.3: pool 681,280 tokens < advertised context 1,048,576" in red
     assert ":red-badge[RED]" in t and ":green-badge[GREEN]" in t
+    # the red card links its open incident's page for the person on call
+    assert f"Open incident #{seeded.incident_id}](/incident?id={seeded.incident_id})" in t
     models = table(at, "verified safe context")
     assert models.iloc[0]["verified safe context"] == h.RED_SAFE
     assert models.iloc[0]["verified on engine"] == "0.5.21"
@@ -544,8 +548,6 @@ def _x_domain(spec: dict[str, Any]) -> tuple[datetime, datetime] | None:
 
 
 def _specs(at: AppTest) -> list[dict[str, Any]]:
-    import json
-
     return [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
 
 
@@ -566,9 +568,55 @@ def test_a_minute_of_events_in_a_day_is_drawn_zoomed(
         # across the whole chart (its first and last points at the axis's ends)
         occupancy = table(at, "peak occupancy")
         assert int(occupancy["samples"].sum()) == 60
+        specs = _specs(at)
+        (index,) = [i for i, s in enumerate(specs) if "tokens in use" in json.dumps(s)]
+        lo, hi = _x_domain(specs[index]) or (None, None)
+        times = _dashed_layer_times(at, index)
+        assert lo is not None and hi is not None
+        assert abs(times[0] - lo) < timedelta(seconds=1) and abs(times[-1] - hi) < timedelta(
+            seconds=1
+        )
         assert "second buckets" in text(at)
     # and with zooming off, the axis is the whole window again
     at.sidebar.toggle(key="zoom").set_value(False).run()
     assert "Zoomed to where the data is" not in text(at)
     for lo, hi in filter(None, map(_x_domain, _specs(at))):
         assert hi - lo > timedelta(hours=23)
+
+
+def _dashed_layer_times(at: AppTest, index: int) -> list[datetime]:
+    """The times of chart ``index``'s dashed (capacity) layer, read from the data Streamlit
+    sends beside the spec (Arrow, one named dataset per layer)."""
+    import pyarrow as pa
+
+    chart = at.get("vega_lite_chart")[index].proto
+    spec = json.loads(chart.spec)
+    layer = next(
+        x for x in spec.get("layer", []) if (x.get("mark") or {}).get("strokeDash") is not None
+    )
+    (data,) = [d.data.data for d in chart.datasets if d.name == layer["data"]["name"]]
+    frame = pa.ipc.open_stream(data).read_pandas()
+    return sorted(t.to_pydatetime() for t in pd.to_datetime(frame["time"], utc=True))
+
+
+def test_the_incident_draws_each_involved_node_over_its_own_minutes(
+    env: pytest.MonkeyPatch, burst: tuple[str, str, datetime]
+) -> None:
+    """The incident of the minute's cross-tenant stale read: its page draws the involved
+    deployment's pool per node on the incident's own window (the assessment's time axis, not
+    the day), with the capacity as a dashed line from one end of the axis to the other."""
+    url, admin, start = burst
+    at = open_page(env, url, admin, "views/incident.py")
+    assert "Pool occupancy over the incident" in text(at)
+    auth = {"Authorization": f"Bearer {admin}"}
+    (incident,) = httpx.get(f"{url}/v1/incidents", headers=auth).json()
+    doc = httpx.get(f"{url}/v1/incidents/{incident['id']}/assessment", headers=auth).json()
+    window = doc["series"]["window"]
+    lo, hi = (datetime.fromisoformat(window[k].replace("Z", "+00:00")) for k in ("from", "until"))
+    specs = _specs(at)
+    (index,) = [i for i, s in enumerate(specs) if "tokens in use" in json.dumps(s)]
+    assert _x_domain(specs[index]) == (lo.replace(microsecond=0), hi.replace(microsecond=0))
+    assert hi - lo < timedelta(minutes=5) and lo <= start + timedelta(seconds=59) <= hi
+    times = _dashed_layer_times(at, index)
+    assert (times[0], times[-1]) == (lo, hi)
+    assert not problems(at)

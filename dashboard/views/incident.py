@@ -13,6 +13,7 @@ import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
+from dashboard.frames import occupancy_frame
 from dashboard.incidents import incident_card
 
 
@@ -148,24 +149,35 @@ def _num(v: int | None) -> str:
     return "—" if v is None else f"{v:,}"
 
 
-def _pool(doc: JSON) -> None:
+def _pool(c: CollectorClient, inc: JSON, doc: JSON) -> None:
+    """Each involved deployment's pools, node by node, over the incident's own window (the
+    assessment's time axis), with each node's capacity across the chart."""
     series = doc.get("series") or {}
-    points = series.get("pool_occupancy_max") or []
-    st.subheader("Pool occupancy over the incident")
-    if not points:
-        st.info("No pool sample in the incident's window.")
-        return
     window = series.get("window") or {}
     lo, hi = ui.parse_time(window.get("from")), ui.parse_time(window.get("until"))
-    df = pd.DataFrame([{"time": ui.parse_time(p["ts"]), "occupancy": p["value"]} for p in points])
-    df["time"] = pd.to_datetime(df["time"], utc=True)
-    span = (lo, hi) if lo is not None and hi is not None else None
-    chart = charts.occupancy_ratio(df, span, series.get("bucket_seconds"))
-    st.altair_chart(chart, width="stretch")
+    st.subheader("Pool occupancy over the incident")
+    if lo is None or hi is None:
+        st.info("The incident has no events to place on a time axis.")
+        return
+    deployments = doc.get("involved_deployments") or [inc["deployment_id"]]
+    drawn = 0
+    for dep in deployments:
+        pool = c.pool_samples(since=lo, until=hi, deployment_id=dep, max_points=200)
+        if not pool["items"]:
+            continue
+        st.markdown(f"**{dep}**: tokens in use per node (line), capacity (dashed)")
+        chart = charts.pool_occupancy(
+            occupancy_frame(pool["items"]), (lo, hi), pool["bucket_seconds"]
+        )
+        st.altair_chart(chart, width="stretch")
+        drawn += 1
+    if not drawn:
+        st.info(f"No pool sample of {', '.join(deployments)} in the incident's window.")
+        return
     st.caption(
-        f"The highest occupancy (used / capacity) of the involved pools per bucket, "
-        f"{ui.when(window.get('from'))} to {ui.when(window.get('until'))}; the dashed line is "
-        "the capacity: at 100% the pool is full and the next allocation must reuse pages."
+        f"{ui.when(window.get('from'))} to {ui.when(window.get('until'))}, the incident's own "
+        "window: when a node's line reaches its dashed capacity, the pool is full and the next "
+        "allocation must reuse pages."
     )
 
 
@@ -271,7 +283,7 @@ def render(c: CollectorClient) -> None:
     _tenants(doc)
     _cause(doc)
     _reads(doc)
-    _pool(doc)
+    _pool(c, inc, doc)
     _actions(c, inc, doc)
 
 

@@ -11,30 +11,10 @@ import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
+from dashboard.frames import occupancy_frame
 
 _TOKENS = st.column_config.NumberColumn(format="localized")
 _PAGE = 100  # stale reads listed; the breach report has them all
-
-
-def occupancy_frame(items: list[JSON]) -> pd.DataFrame:
-    df = pd.DataFrame(
-        items,
-        columns=[
-            "deployment_id",
-            "node",
-            "role",
-            "bucket_start_us",
-            "samples",
-            "used_avg",
-            "used_max",
-            "free_min",
-            "capacity",
-        ],
-    )
-    df["time"] = ui.us_to_time(df["bucket_start_us"])
-    df["node"] = df["node"] + " (" + df["role"].fillna("?") + ")"
-    df["occupancy"] = df["used_max"] / df["capacity"].where(df["capacity"] > 0)
-    return df
 
 
 def peaks_frame(df: pd.DataFrame) -> pd.DataFrame:
