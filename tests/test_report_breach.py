@@ -209,7 +209,7 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert p.status_code == 200 and p.headers["content-type"] == "application/pdf"
     text = _pdf_checks(p.content, report)
     assert re.search(r"Affected requests\s*2\b", text)
-    assert re.search(r"Largest prompt \(tokens\)\s*700000", text)
+    assert re.search(r"Largest prompt \(tokens\)\s*700,000", text)
     assert re.search(r"1 cross-tenant, 3 pages", text)
     assert re.search(r"Exposed tenants\s*1\b", text) and re.search(r"Receiving tenants\s*1\b", text)
     assert re.search(r"Art. 34 high risk\s*yes", text)

@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
-from matplotlib.ticker import Formatter, FuncFormatter
+from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, StrMethodFormatter
 
 from collector.reports.breach import EVIDENCE_KEYS
 from collector.reports.pdf import ReportPdf, short_time
@@ -95,12 +95,15 @@ def _chart(
         gaps = [b - a for a, b in pairwise(x) if b > a]
         step = timedelta(seconds=bucket_s) if bucket_s else (min(gaps) if gaps else (hi - lo) / 48)
         if kind == "bar":
-            # each bar as wide as its bucket, starting where the bucket starts
+            # each bar as wide as its bucket, starting where the bucket starts; bars count
+            # events, so the axis has whole numbers only
             ax.bar(x, y, width=step.total_seconds() / 86400, align="edge", color="#c0392b")
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         else:
             # a value stands for its whole bucket: a step as wide as it, a dot at its start
             ax.step([*x, x[-1] + step], [*y, y[-1]], where="post", color="#2c3e50", label=ylabel)
             ax.plot(x, y, "o", markersize=3, color="#2c3e50")
+            ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.6g}"))
         for value, label, color in lines:
             ax.axhline(value, linestyle="--", linewidth=1, color=color, label=label)
         ax.set_title(title, fontsize=9)
@@ -182,21 +185,17 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     pdf.ln(4)
     scope = report["scope"]
     scope_text = ", ".join(f"{k}={v}" for k, v in sorted(scope.items()) if v is not None)
-    pdf.kv(
-        [
-            ("Report ID", rid),
-            ("Generated at", report["generated_at"]),
-            ("Mode", report["mode"]),
-            ("Scope", scope_text),
-        ]
-    )
+    head: list[tuple[str, Any]] = [
+        ("Report ID", rid),
+        ("Generated at", report["generated_at"]),
+        ("Mode", report["mode"]),
+        ("Scope", scope_text),
+    ]
     if report.get("incident"):
         inc = report["incident"]
-        pdf.kv([("Incident", f"#{inc['id']} {inc['title']} ({inc['state']})")])
-    pdf.set_font("DejaVu", "B", 9)
-    pdf.cell(55, 6, "Evidence SHA-256")
-    pdf.set_font("DejaVuMono", "", 8)
-    pdf.multi_cell(0, 6, report["evidence_sha256"], new_x="LMARGIN", new_y="NEXT")
+        head.append(("Incident", f"#{inc['id']} {inc['title']} ({inc['state']})"))
+    head.append(("Evidence SHA-256", report["evidence_sha256"]))
+    pdf.kv(head, mono={"Evidence SHA-256"})
     pdf.ln(4)
     pdf.h1("Summary")
     pdf.kv(

@@ -54,17 +54,23 @@ class ReportPdf(FPDF):
         # ragged right: justified lines holding long timestamps and ids open wide gaps
         self.multi_cell(0, 5, text, new_x="LMARGIN", new_y="NEXT", align="L")
 
-    def kv(self, rows: list[tuple[str, Any]]) -> None:
+    def kv(
+        self, rows: list[tuple[str, Any]], mono: frozenset[str] | set[str] = frozenset()
+    ) -> None:
         """Label and value rows; the label column as wide as the longest label (a label never
-        runs into its value)."""
+        runs into its value). Values of the labels in ``mono`` (hashes) are set monospaced."""
         self.set_font("DejaVu", "B", 9)
         width = min(max((self.get_string_width(k) for k, _ in rows), default=0) + 4, 90)
         width = max(width, 45)
         for k, v in rows:
             self.set_font("DejaVu", "B", 9)
             self.multi_cell(width, 6, k, new_x="RIGHT", new_y="TOP")
-            self.set_font("DejaVu", "", 9)
-            self.multi_cell(0, 6, "-" if v is None else str(v), new_x="LMARGIN", new_y="NEXT")
+            if k in mono:
+                self.set_font("DejaVuMono", "", 8)
+            else:
+                self.set_font("DejaVu", "", 9)
+            self.multi_cell(0, 6, figure(v), new_x="LMARGIN", new_y="NEXT")
+        self.set_font("DejaVu", "", 9)
 
     def grid(self, headings: list[str], rows: list[list[Any]], widths: list[int]) -> None:
         """A table wrapped at word boundaries: a cell holding a word wider than its column
@@ -144,6 +150,16 @@ def short_time(at: str | None) -> str:
     return "-" if not at else at.replace("T", " ").rstrip("Z")[:23]
 
 
+def figure(v: Any) -> str:
+    """A value as printed: ``-`` for nothing, counts with thousands separators (``11,862``
+    tokens reads at a glance where ``11862`` does not)."""
+    if v is None or v == "":
+        return "-"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
 def cell_text(v: Any) -> str:
-    text = "-" if v is None or v == "" else str(v)
+    text = figure(v)
     return text if len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"
