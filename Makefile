@@ -53,7 +53,8 @@ test:
 
 # Two workers, a test module each at a time (module fixtures stay shared); the tests marked
 # serial (one restarts PostgreSQL, which every other test uses; the live vLLM server's times
-# a client's disconnect) run alone afterwards.
+# a client's disconnect, and every test of that server shares its one start) run alone
+# afterwards.
 PYTEST_WORKERS ?= 2
 pytest: setup engines
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not serial"

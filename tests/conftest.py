@@ -4,6 +4,7 @@ collector served over HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -95,13 +96,39 @@ def pg_url(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
+    """An empty SQLite file's URL (no migrations run)."""
     return f"sqlite:///{tmp_path / 'kvwatch.db'}"
+
+
+@pytest.fixture(scope="session")
+def _sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head once per run (per worker): each test's file is a copy
+    of it, as each PostgreSQL test's database is of ``_pg_template`` (a copy takes
+    milliseconds; the migrations take about a second, in hundreds of tests)."""
+    import sqlite3
+
+    from collector import migrate
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "kvwatch.db"
+    migrate.upgrade(f"sqlite:///{path}")
+    # fold the WAL into the file and leave rollback mode, so the file alone is the database
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        conn.close()
+    return path
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A SQLite file or a PostgreSQL database, migrated to head unless the test is marked
+    ``empty_db``."""
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'kvwatch.db'}"
+        path = tmp_path / "kvwatch.db"
+        if request.node.get_closest_marker("empty_db") is None:
+            shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
+        return f"sqlite:///{path}"
     return str(request.getfixturevalue("pg_url"))
 
 

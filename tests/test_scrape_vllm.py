@@ -25,7 +25,9 @@ from tests.engine_servers import VllmServer, wait_for
 vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
 
 KVWATCH = str(Path(sys.executable).parent / "kvwatch")
-pytestmark = pytest.mark.slow
+# serial: the run's one vLLM server is started in the serial phase for tests/test_vllm_server.py;
+# these tests run there too, so the run starts it once (about 40 s of a core) instead of twice
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def _scrape(server: VllmServer, *args: str) -> subprocess.CompletedProcess[str]:
