@@ -79,7 +79,11 @@ def test_every_body_has_a_limit_and_nothing_partial_is_stored(collector: Collect
             "/v1/verify-schedules",
             "/v1/alerts/1/ack",
             "/v1/incidents/1/close",
+            "/v1/tokens",
+            "/v1/tokens/1/revoke",
+            "/v1/tokens/1/rotate",
         ]
+        tokens_before = admin.get("/v1/tokens").json()
         big = {"deployment_id": "d", "model_id": "m", "passed": True,
                "evidence": {"blob": "x" * (LIMIT + 10)}}  # fmt: skip
         for path in posts:
@@ -95,12 +99,27 @@ def test_every_body_has_a_limit_and_nothing_partial_is_stored(collector: Collect
             )
             assert r.status_code == 413, (path, r.status_code, r.text[:200])
         assert admin.get("/v1/verifications").json() == before
+        assert admin.get("/v1/tokens").json() == tokens_before
+        # ... and every one of them says so in the OpenAPI document
+        doc = admin.get("/openapi.json").json()
+        for path in posts:
+            template = next(t for t in doc["paths"] if _matches(t, path))
+            assert "413" in doc["paths"][template]["post"]["responses"], template
+        for template, item in doc["paths"].items():
+            for method, op in item.items():
+                if "requestBody" in op or method != "get":
+                    assert "413" in op["responses"], (method, template)
         # a body under the limit still reaches its route
         r = admin.post(
             "/v1/silences",
             json={"matchers": [{"name": "a", "value": "b"}], "duration": "1h", "comment": "ok"},
         )
         assert r.status_code == 201, r.text
+
+
+def _matches(template: str, path: str) -> bool:
+    a, b = template.split("/"), path.split("/")
+    return len(a) == len(b) and all(x == y or x.startswith("{") for x, y in zip(a, b, strict=True))
 
 
 def test_stored_evidence_is_bounded_and_lists_stay_small(collector: Collector) -> None:
