@@ -220,6 +220,22 @@ def test_token_operations_through_the_api_are_audited_with_the_admin_as_actor(
     ]
 
 
+def test_a_token_ref_is_an_id_only_in_ascii_digits(collector: Collector) -> None:
+    """Found guarding the fuzz: the lookup took any Unicode digit for an id, so a full-width
+    "1" (U+FF11) revoked token #1 (the caller's own admin token, here) and a superscript two
+    (U+00B2) was a 500. An id is ASCII digits within 63 bits; anything else is looked up as a
+    name (a 404 here)."""
+    with collector.client(collector.admin) as c:
+        mine = next(d for d in c.get("/v1/tokens").json() if d["prefix"] == collector.admin[:16])
+        wide = "".join(chr(0xFF10 + int(d)) for d in str(mine["id"]))
+        for ref in (wide, "\u00b2", "9" * 30, f" {mine['id']}"):
+            for op in ("revoke", "rotate"):
+                r = c.post(f"/v1/tokens/{ref}/{op}")
+                assert r.status_code == 404, (ref, op, r.status_code, r.text)
+                assert r.json()["error"]["code"] == "not_found"
+        assert c.get("/v1/tokens").status_code == 200  # still ours
+
+
 def test_a_probe_whose_token_is_rotated_out_says_so_once_and_keeps_its_events(
     collector: Collector, probes: list[Probe], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
