@@ -58,6 +58,33 @@ def test_an_ingest_token_reads_only_its_deployment_and_no_evidence(
         assert admin.get("/v1/verifications/999999").status_code == 404
 
 
+def test_an_unscoped_ingest_token_lists_every_deployments_summaries(
+    collector: Collector,
+) -> None:
+    """The documented choice (docs/using.md, docs/verify.md): an ingest token without a
+    deployment may write verifications for every deployment, so it may list every
+    deployment's summaries (what it could have uploaded itself: no evidence, no tenant
+    names); a deployment-scoped one lists only its own. Neither reads a record's evidence."""
+    scoped = collector.token("ingest", deployment_id="dep-b")
+    with collector.client(collector.ingest) as anyone, collector.client(scoped) as b:
+        ids = {}
+        for dep in ("dep-a", "dep-b"):
+            r = anyone.post("/v1/verifications", json=_verification(dep, tenant_keys="acme"))
+            assert r.status_code == 201, r.text
+            ids[dep] = r.json()["id"]
+        listed = anyone.get("/v1/verifications").json()
+        assert sorted(v["deployment_id"] for v in listed) == ["dep-a", "dep-b"]
+        assert anyone.get("/v1/verifications", params={"deployment_id": "dep-a"}).status_code == 200
+        text = str(listed)
+        assert "evidence" not in {k for v in listed for k in v}
+        assert "globex" not in text and "acme" not in text
+        assert [v["deployment_id"] for v in b.get("/v1/verifications").json()] == ["dep-b"]
+        for dep, vid in ids.items():
+            for http in (anyone, b):
+                r = http.get(f"/v1/verifications/{vid}")
+                assert r.status_code == 403, (dep, r.text)
+
+
 def _chunks(n: int) -> Iterator[bytes]:
     """A JSON body of ``n`` bytes sent without a Content-Length (chunked)."""
     yield b'{"reason": "'
