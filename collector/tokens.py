@@ -190,12 +190,28 @@ def list_tokens(conn: Connection, now_us: int) -> list[dict[str, Any]]:
     return [token_doc(r, now_us) for r in rows]
 
 
+_MAX_ID = 2**63 - 1  # the id column's range (BIGINT); a larger id names no token
+
+
+def _as_id(id_or_name: str | int) -> int | None:
+    """An id when the reference is one: an int, or ASCII digits only. ``str.isdigit`` alone
+    admits every Unicode digit (a full-width one, U+FF11, read as 1: another token than the
+    one meant; a superscript two, U+00B2, that ``int`` refuses), so anything but 0-9 is a
+    name."""
+    if isinstance(id_or_name, int):
+        return id_or_name
+    return int(id_or_name) if id_or_name.isascii() and id_or_name.isdigit() else None
+
+
 def find_token(conn: Connection, id_or_name: str | int, now_us: int) -> Any:
     """A token by id, or by name among valid tokens (one, or the newest of one lineage);
     a name shared by tokens of different lineages is refused, naming their ids."""
     t = m.ApiToken
-    if isinstance(id_or_name, int) or str(id_or_name).isdigit():
-        row = conn.execute(select(t).where(t.id == int(id_or_name))).first()
+    token_id = _as_id(id_or_name)
+    if token_id is not None:
+        row = (
+            None if token_id > _MAX_ID else conn.execute(select(t).where(t.id == token_id)).first()
+        )
         if row is None:
             raise NotFound(f"no token #{id_or_name}")
         return row

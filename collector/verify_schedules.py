@@ -37,12 +37,29 @@ from collector.db import Database
 from collector.errors import InvalidInput, NotFound
 from collector.timefmt import iso, to_micros
 from engine_probe.events import is_valid_id
+from policies.durations import parse_duration
 
 log = logging.getLogger("kvwatch.verify_schedules")
 
+# How often a schedule may run: at least a minute apart (a run costs up to `budget` requests
+# to the endpoint) and at most a leap year apart (a verdict older than that says nothing of
+# today's engine, and a longer period only risks overflowing next_at's microseconds).
 MIN_EVERY_S: Final = 60
+MAX_EVERY_S: Final = 366 * 86400
+EVERY_RANGE: Final = "1m to 366d"
 MAX_BUDGET: Final = 1000
 Trigger = Literal["schedule", "drift", "added"]
+
+
+def every_seconds(text: str) -> int:
+    """The period ``every`` names (``6h``, ``30d``), in whole seconds, if it lies in
+    ``MIN_EVERY_S`` .. ``MAX_EVERY_S``; else ``ValueError`` saying the range. The one check
+    the API, the CLI and :meth:`VerifyScheduleService.add` share."""
+    seconds = parse_duration(text)  # ValueError on what is no duration
+    if not MIN_EVERY_S <= seconds <= MAX_EVERY_S:  # also false for an infinite float
+        shown = text if len(text) <= 32 else f"{text[:29]}..."
+        raise ValueError(f"{shown!r} is outside {EVERY_RANGE} between runs")
+    return int(seconds)
 
 
 class KeysUnavailable(InvalidInput):
@@ -163,8 +180,10 @@ class VerifyScheduleService:
                 f"deployment_id: {dep!r} is not a valid id", {"field": "deployment_id"}
             )
         every = int(values["every_s"])
-        if every < MIN_EVERY_S:
-            raise InvalidInput(f"every: at least {MIN_EVERY_S} s between runs", {"field": "every"})
+        if not MIN_EVERY_S <= every <= MAX_EVERY_S:
+            raise InvalidInput(
+                f"every: {every} s is outside {EVERY_RANGE} between runs", {"field": "every"}
+            )
         budget = int(values.get("budget") or 200)
         if not 1 <= budget <= MAX_BUDGET:
             raise InvalidInput(f"budget: 1 to {MAX_BUDGET} requests", {"field": "budget"})

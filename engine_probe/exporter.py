@@ -12,17 +12,20 @@ How it answers the collector:
 * 400/422: the collector refuses those events for good. Not retried: they are counted as
   dropped ("rejected_by_collector") and kept in ``<spool_dir>/rejected/``. When the
   collector (or a local decode) names the bad events, the others are sent again without them.
-* connection errors, timeouts, 401 (the token, never the batch), 429, 502, 503, 504: the
-  collector is unavailable. Retried forever (an outage must never lose data), with
-  exponential backoff and full jitter; meanwhile batches go to the backlog.
-* any other answer (403, 404, 500, ...): retried too, but at most ``probe_max_attempts``
-  times per batch. Such an answer can come from the batch itself (a 500 on input the
-  collector chokes on; a 403 for an adopted batch whose probe_id belongs to another token),
-  and the backlog is replayed in order, so a batch that can never succeed would block every
-  batch behind it. Past the cap it is dead-lettered and counted like a 422, and the next
-  batch gets its turn. Once a batch of another (dead) probe's id was dead-lettered on a 403,
-  later batches of that id are dead-lettered at their first 403, so an adopted spool of
-  thousands of such batches cannot hold the probe's own events back for hours.
+* connection errors, timeouts, 401 (the token, never the batch), 403 for a batch of this
+  probe's own id (the token's deployment scope: a configuration error, like a 401), 429,
+  502, 503, 504: the collector is unavailable to us. Retried forever (an outage or a wrong
+  token must never lose data), with exponential backoff and full jitter; meanwhile batches
+  go to the backlog. A refused token is logged once, as an ERROR naming the setting.
+* any other answer (a 403 for an adopted batch of another probe's id, 404, 500, ...):
+  retried too, but at most ``probe_max_attempts`` times per batch. Such an answer can come
+  from the batch itself (a 500 on input the collector chokes on; a 403 for an adopted batch
+  whose probe_id belongs to another token, which no token of ours will ever fix), and the
+  backlog is replayed in order, so a batch that can never succeed would block every batch
+  behind it. Past the cap it is dead-lettered and counted like a 422, and the next batch
+  gets its turn. Once a batch of another (dead) probe's id was dead-lettered on a 403, later
+  batches of that id are dead-lettered at their first 403, so an adopted spool of thousands
+  of such batches cannot hold the probe's own events back for hours.
 
 The backlog is the spool on disk when ``probe_spool_dir`` is set, else a bounded list in
 memory. Once it holds anything, every newer batch goes to its end, and it is replayed
@@ -62,7 +65,7 @@ _ERROR_MESSAGE_MAX: Final = 300
 # Answers that say the collector (or the way to it) is unavailable, not that the batch is
 # bad: retried forever. 401 is decided from the token before the body is read, so it never
 # says anything about a batch; dead-lettering on it would only lose data while a person
-# fixes the token.
+# fixes the token. (A 403 for the probe's own batch is treated the same: see _deliver.)
 _UNAVAILABLE: Final = frozenset({401, 429, 502, 503, 504})
 
 
@@ -616,8 +619,8 @@ class Exporter:
         refusal = retry.refusal
         if refusal is None:
             return False
-        # Only another probe's id (an adopted batch) is remembered: that id's token is gone
-        # for good, while this probe's own 403 may be fixed by a person at any time.
+        # A 403 counts here only for another probe's id (an adopted batch: our own batches'
+        # 403 is a token to fix, retried forever); that id's token is gone for good.
         probe_id = self._batch_probe_id(retry.body) if refusal.status == 403 else None
         foreign = probe_id if probe_id is not None and probe_id != self._probe_id else None
         if attempts < self._max_attempts and foreign not in self._forbidden_ids:
@@ -674,18 +677,24 @@ class Exporter:
         if status in (400, 422):
             return self._reject(body, n, resp, deadline)
         said = f"collector answered {status}{_error_message(resp)}"
-        if status in (401, 403, 404):
+        token_refused = status == 401 or (status == 403 and not self._foreign(body))
+        if token_refused or status == 404:
             self._token_refused(status, said)
-        if status in _UNAVAILABLE:
-            if status == 401:
-                said += " (check KVWATCH_INGEST_TOKEN; events are kept and retried)"
+        if token_refused or status in _UNAVAILABLE:
+            if token_refused:
+                scope = " and its deployment scope" if status == 403 else ""
+                said += f" (check KVWATCH_INGEST_TOKEN{scope}; events are kept and retried)"
             self._failed(said, resp)
             return _Retry(body, n)
-        check = "check KVWATCH_INGEST_TOKEN and its scope; " if status == 403 else ""
-        self._failed(
-            f"{said} ({check}a batch refused {self._max_attempts} times is dead-lettered)", resp
-        )
+        self._failed(f"{said} (a batch refused {self._max_attempts} times is dead-lettered)", resp)
         return _Retry(body, n, _Refusal(status, resp.text[:_NOTE_BODY_MAX]))
+
+    def _foreign(self, body: bytes) -> bool:
+        """Whether a batch carries another probe's id (an adopted spool's). A 403 for it says
+        that id belongs to another token: no token of ours fixes that, so it is capped. A
+        403 for our own batch says our token is wrong, which a person can fix."""
+        probe_id = self._batch_probe_id(body)
+        return probe_id is not None and probe_id != self._probe_id
 
     def _split_and_deliver(
         self, body: bytes, n: int, resp: httpx.Response, deadline: float | None
@@ -774,9 +783,10 @@ class Exporter:
         self._drops.add(reason, len(heads) - own, report=False)
 
     def _token_refused(self, status: int, said: str) -> None:
-        """A refused token (401, 403) or a URL that is no collector (404) is a person's
-        mistake, not an outage: said once, as an error naming the setting to fix, until a
-        batch gets through again. Events wait (in the spool, if one is set) meanwhile."""
+        """A refused token (401, or 403 for our own batch) or a URL that is no collector
+        (404) is a person's mistake, not an outage: said once, as an error naming the setting
+        to fix, until a batch gets through again. Events wait (in the spool, if one is set)
+        meanwhile; a 404 batch is capped (``probe_max_attempts``), a refused token's is not."""
         if self._refused_status == status:
             return
         self._refused_status = status
@@ -792,8 +802,9 @@ class Exporter:
         what = (
             "the ingest token is unknown, revoked or expired"
             if status == 401
-            else "the ingest token may not write this (its deployment scope, or a probe_id "
-            "registered to another token)"
+            else "the ingest token may not write this probe's events (it is scoped to "
+            "another deployment than KVWATCH_DEPLOYMENT_ID, or this probe_id is registered "
+            "to another token)"
         )
         log.error(
             "kvwatch probe %s: the collector refused its token: %s (%s). This is a "

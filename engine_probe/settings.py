@@ -117,9 +117,11 @@ class ProbeSettings(ProducerSettings):
     the id actually sent.
 
     ``probe_max_attempts``: how many times one batch may be refused with an HTTP answer
-    that says nothing about the collector being unavailable (a 500 on bad input, a 403,
-    404, ...) before it goes to the dead-letter directory and the next batch gets its turn.
-    Connection errors, timeouts, 401, 429, 502, 503 and 504 are retried forever.
+    that says nothing about the collector being unavailable (a 500 on bad input, a 404, a
+    403 for an adopted batch of another probe's id, ...) before it goes to the dead-letter
+    directory and the next batch gets its turn. Connection errors, timeouts, 401, a 403 for
+    the probe's own batch (its token's scope: fixed by a person), 429, 502, 503 and 504 are
+    retried forever.
     """
 
     probe_id: str | None = Field(
@@ -156,9 +158,10 @@ class ProbeSettings(ProducerSettings):
         default=8,
         ge=1,
         le=1_000_000,
-        description="How often the collector may refuse one batch (403, 404, 500, ...) before "
-        "it goes to <spool>/rejected/ and counts as dropped; connection errors, timeouts, 401, "
-        "429, 502, 503 and 504 are retried forever.",
+        description="How often the collector may refuse one batch (404, 500, a 403 for an "
+        "adopted spool's other probe id, ...) before it goes to <spool>/rejected/ and counts "
+        "as dropped; connection errors, timeouts, 401, 403 for the probe's own events (a "
+        "token to fix), 429, 502, 503 and 504 are retried forever.",
     )
     probe_atexit_timeout_s: float = Field(
         default=2.0, ge=0, le=600, description="How long interpreter exit waits to flush."

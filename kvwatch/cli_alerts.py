@@ -184,12 +184,30 @@ def silences_create(
         err.print(f"[red]error:[/] --for: {exc}")
         raise typer.Exit(2) from None
     now = _now()
+    ends = _silence_end(now, seconds, duration)
     with database(database_url) as (db, s):
-        sil = _service(db, s.policy_packs_dir).silence(
-            matchers, now, now + timedelta(seconds=seconds), by, comment, now
-        )
+        sil = _service(db, s.policy_packs_dir).silence(matchers, now, ends, by, comment, now)
     err.print(f"silence {sil['id']} for {human_duration(seconds)}, until {sil['ends_at']}")
     print(sil["id"])
+
+
+def _silence_end(now: datetime, seconds: float, duration: str) -> datetime:
+    """When a silence of ``seconds`` from ``now`` ends, if that lies in the range every time
+    kvwatch takes (``collector.timefmt.bounded``, as the API's ``duration`` is checked);
+    else exit 2 naming --for. Past what a datetime holds is the same mistake, not a crash."""
+    from collector.timefmt import EARLIEST, LATEST, bounded
+
+    try:
+        return bounded(now + timedelta(seconds=seconds))
+    except OverflowError:
+        why = (
+            f"its end lies past the year 9999, outside the range kvwatch accepts "
+            f"({EARLIEST:%Y-%m-%d} to {LATEST:%Y-%m-%d} UTC)"
+        )
+    except ValueError as exc:
+        why = f"its end, {exc}"
+    err.print(f"[red]error:[/] --for {duration}: the silence is too long: {why}")
+    raise typer.Exit(2)
 
 
 @silences_app.command("list")

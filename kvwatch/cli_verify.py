@@ -299,7 +299,7 @@ def schedule_add(
     endpoint: Annotated[str, typer.Option(help="The OpenAI-compatible base URL.")],
     model: Annotated[str, typer.Option(help="The model to verify.")],
     deployment: Annotated[str, typer.Option(help="The deployment it is recorded for.")],
-    every: Annotated[str, typer.Option(help="How often, e.g. 6h (at least 1m).")],
+    every: Annotated[str, typer.Option(help="How often, e.g. 6h (1m to 366d).")],
     keys_from: Annotated[
         str,
         typer.Option(
@@ -318,10 +318,10 @@ def schedule_add(
     """Schedule a verification: the collector (kvwatch serve) runs it at once, then every
     --every, and again at once after a config_drift alert of the deployment. Results are
     recorded and alerted on exactly like kvwatch verify's uploads."""
-    from policies.durations import parse_duration
+    from collector.verify_schedules import every_seconds
 
     try:
-        every_s = int(parse_duration(every))
+        every_s = every_seconds(every)
     except ValueError as exc:
         err.print(f"[red]error:[/] --every: {escape(str(exc))}")
         raise typer.Exit(EXIT_COULD_NOT_RUN) from None

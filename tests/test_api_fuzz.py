@@ -9,6 +9,11 @@ token, valid (positive) and invalid (negative) data; ``POST /v1/events`` also wi
 token. Generation is derandomized so CI is repeatable; ``KVWATCH_FUZZ_RANDOM=1`` draws fresh
 examples and ``KVWATCH_FUZZ_EXAMPLES=N`` changes how many per operation and mode.
 
+The fuzz must never disarm itself: a revoke or rotate of its own admin (or ingest) token
+would turn every later case into a 401 that still "conforms". A case whose ``ref`` could name
+one of them (by id or name) is pointed at a spare token instead, the admin's own id is drawn
+on purpose so that guard is exercised, and every run ends by checking both tokens still work.
+
 The bugs this fuzzing found (ids beyond 64 bits answering 500, 400s the document did not
 list) are pinned request by request by the tests at the end.
 """
@@ -80,6 +85,14 @@ class Live:
     ingest: str
     schema: Any
     path_ids: dict[str, Any]
+    own: dict[str, int]  # the fuzzing tokens' ids by name: never revoked nor rotated
+
+    def names_a_fuzzer(self, ref: Any) -> bool:
+        """Whether a generated ``ref`` could resolve to one of the fuzz's own tokens. Wider
+        than the collector's lookup on purpose (any text ``int()`` reads, names stripped):
+        a false alarm only sends the case to the spare token."""
+        text = str(ref)
+        return text.strip() in self.own or _as_int(text) in self.own.values()
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +106,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             max_body_bytes=1024 * 1024,
             auto_migrate=False,
             rollup_interval_s=0.2,
+            token_cache_s=0.0,  # a revocation shows at once: _still_armed's check is exact
         )
     )
     server_log = logging.getLogger("uvicorn.error")
@@ -100,14 +114,34 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     with serve_in_thread(app) as url:
         server_log.addFilter(one_line)
         try:
-            admin, ingest = make_token(db_url, "admin"), make_token(db_url, "ingest")
+            admin = make_token(db_url, "admin", name=FUZZ_ADMIN)
+            ingest = make_token(db_url, "ingest", name=FUZZ_INGEST)
             ids = _seed(url, admin, ingest)
             schema = schemathesis.openapi.from_url(
                 f"{url}/openapi.json", headers={"Authorization": f"Bearer {admin}"}
             )
-            yield Live(url, admin, ingest, schema, ids)
+            yield Live(url, admin, ingest, schema, ids, _own_tokens(url, admin))
         finally:
             server_log.removeFilter(one_line)
+
+
+FUZZ_ADMIN, FUZZ_INGEST = "fuzz-admin", "fuzz-ingest"
+
+
+def _own_tokens(url: str, admin: str) -> dict[str, int]:
+    auth = {"Authorization": f"Bearer {admin}"}
+    listed = httpx.get(f"{url}/v1/tokens", headers=auth, timeout=30).json()
+    own = {d["name"]: d["id"] for d in listed if d["name"] in (FUZZ_ADMIN, FUZZ_INGEST)}
+    assert len(own) == 2, listed
+    return own
+
+
+def _still_armed(live: Live, label: str) -> None:
+    """Both fuzzing tokens still work after ``label``'s run: otherwise every case after it
+    would have been a 401, which conforms to the document and proves nothing."""
+    for token, path in ((live.admin, "/v1/tokens"), (live.ingest, "/v1/verifications")):
+        r = httpx.get(f"{live.url}{path}", headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 200, f"after {label}, GET {path} -> {r.status_code} {r.text}"
 
 
 class _OneLineErrors(logging.Filter):
@@ -252,9 +286,11 @@ def _fuzz(live: Live, label: str, token: str) -> None:
     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
         strategy = op.as_strategy(generation_mode=mode)
         if real and mode is GenerationMode.POSITIVE:  # half the cases name real objects
-            strategy = st.one_of(
-                strategy, op.as_strategy(generation_mode=mode, path_parameters=real)
-            )
+            strategies = [strategy, op.as_strategy(generation_mode=mode, path_parameters=real)]
+            if "ref" in names:  # and, for the token routes, the fuzz's own admin on purpose
+                own = {"ref": str(live.own[FUZZ_ADMIN])}
+                strategies.append(op.as_strategy(generation_mode=mode, path_parameters=own))
+            strategy = st.one_of(*strategies)
 
         @settings(
             max_examples=EXAMPLES,
@@ -266,9 +302,12 @@ def _fuzz(live: Live, label: str, token: str) -> None:
         )
         @given(case=strategy)
         def run(case: Any) -> None:
+            if "ref" in case.path_parameters and live.names_a_fuzzer(case.path_parameters["ref"]):
+                case.path_parameters = {**case.path_parameters, "ref": live.path_ids["ref"]}
             _check(case, headers)
 
         run()
+    _still_armed(live, label)
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -1,7 +1,7 @@
 """New names per token per hour are limited (issue 20, item 6): one unscoped ingest batch
 once created 3,000 deployments. Over a limit the batch gets 429 naming the limit and its
 setting, and nothing of it is stored; names already known cost nothing; each token lineage
-has its own budget."""
+has its own budget. Each kind (deployments, nodes, models, routes) has its own test."""
 
 from __future__ import annotations
 
@@ -57,3 +57,37 @@ def test_new_routes_are_limited_too(collector: Collector) -> None:
     assert r.status_code == 429, r.text
     assert r.json()["error"]["details"]["setting"] == "KVWATCH_MAX_NEW_ROUTES_PER_HOUR"
     assert _post(collector, collector.ingest, events[:150]).status_code == 200
+
+
+def test_new_nodes_are_limited(collector: Collector) -> None:
+    # one deployment and model, 201 nodes: over KVWATCH_MAX_NEW_NODES_PER_HOUR's 200
+    events = [f.config(1 + i, probe="p-n", node=f"decode-{i}") for i in range(201)]
+    r = _post(collector, collector.ingest, events)
+    assert r.status_code == 429, r.text
+    details = r.json()["error"]["details"]
+    assert details["setting"] == "KVWATCH_MAX_NEW_NODES_PER_HOUR"
+    assert (details["kind"], details["limit_per_hour"], details["in_batch"]) == ("node", 200, 201)
+    with collector.client(collector.admin) as admin:
+        assert admin.get("/v1/deployments").json() == []  # nothing of the batch stored
+    assert _post(collector, collector.ingest, events[:200]).status_code == 200
+    # the 201st node is new in the next batch: over the limit now, on its own
+    r = _post(collector, collector.ingest, events[200:])
+    assert r.status_code == 429 and r.json()["error"]["details"]["in_last_hour"] == 200
+
+
+def test_new_models_are_limited(collector: Collector) -> None:
+    # one deployment and route, 51 models: over KVWATCH_MAX_NEW_MODELS_PER_HOUR's 50
+    events = [f.admitted(1 + i, f"r-{i}", probe="p-m", model_id=f"m-{i}") for i in range(51)]
+    r = _post(collector, collector.ingest, events)
+    assert r.status_code == 429, r.text
+    details = r.json()["error"]["details"]
+    assert details["setting"] == "KVWATCH_MAX_NEW_MODELS_PER_HOUR"
+    assert (details["kind"], details["limit_per_hour"], details["in_batch"]) == ("model", 50, 51)
+    with collector.client(collector.admin) as admin:
+        assert admin.get("/v1/requests", params={"deployment_id": "glm-prod"}).json()["items"] == []
+    assert _post(collector, collector.ingest, events[:50]).status_code == 200
+    r = _post(collector, collector.ingest, events[50:])
+    assert r.status_code == 429 and r.json()["error"]["details"]["in_last_hour"] == 50
+    # another token has its own budget
+    other = [f.admitted(1, "r-x", probe="p-m2", model_id="m-50")]
+    assert _post(collector, collector.token("ingest"), other).status_code == 200

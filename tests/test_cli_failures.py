@@ -1,7 +1,8 @@
 """Failures a person can read. A database the CLI cannot use: every command that needs one
 ends with one line naming the database (password hidden) and what to check, and exit 2;
 ``--debug`` adds the traceback. Real subprocesses of the CLI, real closed ports, real files.
-And a probe that goes away mid-upload: one INFO line in the collector's log, no traceback."""
+And a client that goes away mid-upload (a probe's batch, or any other body): one INFO line in
+the collector's log, no traceback, nothing stored."""
 
 from __future__ import annotations
 
@@ -179,8 +180,18 @@ def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
 # ------------------------------------------------------------ the collector's side
 
 
+@pytest.mark.parametrize(
+    ("path", "start"),
+    [
+        # a probe's batch: the ingest route streams its own (larger) limit
+        ("/v1/events", b'[{"kind": "request.admitted", '),
+        # every other body goes through the shared body limit first
+        ("/v1/verifications", b'{"deployment_id": "glm-prod", "model_id": "m", "passed": '),
+    ],
+    ids=["events", "verifications"],
+)
 def test_a_client_that_leaves_mid_upload_is_one_info_line(
-    collector: Collector, caplog: pytest.LogCaptureFixture
+    collector: Collector, caplog: pytest.LogCaptureFixture, path: str, start: bytes
 ) -> None:
     # uvicorn's loggers do not propagate to the root: listen to them directly, so that an
     # ERROR with a traceback ("Exception in ASGI application") would be seen here too.
@@ -191,10 +202,10 @@ def test_a_client_that_leaves_mid_upload_is_one_info_line(
         host, port = collector.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(
-                b"POST /v1/events HTTP/1.1\r\nHost: kvwatch\r\n"
+                f"POST {path} HTTP/1.1\r\nHost: kvwatch\r\n".encode()
                 + f"Authorization: Bearer {collector.ingest}\r\n".encode()
                 + b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
-                + b'[{"kind": "request.admitted", '
+                + start
             )
             time.sleep(0.3)  # the route is reading the body when the client goes
         deadline = time.monotonic() + 20
@@ -208,6 +219,9 @@ def test_a_client_that_leaves_mid_upload_is_one_info_line(
     (gone,) = [r for r in ours if "disconnected" in r.getMessage()]
     assert gone.levelno == logging.INFO
     assert gone.exc_info is None and not gone.exc_text
-    assert "POST /v1/events" in gone.getMessage() and "nothing stored" in gone.getMessage()
+    assert f"POST {path}" in gone.getMessage() and "nothing stored" in gone.getMessage()
     assert [r.getMessage() for r in ours if r.levelno >= logging.WARNING] == []
     assert "Traceback" not in caplog.text
+    with collector.client(collector.admin) as admin:
+        assert admin.get("/v1/verifications").json() == []
+        assert admin.get("/v1/probes").json() == []

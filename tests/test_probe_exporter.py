@@ -8,6 +8,7 @@ the server stopped (``fake_collector``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -384,10 +385,16 @@ def test_adopted_batches_of_a_probe_id_refused_with_403_cannot_block_new_events(
     assert [e["seq"] for events, _ in kept for e in events] == list(range(1, 9))
 
 
-def test_the_own_probe_id_refused_with_403_gets_the_full_cap_for_every_batch(
-    fake_collector: FakeCollector, make_probe: Any, tmp_path: Path
+def test_403_keeps_the_data_until_the_token_is_fixed(
+    fake_collector: FakeCollector,
+    make_probe: Any,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # The probe's own 403 (a token's scope) may be fixed any time: no shortcut for it.
+    # The probe's own batches refused with 403 (its token's deployment scope, say): a
+    # configuration error like a 401, not a bad batch. Said once, and nothing dead-lettered
+    # however often it is refused, so the spool goes out once the token is fixed.
+    caplog.set_level(logging.INFO, logger="engine_probe.exporter")
     probe = make_probe(
         settings(
             fake_collector,
@@ -400,18 +407,19 @@ def test_the_own_probe_id_refused_with_403_gets_the_full_cap_for_every_batch(
     for i in range(4):
         pool(probe, used=i)
     assert probe.force_flush(5)
-
-    def data_dead_letters() -> list[tuple[list[dict[str, Any]], str]]:
-        kept = dead_letters(tmp_path / "spool")
-        return [(events, note) for events, note in kept if events[0]["kind"] == "pool.sample"]
-
-    wait_for(lambda: len(data_dead_letters()) == 2, what="both batches capped")
-    for events, note in data_dead_letters():
-        assert len(events) == 2 and "after 2 refusals" in note and "HTTP 403" in note
+    wait_for(lambda: fake_collector.statuses.count(403) >= 6, what="three times the cap")
+    assert dead_letters(tmp_path / "spool") == []
+    assert probe.stats()["spooled"]["events"] == 4
+    assert sum(probe.stats()["dropped"].values()) == 0
+    assert "KVWATCH_INGEST_TOKEN" in probe.stats()["last_error"]
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(loud) == 1 and "refused its token" in loud[0].getMessage(), loud
+    assert "KVWATCH_INGEST_TOKEN" in loud[0].getMessage()
+    assert "configuration error, not an outage" in loud[0].getMessage()
     fake_collector.status_override = None
-    assert probe.force_flush(5)
-    wait_for(lambda: fully_accounted(fake_collector, probe.probe_id), what="the report")
-    assert used_tokens(delivered(fake_collector, probe.probe_id)) == []
+    wait_for(lambda: len(fake_collector.events()) == 4, what="delivery with the fixed token")
+    assert used_tokens(delivered(fake_collector, probe.probe_id)) == [0, 1, 2, 3]
+    assert sum(probe.stats()["dropped"].values()) == 0
 
 
 # -- drops ---------------------------------------------------------------------------------

@@ -58,6 +58,33 @@ def test_an_ingest_token_reads_only_its_deployment_and_no_evidence(
         assert admin.get("/v1/verifications/999999").status_code == 404
 
 
+def test_an_unscoped_ingest_token_lists_every_deployments_summaries(
+    collector: Collector,
+) -> None:
+    """The documented choice (docs/using.md, docs/verify.md): an ingest token without a
+    deployment may write verifications for every deployment, so it may list every
+    deployment's summaries (what it could have uploaded itself: no evidence, no tenant
+    names); a deployment-scoped one lists only its own. Neither reads a record's evidence."""
+    scoped = collector.token("ingest", deployment_id="dep-b")
+    with collector.client(collector.ingest) as anyone, collector.client(scoped) as b:
+        ids = {}
+        for dep in ("dep-a", "dep-b"):
+            r = anyone.post("/v1/verifications", json=_verification(dep, tenant_keys="acme"))
+            assert r.status_code == 201, r.text
+            ids[dep] = r.json()["id"]
+        listed = anyone.get("/v1/verifications").json()
+        assert sorted(v["deployment_id"] for v in listed) == ["dep-a", "dep-b"]
+        assert anyone.get("/v1/verifications", params={"deployment_id": "dep-a"}).status_code == 200
+        text = str(listed)
+        assert "evidence" not in {k for v in listed for k in v}
+        assert "globex" not in text and "acme" not in text
+        assert [v["deployment_id"] for v in b.get("/v1/verifications").json()] == ["dep-b"]
+        for dep, vid in ids.items():
+            for http in (anyone, b):
+                r = http.get(f"/v1/verifications/{vid}")
+                assert r.status_code == 403, (dep, r.text)
+
+
 def _chunks(n: int) -> Iterator[bytes]:
     """A JSON body of ``n`` bytes sent without a Content-Length (chunked)."""
     yield b'{"reason": "'
@@ -79,7 +106,11 @@ def test_every_body_has_a_limit_and_nothing_partial_is_stored(collector: Collect
             "/v1/verify-schedules",
             "/v1/alerts/1/ack",
             "/v1/incidents/1/close",
+            "/v1/tokens",
+            "/v1/tokens/1/revoke",
+            "/v1/tokens/1/rotate",
         ]
+        tokens_before = admin.get("/v1/tokens").json()
         big = {"deployment_id": "d", "model_id": "m", "passed": True,
                "evidence": {"blob": "x" * (LIMIT + 10)}}  # fmt: skip
         for path in posts:
@@ -95,12 +126,27 @@ def test_every_body_has_a_limit_and_nothing_partial_is_stored(collector: Collect
             )
             assert r.status_code == 413, (path, r.status_code, r.text[:200])
         assert admin.get("/v1/verifications").json() == before
+        assert admin.get("/v1/tokens").json() == tokens_before
+        # ... and every one of them says so in the OpenAPI document
+        doc = admin.get("/openapi.json").json()
+        for path in posts:
+            template = next(t for t in doc["paths"] if _matches(t, path))
+            assert "413" in doc["paths"][template]["post"]["responses"], template
+        for template, item in doc["paths"].items():
+            for method, op in item.items():
+                if "requestBody" in op or method != "get":
+                    assert "413" in op["responses"], (method, template)
         # a body under the limit still reaches its route
         r = admin.post(
             "/v1/silences",
             json={"matchers": [{"name": "a", "value": "b"}], "duration": "1h", "comment": "ok"},
         )
         assert r.status_code == 201, r.text
+
+
+def _matches(template: str, path: str) -> bool:
+    a, b = template.split("/"), path.split("/")
+    return len(a) == len(b) and all(x == y or x.startswith("{") for x, y in zip(a, b, strict=True))
 
 
 def test_stored_evidence_is_bounded_and_lists_stay_small(collector: Collector) -> None:

@@ -83,15 +83,28 @@ def test_a_silence_too_long_to_end_in_range_is_refused(collector: Collector) -> 
             assert r.status_code == 422 and _named(r, "duration"), r.text
 
 
-@pytest.mark.parametrize("when", ["0001-01-05T00:00:00Z", "9999-12-31"])
-def test_the_cli_exits_2_on_far_times(tmp_path: Path, when: str) -> None:
+@pytest.mark.parametrize(
+    ("when", "far_for"),
+    [
+        ("0001-01-05T00:00:00Z", "99999999999d"),  # past what a datetime can hold
+        ("9999-12-31", "200000d"),  # a silence ending in 2574
+    ],
+)
+def test_the_cli_exits_2_on_far_times(tmp_path: Path, when: str, far_for: str) -> None:
     db = f"sqlite:///{tmp_path / 'kvwatch.db'}"
+    silence = ["silences", "create", "--match", "alertname=x", "--for", far_for, "--by", "ops",
+               "--comment", "forever"]  # fmt: skip
     for args in (
         ["report", "review", "--out", str(tmp_path), "--until", when],
         ["report", "breach", "--out", str(tmp_path), "--model", "m", "--since", when,
          "--until", "2026-01-01"],
         ["report", "inventory", "--model", "m", "--since", when, "--until", "2026-01-01"],
+        silence,
     ):  # fmt: skip
         res = CliRunner().invoke(cli, [*args, "--database-url", db])
         assert res.exit_code == 2, (args, res.output)
+        assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
         assert "Traceback" not in res.output and "range" in res.output, res.output
+    assert "--for" in res.output  # the silence's message names its flag
+    listed = CliRunner().invoke(cli, ["silences", "list", "--database-url", db])
+    assert listed.exit_code == 0 and "forever" not in listed.output, listed.output

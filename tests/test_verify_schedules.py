@@ -218,6 +218,38 @@ def test_a_schedule_needs_readable_keys_and_a_sane_interval(tmp_path: Path) -> N
     assert "sk-" not in r.output
 
 
+def test_every_is_bounded_above_too(collector: Collector, tmp_path: Path) -> None:
+    """At most MAX_EVERY_S (366 days) between runs: longer is a 422 naming `every` on the API
+    and exit 2 naming --every on the CLI. A period past PostgreSQL's BIGINT (or past a float)
+    is the same mistake, never a 500 or a traceback; nothing of a refused schedule is kept."""
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS_TEXT.replace(" ", "\n"))
+    body = {
+        "endpoint": "http://127.0.0.1:9/v1",
+        "model_id": MODEL,
+        "deployment_id": "d",
+        "keys_from": f"file:{keys}",
+    }
+    huge = ["367d", "53w", "999999999999999d", "9" * 400 + "d"]
+    with collector.client(collector.admin) as admin:
+        for every in huge:
+            r = admin.post("/v1/verify-schedules", json=body | {"every": every})
+            assert r.status_code == 422, (every, r.status_code, r.text[:300])
+            assert "every" in r.json()["error"]["message"] and "366d" in r.text, r.text
+        args = ["verify", "schedule", "add", "--endpoint", "http://127.0.0.1:9/v1",
+                "--model", MODEL, "--deployment", "d", "--keys-from", f"file:{keys}"]  # fmt: skip
+        for every in huge:
+            res = _cli(collector.db_url, *args, "--every", every)
+            assert res.exit_code == 2, (every, res.output)
+            assert not isinstance(res.exception, Exception) or isinstance(
+                res.exception, SystemExit
+            ), res.exception
+            assert "--every" in res.output and "366d" in res.output, res.output
+        assert admin.get("/v1/verify-schedules").json() == []
+        r = admin.post("/v1/verify-schedules", json=body | {"every": "366d"})
+        assert r.status_code == 201 and r.json()["every_s"] == 366 * 86400, r.text
+
+
 def test_one_run_at_a_time_per_endpoint(collector: Collector) -> None:
     """Two schedules of one endpoint: while one is claimed the other waits, on either
     database (PostgreSQL settles the race under an advisory lock)."""

@@ -4,13 +4,18 @@ larger limit: a probe's batch).
 A body is read up to the limit before any route runs, and refused with 413 past it (the
 declared ``Content-Length`` is refused before a byte is read). Bodies here are small JSON
 documents, so holding one in memory is the price of a route never seeing a partial one.
+A client that leaves before its body is whole is one INFO line, and no route runs: there is
+nobody to answer and nothing to store.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from collector.api.errors import error
+
+log = logging.getLogger("kvwatch.bodies")
 
 EXEMPT = frozenset({"/v1/events"})
 
@@ -33,8 +38,11 @@ class LimitBody:
         while True:
             message = await receive()
             messages.append(message)
+            if message["type"] == "http.disconnect":
+                _left(scope, size)
+                return
             if message["type"] != "http.request":
-                break  # the client left: let the app see it as it would
+                break  # nothing this middleware knows: let the app see it as it would
             size += len(message.get("body", b""))
             if size > self.limit:
                 await self._refuse(scope, receive, send, None)
@@ -56,3 +64,17 @@ class LimitBody:
             {"limit_bytes": self.limit},
         )
         await response(scope, receive, send)
+
+
+def _left(scope: Any, received: int) -> None:
+    """A client gone mid-upload (a stopped tool, a dropped network): routine and harmless,
+    so INFO and no traceback, as ``POST /v1/events`` says it."""
+    client = scope.get("client")
+    peer = f"{client[0]}:{client[1]}" if client else "?"
+    log.info(
+        "%s %s: %s disconnected after %d bytes, before sending the whole body; nothing stored",
+        scope.get("method", "?"),
+        scope.get("path", "?"),
+        peer,
+        received,
+    )

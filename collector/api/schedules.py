@@ -11,8 +11,12 @@ from pydantic import BaseModel, Field, field_validator
 
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
-from collector.verify_schedules import MAX_BUDGET, VerifyScheduleService
-from policies.durations import parse_duration
+from collector.verify_schedules import (
+    EVERY_RANGE,
+    MAX_BUDGET,
+    VerifyScheduleService,
+    every_seconds,
+)
 
 _ERRORS = params.errors(401, 403, 404, 422, 503)
 
@@ -23,7 +27,7 @@ class ScheduleIn(BaseModel):
     deployment_id: Annotated[
         str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
     ]
-    every: str = Field(description="How often, e.g. 6h (at least 1m)")
+    every: str = Field(description=f"How often, e.g. 6h ({EVERY_RANGE})")
     keys_from: Annotated[
         str,
         Field(
@@ -40,7 +44,7 @@ class ScheduleIn(BaseModel):
     @field_validator("every")
     @classmethod
     def _every(cls, value: str) -> str:
-        parse_duration(value)  # ValueError: a 422 naming the field
+        every_seconds(value)  # ValueError (not a duration, or out of range): a 422 naming it
         return value
 
 
@@ -61,7 +65,7 @@ def build_router(service: VerifyScheduleService) -> APIRouter:
     async def add_schedule(body: ScheduleIn, who: Caller) -> dict[str, Any]:
         who.require("admin")
         values = body.model_dump()
-        values["every_s"] = int(parse_duration(body.every))
+        values["every_s"] = every_seconds(body.every)
         return await in_thread(service.add, values, who.label, datetime.now(UTC))
 
     @r.delete("/v1/verify-schedules/{schedule_id}", responses=_ERRORS, summary="Remove a schedule")
