@@ -13,7 +13,7 @@ RUNTIME := $(VENV)/.kvwatch-runtime
 ENGINES := vllm sglang
 ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 
-.PHONY: runtime setup engines demo test pytest pytest-engines lint docs docs-config clean
+.PHONY: runtime setup engines demo test pytest pytest-engines lint docs docs-config dashboards clean
 
 # What the demo needs: torch's CPU wheel and kvwatch with its runtime dependencies. Each
 # step says what it installs (pip itself stays quiet).
@@ -76,6 +76,10 @@ docs: setup
 
 docs-config: setup
 	$(BIN)/python -m kvwatch.docs_config > docs/configuration.md
+
+# The Grafana dashboards (deploy/grafana/*.json) are generated: edit generate.py, then this.
+dashboards: setup
+	$(BIN)/python -m deploy.grafana.generate
 
 clean:
 	rm -rf $(VENV) $(ENGINES:%=.venv-%) $(DEMO_DIR) site .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import Connection, func, select
 
+from collector import deployment_facts as facts
 from collector import models as m
 from collector import queries
 from collector.db import Database
 from collector.errors import Unavailable
 from collector.rollups.buckets import bin_high, bin_of
+from policies.safe_context import safe_context
 
 
 class CollectorMetrics:
@@ -175,6 +177,38 @@ class _DeploymentGauges(Collector):
             "Events a probe's seq numbers show as lost (open gaps).",
             labels=["probe", "deployment"],
         )
+        # What the context_pressure rule measures prompts against, so that Prometheus (and
+        # Grafana) draw the same line kvwatch alerts on, and whether a verification backs it.
+        safe = GaugeMetricFamily(
+            "kvwatch_deployment_safe_context_tokens",
+            "The context prompts are measured against: the verified safe context while the "
+            "passing verification still matches every node serving the model, else "
+            "min(advertised context, prefill pool).",
+            labels=["deployment", "model"],
+        )
+        verified = GaugeMetricFamily(
+            "kvwatch_deployment_verified_safe_context_tokens",
+            "The verified safe context, only while the passing verification's settings still "
+            "match every node serving the model.",
+            labels=["deployment", "model"],
+        )
+        verified_at = GaugeMetricFamily(
+            "kvwatch_deployment_last_verified_timestamp_seconds",
+            "When the model last passed verification on the deployment (Unix time).",
+            labels=["deployment", "model"],
+        )
+        # Counted over the last hour from the database (like the largest prompt), not in the
+        # process: every replica reports the same, and retention never makes a count go back.
+        stale = GaugeMetricFamily(
+            "kvwatch_deployment_stale_reads_1h",
+            "page.stale_read events in the last hour (by their event time).",
+            labels=["deployment"],
+        )
+        canary = GaugeMetricFamily(
+            "kvwatch_deployment_canary_hits_1h",
+            "canary.hit events in the last hour (by their event time).",
+            labels=["deployment"],
+        )
         try:
             with self.db.read() as conn:
                 d = m.Deployment
@@ -206,6 +240,22 @@ class _DeploymentGauges(Collector):
                 ):
                     if mx is not None and n >= self.min_requests and dep in kept:
                         maxp.add_metric([dep], math.ceil(bin_high(bin_of(int(mx)))))
+                self._safe_context(conn, kept, safe, verified, verified_at)
+                counts: dict[tuple[str, str], int] = {
+                    (dep, kind): n
+                    for dep, kind, n in conn.execute(
+                        select(m.PageEvent.deployment_id, m.PageEvent.kind, func.count())
+                        .where(
+                            m.PageEvent.kind.in_(("page.stale_read", "canary.hit")),
+                            m.PageEvent.ts >= since,
+                        )
+                        .group_by(m.PageEvent.deployment_id, m.PageEvent.kind)
+                    )
+                }
+                # Zeros included: "no stale read this hour" is an answer, not missing data.
+                for dep in sorted(kept):
+                    stale.add_metric([dep], counts.get((dep, "page.stale_read"), 0))
+                    canary.add_metric([dep], counts.get((dep, "canary.hit"), 0))
                 for probe, dep, n in conn.execute(
                     select(
                         m.SeqGap.probe_id,
@@ -220,3 +270,28 @@ class _DeploymentGauges(Collector):
         except Unavailable:
             return  # the ingest counters still scrape while the database is down
         yield from (adv, cap, used, occ, maxp, missing, omitted)
+        yield from (safe, verified, verified_at, stale, canary)
+
+    @staticmethod
+    def _safe_context(
+        conn: Connection,
+        kept: set[str],
+        safe: GaugeMetricFamily,
+        verified: GaugeMetricFamily,
+        verified_at: GaugeMetricFamily,
+    ) -> None:
+        """The safe context of each (deployment, model) as policies.safe_context decides
+        it, the one definition the rule, the reports and the dashboard share."""
+        configs = facts.node_configs(conn, kept)
+        latest = facts.verifications(conn, kept)  # a later failure withdraws a pass
+        by_dep = facts.deployment_facts(configs, latest, {}, kept)
+        models = {(d, c.model_id) for (d, _), c in configs.items()} | set(latest)
+        for dep, model in sorted(models):
+            bound, is_verified = safe_context(by_dep[dep], model)
+            if bound is not None:
+                safe.add_metric([dep, model], bound)
+                if is_verified:
+                    verified.add_metric([dep, model], bound)
+            v = latest.get((dep, model))
+            if v is not None and v.last_passed_at is not None:
+                verified_at.add_metric([dep, model], v.last_passed_at.timestamp())

@@ -130,6 +130,17 @@ def prefix_hit(seq: int, **kw: Any) -> ev.Event:
     return ev.PrefixCacheHit(**base(seq, **_pop_base(fields)), **fields)
 
 
+def canary_hit(seq: int, **kw: Any) -> ev.Event:
+    fields: dict[str, Any] = {
+        "detector": "paint",
+        "reader_request_id": "r-victim",
+        "reader_tenant": "globex",
+        "canary_tenant": "acme",
+        "page_ids": [7],
+    } | kw
+    return ev.CanaryHit(**base(seq, **_pop_base(fields)), **fields)
+
+
 def _pop_base(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: fields.pop(k) for k in ("probe", "dep", "ts") if k in fields}
 

@@ -8,11 +8,13 @@ import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from collector.rollups.buckets import bin_high, bin_of
 from tests import factories as f
@@ -87,3 +89,70 @@ def test_a_scrape_token_closes_metrics(tmp_path: Path) -> None:
         ok = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer scrape-me"})
         assert ok.status_code == 200 and "kvwatch_ingest_events" in ok.text
         assert httpx.get(f"{url}/healthz").status_code == 200  # the probes stay open
+
+
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def test_safe_context_and_leaks_of_the_hour_are_published(collector: Collector) -> None:
+    """The line context_pressure measures against, whether a verification backs it, and the
+    hour's stale reads and canary hits: what a Grafana panel of them needs."""
+    now = datetime.now(UTC)
+    old = now - timedelta(hours=2)
+    _post(
+        collector.url,
+        collector.ingest,
+        [
+            f.config(1, ts=now),  # advertised 1,048,576, prefill pool 681,280
+            f.stale_read(2, ts=now),
+            f.stale_read(3, ts=now),
+            f.canary_hit(4, ts=now),
+            f.stale_read(5, ts=old),  # before the hour: not counted
+        ],
+    )
+    _post(collector.url, collector.ingest, [f.config(1, dep="quiet", probe="probe-q", ts=now)])
+    text = httpx.get(f"{collector.url}/metrics").text
+    glm, model = ("deployment", "glm-prod"), ("model", "glm-5.3")
+    # unverified: min(advertised, prefill pool), and no verified series
+    assert _samples(text, "kvwatch_deployment_safe_context_tokens")[(glm, model)] == 681_280
+    assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {}
+    assert _samples(text, "kvwatch_deployment_stale_reads_1h") == {
+        (glm,): 2,
+        (("deployment", "quiet"),): 0,
+    }
+    assert _samples(text, "kvwatch_deployment_canary_hits_1h")[(glm,)] == 1
+
+    with collector.client(collector.admin) as c:
+        r = c.post(
+            "/v1/verifications",
+            json={
+                "deployment_id": "glm-prod",
+                "model_id": "glm-5.3",
+                "passed": True,
+                "verified_safe_context": 600_000,
+                "pool_capacity_tokens": 681_280,
+                "verified_at": now.isoformat(),
+            },
+        )
+        assert r.status_code == 201, r.text
+    text = httpx.get(f"{collector.url}/metrics").text
+    assert _samples(text, "kvwatch_deployment_safe_context_tokens")[(glm, model)] == 600_000
+    assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {
+        (glm, model): 600_000
+    }
+    at = _samples(text, "kvwatch_deployment_last_verified_timestamp_seconds")[(glm, model)]
+    assert at == pytest.approx(now.timestamp(), abs=1e-3)
+
+    # a pool that no longer matches the verification withdraws it (the same bound the rule
+    # uses); when it last passed stays published
+    _post(collector.url, collector.ingest, [f.config(6, pool_tokens=500_000, ts=now)])
+    text = httpx.get(f"{collector.url}/metrics").text
+    assert _samples(text, "kvwatch_deployment_safe_context_tokens")[(glm, model)] == 500_000
+    assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {}
+    assert (glm, model) in _samples(text, "kvwatch_deployment_last_verified_timestamp_seconds")

@@ -1,0 +1,533 @@
+"""The Grafana dashboards (deploy/grafana/): the committed JSON is what the script generates,
+and every panel's query parses and returns data in a real Prometheus (Debian's package,
+which ``.ci/run`` installs) scraping a real collector and engine-style ``/metrics``.
+
+Grafana itself cannot run here: its part is substituting the template variables, which the
+test does (``$deployment`` and ``$model`` as "All", ``.*``, and as each concrete value;
+``$__rate_interval`` as a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from deploy.grafana import generate
+from kvwatch.embedded import free_port, serve_in_thread
+from tests import factories as f
+from tests.conftest import make_token
+
+pytestmark = pytest.mark.slow
+
+PROMETHEUS_BIN = "/usr/bin/prometheus"
+DASHBOARDS = {name: json.loads(text) for name, text in generate.render().items()}
+RATE_INTERVAL = "1m"
+# (deployment, model) of the fleet the test builds: a vLLM deployment behind the gateway,
+# and an SGLang one.
+VLLM = ("glm-prod", "glm-5.3")
+SGLANG = ("llama-dev", "llama-3.1-8b")
+
+
+# ----------------------------------------------------------------- the committed JSON
+
+
+def test_the_committed_json_is_what_the_script_generates() -> None:
+    for name, text in generate.render().items():
+        committed = (generate.HERE / name).read_text(encoding="utf-8")
+        assert committed == text, (
+            f"deploy/grafana/{name} differs from what the script generates: "
+            "edit deploy/grafana/generate.py, then run python -m deploy.grafana.generate"
+        )
+    assert generate.main(["--check"]) == 0
+
+
+def _panels(doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for p in doc["panels"]:
+        yield p
+        yield from p.get("panels") or []
+
+
+def test_every_panel_reads_the_datasource_variable() -> None:
+    """Imported anywhere, the dashboards ask for a Prometheus instead of naming one."""
+    for name, doc in DASHBOARDS.items():
+        ids = [p["id"] for p in _panels(doc)]
+        assert len(ids) == len(set(ids)), name
+        (ds,) = [v for v in doc["templating"]["list"] if v["type"] == "datasource"]
+        assert (ds["name"], ds["query"]) == ("datasource", "prometheus")
+        for p in _panels(doc):
+            if p["type"] == "row":
+                continue
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+            assert p["targets"], p["title"]
+            for t in p["targets"]:
+                assert t["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+# ------------------------------------------------------------- engine-style /metrics
+#
+# STAND-IN, to be replaced: the reference engine's and the gateway's own /metrics (issue 22,
+# part 3) land in another branch. Until then this serves static exposition text in the names
+# and labels they will use (vLLM's, and kvwatch_gateway_*), from a tiny local server; once
+# merged, scrape `kvwatch engine serve` and `kvwatch gateway` instead of /vllm and /gateway.
+# The SGLang exposition stays: its names are SGLang's own (python/sglang/srt/metrics/
+# collector.py: scheduler and tokenizer-manager series, labelled model_name and tp_rank).
+# Counters and histograms grow with every scrape so that rates and quantiles have data.
+
+
+def _histogram(name: str, labels: str, bounds: list[float], seen: list[float], n: int) -> str:
+    lines = [f"# TYPE {name} histogram"]
+    for le in [*bounds, math.inf]:
+        count = sum(1 for v in seen if v <= le) * n
+        le_s = "+Inf" if le == math.inf else repr(float(le))
+        lines.append(f'{name}_bucket{{{labels},le="{le_s}"}} {count}')
+    lines.append(f"{name}_sum{{{labels}}} {sum(seen) * n}")
+    lines.append(f"{name}_count{{{labels}}} {len(seen) * n}")
+    return "\n".join(lines)
+
+
+def _metric(kind: str, name: str, samples: list[tuple[str, float]]) -> str:
+    return "\n".join([f"# TYPE {name} {kind}", *(f"{name}{{{lv}}} {v}" for lv, v in samples)])
+
+
+TOKENS = [100.0, 1_000.0, 10_000.0, 100_000.0, 1_000_000.0]
+SECONDS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def vllm_metrics(n: int) -> str:
+    m = f'model_name="{VLLM[1]}"'
+    return "\n".join(
+        [
+            _metric("gauge", "vllm:num_requests_running", [(m, 3)]),
+            _metric("gauge", "vllm:num_requests_waiting", [(m, 1)]),
+            _metric("gauge", "vllm:kv_cache_usage_perc", [(m, 0.42)]),
+            _metric("counter", "vllm:prompt_tokens_total", [(m, 52_000 * n)]),
+            _metric("counter", "vllm:generation_tokens_total", [(m, 900 * n)]),
+            _metric(
+                "counter",
+                "vllm:request_success_total",
+                [(f'finished_reason="stop",{m}', 3 * n), (f'finished_reason="length",{m}', n)],
+            ),
+            _histogram("vllm:request_prompt_tokens", m, TOKENS, [800, 5_000, 46_000], n),
+            _histogram("vllm:request_generation_tokens", m, TOKENS, [50, 250, 600], n),
+            _histogram("vllm:e2e_request_latency_seconds", m, SECONDS, [0.4, 1.2, 3.0], n),
+            _histogram("vllm:time_to_first_token_seconds", m, SECONDS, [0.04, 0.09, 0.3], n),
+        ]
+    )
+
+
+def gateway_metrics(n: int) -> str:
+    m = f'model="{VLLM[1]}"'
+    return "\n".join(
+        [
+            _metric(
+                "counter",
+                "kvwatch_gateway_requests_total",
+                [(f'{m},outcome="forwarded"', 4 * n), (f'{m},outcome="refused"', n)],
+            ),
+            _metric("counter", "kvwatch_gateway_refusals_total", [(f'{m},reason="over_limit"', n)]),
+            _metric("gauge", "kvwatch_gateway_limit_tokens", [(f'{m},source="verified"', 600_000)]),
+            _histogram("kvwatch_gateway_upstream_latency_seconds", m, SECONDS, [0.5, 1.5], n),
+            _histogram("kvwatch_gateway_prompt_tokens", m, TOKENS, [900, 48_000], n),
+        ]
+    )
+
+
+def sglang_metrics(n: int) -> str:
+    m = f'model_name="{SGLANG[1]}",tp_rank="0"'
+    return "\n".join(
+        [
+            _metric("gauge", "sglang:num_running_reqs", [(m, 5)]),
+            _metric("gauge", "sglang:num_queue_reqs", [(m, 2)]),
+            _metric("gauge", "sglang:token_usage", [(m, 0.31)]),
+            _metric("gauge", "sglang:max_total_num_tokens", [(m, 200_000)]),
+            _metric("gauge", "sglang:context_len", [(m, 131_072)]),
+            _metric("counter", "sglang:prompt_tokens_total", [(m, 30_000 * n)]),
+            _metric("counter", "sglang:generation_tokens_total", [(m, 700 * n)]),
+            _metric("counter", "sglang:num_requests_total", [(m, 4 * n)]),
+            _metric("counter", "sglang:num_aborted_requests_total", [(m, n)]),
+            _histogram("sglang:prompt_tokens_histogram", m, TOKENS, [700, 9_000, 20_000], n),
+            _histogram("sglang:generation_tokens_histogram", m, TOKENS, [40, 300], n),
+            _histogram("sglang:time_to_first_token_seconds", m, SECONDS, [0.06, 0.2], n),
+            _histogram("sglang:e2e_request_latency_seconds", m, SECONDS, [0.7, 2.2], n),
+        ]
+    )
+
+
+EXPOSITIONS: dict[str, Callable[[int], str]] = {
+    "/vllm/metrics": vllm_metrics,
+    "/sglang/metrics": sglang_metrics,
+    "/gateway/metrics": gateway_metrics,
+}
+
+
+class _Exposition(BaseHTTPRequestHandler):
+    scrapes: dict[str, int] = {}  # noqa: RUF012 (one server per module, one table)
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:
+        render = EXPOSITIONS.get(self.path)
+        if render is None:
+            self.send_error(404)
+            return
+        with self.lock:
+            n = self.scrapes[self.path] = self.scrapes.get(self.path, 0) + 1
+        body = (render(n) + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:  # Prometheus scrapes every second: quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def engines_metrics() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------------ the collector, fed
+
+
+@dataclass
+class Kvwatch:
+    url: str
+    ingest: str
+    admin: str
+
+    def post(self, events: list[Any]) -> None:
+        r = httpx.post(
+            f"{self.url}/v1/events",
+            json=[f.as_json(e) for e in events],
+            headers={"Authorization": f"Bearer {self.ingest}"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+
+
+@contextmanager
+def running_collector(tmp: Path, port: int) -> Iterator[Kvwatch]:
+    from collector import migrate
+    from collector.app import create_app
+    from collector.settings import Settings
+
+    db_url = f"sqlite:///{tmp / 'kvwatch.db'}"
+    migrate.upgrade(db_url)
+    app = create_app(Settings(database_url=db_url, auto_migrate=False, rollup_interval_s=0.2))
+    with serve_in_thread(app, port=port) as url:
+        yield Kvwatch(url, make_token(db_url, "ingest"), make_token(db_url, "admin"))
+
+
+def feed(kv: Kvwatch) -> None:
+    """A small fleet, as probes send it: glm-prod (disaggregated, verified, a stale read and
+    a canary hit, a gap in its probe's sequence) and llama-dev (one node, unverified)."""
+    now = datetime.now(UTC)
+    dep, model = VLLM
+    seq = iter(range(1, 1000))
+    at = {"dep": dep, "ts": now, "model_id": model}
+    events = [
+        f.config(next(seq), **at),  # prefill-0: advertised 1,048,576, pool 681,280
+        f.config(next(seq), **at, node="decode-0", role="decode", pool_tokens=2_000_000),
+        f.pool(next(seq), used=450_000, dep=dep, ts=now, node="prefill-0", role="prefill"),
+        f.pool(next(seq), used=900_000, cap=2_000_000, dep=dep, ts=now, node="decode-0"),
+    ]
+    for i in range(12):  # enough requests in the hour for the largest prompt to be published
+        events.append(f.admitted(next(seq), f"g-{i}", prompt=480_000 + i * 1_000, **at))
+    events.append(f.finished(next(seq), "g-0", dep=dep, ts=now))
+    for _ in range(4):  # lost on the way: the probe's seq numbers show the gap
+        next(seq)
+    events.append(f.stale_read(next(seq), dep=dep, ts=now, role="decode"))
+    events.append(f.canary_hit(next(seq), dep=dep, ts=now))
+    kv.post(events)
+
+    dep, model = SGLANG
+    at = {"dep": dep, "probe": "probe-b", "ts": now}
+    kv.post(
+        [
+            f.config(
+                1,
+                **at,
+                model_id=model,
+                engine="sglang",
+                advertised_context=131_072,
+                pool_tokens=200_000,
+                node="node-0",
+                role="both",
+                disaggregated=False,
+            ),
+            f.pool(2, used=60_000, cap=200_000, **at, node="node-0", role="both"),
+            *(
+                f.admitted(3 + i, f"l-{i}", prompt=9_000 + i * 500, model_id=model, **at)
+                for i in range(12)
+            ),
+        ]
+    )
+    with httpx.Client(base_url=kv.url, headers={"Authorization": f"Bearer {kv.admin}"}) as c:
+        r = c.post(
+            "/v1/verifications",
+            json={
+                "deployment_id": VLLM[0],
+                "model_id": VLLM[1],
+                "passed": True,
+                "verified_safe_context": 600_000,
+                "pool_capacity_tokens": 681_280,
+                "verified_at": (now - timedelta(minutes=5)).isoformat(),
+            },
+        )
+        assert r.status_code == 201, r.text
+    # one batch refused, for the refusals panel
+    bad = httpx.post(
+        f"{kv.url}/v1/events",
+        json=[{"kind": "no.such.kind"}],
+        headers={"Authorization": f"Bearer {kv.ingest}"},
+        timeout=30,
+    )
+    assert bad.status_code == 422, bad.text
+
+
+# ---------------------------------------------------------------------- Prometheus
+
+
+@dataclass
+class Prometheus:
+    url: str
+    http: httpx.Client
+
+    def query(self, expr: str) -> dict[str, Any]:
+        r = self.http.get(f"{self.url}/api/v1/query", params={"query": expr})
+        body: dict[str, Any] = r.json()
+        return body
+
+    def label_values(self, label: str, match: str) -> list[str]:
+        r = self.http.get(f"{self.url}/api/v1/label/{label}/values", params={"match[]": match})
+        assert r.status_code == 200, r.text
+        return list(r.json()["data"])
+
+
+def _wait(what: str, check: Callable[[], bool], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"{what} within {timeout_s:.0f} s; Prometheus said:\n{log.read_text()[-3000:]}"
+            )
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    tmp_path_factory: pytest.TempPathFactory, engines_metrics: str
+) -> Iterator[Prometheus]:
+    """A real Prometheus on 127.0.0.1, scraping every second: a real collector, fed once all
+    targets are up, and the engine and gateway targets, each labelled with its kvwatch
+    deployment as docs/grafana.md says. Prometheus starts first: it takes its first targets
+    about 5 s after it starts (its discovery's fixed update interval), and the collector
+    starts meanwhile."""
+    if not os.path.exists(PROMETHEUS_BIN):
+        if os.environ.get("CI"):
+            pytest.fail(f"{PROMETHEUS_BIN} is missing: .ci/run installs prometheus")
+        pytest.skip(f"{PROMETHEUS_BIN} not installed (apt-get install prometheus)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    collector_port = free_port()
+
+    def job(name: str, target: str, path: str = "/metrics", deployment: str = "") -> str:
+        labels = f", labels: {{deployment: {deployment}}}" if deployment else ""
+        return (
+            f"  - job_name: {name}\n    metrics_path: {path}\n"
+            f"    static_configs: [{{targets: ['{target}']{labels}}}]\n"
+        )
+
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        + job("kvwatch", f"127.0.0.1:{collector_port}")
+        + job("vllm", engines_metrics, "/vllm/metrics", VLLM[0])
+        + job("gateway", engines_metrics, "/gateway/metrics", VLLM[0])
+        + job("sglang", engines_metrics, "/sglang/metrics", SGLANG[0])
+    )
+    port = free_port()
+    log_path = tmp / "prometheus.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [
+            PROMETHEUS_BIN,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    prom = Prometheus(f"http://127.0.0.1:{port}", httpx.Client(timeout=10))
+
+    def targets_up() -> bool:
+        assert proc.poll() is None, "Prometheus exited"
+        try:
+            r = prom.http.get(f"{prom.url}/api/v1/targets")
+        except httpx.HTTPError:
+            return False
+        active = r.json()["data"]["activeTargets"] if r.status_code == 200 else []
+        return len(active) == 4 and all(t["health"] == "up" for t in active)
+
+    def scraped_after_feed() -> bool:
+        found = prom.query('kvwatch_deployment_canary_hits_1h{deployment="glm-prod"} > 0')
+        return bool(found.get("data", {}).get("result"))
+
+    try:
+        with running_collector(tmp, collector_port) as kvwatch:
+            _wait("the four targets were not up", targets_up, 20, log_path)
+            feed(kvwatch)  # after a first scrape: the ingest counters' rates see it happen
+            _wait("the collector was not scraped after the feed", scraped_after_feed, 10, log_path)
+            yield prom
+    finally:
+        prom.http.close()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+# ------------------------------------------------------------------- the queries
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    dashboard: str
+    panel: str
+    ref: str
+    expr: str
+
+    def __str__(self) -> str:
+        return f"{self.dashboard} / {self.panel} / {self.ref}: {self.expr}"
+
+
+QUERIES = [
+    PanelQuery(name, p["title"], t["refId"], t["expr"])
+    for name, doc in DASHBOARDS.items()
+    for p in _panels(doc)
+    for t in p.get("targets") or []
+]
+
+
+def substitute(expr: str, deployment: str = ".*", model: str = ".*") -> str:
+    """What Grafana does before it sends a query (multi-value variables become regexes;
+    "All" is the variables' allValue, .*)."""
+    out = (
+        expr.replace("$__rate_interval", RATE_INTERVAL)
+        .replace("$deployment", deployment)
+        .replace("$model", model)
+    )
+    assert "$" not in out, f"a template variable the test does not know: {out}"
+    return out
+
+
+def _has_data(body: dict[str, Any]) -> bool:
+    """Success, and at least one series with a number (a quantile of nothing is NaN)."""
+    if body.get("status") != "success":
+        return False
+    data = body["data"]
+    rows = data["result"] if data["resultType"] in ("vector", "matrix") else [data]
+    return any(
+        math.isfinite(float(v[1]))
+        for row in rows
+        for v in (row.get("values") or [row.get("value") or row["result"]])
+    )
+
+
+def _until_all_have_data(
+    prom: Prometheus, exprs: dict[PanelQuery, list[str]], timeout_s: float = 15
+) -> dict[PanelQuery, list[dict[str, Any]]]:
+    """Each query's answers, retried until each has data in at least one of its variants
+    (the first scrapes after the feed may still be arriving) or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(exprs)
+    answers: dict[PanelQuery, list[dict[str, Any]]] = {}
+    while True:
+        for q, variants in list(pending.items()):
+            answers[q] = [prom.query(e) for e in variants]
+            for e, body in zip(variants, answers[q], strict=True):
+                # a query Prometheus cannot parse never will: fail at once, with its error
+                assert body.get("status") == "success", f"{q}\n  as sent: {e}\n  -> {body}"
+            if any(_has_data(b) for b in answers[q]):
+                del pending[q]
+        if not pending or time.monotonic() > deadline:
+            return {q: answers[q] for q in pending}
+        time.sleep(0.5)
+
+
+def test_the_dashboards_have_the_panels_the_issue_asks_for() -> None:
+    titles = {name: {p["title"] for p in _panels(doc)} for name, doc in DASHBOARDS.items()}
+    operator, engines = titles["kvwatch-operator.json"], titles["kvwatch-engines.json"]
+    assert {
+        "Context per deployment: advertised vs pool vs verified safe context",
+        "Context pressure: largest prompt of the hour / safe context",
+        "KV pool occupancy",
+        "Stale reads and canary hits, last hour",
+        "Alerts by rule",
+        "Events ingested",
+        "Events lost per probe (sequence gaps)",
+    } <= operator
+    assert {"KV cache usage", "Prompt tokens p99 vs the safe context"} <= engines
+    exprs = " ".join(q.expr for q in QUERIES if q.dashboard == "kvwatch-engines.json")
+    assert "vllm:" in exprs and "sglang:" in exprs and "kvwatch_gateway_" in exprs
+
+
+def test_every_panel_query_returns_data_for_all_deployments(prometheus: Prometheus) -> None:
+    missing = _until_all_have_data(prometheus, {q: [substitute(q.expr)] for q in QUERIES})
+    assert not missing, "no data:\n" + "\n".join(str(q) for q in missing)
+
+
+def test_every_panel_query_returns_data_for_one_deployment_and_model(
+    prometheus: Prometheus,
+) -> None:
+    """Picking one deployment and model in the dashboard: each query, as Grafana sends it
+    then, parses, and returns data for the glm-prod (vLLM) or the llama-dev (SGLang) pick,
+    so no filter names a label its series lack."""
+    variants = {q: [substitute(q.expr, d, m) for d, m in (VLLM, SGLANG)] for q in QUERIES}
+    missing = _until_all_have_data(prometheus, variants)
+    assert not missing, "no data for either pick:\n" + "\n".join(str(q) for q in missing)
+
+
+def test_the_variables_list_the_fleet(prometheus: Prometheus) -> None:
+    """Each query variable (label_values(selector, label)) lists what the fleet has."""
+    expected = {"deployment": {VLLM[0], SGLANG[0]}, "model": {VLLM[1], SGLANG[1]}}
+    seen = set()
+    for doc in DASHBOARDS.values():
+        for v in doc["templating"]["list"]:
+            if v["type"] != "query":
+                continue
+            found = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", v["query"])
+            assert found, v["query"]
+            selector, label = found.groups()
+            assert label == v["name"]
+            values = prometheus.label_values(label, substitute(selector))
+            assert set(values) == expected[label], (v["query"], values)
+            seen.add(label)
+    assert seen == set(expected)
