@@ -16,13 +16,18 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, func, select
 
-from collector import deployment_facts as facts
+from collector import deployment_facts, queries
 from collector import models as m
-from collector import queries
 from collector.db import Database
 from collector.errors import Unavailable
 from collector.rollups.buckets import bin_high, bin_of
+from policies import VerificationFact
 from policies.safe_context import safe_context
+
+# Per deployment: the (model, route) series of the largest prompts; the rest are left out.
+MAX_ROUTES = 20
+# Verifications looked back through, past runs that reached no verdict.
+_LOOK_BACK = 50
 
 
 class CollectorMetrics:
@@ -135,6 +140,7 @@ class _DeploymentGauges(Collector):
         self.db = db
         self.max_deployments = max_deployments
         self.min_requests = min_requests
+        self.max_routes = MAX_ROUTES
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: collected from the database at scrape time
@@ -172,42 +178,59 @@ class _DeploymentGauges(Collector):
             f"Deployments whose series this scrape left out (over the {self.max_deployments} "
             "most recently seen; KVWATCH_METRICS_MAX_DEPLOYMENTS).",
         )
-        missing = GaugeMetricFamily(
-            "kvwatch_probe_missing_events",
-            "Events a probe's seq numbers show as lost (open gaps).",
-            labels=["probe", "deployment"],
+        route_maxp = GaugeMetricFamily(
+            "kvwatch_deployment_route_max_prompt_tokens_1h",
+            "Largest prompt in the last hour per model and route, rounded up to its 9%-wide "
+            f"size bin; only with at least {self.min_requests} requests of that model and "
+            f"route in the hour, and for the {self.max_routes} largest per deployment.",
+            labels=["deployment", "model", "route"],
+        )
+        verified = GaugeMetricFamily(
+            "kvwatch_deployment_verified_safe_context_tokens",
+            "Verified safe context of the latest verification, when it passed.",
+            labels=["deployment", "model"],
+        )
+        failed = GaugeMetricFamily(
+            "kvwatch_deployment_verification_failed",
+            "1 if the latest verification with a verdict failed (found the endpoint "
+            "unsafe), 0 if it passed.",
+            labels=["deployment", "model"],
+        )
+        passed_at = GaugeMetricFamily(
+            "kvwatch_deployment_last_passed_verification_timestamp_seconds",
+            "When the latest passing verification ran (Unix time).",
+            labels=["deployment", "model"],
         )
         # What the context_pressure rule measures prompts against, so that Prometheus (and
-        # Grafana) draw the same line kvwatch alerts on, and whether a verification backs it.
+        # Grafana) draw the same line kvwatch alerts on.
         safe = GaugeMetricFamily(
             "kvwatch_deployment_safe_context_tokens",
             "The context prompts are measured against: the verified safe context while the "
             "passing verification still matches every node serving the model, else "
             "min(advertised context, prefill pool).",
-            labels=["deployment", "model"],
-        )
-        verified = GaugeMetricFamily(
-            "kvwatch_deployment_verified_safe_context_tokens",
-            "The verified safe context, only while the passing verification's settings still "
-            "match every node serving the model.",
-            labels=["deployment", "model"],
-        )
-        verified_at = GaugeMetricFamily(
-            "kvwatch_deployment_last_verified_timestamp_seconds",
-            "When the model last passed verification on the deployment (Unix time).",
-            labels=["deployment", "model"],
-        )
-        # Counted over the last hour from the database (like the largest prompt), not in the
-        # process: every replica reports the same, and retention never makes a count go back.
-        stale = GaugeMetricFamily(
-            "kvwatch_deployment_stale_reads_1h",
-            "page.stale_read events in the last hour (by their event time).",
-            labels=["deployment"],
+            labels=["deployment", "model", "verified"],
         )
         canary = GaugeMetricFamily(
             "kvwatch_deployment_canary_hits_1h",
-            "canary.hit events in the last hour (by their event time).",
+            "Canary hits recorded in the last hour (by event time); also counted in "
+            "kvwatch_deployment_stale_reads_1h.",
             labels=["deployment"],
+        )
+        stale = GaugeMetricFamily(
+            "kvwatch_deployment_stale_reads_1h",
+            "Stale page reads and canary hits recorded in the last hour (by event time).",
+            labels=["deployment", "cross_tenant"],
+        )
+        rejected = GaugeMetricFamily(
+            "kvwatch_deployment_rejected_prefill_transfers_1h",
+            "KV transfers of requests prefill had rejected, in the last hour (the "
+            "incident's path).",
+            labels=["deployment"],
+        )
+        missing = GaugeMetricFamily(
+            "kvwatch_probe_missing_events",
+            "Events a probe's seq numbers show as lost (open gaps).",
+            labels=["probe", "deployment"],
         )
         try:
             with self.db.read() as conn:
@@ -229,33 +252,37 @@ class _DeploymentGauges(Collector):
                         lv, p.used_tokens / p.capacity_tokens if p.capacity_tokens else 0
                     )
                 since = int((time.time() - 3600) * 1_000_000)
-                for dep, mx, n in conn.execute(
+                per_dep: dict[str, tuple[int | None, int]] = {}
+                per_route: dict[str, list[tuple[int, str, str]]] = {}
+                for dep, model, route, mx, n in conn.execute(
                     select(
                         m.Request.deployment_id,
+                        m.Request.model_id,
+                        m.Request.route,
                         func.max(m.Request.prompt_tokens),
                         func.count(),
                     )
                     .where(m.Request.first_ts >= since)
-                    .group_by(m.Request.deployment_id)
+                    .group_by(m.Request.deployment_id, m.Request.model_id, m.Request.route)
                 ):
-                    if mx is not None and n >= self.min_requests and dep in kept:
-                        maxp.add_metric([dep], math.ceil(bin_high(bin_of(int(mx)))))
-                self._safe_context(conn, kept, safe, verified, verified_at)
-                counts: dict[tuple[str, str], int] = {
-                    (dep, kind): n
-                    for dep, kind, n in conn.execute(
-                        select(m.PageEvent.deployment_id, m.PageEvent.kind, func.count())
-                        .where(
-                            m.PageEvent.kind.in_(("page.stale_read", "canary.hit")),
-                            m.PageEvent.ts >= since,
-                        )
-                        .group_by(m.PageEvent.deployment_id, m.PageEvent.kind)
-                    )
-                }
-                # Zeros included: "no stale read this hour" is an answer, not missing data.
-                for dep in sorted(kept):
-                    stale.add_metric([dep], counts.get((dep, "page.stale_read"), 0))
-                    canary.add_metric([dep], counts.get((dep, "canary.hit"), 0))
+                    if dep not in kept:
+                        continue
+                    top, count = per_dep.get(dep, (None, 0))
+                    if mx is not None and (top is None or mx > top):
+                        top = int(mx)
+                    per_dep[dep] = (top, count + n)
+                    if mx is not None and model and n >= self.min_requests:
+                        # route "none": the default pack's label for requests without one
+                        per_route.setdefault(dep, []).append((int(mx), model, route or "none"))
+                for dep, (top, count) in per_dep.items():
+                    if top is not None and count >= self.min_requests:
+                        maxp.add_metric([dep], _published(top))
+                for dep, groups in per_route.items():
+                    # the most pressed routes first: they are the ones an alert needs
+                    for mx, model, route in sorted(groups, reverse=True)[: self.max_routes]:
+                        route_maxp.add_metric([dep, model, route], _published(mx))
+                self._safety(conn, kept, since, verified, failed, passed_at, stale, rejected)
+                self._safe_context(conn, kept, since, safe, canary)
                 for probe, dep, n in conn.execute(
                     select(
                         m.SeqGap.probe_id,
@@ -269,29 +296,115 @@ class _DeploymentGauges(Collector):
                         missing.add_metric([probe, dep], n)
         except Unavailable:
             return  # the ingest counters still scrape while the database is down
-        yield from (adv, cap, used, occ, maxp, missing, omitted)
-        yield from (safe, verified, verified_at, stale, canary)
+        yield from (adv, cap, used, occ, maxp, route_maxp, missing, omitted)
+        yield from (verified, failed, passed_at, stale, rejected, safe, canary)
 
     @staticmethod
     def _safe_context(
         conn: Connection,
         kept: set[str],
+        since: int,
         safe: GaugeMetricFamily,
-        verified: GaugeMetricFamily,
-        verified_at: GaugeMetricFamily,
+        canary: GaugeMetricFamily,
     ) -> None:
-        """The safe context of each (deployment, model) as policies.safe_context decides
-        it, the one definition the rule, the reports and the dashboard share."""
-        configs = facts.node_configs(conn, kept)
-        latest = facts.verifications(conn, kept)  # a later failure withdraws a pass
-        by_dep = facts.deployment_facts(configs, latest, {}, kept)
+        """The safe context of each (deployment, model) as ``policies.safe_context`` decides
+        it, the one definition the rule, the reports and the dashboard share; and the hour's
+        canary hits, zeros included ("none this hour" is an answer, not missing data)."""
+        configs = deployment_facts.node_configs(conn, kept)
+        latest = deployment_facts.verifications(conn, kept)  # a later failure withdraws a pass
+        by_dep = deployment_facts.deployment_facts(configs, latest, {}, kept)
         models = {(d, c.model_id) for (d, _), c in configs.items()} | set(latest)
         for dep, model in sorted(models):
             bound, is_verified = safe_context(by_dep[dep], model)
             if bound is not None:
-                safe.add_metric([dep, model], bound)
-                if is_verified:
-                    verified.add_metric([dep, model], bound)
-            v = latest.get((dep, model))
-            if v is not None and v.last_passed_at is not None:
-                verified_at.add_metric([dep, model], v.last_passed_at.timestamp())
+                safe.add_metric([dep, model, "true" if is_verified else "false"], bound)
+        hits = dict.fromkeys(kept, 0)
+        pe = m.PageEvent
+        for dep, n in conn.execute(
+            select(pe.deployment_id, func.count())
+            .where(pe.kind == "canary.hit", pe.ts >= since)
+            .group_by(pe.deployment_id)
+        ):
+            if dep in kept:
+                hits[dep] = n
+        for dep, n in sorted(hits.items()):
+            canary.add_metric([dep], n)
+
+    def _safety(
+        self,
+        conn: Connection,
+        kept: set[str],
+        since: int,
+        verified: GaugeMetricFamily,
+        failed: GaugeMetricFamily,
+        passed_at: GaugeMetricFamily,
+        stale: GaugeMetricFamily,
+        rejected: GaugeMetricFamily,
+    ) -> None:
+        """What the default pack's critical rules read, as gauges a Prometheus rule can
+        compare: verdicts, stale reads and rejected prefills that transferred KV."""
+        for (dep, model), v in sorted(_decided_verifications(conn, kept).items()):
+            failed.add_metric([dep, model], 1 if v.verdict == "fail" else 0)
+            if v.verdict == "pass" and v.verified_safe_context:
+                verified.add_metric([dep, model], v.verified_safe_context)
+            if v.last_passed_at is not None:
+                passed_at.add_metric([dep, model], v.last_passed_at.timestamp())
+        reads = {(dep, flag): 0 for dep in kept for flag in ("false", "true")}
+        pe = m.PageEvent
+        for dep, crossed, n in conn.execute(
+            select(pe.deployment_id, pe.cross_tenant, func.count())
+            .where(pe.kind.in_(("page.stale_read", "canary.hit")), pe.ts >= since)
+            .group_by(pe.deployment_id, pe.cross_tenant)
+        ):
+            if dep in kept:
+                reads[(dep, "true" if crossed else "false")] += n
+        for (dep, flag), n in sorted(reads.items()):
+            stale.add_metric([dep, flag], n)
+        transfers = dict.fromkeys(kept, 0)
+        for dep, n in conn.execute(
+            select(pe.deployment_id, func.count())
+            .where(
+                pe.kind == "kv.transfer",
+                pe.ts >= since,
+                pe.detail.contains('"prefill_rejected":true'),
+            )
+            .group_by(pe.deployment_id)
+        ):
+            if dep in kept:
+                transfers[dep] = n
+        for dep, n in sorted(transfers.items()):
+            rejected.add_metric([dep], n)
+
+
+def _published(tokens: int) -> int:
+    """A prompt size as /metrics may show it: rounded up to its 9%-wide size bin."""
+    return math.ceil(bin_high(bin_of(tokens)))
+
+
+def _decided_verifications(
+    conn: Connection, deployments: set[str]
+) -> dict[tuple[str, str], VerificationFact]:
+    """The latest verification of each (deployment, model) that reached a verdict: a run
+    that could not (``error``) changes nothing, as for the default pack's rules."""
+    latest = deployment_facts.verifications(conn, deployments)
+    out = {}
+    for key, v in latest.items():
+        if v.verdict == "error":
+            # rare: look back past the runs without a verdict
+            t = m.Verification.__table__
+            rows = conn.execute(
+                select(t)
+                .where(t.c.deployment_id == key[0], t.c.model_id == key[1])
+                .order_by(t.c.verified_at.desc(), t.c.id.desc())
+                .limit(_LOOK_BACK)
+            )
+            decided = (
+                f
+                for r in rows
+                if (f := deployment_facts.verification_fact(r, v.last_passed_at)).verdict != "error"
+            )
+            v = next(decided, v)
+            if v.verdict == "error":
+                continue
+        out[key] = v
+    return out

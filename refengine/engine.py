@@ -86,6 +86,16 @@ class StepResult:
         return not (self.prefilled or self.transferred or self.decoded)
 
 
+@dataclass(frozen=True, slots=True)
+class QueueDepths:
+    """How many live requests wait for prefill, wait for a transfer (disaggregated only: they
+    hold prefill pages), and decode."""
+
+    waiting: int
+    transferring: int
+    running: int
+
+
 class Engine:
     """A paged-KV engine over the lab model. See the module docstring for topologies,
     over-length handling and threading.
@@ -308,6 +318,12 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self._sched.has_work
+
+    def queue_depths(self) -> QueueDepths:
+        """The queues' lengths, read without the engine's lock: a metrics scrape must not
+        wait out a long step. Each length is exact; the three may straddle a step."""
+        s = self._sched
+        return QueueDepths(len(s.waiting), len(s.transferring), len(s.running))
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until something is queued (or ``timeout``); for an idle server loop."""

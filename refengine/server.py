@@ -9,8 +9,9 @@ Endpoints
 ``usage``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``POST /tokenize`` (vLLM's shape:
 ``prompt`` or chat ``messages`` in, ``{"count", "max_model_len", "tokens", "token_strs"}`` out;
 the byte tokenizer and the chat template below, so ``count`` equals the ``prompt_tokens`` the
-same prompt would be charged; nothing is queued or allocated), and ``GET /health`` (no auth:
-200 while the engine thread runs, 503 once it has stopped or failed).
+same prompt would be charged; nothing is queued or allocated), ``GET /health`` (no auth:
+200 while the engine thread runs, 503 once it has stopped or failed), and ``GET /metrics``
+(no auth: Prometheus metrics in vLLM's names, see :mod:`refengine.metrics`).
 
 Shapes follow OpenAI's: ``id`` (the engine's request id, see below), ``object``, ``created``,
 ``model``, ``choices[0]`` with ``finish_reason`` (``stop`` on end of text, ``length`` on the
@@ -80,13 +81,15 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from refengine.engine import Engine
 from refengine.errors import ContextLengthExceeded, InvalidRequest
+from refengine.metrics import ServerMetrics
 from refengine.request import Request as EngineRequest
 from refengine.request import TokenDelta
 
@@ -324,15 +327,22 @@ class EngineDriver:
 
 
 class _Flight:
-    """One submitted request: the engine's deltas, handed to the event loop."""
+    """One submitted request: the engine's deltas, handed to the event loop, and counted."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, every_delta: bool, on_finish: Callable[[], None]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        every_delta: bool,
+        on_finish: Callable[[], None],
+        metrics: ServerMetrics,
     ) -> None:
         self.loop = loop
         self.every_delta = every_delta
         self.on_finish = on_finish
+        self.metrics = metrics
         self.queue: asyncio.Queue[TokenDelta | APIError] = asyncio.Queue()
+        self.arrived = time.monotonic()
+        self.first_token = False
 
     def _post(self, item: TokenDelta | APIError) -> None:
         # A closed loop (the server stopped) has nobody waiting any more.
@@ -341,7 +351,17 @@ class _Flight:
 
     def on_delta(self, delta: TokenDelta) -> None:
         # Called in the engine thread with its lock held: post, never raise.
+        req = delta.request
+        if delta.token_ids:
+            if not self.first_token:  # prefill's token: the prompt is processed
+                self.first_token = True
+                self.metrics.first_token(req.prompt_tokens, time.monotonic() - self.arrived)
+            self.metrics.generated(len(delta.token_ids))
         if delta.finished:
+            reason = delta.finish_reason or "abort"
+            self.metrics.finished(
+                reason, req.prompt_tokens, req.completion_tokens, time.monotonic() - self.arrived
+            )
             # Forget the waiter here too, so nothing leaks if no handler reads to the end
             # (a client gone before its stream started).
             self.on_finish()
@@ -411,6 +431,7 @@ def create_app(
     body_limit = max_body_bytes or (16 << 20) + 6 * engine.config.advertised_context
     driver = EngineDriver(engine)
     started = int(time.time())
+    metrics = ServerMetrics(engine, served)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -430,6 +451,7 @@ def create_app(
     app.state.engine = engine
     app.state.driver = driver
     app.state.model_id = served
+    app.state.metrics = metrics
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -515,7 +537,10 @@ def create_app(
         )
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         flight = _Flight(
-            asyncio.get_running_loop(), every_delta=stream, on_finish=lambda: driver.unregister(rid)
+            asyncio.get_running_loop(),
+            every_delta=stream,
+            on_finish=lambda: driver.unregister(rid),
+            metrics=metrics,
         )
         driver.register(rid, flight.on_fail)
 
@@ -708,6 +733,11 @@ def create_app(
         if driver.running:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics", summary="Prometheus metrics in vLLM's names (no auth)")
+    async def prometheus_metrics() -> Response:
+        # Open, as Prometheus scrapes it: nothing here describes one request.
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -13,9 +13,10 @@ Each ``sh`` code block of ``README.md`` and ``docs/*.md`` is one of:
 - or run: a page's blocks in order, in one shell (a variable one block sets, the next uses),
   with ``set -eu -o pipefail``, so every command must succeed.
 
-Ports are the only thing changed: on a page that starts servers of its own, each port it names
-gets a free one (8700 too, when it starts its own collector); elsewhere 8700 is the setup's
-collector.
+Blocks run where a reader stands in a checkout: beside ``.venv``, ``kvwatch-demo`` and
+``deploy/`` (the Prometheus rules). Ports are the only thing changed: on a page that starts
+servers of its own, each port it names gets a free one (8700 too, when it starts its own
+collector); elsewhere 8700 is the setup's collector.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def _run(body: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProce
 def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     cwd = tmp_path_factory.mktemp("docs")
     (cwd / ".venv").symlink_to(Path(sys.prefix))
+    (cwd / "deploy").symlink_to(ROOT / "deploy")  # a checkout's: the Prometheus rules
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
     env |= {"PYTHONUNBUFFERED": "1", "HOME": str(cwd), "COLUMNS": "100"}
     demo = subprocess.run(

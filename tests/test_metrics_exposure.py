@@ -17,8 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from collector.rollups.buckets import bin_high, bin_of
+from engine_probe import events as ev
 from tests import factories as f
 from tests.conftest import Collector, make_token
+from tests.metrics_text import samples
+from tests.promtool import metric_problems
 
 SECRET_PROMPT = 123_457  # one tenant's rejected prompt: never on /metrics as such
 
@@ -119,14 +122,25 @@ def test_safe_context_and_leaks_of_the_hour_are_published(collector: Collector) 
     _post(collector.url, collector.ingest, [f.config(1, dep="quiet", probe="probe-q", ts=now)])
     text = httpx.get(f"{collector.url}/metrics").text
     glm, model = ("deployment", "glm-prod"), ("model", "glm-5.3")
+    safe = "kvwatch_deployment_safe_context_tokens"
+    yes, no = ("verified", "true"), ("verified", "false")
+
+    def glm_safe(text: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {k: v for k, v in _samples(text, safe).items() if glm in k}
+
     # unverified: min(advertised, prefill pool), and no verified series
-    assert _samples(text, "kvwatch_deployment_safe_context_tokens")[(glm, model)] == 681_280
+    assert glm_safe(text) == {(glm, model, no): 681_280}
     assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {}
+    # stale reads and canary hits, as the stale_page_read rule counts them (a canary's owner
+    # is unknown: foreign, so cross-tenant); canary hits also on their own
+    quiet = ("deployment", "quiet")
     assert _samples(text, "kvwatch_deployment_stale_reads_1h") == {
-        (glm,): 2,
-        (("deployment", "quiet"),): 0,
+        (("cross_tenant", "false"), glm): 0,
+        (("cross_tenant", "true"), glm): 3,
+        (("cross_tenant", "false"), quiet): 0,
+        (("cross_tenant", "true"), quiet): 0,
     }
-    assert _samples(text, "kvwatch_deployment_canary_hits_1h")[(glm,)] == 1
+    assert _samples(text, "kvwatch_deployment_canary_hits_1h") == {(glm,): 1, (quiet,): 0}
 
     with collector.client(collector.admin) as c:
         r = c.post(
@@ -142,17 +156,89 @@ def test_safe_context_and_leaks_of_the_hour_are_published(collector: Collector) 
         )
         assert r.status_code == 201, r.text
     text = httpx.get(f"{collector.url}/metrics").text
-    assert _samples(text, "kvwatch_deployment_safe_context_tokens")[(glm, model)] == 600_000
-    assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {
-        (glm, model): 600_000
-    }
-    at = _samples(text, "kvwatch_deployment_last_verified_timestamp_seconds")[(glm, model)]
-    assert at == pytest.approx(now.timestamp(), abs=1e-3)
+    assert glm_safe(text) == {(glm, model, yes): 600_000}
+    verified = "kvwatch_deployment_verified_safe_context_tokens"
+    assert _samples(text, verified) == {(glm, model): 600_000}
+    passed = "kvwatch_deployment_last_passed_verification_timestamp_seconds"
+    assert _samples(text, passed)[(glm, model)] == pytest.approx(now.timestamp(), abs=1e-3)
 
-    # a pool that no longer matches the verification withdraws it (the same bound the rule
-    # uses); when it last passed stays published
+    # a pool that no longer matches the verification withdraws it from the line the rule
+    # uses (verified="false"); the verification's own figure and time stay published
     _post(collector.url, collector.ingest, [f.config(6, pool_tokens=500_000, ts=now)])
     text = httpx.get(f"{collector.url}/metrics").text
-    assert _samples(text, "kvwatch_deployment_safe_context_tokens")[(glm, model)] == 500_000
-    assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {}
-    assert (glm, model) in _samples(text, "kvwatch_deployment_last_verified_timestamp_seconds")
+    assert glm_safe(text) == {(glm, model, no): 500_000}
+    assert _samples(text, verified) == {(glm, model): 600_000}
+    assert (glm, model) in _samples(text, passed)
+
+
+def test_what_the_prometheus_rules_read_is_published(collector: Collector) -> None:
+    """The series deploy/prometheus/kvwatch-rules.yaml compares (verdicts, per-route
+    pressure, stale reads, rejected prefills that transferred KV), and promtool's lint."""
+    now = datetime.now(UTC)
+    chat, embed = "/v1/chat/completions", "/v1/embeddings"
+    url, ingest, admin = collector.url, collector.ingest, collector.admin
+    events: list[Any] = [f.config(1, ts=now)]
+    # 12 chat requests (enough to publish), 3 on another route (too few)
+    events += [
+        f.admitted(2 + i, f"c-{i}", prompt=400_000 + i, route=chat, ts=now) for i in range(12)
+    ]
+    events += [f.admitted(20 + i, f"e-{i}", prompt=900_000, route=embed, ts=now) for i in range(3)]
+    events += [
+        f.stale_read(30, ts=now),  # acme's pages read by globex
+        f.stale_read(31, ts=now, reader_tenant="acme", previous_tenant="acme"),
+        ev.KvTransfer(
+            **f.base(32, ts=now),
+            request_id="c-0",
+            tenant="acme",
+            from_node="prefill-0",
+            to_node="decode-0",
+            pages=3,
+            prefill_rejected=True,
+        ),
+        ev.KvTransfer(
+            **f.base(33, ts=now),
+            request_id="c-1",
+            tenant="acme",
+            from_node="prefill-0",
+            to_node="decode-0",
+            pages=3,
+        ),
+    ]
+    _post(url, ingest, events)
+    for model, passed, result in (
+        ("glm-5.3", True, "pass"),
+        ("glm-5.3", False, "fail"),  # the latest verdict: failed
+        ("glm-5.3", False, "error"),  # reached none: changes nothing
+        ("glm-4.6", True, "pass"),
+    ):
+        body: dict[str, Any] = {"deployment_id": "glm-prod", "model_id": model}
+        body |= {"passed": passed, "evidence": {"result": result}}
+        if passed:
+            body["verified_safe_context"] = 500_000
+        r = httpx.post(
+            f"{url}/v1/verifications",
+            json=body,
+            headers={"Authorization": f"Bearer {admin}"},
+            timeout=30,
+        )
+        assert r.status_code == 201, r.text
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+
+    s = samples(text)
+    dep = {"deployment": "glm-prod"}
+    assert s.series("kvwatch_deployment_route_max_prompt_tokens_1h") == [
+        (dep | {"model": "glm-5.3", "route": chat}, math.ceil(bin_high(bin_of(400_011))))
+    ]
+    assert s.get("kvwatch_deployment_verification_failed", dep | {"model": "glm-5.3"}) == 1
+    assert s.get("kvwatch_deployment_verification_failed", dep | {"model": "glm-4.6"}) == 0
+    assert s.series("kvwatch_deployment_verified_safe_context_tokens") == [
+        (dep | {"model": "glm-4.6"}, 500_000)  # glm-5.3's latest verdict is a failure
+    ]
+    passed = s.series("kvwatch_deployment_last_passed_verification_timestamp_seconds")
+    assert {labels["model"] for labels, _ in passed} == {"glm-5.3", "glm-4.6"}
+    assert all(abs(at - now.timestamp()) < 120 for _, at in passed)
+    assert s.get("kvwatch_deployment_stale_reads_1h", dep | {"cross_tenant": "true"}) == 1
+    assert s.get("kvwatch_deployment_stale_reads_1h", dep | {"cross_tenant": "false"}) == 1
+    assert s.get("kvwatch_deployment_rejected_prefill_transfers_1h", dep) == 1
+    assert "400011" not in text and "900000" not in text
+    assert metric_problems(text) == []

@@ -226,7 +226,8 @@ def _fleet_table() -> table.Panel:
         (agg("min", "kvwatch_deployment_safe_context_tokens"), "Safe context"),
         (agg("min", "kvwatch_deployment_verified_safe_context_tokens"), "Verified safe context"),
         (
-            "time() - " + agg("max", "kvwatch_deployment_last_verified_timestamp_seconds"),
+            "time() - "
+            + agg("max", "kvwatch_deployment_last_passed_verification_timestamp_seconds"),
             "Since last verified",
         ),
     ]
@@ -299,8 +300,12 @@ def operator() -> db.Dashboard:
     d = d.with_panel(
         single(
             "Stale reads, last hour",
-            "A request reading KV pages another request left behind (page.stale_read).",
-            Q(f"sum(max by (deployment) (kvwatch_deployment_stale_reads_1h{{{DEP}}}))"),
+            "A request reading KV pages another request left behind (page.stale_read), canary "
+            "hits included, as the stale_page_read rule counts them.",
+            Q(
+                "sum(max by (deployment, cross_tenant) "
+                f"(kvwatch_deployment_stale_reads_1h{{{DEP}}}))"
+            ),
         )
     )
     d = d.with_panel(
@@ -413,8 +418,9 @@ def operator() -> db.Dashboard:
             "when it crosses tenants (stale_page_read).",
             [
                 Q(
-                    f"max by (deployment) (kvwatch_deployment_stale_reads_1h{{{DEP}}})",
-                    "{{deployment}} stale reads",
+                    "max by (deployment, cross_tenant) "
+                    f"(kvwatch_deployment_stale_reads_1h{{{DEP}}})",
+                    "{{deployment}} stale reads (cross-tenant: {{cross_tenant}})",
                 ),
                 Q(
                     f"max by (deployment) (kvwatch_deployment_canary_hits_1h{{{DEP}}})",

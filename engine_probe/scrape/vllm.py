@@ -9,6 +9,10 @@ The advertised context (``max_model_len``) is not a metric: it comes from the Op
 ``/v1/models`` listing (``max_model_len`` of the served model); the version from
 ``/version``. Pool capacity = ``kv_cache_size_tokens`` (else ``num_gpu_blocks`` x
 ``block_size``); used = usage x capacity.
+
+A server holding several KV pools behind one endpoint (refengine's disaggregated pair) labels
+each pool's ``vllm:cache_config_info`` and ``vllm:kv_cache_usage_perc`` with ``node`` (and
+``role``: prefill, decode or both); each becomes a node of its own, ``PREFIX/NODE``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ MARKER: Final = "vllm:cache_config_info"
 _USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name
 _PROMPTS_TOTAL: Final = "vllm:prompt_tokens_total"
 _PROMPTS_HIST: Final = "vllm:request_prompt_tokens"
+_POOL_ROLES: Final[dict[str, Role]] = {"prefill": "prefill", "decode": "decode"}
 
 
 def translate(
@@ -64,27 +69,34 @@ def translate(
     usage_name = next((n for n in _USAGE if n in exp), None)
     if usage_name is None:
         raise MalformedMetrics(f"{_USAGE[0]} not found at {exp.source}")
-    usage = {s.labels.get("engine", "0"): s for s in exp.series(usage_name)}
-    by_engine = {s.labels.get("engine", "0"): s for s in infos}
+    usage = {_key(s): s for s in exp.series(usage_name)}
+    by_engine = {_key(s): s for s in infos}
     engine_version = short_name(_field(version, "version")) if version is not None else UNKNOWN
+    engines = {idx for idx, _ in by_engine}
     nodes, prompts = [], []
-    for idx in sorted(by_engine, key=_engine_order):
-        info = by_engine[idx]
-        node = node_prefix if len(by_engine) == 1 else f"{node_prefix}/dp{id_from(idx, 'x')}"
-        where = f"{MARKER}{{engine={idx!r}}}"
+    for key in sorted(by_engine, key=_engine_order):
+        idx, pool = key
+        info = by_engine[key]
+        node = node_prefix if len(engines) == 1 else f"{node_prefix}/dp{id_from(idx, 'x')}"
+        if pool is not None and len(by_engine) > 1:
+            node = f"{node}/{id_from(pool, 'pool')}"
+        selector = f"{{engine={idx!r}" + (f", node={pool!r}}}" if pool else "}")
+        where = MARKER + selector
+        node_role = role or _POOL_ROLES.get(info.labels.get("role", ""), "both")
         block_size = as_tokens(
             _label(info, "block_size", where, exp), f"{where} block_size", exp.source
         )
         capacity = _capacity(info, block_size, where, exp)
-        use = usage.get(idx)
+        use = usage.get(key)
+        shown = usage_name + selector
         if use is None:
-            raise MalformedMetrics(f"{usage_name}{{engine={idx!r}}} not found at {exp.source}")
+            raise MalformedMetrics(f"{shown} not found at {exp.source}")
         model = use.labels.get("model_name") or ""
-        used = round(as_ratio(use.value, f"{usage_name}{{engine={idx!r}}}", exp.source) * capacity)
+        used = round(as_ratio(use.value, shown, exp.source) * capacity)
         nodes.append(
             NodeFigures(
                 node=node,
-                role=role or "both",
+                role=node_role,
                 model_id=model or UNKNOWN,
                 engine="vllm",
                 engine_version=engine_version,
@@ -95,11 +107,17 @@ def translate(
                 used_tokens=used,
                 free_tokens=capacity - used,
                 prefix_caching=as_bool(info.labels.get("enable_prefix_caching", "")),
-                disaggregated=role in ("prefill", "decode"),
+                disaggregated=node_role in ("prefill", "decode"),
             )
         )
-        prompts.append(_prompts(exp, idx, node, model or UNKNOWN, capacity))
+        if pool is None or node_role != "decode":  # the prompts are counted once, at prefill
+            prompts.append(_prompts(exp, idx, node, model or UNKNOWN, capacity))
     return Scrape("vllm", exp.source, tuple(nodes), tuple(prompts))
+
+
+def _key(s: Series) -> tuple[str, str | None]:
+    """(engine index, KV pool): the pool is None where the server has one per engine."""
+    return s.labels.get("engine", "0"), s.labels.get("node")
 
 
 def _capacity(info: Series, block_size: int, where: str, exp: Exposition) -> int:
@@ -112,8 +130,9 @@ def _capacity(info: Series, block_size: int, where: str, exp: Exposition) -> int
     return as_tokens(blocks, f"{where} num_gpu_blocks", exp.source) * block_size
 
 
-def _engine_order(idx: str) -> tuple[int, str]:
-    return (int(idx), idx) if idx.isdigit() else (1 << 30, idx)
+def _engine_order(key: tuple[str, str | None]) -> tuple[int, str, str]:
+    idx, pool = key
+    return (int(idx) if idx.isdigit() else 1 << 30, idx, pool or "")
 
 
 def _label(s: Series, name: str, where: str, exp: Exposition) -> str:

@@ -2,7 +2,8 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming or not), ``GET /v1/models``
 and ``GET /v1/models/{id}`` need ``Authorization: Bearer KEY`` (a tenant's key); ``GET
-/healthz`` does not. Every error is answered in OpenAI's shape, a 500 included.
+/healthz`` and ``GET /metrics`` (Prometheus, see :mod:`kvwatch.gateway.metrics`) do not.
+Every error is answered in OpenAI's shape, a 500 included.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -23,6 +25,7 @@ from kvwatch.gateway.auth import TenantKeys
 from kvwatch.gateway.counting import PromptCounter
 from kvwatch.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, NotFound
 from kvwatch.gateway.limits import SafeContexts, VerificationSource
+from kvwatch.gateway.metrics import GatewayMetrics
 from kvwatch.gateway.records import Recorder
 from kvwatch.gateway.service import ProxyService
 from kvwatch.gateway.settings import GatewaySettings
@@ -42,11 +45,12 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     keys = TenantKeys(settings.gateway_tenant_keys)
     limits = SafeContexts(settings.gateway_safe_contexts, settings.gateway_on_failed_verification)
     upstream = Upstream(settings)
+    metrics = GatewayMetrics(limits)
     service = ProxyService(
         upstream,
         PromptCounter(settings, upstream),
         limits,
-        Recorder(probe),
+        Recorder(probe, metrics),
         secrets=[*settings.gateway_tenant_keys.values(), settings.gateway_upstream_key or ""],
         warn_ratio=settings.gateway_warn_ratio,
     )
@@ -74,6 +78,7 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
         lifespan=lifespan,
     )
     app.state.limits = limits
+    app.state.metrics = metrics
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
@@ -133,5 +138,10 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     @app.get("/healthz", summary="Liveness of the gateway (no auth)")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", summary="Prometheus metrics (no auth)")
+    async def prometheus_metrics() -> Response:
+        # Open, as Prometheus scrapes it: counters and histograms, never one request's figures.
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -148,12 +148,17 @@ class SafeContexts:
         if (own := self._own(model)) is not None:
             return own
         # No limit of its own (or no model named): the smallest known one, if any is known.
-        limits = [
-            lim
-            for m in {*self._configured, *self._verdicts.passing, *self._verdicts.failed}
-            if (lim := self._own(m)) is not None
-        ]
+        limits = [lim for m in self.models() if (lim := self._own(m)) is not None]
         return min(limits, key=lambda lim: lim.tokens) if limits else None
+
+    def models(self) -> set[str]:
+        """Every model a limit or a verdict names (``*`` included when configured)."""
+        v = self._verdicts
+        return {*self._configured, *v.passing, *v.failed}
+
+    def in_force(self) -> dict[str, Limit]:
+        """Each named model's own limit (see :meth:`models`): what /metrics publishes."""
+        return {m: lim for m in sorted(self.models()) if (lim := self._own(m)) is not None}
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -19,6 +19,7 @@ from engine_probe.events import NAME_MAX, FinishStatus, RequestFinished, Request
 from engine_probe.probe import BaseProbe, get_probe
 from kvwatch.gateway.counting import PromptCount
 from kvwatch.gateway.errors import ContextLengthExceeded, GatewayError
+from kvwatch.gateway.metrics import GatewayMetrics, Outcome
 
 log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
@@ -37,6 +38,7 @@ class Flight:
     limit_tokens: int | None = None  # the safe context the prompt was held to, if guarded
     headers: dict[str, str] = field(default_factory=dict)  # what every answer carries
     started: float = field(default_factory=time.monotonic)
+    forwarded_at: float | None = None  # when the completion went upstream (monotonic)
     recorded: bool = False
 
     @property
@@ -63,10 +65,14 @@ def finish_status(finish_reason: Any) -> FinishStatus:
 
 
 class Recorder:
-    """Emits each request's one record; ``probe`` None means the process's probe."""
+    """Emits each request's one record; ``probe`` None means the process's probe. The same
+    moment counts the request in ``metrics``: one outcome per request, as one record."""
 
-    def __init__(self, probe: BaseProbe | None = None) -> None:
+    def __init__(
+        self, probe: BaseProbe | None = None, metrics: GatewayMetrics | None = None
+    ) -> None:
         self._probe = probe
+        self._metrics = metrics
 
     @property
     def probe(self) -> BaseProbe:
@@ -91,6 +97,32 @@ class Recorder:
             )
         except Exception:  # a recording bug must not fail the client's request
             log.exception("could not record request %s", flight.request_id)
+        try:
+            self._count(flight, event_type, fields)
+        except Exception:  # nor a counting bug; the record above still went out
+            log.exception("could not count request %s", flight.request_id)
+
+    def _count(
+        self,
+        flight: Flight,
+        event_type: type[RequestRejected | RequestFinished],
+        fields: dict[str, Any],
+    ) -> None:
+        if self._metrics is None:
+            return
+        refused = event_type is RequestRejected
+        outcome: Outcome = (
+            "refused" if refused else "error" if fields["status"] == "error" else "forwarded"
+        )
+        self._metrics.record(
+            flight.model,
+            outcome,
+            reason=fields["reason"] if refused else None,
+            upstream_s=None
+            if flight.forwarded_at is None
+            else time.monotonic() - flight.forwarded_at,
+            prompt_tokens=flight.count.tokens if flight.count is not None else None,
+        )
 
     def finished(
         self,

@@ -10,6 +10,7 @@ key replaced by ``***``), and emit the request's one record. Nothing outlives th
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Final
@@ -181,6 +182,7 @@ class ProxyService:
                     w for w in (near, headers.get("X-Kvwatch-Warning")) if w
                 )
                 log.warning("request %s: %s", flight.request_id, near)
+        flight.forwarded_at = time.monotonic()
         if stream is True:
             return await self._stream(kind, body, caller, flight, headers)
         r = await self.upstream.send("POST", ROUTES[kind], caller, flight.request_id, raw)
