@@ -426,6 +426,7 @@ def test_a_replica_whose_clock_runs_ahead_cannot_claim_early(
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+@pytest.mark.empty_db  # no schema yet: the first pass must fail
 def test_a_database_that_was_down_at_start_gets_the_targets_later(
     db_url: str, engine: FakeEngine
 ) -> None:
