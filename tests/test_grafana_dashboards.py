@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
@@ -597,3 +597,43 @@ def test_the_variables_list_the_fleet(prometheus: Prometheus) -> None:
             assert set(values) == expected[label], (v["query"], values)
             seen.add(label)
     assert seen == set(expected)
+
+
+def test_the_label_values_the_panels_name_are_the_servers(prometheus: Prometheus) -> None:
+    """The values the panels' descriptions name (vLLM's finished_reason, the gateway's
+    outcome, refusal reason and limit source) are those the real reference engine and gateway
+    publish, as Prometheus scraped them; and the traffic the fixture drove is where the
+    panels would show it (the refused prompt under context_length_exceeded, the limit in
+    force the collector's verification)."""
+    from kvwatch.gateway.limits import Source
+    from kvwatch.gateway.metrics import OUTCOMES, REASONS
+
+    def values(label: str, series: str) -> set[str]:
+        return set(prometheus.label_values(label, series))
+
+    # every value exists from the start, at 0: each one the dashboards name is there
+    assert values("finished_reason", "vllm:request_success_total") == set(
+        generate.VLLM_FINISHED_REASONS
+    )
+    assert values("outcome", "kvwatch_gateway_requests_total") == set(generate.GATEWAY_OUTCOMES)
+    assert values("reason", "kvwatch_gateway_refusals_total") == set(
+        generate.GATEWAY_REFUSAL_REASONS
+    )
+    # the limit's sources: only those in force are published; the code's own list for all
+    assert values("source", "kvwatch_gateway_limit_tokens") <= set(generate.GATEWAY_LIMIT_SOURCES)
+    assert set(generate.GATEWAY_LIMIT_SOURCES) == set(get_args(Source))
+    assert (set(OUTCOMES), set(REASONS)) == (
+        set(generate.GATEWAY_OUTCOMES),
+        set(generate.GATEWAY_REFUSAL_REASONS),
+    )
+
+    def one(expr: str) -> float:
+        (row,) = prometheus.query(expr)["data"]["result"]
+        return float(row["value"][1])
+
+    at = f'deployment="{VLLM[0]}", model="{VLLM[1]}"'
+    assert one(f'kvwatch_gateway_refusals_total{{{at}, reason="context_length_exceeded"}}') == 1
+    assert one(f'kvwatch_gateway_requests_total{{{at}, outcome="refused"}}') == 1
+    assert one(f'kvwatch_gateway_requests_total{{{at}, outcome="forwarded"}}') == ANSWERED
+    assert one(f'kvwatch_gateway_limit_tokens{{{at}, source="verified"}}') == VERIFIED
+    assert one(f'sum(vllm:request_success_total{{deployment="{VLLM[0]}"}})') == ANSWERED
