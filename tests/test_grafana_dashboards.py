@@ -1,6 +1,9 @@
 """The Grafana dashboards (deploy/grafana/): the committed JSON is what the script generates,
 and every panel's query parses and returns data in a real Prometheus (Debian's package,
-which ``.ci/run`` installs) scraping a real collector and engine-style ``/metrics``.
+which ``.ci/run`` installs) scraping a real collector fed as probes feed it, the reference
+engine's server (vLLM's names) and the real gateway in front of it, with completions driven
+through the gateway; and the label values the panels name are those these servers publish.
+SGLang's series alone are a static stand-in (see its section for why).
 
 Grafana itself cannot run here: its part is substituting the template variables, which the
 test does (``$deployment`` and ``$model`` as "All", ``.*``, and as each concrete value;
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
@@ -31,14 +34,15 @@ from deploy.grafana import generate
 from kvwatch.embedded import free_port, serve_in_thread
 from tests import factories as f
 from tests.conftest import make_token
+from tests.metrics_text import samples
 
 pytestmark = pytest.mark.slow
 
 PROMETHEUS_BIN = "/usr/bin/prometheus"
 DASHBOARDS = {name: json.loads(text) for name, text in generate.render().items()}
 RATE_INTERVAL = "1m"
-# (deployment, model) of the fleet the test builds: a vLLM deployment behind the gateway,
-# and an SGLang one.
+# (deployment, model) of the fleet the test builds: a vLLM-style deployment (the reference
+# engine, serving the model under this name) behind the gateway, and an SGLang one.
 VLLM = ("glm-prod", "glm-5.3")
 SGLANG = ("llama-dev", "llama-3.1-8b")
 
@@ -76,137 +80,6 @@ def test_every_panel_reads_the_datasource_variable() -> None:
             assert p["targets"], p["title"]
             for t in p["targets"]:
                 assert t["datasource"]["uid"] == "${datasource}", p["title"]
-
-
-# ------------------------------------------------------------- engine-style /metrics
-#
-# STAND-IN, to be replaced: the reference engine's and the gateway's own /metrics (issue 22,
-# part 3) land in another branch. Until then this serves static exposition text in the names
-# and labels they will use (vLLM's, and kvwatch_gateway_*), from a tiny local server; once
-# merged, scrape `kvwatch engine serve` and `kvwatch gateway` instead of /vllm and /gateway.
-# The SGLang exposition stays: its names are SGLang's own (python/sglang/srt/metrics/
-# collector.py: scheduler and tokenizer-manager series, labelled model_name and tp_rank).
-# Counters and histograms grow with every scrape so that rates and quantiles have data.
-
-
-def _histogram(name: str, labels: str, bounds: list[float], seen: list[float], n: int) -> str:
-    lines = [f"# TYPE {name} histogram"]
-    for le in [*bounds, math.inf]:
-        count = sum(1 for v in seen if v <= le) * n
-        le_s = "+Inf" if le == math.inf else repr(float(le))
-        lines.append(f'{name}_bucket{{{labels},le="{le_s}"}} {count}')
-    lines.append(f"{name}_sum{{{labels}}} {sum(seen) * n}")
-    lines.append(f"{name}_count{{{labels}}} {len(seen) * n}")
-    return "\n".join(lines)
-
-
-def _metric(kind: str, name: str, samples: list[tuple[str, float]]) -> str:
-    return "\n".join([f"# TYPE {name} {kind}", *(f"{name}{{{lv}}} {v}" for lv, v in samples)])
-
-
-TOKENS = [100.0, 1_000.0, 10_000.0, 100_000.0, 1_000_000.0]
-SECONDS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-
-
-def vllm_metrics(n: int) -> str:
-    m = f'model_name="{VLLM[1]}"'
-    return "\n".join(
-        [
-            _metric("gauge", "vllm:num_requests_running", [(m, 3)]),
-            _metric("gauge", "vllm:num_requests_waiting", [(m, 1)]),
-            _metric("gauge", "vllm:kv_cache_usage_perc", [(m, 0.42)]),
-            _metric("counter", "vllm:prompt_tokens_total", [(m, 52_000 * n)]),
-            _metric("counter", "vllm:generation_tokens_total", [(m, 900 * n)]),
-            _metric(
-                "counter",
-                "vllm:request_success_total",
-                [(f'finished_reason="stop",{m}', 3 * n), (f'finished_reason="length",{m}', n)],
-            ),
-            _histogram("vllm:request_prompt_tokens", m, TOKENS, [800, 5_000, 46_000], n),
-            _histogram("vllm:request_generation_tokens", m, TOKENS, [50, 250, 600], n),
-            _histogram("vllm:e2e_request_latency_seconds", m, SECONDS, [0.4, 1.2, 3.0], n),
-            _histogram("vllm:time_to_first_token_seconds", m, SECONDS, [0.04, 0.09, 0.3], n),
-        ]
-    )
-
-
-def gateway_metrics(n: int) -> str:
-    m = f'model="{VLLM[1]}"'
-    return "\n".join(
-        [
-            _metric(
-                "counter",
-                "kvwatch_gateway_requests_total",
-                [(f'{m},outcome="forwarded"', 4 * n), (f'{m},outcome="refused"', n)],
-            ),
-            _metric("counter", "kvwatch_gateway_refusals_total", [(f'{m},reason="over_limit"', n)]),
-            _metric("gauge", "kvwatch_gateway_limit_tokens", [(f'{m},source="verified"', 600_000)]),
-            _histogram("kvwatch_gateway_upstream_latency_seconds", m, SECONDS, [0.5, 1.5], n),
-            _histogram("kvwatch_gateway_prompt_tokens", m, TOKENS, [900, 48_000], n),
-        ]
-    )
-
-
-def sglang_metrics(n: int) -> str:
-    m = f'model_name="{SGLANG[1]}",tp_rank="0"'
-    return "\n".join(
-        [
-            _metric("gauge", "sglang:num_running_reqs", [(m, 5)]),
-            _metric("gauge", "sglang:num_queue_reqs", [(m, 2)]),
-            _metric("gauge", "sglang:token_usage", [(m, 0.31)]),
-            _metric("gauge", "sglang:max_total_num_tokens", [(m, 200_000)]),
-            _metric("gauge", "sglang:context_len", [(m, 131_072)]),
-            _metric("counter", "sglang:prompt_tokens_total", [(m, 30_000 * n)]),
-            _metric("counter", "sglang:generation_tokens_total", [(m, 700 * n)]),
-            _metric("counter", "sglang:num_requests_total", [(m, 4 * n)]),
-            _metric("counter", "sglang:num_aborted_requests_total", [(m, n)]),
-            _histogram("sglang:prompt_tokens_histogram", m, TOKENS, [700, 9_000, 20_000], n),
-            _histogram("sglang:generation_tokens_histogram", m, TOKENS, [40, 300], n),
-            _histogram("sglang:time_to_first_token_seconds", m, SECONDS, [0.06, 0.2], n),
-            _histogram("sglang:e2e_request_latency_seconds", m, SECONDS, [0.7, 2.2], n),
-        ]
-    )
-
-
-EXPOSITIONS: dict[str, Callable[[int], str]] = {
-    "/vllm/metrics": vllm_metrics,
-    "/sglang/metrics": sglang_metrics,
-    "/gateway/metrics": gateway_metrics,
-}
-
-
-class _Exposition(BaseHTTPRequestHandler):
-    scrapes: dict[str, int] = {}  # noqa: RUF012 (one server per module, one table)
-    lock = threading.Lock()
-
-    def do_GET(self) -> None:
-        render = EXPOSITIONS.get(self.path)
-        if render is None:
-            self.send_error(404)
-            return
-        with self.lock:
-            n = self.scrapes[self.path] = self.scrapes.get(self.path, 0) + 1
-        body = (render(n) + "\n").encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:  # Prometheus scrapes every second: quiet
-        pass
-
-
-@pytest.fixture(scope="module")
-def engines_metrics() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # ------------------------------------------------------------------ the collector, fed
@@ -308,6 +181,178 @@ def feed(kv: Kvwatch) -> None:
     assert bad.status_code == 422, bad.text
 
 
+# ------------------------------------------------------- the engine and the gateway, real
+#
+# The vLLM-style series come from the reference engine's own server (refengine: vLLM's names
+# and labels) and the gateway's from the real `kvwatch gateway` in front of it, reading the
+# deployment's verified safe context from the collector as it does in production. Requests go
+# through the gateway once Prometheus has scraped both at rest (every series they publish
+# exists from the start, at 0), so rates and quantiles have an increase to show.
+
+KEY = "sk-acme-grafana"
+# refengine at lab size: its pool and context are not the fleet's (those are what the probe
+# reports to the collector), only its series' names and labels matter here.
+ENGINE_CONFIG = {"advertised_context": 4096, "pool_tokens": 2048, "page_size": 16}
+# The configured ceiling of the gateway: the advertised context. It names the model, so the
+# gateway's series for it exist from its start; the collector's verification (600,000, fed
+# below) is smaller and is the limit in force (source="verified").
+ADVERTISED = 1_048_576
+VERIFIED = 600_000
+
+
+ANSWERED_BODIES: list[dict[str, Any]] = [
+    {"prompt": "hello, dashboards", "max_tokens": 8},
+    {"prompt": "x" * 300, "max_tokens": 4},
+    {"prompt": "streamed " * 20, "max_tokens": 4, "stream": True},
+]
+ANSWERED = len(ANSWERED_BODIES)
+
+
+@contextmanager
+def running_engine(port: int) -> Iterator[str]:
+    from refengine import Engine, EngineConfig
+    from refengine.server import create_app as refengine_app
+
+    engine = Engine(EngineConfig(**ENGINE_CONFIG, model_id=VLLM[1]))
+    with serve_in_thread(refengine_app(engine, tenant_keys={"acme": KEY}), port=port) as url:
+        yield url
+
+
+@contextmanager
+def running_gateway(port: int, upstream: str, kv: Kvwatch) -> Iterator[str]:
+    from engine_probe.probe import NoopProbe
+    from kvwatch.gateway import GatewaySettings, create_app
+
+    settings = GatewaySettings(
+        gateway_upstream=upstream,
+        gateway_tenant_keys={"acme": KEY},
+        gateway_safe_contexts={VLLM[1]: ADVERTISED},
+        gateway_verification_refresh_s=0.2,
+        collector_url=kv.url,
+        ingest_token=kv.ingest,
+        deployment_id=VLLM[0],
+    )
+    # Its records (request.finished, request.rejected) are not what the dashboards read:
+    # they go nowhere here; the dashboards read its /metrics.
+    with serve_in_thread(create_app(settings, probe=NoopProbe()), port=port) as url:
+        yield url
+
+
+def gateway_limit(url: str) -> tuple[str, float] | None:
+    """The gateway's limit in force for the fleet's vLLM model: (source, tokens)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = [
+        (labels["source"], value)
+        for labels, value in samples(text).series("kvwatch_gateway_limit_tokens")
+        if labels["model"] == VLLM[1]
+    ]
+    return found[0] if found else None
+
+
+def drive(gateway: str) -> None:
+    """Completions through the gateway: answered (one cut at max_tokens, one streamed) and
+    one refused over the verified safe context before the engine sees it."""
+
+    def complete(body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(
+            f"{gateway}/v1/completions",
+            json={"model": VLLM[1], **body},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+
+    for body in ANSWERED_BODIES:
+        r = complete(body)
+        assert r.status_code == 200, r.text
+    over = complete({"prompt": "y" * (VERIFIED + 1), "max_tokens": 1})
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ------------------------------------------------------------------- SGLang, static
+#
+# STAND-IN, kept on purpose: no SGLang-compatible server is cheap to run here (SGLang's own
+# needs a GPU and a model; refengine speaks vLLM's names only), so the SGLang series are
+# static exposition text in SGLang's own names and labels (python/sglang/srt/metrics/
+# collector.py: scheduler and tokenizer-manager series, labelled model_name and tp_rank),
+# served by a tiny local server. It proves only that the panels' SGLang queries parse and
+# join kvwatch's series on deployment and model_name, not that SGLang publishes them so.
+# Counters and histograms grow with every scrape so that rates and quantiles have data.
+
+
+def _histogram(name: str, labels: str, bounds: list[float], seen: list[float], n: int) -> str:
+    lines = [f"# TYPE {name} histogram"]
+    for le in [*bounds, math.inf]:
+        count = sum(1 for v in seen if v <= le) * n
+        le_s = "+Inf" if le == math.inf else repr(float(le))
+        lines.append(f'{name}_bucket{{{labels},le="{le_s}"}} {count}')
+    lines.append(f"{name}_sum{{{labels}}} {sum(seen) * n}")
+    lines.append(f"{name}_count{{{labels}}} {len(seen) * n}")
+    return "\n".join(lines)
+
+
+def _metric(kind: str, name: str, samples: list[tuple[str, float]]) -> str:
+    return "\n".join([f"# TYPE {name} {kind}", *(f"{name}{{{lv}}} {v}" for lv, v in samples)])
+
+
+TOKENS = [100.0, 1_000.0, 10_000.0, 100_000.0, 1_000_000.0]
+SECONDS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def sglang_metrics(n: int) -> str:
+    m = f'model_name="{SGLANG[1]}",tp_rank="0"'
+    return "\n".join(
+        [
+            _metric("gauge", "sglang:num_running_reqs", [(m, 5)]),
+            _metric("gauge", "sglang:num_queue_reqs", [(m, 2)]),
+            _metric("gauge", "sglang:token_usage", [(m, 0.31)]),
+            _metric("gauge", "sglang:max_total_num_tokens", [(m, 200_000)]),
+            _metric("gauge", "sglang:context_len", [(m, 131_072)]),
+            _metric("counter", "sglang:prompt_tokens_total", [(m, 30_000 * n)]),
+            _metric("counter", "sglang:generation_tokens_total", [(m, 700 * n)]),
+            _metric("counter", "sglang:num_requests_total", [(m, 4 * n)]),
+            _metric("counter", "sglang:num_aborted_requests_total", [(m, n)]),
+            _histogram("sglang:prompt_tokens_histogram", m, TOKENS, [700, 9_000, 20_000], n),
+            _histogram("sglang:generation_tokens_histogram", m, TOKENS, [40, 300], n),
+            _histogram("sglang:time_to_first_token_seconds", m, SECONDS, [0.06, 0.2], n),
+            _histogram("sglang:e2e_request_latency_seconds", m, SECONDS, [0.7, 2.2], n),
+        ]
+    )
+
+
+class _SGLangExposition(BaseHTTPRequestHandler):
+    scrapes = 0
+    lock = threading.Lock()
+
+    def do_GET(self) -> None:
+        if self.path != "/metrics":
+            self.send_error(404)
+            return
+        with self.lock:
+            n = type(self).scrapes = type(self).scrapes + 1
+        body = (sglang_metrics(n) + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:  # Prometheus scrapes every second: quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def sglang_standin() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SGLangExposition)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ---------------------------------------------------------------------- Prometheus
 
 
@@ -339,35 +384,34 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float, log: Path) -> 
 
 @pytest.fixture(scope="module")
 def prometheus(
-    tmp_path_factory: pytest.TempPathFactory, engines_metrics: str
+    tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None, sglang_standin: str
 ) -> Iterator[Prometheus]:
-    """A real Prometheus on 127.0.0.1, scraping every second: a real collector, fed once all
-    targets are up, and the engine and gateway targets, each labelled with its kvwatch
-    deployment as docs/grafana.md says. Prometheus starts first: it takes its first targets
-    about 5 s after it starts (its discovery's fixed update interval), and the collector
-    starts meanwhile."""
+    """A real Prometheus on 127.0.0.1, scraping every second: a real collector, the reference
+    engine's server and the gateway in front of it, and the SGLang stand-in, the engine and
+    gateway targets labelled with their kvwatch deployment as docs/grafana.md says.
+    Prometheus starts first: it takes its first targets about 5 s after it starts (its
+    discovery's fixed update interval), and the servers start meanwhile. Once each target has
+    been scraped at rest, the collector is fed and requests go through the gateway; the
+    fixture yields once Prometheus has scraped what they did."""
     if not os.path.exists(PROMETHEUS_BIN):
         if os.environ.get("CI"):
             pytest.fail(f"{PROMETHEUS_BIN} is missing: .ci/run installs prometheus")
         pytest.skip(f"{PROMETHEUS_BIN} not installed (apt-get install prometheus)")
     tmp = tmp_path_factory.mktemp("prometheus")
-    collector_port = free_port()
+    ports = {name: free_port() for name in ("collector", "engine", "gateway")}
 
-    def job(name: str, target: str, path: str = "/metrics", deployment: str = "") -> str:
+    def job(name: str, target: str, deployment: str = "") -> str:
         labels = f", labels: {{deployment: {deployment}}}" if deployment else ""
-        return (
-            f"  - job_name: {name}\n    metrics_path: {path}\n"
-            f"    static_configs: [{{targets: ['{target}']{labels}}}]\n"
-        )
+        return f"  - job_name: {name}\n    static_configs: [{{targets: ['{target}']{labels}}}]\n"
 
     config = tmp / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
-        + job("kvwatch", f"127.0.0.1:{collector_port}")
-        + job("vllm", engines_metrics, "/vllm/metrics", VLLM[0])
-        + job("gateway", engines_metrics, "/gateway/metrics", VLLM[0])
-        + job("sglang", engines_metrics, "/sglang/metrics", SGLANG[0])
+        + job("kvwatch", f"127.0.0.1:{ports['collector']}")
+        + job("vllm", f"127.0.0.1:{ports['engine']}", VLLM[0])
+        + job("kvwatch-gateway", f"127.0.0.1:{ports['gateway']}", VLLM[0])
+        + job("sglang", sglang_standin, SGLANG[0])
     )
     port = free_port()
     log_path = tmp / "prometheus.log"
@@ -393,15 +437,37 @@ def prometheus(
         active = r.json()["data"]["activeTargets"] if r.status_code == 200 else []
         return len(active) == 4 and all(t["health"] == "up" for t in active)
 
-    def scraped_after_feed() -> bool:
-        found = prom.query('kvwatch_deployment_canary_hits_1h{deployment="glm-prod"} > 0')
-        return bool(found.get("data", {}).get("result"))
+    def scraped(expr: str) -> Callable[[], bool]:
+        return lambda: bool(prom.query(expr).get("data", {}).get("result"))
 
     try:
-        with running_collector(tmp, collector_port) as kvwatch:
+        with (
+            running_collector(tmp, ports["collector"]) as kvwatch,
+            running_engine(ports["engine"]) as engine,
+            running_gateway(ports["gateway"], engine, kvwatch) as gateway,
+        ):
             _wait("the four targets were not up", targets_up, 20, log_path)
             feed(kvwatch)  # after a first scrape: the ingest counters' rates see it happen
-            _wait("the collector was not scraped after the feed", scraped_after_feed, 10, log_path)
+            _wait(
+                "the gateway did not take the collector's verified safe context",
+                lambda: gateway_limit(gateway) == ("verified", VERIFIED),
+                10,
+                log_path,
+            )
+            drive(gateway)
+            for what, expr in (
+                (
+                    "the collector's feed",
+                    'kvwatch_deployment_canary_hits_1h{deployment="glm-prod"} > 0',
+                ),
+                ("the engine's requests", f"sum(vllm:request_success_total) >= {ANSWERED}"),
+                (
+                    "the gateway's requests",
+                    f'sum(kvwatch_gateway_requests_total{{outcome="forwarded"}}) >= {ANSWERED}'
+                    " and on () sum(kvwatch_gateway_refusals_total) >= 1",
+                ),
+            ):
+                _wait(f"Prometheus did not scrape {what}", scraped(expr), 10, log_path)
             yield prom
     finally:
         prom.http.close()
@@ -531,3 +597,43 @@ def test_the_variables_list_the_fleet(prometheus: Prometheus) -> None:
             assert set(values) == expected[label], (v["query"], values)
             seen.add(label)
     assert seen == set(expected)
+
+
+def test_the_label_values_the_panels_name_are_the_servers(prometheus: Prometheus) -> None:
+    """The values the panels' descriptions name (vLLM's finished_reason, the gateway's
+    outcome, refusal reason and limit source) are those the real reference engine and gateway
+    publish, as Prometheus scraped them; and the traffic the fixture drove is where the
+    panels would show it (the refused prompt under context_length_exceeded, the limit in
+    force the collector's verification)."""
+    from kvwatch.gateway.limits import Source
+    from kvwatch.gateway.metrics import OUTCOMES, REASONS
+
+    def values(label: str, series: str) -> set[str]:
+        return set(prometheus.label_values(label, series))
+
+    # every value exists from the start, at 0: each one the dashboards name is there
+    assert values("finished_reason", "vllm:request_success_total") == set(
+        generate.VLLM_FINISHED_REASONS
+    )
+    assert values("outcome", "kvwatch_gateway_requests_total") == set(generate.GATEWAY_OUTCOMES)
+    assert values("reason", "kvwatch_gateway_refusals_total") == set(
+        generate.GATEWAY_REFUSAL_REASONS
+    )
+    # the limit's sources: only those in force are published; the code's own list for all
+    assert values("source", "kvwatch_gateway_limit_tokens") <= set(generate.GATEWAY_LIMIT_SOURCES)
+    assert set(generate.GATEWAY_LIMIT_SOURCES) == set(get_args(Source))
+    assert (set(OUTCOMES), set(REASONS)) == (
+        set(generate.GATEWAY_OUTCOMES),
+        set(generate.GATEWAY_REFUSAL_REASONS),
+    )
+
+    def one(expr: str) -> float:
+        (row,) = prometheus.query(expr)["data"]["result"]
+        return float(row["value"][1])
+
+    at = f'deployment="{VLLM[0]}", model="{VLLM[1]}"'
+    assert one(f'kvwatch_gateway_refusals_total{{{at}, reason="context_length_exceeded"}}') == 1
+    assert one(f'kvwatch_gateway_requests_total{{{at}, outcome="refused"}}') == 1
+    assert one(f'kvwatch_gateway_requests_total{{{at}, outcome="forwarded"}}') == ANSWERED
+    assert one(f'kvwatch_gateway_limit_tokens{{{at}, source="verified"}}') == VERIFIED
+    assert one(f'sum(vllm:request_success_total{{deployment="{VLLM[0]}"}})') == ANSWERED

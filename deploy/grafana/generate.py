@@ -44,6 +44,20 @@ ENGINE = f'model_name=~"$model", {DEP}'
 GATEWAY = f'model=~"$model", {DEP}'
 KV_MODEL = f'model=~"$model", {DEP}'
 WARN_RATIO = 0.8  # the default pack's context_pressure warn_ratio (policies/packs/default.yaml)
+# Label values the panels' descriptions name, as the servers publish them (the test checks
+# them against a real Prometheus scraping the reference engine and the gateway): vLLM's
+# finished_reason, and the gateway's outcome, limit source and refusal reasons (the wire
+# contract's reject reasons, engine_probe.events.RejectReason).
+VLLM_FINISHED_REASONS = ("stop", "length", "abort")
+GATEWAY_OUTCOMES = ("forwarded", "refused", "error")
+GATEWAY_LIMIT_SOURCES = ("verified", "configured", "failed-verification")
+GATEWAY_REFUSAL_REASONS = (
+    "context_length_exceeded",
+    "pool_exhausted",
+    "invalid_request",
+    "rate_limited",
+    "other",
+)
 
 
 @dataclass(frozen=True)
@@ -624,8 +638,8 @@ def engines() -> db.Dashboard:
     d = d.with_panel(
         series(
             "Requests finished",
-            "Per second. vLLM by finished_reason (stop, length, abort); SGLang counts "
-            "finished and aborted requests apart.",
+            f"Per second. vLLM by finished_reason ({', '.join(VLLM_FINISHED_REASONS)}); "
+            "SGLang counts finished and aborted requests apart.",
             [
                 Q(
                     f"sum by ({ENGINE_BY}, finished_reason) "
@@ -776,7 +790,11 @@ def engines() -> db.Dashboard:
     d = d.with_panel(
         series(
             "Gateway requests by outcome",
-            "Per second, through `kvwatch gateway`.",
+            "Per second, through `kvwatch gateway`, by outcome: "
+            f"{GATEWAY_OUTCOMES[0]} (the upstream answered), {GATEWAY_OUTCOMES[1]} (by the "
+            f"gateway's guard or by the upstream), {GATEWAY_OUTCOMES[2]} (the gateway or the "
+            "upstream failed). Model names the gateway cannot vouch for are _other, a "
+            "request naming none _none.",
             [
                 Q(
                     "sum by (deployment, model, outcome) "
@@ -791,7 +809,10 @@ def engines() -> db.Dashboard:
     d = d.with_panel(
         series(
             "Gateway refusals by reason",
-            "Per second: prompts the gateway refused before they reached the engine.",
+            "Per second: requests refused, by the gateway before they reached the engine or "
+            "by the upstream, by the wire contract's reason "
+            f"({', '.join(GATEWAY_REFUSAL_REASONS)}). {GATEWAY_REFUSAL_REASONS[0]}: a prompt "
+            "over the gateway's limit in force (or the upstream's context).",
             [
                 Q(
                     "sum by (deployment, model, reason) "
@@ -806,8 +827,12 @@ def engines() -> db.Dashboard:
     d = d.with_panel(
         series(
             "Gateway limit in force vs the safe context",
-            "The prompt limit the gateway enforces, by where it came from, beside kvwatch's "
-            "safe context for the model.",
+            "The prompt limit the gateway enforces, by its source: "
+            f"{GATEWAY_LIMIT_SOURCES[0]} (the deployment's latest passing verification, read "
+            f"from the collector), {GATEWAY_LIMIT_SOURCES[1]} (--safe-context; model * is the "
+            f"default for every model) or {GATEWAY_LIMIT_SOURCES[2]} (the latest verification "
+            "failed: below the smallest prompt that leaked, or 0, every prompt refused). "
+            "Beside it, kvwatch's safe context for the model.",
             [
                 Q(
                     f"max by (model, source) (kvwatch_gateway_limit_tokens{{{GATEWAY}}})",
