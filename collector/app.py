@@ -13,7 +13,18 @@ from fastapi import FastAPI
 
 from collector import migrate, partitions
 from collector.alerting.service import AlertingService
-from collector.api import alerts, breach, dashboard, errors, health, ingest, openapi, reads, reports
+from collector.api import (
+    alerts,
+    breach,
+    dashboard,
+    errors,
+    health,
+    ingest,
+    openapi,
+    reads,
+    reports,
+    traces,
+)
 from collector.api import schedules as schedules_api
 from collector.api import tokens as tokens_api
 from collector.api.bodies import LimitBody
@@ -22,6 +33,7 @@ from collector.fleet import FleetService
 from collector.ingest import IngestService
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
+from collector.otlp.service import TraceIngest
 from collector.periodic import Periodic
 from collector.reads import ReadService
 from collector.reports.audit import AuditLog
@@ -128,6 +140,9 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
     app.state.verify_schedules = verifications
 
     app.include_router(ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter))
+    app.include_router(
+        traces.build_router(TraceIngest(ingester, settings, metrics.registry), ingest_limiter)
+    )
     app.include_router(reads.build_router(ReadService(db)))
     notices = NoticeService(db, settings)
     app.include_router(alerts.build_router(alerting, notices, settings.max_evidence_bytes))

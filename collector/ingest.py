@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
@@ -97,37 +98,20 @@ class IngestService:
             # when the batch turns out to hold duplicates).
             ordered = all(a.seq < b.seq for a, b in pairwise(events))
             rows = shape_rows(events) if ordered else None
-            for attempt in range(_CONFLICT_RETRIES + 1):
-                try:
-                    with self.db.write() as conn:
-                        prior = (
-                            self.alerting.prior_configs(conn, events)
-                            if self.alerting is not None
-                            else {}
-                        )
-                        self.names.admit(conn, principal.lineage, events, micros(now))
-                        res = self.store.write_batch(
-                            conn,
-                            probe_id=events[0].probe_id,
-                            token_id=principal.token_id,
-                            lineage_id=principal.lineage,
-                            events=events,
-                            now_us=micros(now),
-                            rows=rows,
-                        )
-                        outcome = (
-                            self._evaluate(conn, res, prior, now)
-                            if self.alerting is not None and (res.new_events or res.new_gaps)
-                            else None
-                        )
-                    if outcome is not None and self.alerting is not None:
-                        self.alerting.committed(outcome)
-                    break
-                except TransientConflict:
-                    # The transaction rolled back whole; a retry sees the winner's rows.
-                    if attempt == _CONFLICT_RETRIES:
-                        raise
-                    time.sleep(0.01 * (attempt + 1))
+            res = self.commit(
+                principal,
+                events,
+                now,
+                lambda conn: self.store.write_batch(
+                    conn,
+                    probe_id=events[0].probe_id,
+                    token_id=principal.token_id,
+                    lineage_id=principal.lineage,
+                    events=events,
+                    now_us=micros(now),
+                    rows=rows,
+                ),
+            )
         except CollectorError as exc:
             self.metrics.rejected.labels(exc.code).inc()
             raise
@@ -135,6 +119,42 @@ class IngestService:
         self.metrics.events.labels("duplicate").inc(res.duplicates)
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return IngestResult(res.accepted, res.duplicates, res.new_gaps)
+
+    def commit(
+        self,
+        principal: Principal,
+        events: Sequence[ev.Event],
+        now: datetime,
+        write: Callable[[Connection], WriteResult],
+    ) -> WriteResult:
+        """One transaction: the token's new-name limits over ``events``, ``write`` (which
+        stores them, or the part of them that is new), and the policies over what it wrote;
+        all committed together or not at all. Retried whole on a conflict between replicas.
+        """
+        for attempt in range(_CONFLICT_RETRIES + 1):
+            try:
+                with self.db.write() as conn:
+                    prior = (
+                        self.alerting.prior_configs(conn, events)
+                        if self.alerting is not None
+                        else {}
+                    )
+                    self.names.admit(conn, principal.lineage, events, micros(now))
+                    res = write(conn)
+                    outcome = (
+                        self._evaluate(conn, res, prior, now)
+                        if self.alerting is not None and (res.new_events or res.new_gaps)
+                        else None
+                    )
+                if outcome is not None and self.alerting is not None:
+                    self.alerting.committed(outcome)
+                return res
+            except TransientConflict:
+                # The transaction rolled back whole; a retry sees the winner's rows.
+                if attempt == _CONFLICT_RETRIES:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _evaluate(
         self,

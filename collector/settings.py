@@ -247,6 +247,34 @@ class Settings(BaseSettings):
         default=5.0, gt=0, le=600, description="HTTP timeout of one scrape request."
     )
 
+    otlp_tenant_attributes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["tenant.id", "kvwatch.tenant"],
+        description="POST /v1/traces: the span or resource attributes (comma-separated, the "
+        "first present wins, a span's own before its resource's) that name a GenAI span's "
+        "tenant; none present: the tenant is 'unknown'.",
+    )
+    otlp_deployment_attributes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["kvwatch.deployment", "service.name"],
+        description="POST /v1/traces: the span or resource attributes (comma-separated, the "
+        "first present wins) that name a span's deployment. The SDKs' default service.name "
+        "(unknown_service...) names none; a deployment-scoped token's spans then belong to "
+        "its deployment, and an unscoped token's are refused.",
+    )
+
+    @field_validator("otlp_tenant_attributes", "otlp_deployment_attributes", mode="before")
+    @classmethod
+    def _attribute_list(cls, v: Any) -> list[str]:
+        """Comma-separated text (the environment) or a list of attribute names."""
+        names = [p.strip() for p in v.split(",")] if isinstance(v, str) else v
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("must be attribute names, separated by commas")
+        names = [n.strip() for n in names if n.strip()]
+        if not names:
+            raise ValueError("must name at least one attribute")
+        if bad := [n for n in names if len(n) > 256 or any(c.isspace() for c in n)]:
+            raise ValueError(f"{bad[0]!r} is not an attribute name")
+        return names
+
     @field_validator("scrape_targets", mode="before")
     @classmethod
     def _parse_targets(cls, v: Any) -> list[ScrapeTarget]:

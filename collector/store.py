@@ -400,15 +400,9 @@ class IngestStore:
         which keeps that work out of the write lock; it is used only when every event turns
         out to be new.
         """
-        probe = self._lock_probe(conn, probe_id, token_id, events[0].deployment_id, now_us)
-        # A probe id belongs to the token lineage that first wrote it: a rotated token (and
-        # the old one in its grace period) writes on for the same probes.
-        if probe.lineage != (token_id if lineage_id is None else lineage_id):
-            raise Forbidden(
-                f"probe_id {probe_id!r} is registered to another ingest token",
-                {"field": "probe_id"},
-            )
-        max_seq = probe.max_seq
+        max_seq = self.high_water(
+            conn, probe_id, token_id, events[0].deployment_id, now_us, lineage_id=lineage_id
+        )
         low = min(e.seq for e in events)
         # Gaps matter only to a batch reaching back below the high-water mark (a retry or a
         # late replay); load just those that overlap it.
@@ -463,6 +457,48 @@ class IngestStore:
             )
         )
         return result
+
+    def high_water(
+        self,
+        conn: Connection,
+        probe_id: str,
+        token_id: int,
+        deployment_id: str,
+        now_us: int,
+        *,
+        lineage_id: int | None = None,
+    ) -> int:
+        """Lock ``probe_id``'s row (made on first use) until the transaction ends and return
+        its high-water mark. A producer that numbers its events only once it holds the lock
+        (the OTLP ingest) takes the seqs above it. Refuses a probe id that another token
+        lineage owns."""
+        probe = self._lock_probe(conn, probe_id, token_id, deployment_id, now_us)
+        # A probe id belongs to the token lineage that first wrote it: a rotated token (and
+        # the old one in its grace period) writes on for the same probes.
+        if probe.lineage != (token_id if lineage_id is None else lineage_id):
+            raise Forbidden(
+                f"probe_id {probe_id!r} is registered to another ingest token",
+                {"field": "probe_id"},
+            )
+        return int(probe.max_seq)
+
+    def stored_requests(
+        self, conn: Connection, deployment_id: str, request_ids: Sequence[str]
+    ) -> set[str]:
+        """Which of ``request_ids`` the deployment already has a row for (PostgreSQL asks
+        ``request_keys``, which is not partitioned)."""
+        found: set[str] = set()
+        table = m.Request if self._sqlite else m.RequestKey
+        for i in range(0, len(request_ids), 500):
+            chunk = request_ids[i : i + 500]
+            found.update(
+                conn.execute(
+                    select(table.request_id).where(
+                        table.deployment_id == deployment_id, table.request_id.in_(chunk)
+                    )
+                ).scalars()
+            )
+        return found
 
     def _lock_probe(
         self, conn: Connection, probe_id: str, token_id: int, deployment_id: str, now_us: int

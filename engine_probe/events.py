@@ -602,6 +602,23 @@ def decode_event(data: bytes) -> Event:
     return _decode_each([data], offset=0)[0]
 
 
+def convert_event(fields: dict[str, Any]) -> Event:
+    """One event from plain Python values (``kind`` included), validated exactly as
+    :func:`decode_json_batch` validates a decoded one: types, ranges, lengths, ids and
+    control characters. For producers that build events from another format (the
+    collector's OTLP ingest); constructing a Struct directly checks none of that.
+
+    Raises :class:`DecodeError` (index None) naming the field."""
+    try:
+        event = cast("Event", msgspec.convert(fields, AnyEvent))
+    except msgspec.ValidationError as exc:
+        raise DecodeError([_field_error(None, exc)]) from None
+    errors = _check_ids([event]) + _check_text([event])
+    if errors:
+        raise DecodeError([replace(err, index=None) for err in errors])
+    return event
+
+
 class BatchTooLarge(ProbeError, ValueError):
     """A batch with more events than the decoder was told to take (the collector's ingest
     answers it as 413)."""

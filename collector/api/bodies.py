@@ -1,5 +1,6 @@
-"""The body limit every route but ``POST /v1/events`` shares (that one streams its own,
-larger limit: a probe's batch).
+"""The body limit every route but the producers' (``POST /v1/events``, ``POST /v1/traces``)
+shares; those two stream their own, larger limit (a probe's batch, an exporter's spans)
+through :func:`read_producer_body`.
 
 A body is read up to the limit before any route runs, and refused with 413 past it (the
 declared ``Content-Length`` is refused before a byte is read). Bodies here are small JSON
@@ -13,11 +14,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from starlette.requests import ClientDisconnect, Request
+
 from collector.api.errors import error
+from collector.errors import BadRequest, PayloadTooLarge
 
 log = logging.getLogger("kvwatch.bodies")
 
-EXEMPT = frozenset({"/v1/events"})
+EXEMPT = frozenset({"/v1/events", "/v1/traces"})
 
 
 class LimitBody:
@@ -78,3 +82,36 @@ def _left(scope: Any, received: int) -> None:
         peer,
         received,
     )
+
+
+async def read_producer_body(request: Request, limit: int, token_id: int) -> bytes:
+    """A producer's whole body, at most ``limit`` bytes (413 past it: a declared
+    ``Content-Length`` before a byte is read). A client that leaves mid-upload (a stopped
+    probe, a dropped network) is routine and harmless: one INFO line, nothing stored."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(
+            f"body of {declared} bytes exceeds the limit of {limit}", {"limit_bytes": limit}
+        )
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(
+                    f"body exceeds the limit of {limit} bytes", {"limit_bytes": limit}
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        log.info(
+            "%s %s: %s (token #%d) disconnected before sending the whole body; nothing stored",
+            request.method,
+            request.url.path,
+            peer,
+            token_id,
+        )
+        # Nobody reads this answer; it only ends the request.
+        raise BadRequest("the client disconnected before sending the whole body") from None
+    return b"".join(chunks)

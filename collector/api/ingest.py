@@ -8,22 +8,19 @@ limit, before the service decodes it.
 
 from __future__ import annotations
 
-import logging
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from starlette.requests import ClientDisconnect
 
 from collector.api import params
 from collector.api import schemas as s
+from collector.api.bodies import read_producer_body
 from collector.api.caller import in_thread
 from collector.api.openapi import EVENTS_SCHEMA
-from collector.errors import BadRequest, PayloadTooLarge
 from collector.ingest import IngestService
 
-log = logging.getLogger("kvwatch.ingest")
 _ERRORS = params.errors(401, 403, 422, 503)
 
 
@@ -60,20 +57,7 @@ def build_router(
     )
     async def post_events(request: Request, authorization: params.Auth = None) -> dict[str, Any]:
         who = await in_thread(ingest.authenticate, authorization)
-        try:
-            body = await _read_body(request, max_body_bytes)
-        except ClientDisconnect:
-            # A probe stopped or its network dropped mid-upload: routine, and harmless (nothing
-            # was stored; the probe sends the batch again), so no ERROR and no traceback.
-            peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
-            log.info(
-                "POST /v1/events: %s (token #%d) disconnected before sending the whole body; "
-                "nothing stored",
-                peer,
-                who.token_id,
-            )
-            # Nobody reads this answer; it only ends the request.
-            raise BadRequest("the client disconnected before sending the whole body") from None
+        body = await read_producer_body(request, max_body_bytes, who.token_id)
         ctype = request.headers.get("content-type", "")
         now = datetime.now(UTC)
         result = await anyio.to_thread.run_sync(
@@ -82,21 +66,3 @@ def build_router(
         return result.as_dict()
 
     return r
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(
-            f"body of {declared} bytes exceeds the limit of {limit}", {"limit_bytes": limit}
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(
-                f"body exceeds the limit of {limit} bytes", {"limit_bytes": limit}
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)

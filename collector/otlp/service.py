@@ -1,0 +1,213 @@
+"""One OTLP/HTTP trace export request, stored whole or not at all.
+
+What ``POST /v1/events`` guarantees holds here: the ingest token (its deployment scope
+included), one transaction for everything the request adds, the token's new-name limits,
+the policies evaluated over the new requests in that transaction, and idempotency, so an
+exporter's retry of the same spans stores nothing twice.
+
+Spans carry no per-producer sequence number, so the collector numbers them: each
+(token lineage, deployment) has a probe of its own (:func:`probe_id`), whose row is locked
+while the request's spans for it are numbered above its high-water mark. Under that lock a
+span whose request the deployment already has a row for (the same span sent again, or a
+probe that saw the request first) is a duplicate. Replicas receiving the same retry
+serialise on the lock, so neither stores it twice.
+
+What is not stored: spans that are not GenAI spans (counted, never stored: an
+application's HTTP or database spans may hold anything), and GenAI spans that cannot be
+stored, each refused with a reason, as OTLP's partial success reports (``rejected_spans``
+and the first reasons in ``error_message``). A request whose every span is refused that
+way is still a success (HTTP 200), as OTLP specifies; a body that is not an export request
+at all is a 400.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+from sqlalchemy import Connection
+
+from collector.errors import CollectorError, Forbidden
+from collector.ingest import IngestService
+from collector.otlp import wire
+from collector.otlp.genai import Mapper, SpanRefused, SpanRequest, is_genai
+from collector.settings import Settings
+from collector.store import WriteResult, micros
+from collector.tokens import Principal
+from engine_probe import events as ev
+
+log = logging.getLogger("kvwatch.otlp")
+
+_MESSAGES = 3  # refusal reasons quoted in error_message; the rest are counted
+
+
+def probe_id(lineage: int, deployment_id: str) -> str:
+    """The probe the collector stores a token lineage's spans of one deployment under."""
+    pid = f"otlp.{lineage}.{deployment_id}"
+    if len(pid) <= ev.ID_MAX:
+        return pid
+    digest = hashlib.sha256(deployment_id.encode()).hexdigest()[:24]
+    return f"otlp.{lineage}.{digest}"
+
+
+@dataclass(slots=True)
+class ExportResult:
+    """What one export request did, in spans."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    not_genai: int = 0
+    refused: list[str] = field(default_factory=list)
+
+    @property
+    def error_message(self) -> str:
+        if not self.refused:
+            return ""
+        quoted = "; ".join(self.refused[:_MESSAGES])
+        more = len(self.refused) - _MESSAGES
+        return f"{len(self.refused)} spans rejected: {quoted}" + (
+            f" (and {more} more)" if more > 0 else ""
+        )
+
+
+class TraceIngest:
+    def __init__(self, ingest: IngestService, settings: Settings, registry: CollectorRegistry):
+        self.ingest = ingest
+        self.settings = settings
+        self.spans = Counter(
+            "kvwatch_otlp_spans",
+            "Spans received on POST /v1/traces, by what became of them: accepted (stored as "
+            "a request), duplicate (that request was stored already), not_genai (no gen_ai.* "
+            "attribute: dropped, never stored), rejected (a GenAI span that cannot be "
+            "stored; answered in OTLP's partial success)",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("accepted", "duplicate", "not_genai", "rejected"):
+            self.spans.labels(result)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        return self.ingest.authenticate(authorization)
+
+    def export(
+        self,
+        principal: Principal,
+        body: bytes,
+        content_type: str,
+        content_encoding: str,
+        now: datetime,
+    ) -> ExportResult:
+        started = time.perf_counter()
+        metrics = self.ingest.metrics
+        try:
+            raw = wire.inflate(body, content_encoding, self.settings.max_body_bytes)
+            spans = wire.decode(raw, content_type, self.settings.max_batch_events)
+            result, requests = self._map(principal, spans, now)
+            if requests:
+                self._store(principal, requests, now, result)
+        except CollectorError as exc:
+            metrics.rejected.labels(exc.code).inc()
+            raise
+        self.spans.labels("accepted").inc(result.accepted)
+        self.spans.labels("duplicate").inc(result.duplicates)
+        self.spans.labels("not_genai").inc(result.not_genai)
+        self.spans.labels("rejected").inc(len(result.refused))
+        metrics.batch_seconds.observe(time.perf_counter() - started)
+        return result
+
+    def _map(
+        self, principal: Principal, spans: Sequence[wire.Span], now: datetime
+    ) -> tuple[ExportResult, list[SpanRequest]]:
+        lineage = principal.lineage
+        mapper = Mapper(
+            tenant_attributes=self.settings.otlp_tenant_attributes,
+            deployment_attributes=self.settings.otlp_deployment_attributes,
+            scope=principal.deployment_id,
+            probe_id=lambda dep: probe_id(lineage, dep),
+            now=now,
+            max_clock_skew=timedelta(seconds=self.settings.max_clock_skew_s),
+        )
+        result = ExportResult()
+        requests: list[SpanRequest] = []
+        for i, span in enumerate(spans):
+            if not is_genai(span):
+                result.not_genai += 1
+                continue
+            try:
+                req = mapper.request(span)
+            except SpanRefused as exc:
+                result.refused.append(f"span {i} ({span.name or 'unnamed'}): {exc}")
+                continue
+            if principal.deployment_id is not None and req.deployment_id != principal.deployment_id:
+                # The scope is the token's, as on /v1/events: refuse the request, not a span.
+                raise Forbidden(
+                    f"this ingest token may only write deployment {principal.deployment_id!r}; "
+                    f"span {i} names {req.deployment_id!r}",
+                    [{"index": i, "field": "deployment_id", "message": "outside the scope"}],
+                )
+            requests.append(req)
+        return result, requests
+
+    def _store(
+        self,
+        principal: Principal,
+        requests: list[SpanRequest],
+        now: datetime,
+        result: ExportResult,
+    ) -> None:
+        # One probe per deployment; probes locked in id order, so two replicas storing
+        # requests for the same deployments cannot deadlock.
+        by_probe: dict[str, list[SpanRequest]] = {}
+        for r in requests:
+            by_probe.setdefault(r.events[0].probe_id, []).append(r)
+        every = [e for r in requests for e in r.events]
+        store = self.ingest.store
+        now_us = micros(now)
+
+        def write(conn: Connection) -> WriteResult:
+            total = WriteResult(0, 0)
+            accepted = duplicates = 0
+            for pid in sorted(by_probe):
+                group = by_probe[pid]
+                dep = group[0].deployment_id
+                high = store.high_water(
+                    conn, pid, principal.token_id, dep, now_us, lineage_id=principal.lineage
+                )
+                stored = store.stored_requests(conn, dep, [r.request_id for r in group])
+                fresh: list[ev.Event] = []
+                seq = high
+                for r in group:
+                    if r.request_id in stored:
+                        duplicates += 1
+                        continue
+                    stored.add(r.request_id)  # the same request twice in one export
+                    accepted += 1
+                    for e in r.events:
+                        seq += 1
+                        fresh.append(msgspec.structs.replace(e, seq=seq))
+                if not fresh:
+                    continue
+                res = store.write_batch(
+                    conn,
+                    probe_id=pid,
+                    token_id=principal.token_id,
+                    lineage_id=principal.lineage,
+                    events=fresh,
+                    now_us=now_us,
+                )
+                total.accepted += res.accepted
+                total.new_events.extend(res.new_events)
+                total.deployments |= res.deployments
+            # Set last: a retried transaction counts afresh.
+            result.accepted, result.duplicates = accepted, duplicates
+            return total
+
+        res = self.ingest.commit(principal, every, now, write)
+        metrics = self.ingest.metrics
+        metrics.events.labels("accepted").inc(res.accepted)
