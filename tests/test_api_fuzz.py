@@ -329,6 +329,12 @@ def test_fuzz_ingest_with_an_ingest_token(live: Live) -> None:
     _fuzz(live, "POST /v1/events", live.ingest)
 
 
+def test_fuzz_otlp_traces_with_an_ingest_token(live: Live) -> None:
+    """Arbitrary OTLP/JSON objects and protobuf bytes: a 400 naming what is wrong (or a 200
+    whose partial success counts the spans refused), never a 5xx."""
+    _fuzz(live, "POST /v1/traces", live.ingest)
+
+
 # ----------------------------------------------- bugs it found, pinned request by request
 
 BIG = 2**64

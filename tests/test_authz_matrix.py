@@ -57,6 +57,7 @@ OPERATORS = ("read", "admin")  # alerts and incidents name tenants: not for a te
 
 EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/events"): _allow(200, "ingest"),
+    ("POST", "/v1/traces"): _allow(200, "ingest"),
     ("GET", "/v1/deployments"): _allow(200, *READERS),
     ("GET", "/v1/deployments/{deployment_id}/config-history"): _allow(200, *READERS),
     ("GET", "/v1/deployments/{deployment_id}/limits-card"): _allow(200, *READERS),
@@ -342,6 +343,7 @@ def _body(w: World, op: Operation) -> Any:
         ("POST", "/v1/events"): lambda: [
             f.as_json(f.pool(w.next_seq(), probe=PROBE, ts=w.now - timedelta(seconds=1)))
         ],
+        ("POST", "/v1/traces"): lambda: _otlp_json(w),
         ("POST", "/v1/alerts/{alert_id}/ack"): lambda: {"comment": "authz matrix"},
         ("POST", "/v1/silences"): lambda: {
             "matchers": [{"name": "alertname", "value": "authz_matrix"}],
@@ -365,6 +367,31 @@ def _body(w: World, op: Operation) -> Any:
         return None
     assert op.key in bodies, f"no valid body for {op.key}: add one to _body()"
     return bodies[op.key]()
+
+
+def _otlp_json(w: World) -> dict[str, Any]:
+    """One GenAI span of DEP as OTLP/JSON (its request id fresh each call)."""
+    start = int((w.now - timedelta(seconds=2)).timestamp() * 1e9)
+    seq = w.next_seq()
+
+    def kv(key: str, value: dict[str, Any]) -> dict[str, Any]:
+        return {"key": key, "value": value}
+
+    span = {
+        "traceId": f"{seq:032x}",
+        "spanId": f"{seq:016x}",
+        "name": "chat",
+        "startTimeUnixNano": str(start),
+        "endTimeUnixNano": str(start + 10**9),
+        "attributes": [
+            kv("gen_ai.request.model", {"stringValue": MODEL}),
+            kv("gen_ai.usage.input_tokens", {"intValue": "100"}),
+            kv("gen_ai.usage.output_tokens", {"intValue": "10"}),
+            kv("tenant.id", {"stringValue": ACME}),
+        ],
+    }
+    resource = {"attributes": [kv("service.name", {"stringValue": DEP})]}
+    return {"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": [span]}]}]}
 
 
 def _call(
