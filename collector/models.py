@@ -159,6 +159,8 @@ class Request(Base):
     #: the request (same deployment) whose prompt this one shares, from its admission (vLLM's
     #: parallel-sampling children 1..n-1 name child 0); NULL for a prompt of its own
     prompt_shared_with: Mapped[str | None] = mapped_column(String(ID_MAX))
+    #: how many of prompt_tokens a prefix cache served (from the request's finish), or NULL
+    cached_tokens: Mapped[int | None] = mapped_column(BigInteger)
     first_ts: Mapped[datetime] = mapped_column(UtcMicros)
     last_ts: Mapped[datetime] = mapped_column(UtcMicros)
     #: µs; the request's first_ts when it was first stored, never changed afterwards: the

@@ -138,6 +138,7 @@ REQUEST_FIELDS = (
     "reject_reason",
     "limit_tokens",
     "prompt_shared_with",
+    "cached_tokens",
     "first_ts",
     "last_ts",
 )

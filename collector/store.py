@@ -75,6 +75,7 @@ REQ_COLS = (
     "first_ts",
     "last_ts",
     "prompt_shared_with",
+    "cached_tokens",
 )
 # What is written: a new row's part_ts is its first_ts (never updated by the upsert).
 REQ_WRITE_COLS = (*REQ_COLS, "part_ts")
@@ -147,6 +148,8 @@ REQUEST_MERGE: dict[str, str] = {
     "last_ts": "max",
     # Only admissions carry it; NULL from the other events leaves it as it is.
     "prompt_shared_with": "max",
+    # Only finishes carry it (the prompt tokens a prefix cache served).
+    "cached_tokens": "max",
 }
 STATUS_RANK: dict[str, int] = {
     "admitted": 0,
@@ -269,18 +272,18 @@ def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> No
     if t is ev.RequestFinished:
         new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
                e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts,
-               None]  # fmt: skip
+               None, e.cached_tokens]  # fmt: skip
     else:
         cats = e.data_categories
         cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
         if t is ev.RequestAdmitted:
             new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
                    e.prompt_tokens, None, e.max_tokens, _PROVISIONAL, None, None, cat_json,
-                   ts, ts, e.prompt_shared_with]  # fmt: skip
+                   ts, ts, e.prompt_shared_with, None]  # fmt: skip
         else:
             new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
                    e.prompt_tokens, None, None, "rejected", e.reason, e.limit_tokens, cat_json,
-                   ts, ts, None]  # fmt: skip
+                   ts, ts, None, None]  # fmt: skip
     key = (e.deployment_id, e.request_id)
     row = reqs.get(key)
     if row is None:

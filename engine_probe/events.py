@@ -14,7 +14,7 @@ optional field with a default is added within the version: older producers' even
 as before. Since unknown fields are refused, a collector must know a field before any
 producer sets it: upgrade collectors first. Optional fields added within version 1 since
 this note: ``request.admitted``'s ``prompt_shared_with``, ``request.finished``'s
-``limit_tokens``.
+``limit_tokens`` and ``cached_tokens``.
 
 Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
 which is what an ingest path taking hundreds of thousands of events per second needs (about
@@ -188,7 +188,10 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     (None when it did not); ``prompt_tokens`` is still the engine's own count when it reported
     one. ``latency_ms``: from receipt to the answer's last byte, where the producer sees both.
     ``limit_tokens``: the safe context the producer held the prompt to (the gateway's guard),
-    where it held it to one; added within version 1.
+    where it held it to one; added within version 1. ``cached_tokens``: how many of
+    ``prompt_tokens`` a prefix cache served instead of prefill (vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``, OpenTelemetry's
+    ``gen_ai.usage.cache_read.input_tokens``), where the producer knows; added within version 1.
     """
 
     request_id: Id
@@ -202,6 +205,17 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     prompt_count_method: PromptCountMethod | None = None
     latency_ms: LatencyMs | None = None
     limit_tokens: Tokens | None = None
+    cached_tokens: Tokens | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            self.cached_tokens is not None
+            and self.prompt_tokens is not None
+            and self.cached_tokens > self.prompt_tokens
+        ):
+            raise ValueError(
+                "cached_tokens: more than prompt_tokens (cached tokens are part of the prompt)"
+            )
 
 
 class PoolSample(Event, tag="pool.sample", kw_only=True, frozen=True):

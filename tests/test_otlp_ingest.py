@@ -74,7 +74,8 @@ def test_sdk_spans_become_request_records(
     collector: Collector, encoding: oh.Encoding, zipped: bool
 ) -> None:
     with oh.tracer(collector.url, collector.ingest, encoding, gzip=zipped) as t:
-        oh.genai_span(t, request_id="chatcmpl-1", prompt=1234, completion=56)
+        cache = {"gen_ai.usage.cache_read.input_tokens": 1000}
+        oh.genai_span(t, request_id="chatcmpl-1", prompt=1234, completion=56, **cache)
         reasons = {"gen_ai.response.finish_reasons": ["length"]}
         oh.genai_span(t, request_id="chatcmpl-2", old_names=True, prompt=700, completion=7,
                       tenant="globex", **reasons)  # fmt: skip
@@ -158,18 +159,20 @@ def test_spans_that_cannot_be_stored_are_otlps_partial_success(collector: Collec
         {"request_id": "negative", "prompt": -5},
         {"request_id": "has space"},
         {"request_id": "float", "completion": 2.5},  # type: ignore[dict-item]
+        {"request_id": "cache", "prompt": 10, "gen_ai.usage.cache_read.input_tokens": 11},
     )
     r = _post(collector, collector.ingest, body)
     assert r.status_code == 200, r.text
     partial = ExportTraceServiceResponse.FromString(r.content).partial_success
-    assert partial.rejected_spans == 3
+    assert partial.rejected_spans == 4
     msg = partial.error_message
-    assert "3 spans rejected" in msg
+    assert "4 spans rejected" in msg
     assert "gen_ai.usage.input_tokens: -5 is negative" in msg
     assert "gen_ai.response.id" in msg and "'has space' is not a valid id" in msg
     assert "gen_ai.usage.output_tokens: expected a whole number of tokens" in msg
+    assert "(and 1 more)" in msg  # three reasons quoted, the rest counted
     assert [r["request_id"] for r in _requests(collector)] == ["good"]
-    assert _spans_metric(collector, "rejected") == 3
+    assert _spans_metric(collector, "rejected") == 4
     # JSON answers in JSON, 64-bit integers as strings
     js = json.loads(oh_json_export(collector, collector.ingest, prompt=-1))
     assert js["partialSuccess"]["rejectedSpans"] == "1"

@@ -69,6 +69,12 @@ class RequestOut(BaseModel):
         description="The request (same deployment) whose prompt this one shares, e.g. vLLM's "
         "parallel-sampling children 1..n-1 name child 0; null for a prompt of its own",
     )
+    cached_tokens: int | None = Field(
+        None,
+        description="How many of prompt_tokens a prefix cache served (vLLM's cached_tokens, "
+        "OpenTelemetry's gen_ai.usage.cache_read.input_tokens); null when the producer did not "
+        "say",
+    )
     first_ts: datetime
     last_ts: datetime
 

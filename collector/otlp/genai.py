@@ -16,7 +16,8 @@ Names are read under the current conventions first and the older ones vLLM still
 | status | the span's status (ERROR: ``error``) and ``gen_ai.response.finish_reasons`` |
 
 The current conventions count cached tokens inside ``input_tokens``, so the prompt is
-``input_tokens`` whole; ``cache_read.input_tokens`` is a part of it, read to check that.
+``input_tokens`` whole and ``cache_read.input_tokens`` (stored as the request's
+``cached_tokens``) a part of it: more than the prompt is refused.
 vLLM's ``llm_request`` span names no model: a deployment that wants one sets it on the
 resource (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=NAME``), else the request is
 stored without one and the ``telemetry_gap`` rule says so, as for any producer.
@@ -121,6 +122,7 @@ class Mapper:
             "prompt_tokens": prompt_attr,
             "completion_tokens": completion_attr,
             "max_tokens": max_attr,
+            "cached_tokens": cached_attr,
             "route": route_attr,
         }
         common = {
@@ -140,6 +142,7 @@ class Mapper:
             "kind": "request.finished",
             "ts": end,
             "completion_tokens": completion,
+            "cached_tokens": cached,
             "status": _status(span),
             "latency_ms": (end - start) / timedelta(milliseconds=1),
         }
