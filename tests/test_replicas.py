@@ -140,3 +140,65 @@ def _outbox_ids(pg_url: str) -> set[str]:
             return set(conn.execute(select(m.OutboxMessage.msg_id)).scalars())
     finally:
         db.dispose()
+
+
+def test_two_replicas_store_otlp_retries_exactly_once(pg_url: str) -> None:
+    """Exporters (several threads) send every OTLP export to both replicas at once, as a
+    retry after a lost answer would: each span's request is stored once, the collector's own
+    numbering of them has no gap nor double, and the context-pressure alert counts each
+    request once."""
+    from tests.test_otlp_ingest import _body
+
+    migrate.upgrade(pg_url)
+    token = make_token(pg_url, "ingest")
+    admin = make_token(pg_url, "admin")
+    settings = Settings(database_url=pg_url, auto_migrate=False, notify_enabled=False)
+    exports = [
+        _body(*({"request_id": f"e{i}-r{k}", "prompt": 900_000} for k in range(20)))
+        for i in range(12)
+    ]
+    with serve_in_thread(create_app(settings)) as a, serve_in_thread(create_app(settings)) as b:
+        auth = {"Authorization": f"Bearer {admin}"}
+        r = httpx.post(
+            f"{a}/v1/verifications",
+            headers=auth,
+            json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
+                  "verified_safe_context": 1_000_000},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+        errors: list[str] = []
+
+        def send(url: str, body: bytes) -> None:
+            r = httpx.post(
+                f"{url}/v1/traces",
+                content=body,
+                headers={"Authorization": f"Bearer {token}",
+                         "Content-Type": "application/x-protobuf"},
+                timeout=60,
+            )  # fmt: skip
+            if r.status_code != 200:
+                errors.append(f"{r.status_code} {r.text}")
+
+        threads = [
+            threading.Thread(target=send, args=(url, body)) for body in exports for url in (a, b)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        alerts = httpx.get(f"{a}/v1/alerts", headers=auth, params={"rule": "context_pressure"})
+    db = Database(pg_url)
+    try:
+        with db.read() as conn:
+            rows = conn.execute(
+                select(m.Request.request_id, func.count()).group_by(m.Request.request_id)
+            ).all()
+            probe = conn.execute(select(m.Probe).where(m.Probe.probe_id.like("otlp.%"))).one()
+            gaps = conn.execute(select(func.count()).select_from(m.SeqGap)).scalar()
+    finally:
+        db.dispose()
+    assert len(rows) == 12 * 20 and all(n == 1 for _, n in rows)
+    assert (probe.max_seq, probe.accepted, gaps) == (2 * 12 * 20, 2 * 12 * 20, 0)
+    (alert,) = alerts.json()
+    assert alert["occurrences"] == 12 * 20
