@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
+from collector.errors import InvalidInput
 from collector.otlp.wire import Span
 from engine_probe import events as ev
 
@@ -57,9 +58,9 @@ def is_genai(span: Span) -> bool:
     return any(k.startswith("gen_ai.") for k in span.attrs)
 
 
-class SpanRefused(Exception):
-    """A GenAI span kvwatch cannot store, and why (naming the attribute); OTLP's partial
-    success counts it in ``rejected_spans``."""
+class SpanRefused(InvalidInput):
+    """A GenAI span kvwatch cannot store, and why (naming the attribute). Never answered on
+    its own: the service counts it in OTLP's partial success (``rejected_spans``)."""
 
 
 @dataclass(frozen=True, slots=True)
