@@ -170,6 +170,28 @@ class Request(Base):
     part_ts: Mapped[int] = mapped_column(BigInteger)
 
 
+class OtlpSpan(Base):
+    """Every span ``POST /v1/traces`` stored as a request, by its trace and span id, with the
+    request id it was stored under.
+
+    Invariants: one row per (deployment_id, span_key); written in the transaction that
+    stores the span's request, so a span is here exactly when its request was stored (an
+    exporter's retry of it is then a duplicate). ``request_id`` is the span's own request id,
+    or, for a later span naming a request id already stored (vLLM's parallel-sampling
+    children all name one), that id with the span id appended. Ids only: no tenant, no text.
+    Deleted with the deployment's requests by retention."""
+
+    __tablename__ = "otlp_spans"
+    __table_args__ = (Index(None, "deployment_id", "seen_at"),)
+
+    deployment_id: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    #: trace id + span id, in hex (the request id for a span without them)
+    span_key: Mapped[str] = mapped_column(String(ID_MAX), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(ID_MAX))
+    #: µs, when the collector stored it
+    seen_at: Mapped[int] = mapped_column(BigInteger)
+
+
 class RequestKey(Base):
     """PostgreSQL: the partition (``part_ts``) of each stored request, fixed at first sight.
 

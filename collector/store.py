@@ -503,6 +503,33 @@ class IngestStore:
             )
         return found
 
+    def stored_spans(self, conn: Connection, deployment_id: str, keys: Sequence[str]) -> set[str]:
+        """Which of these OTLP span keys (trace id + span id) the deployment stored already."""
+        found: set[str] = set()
+        t = m.OtlpSpan
+        for i in range(0, len(keys), 500):
+            chunk = keys[i : i + 500]
+            found.update(
+                conn.execute(
+                    select(t.span_key).where(
+                        t.deployment_id == deployment_id, t.span_key.in_(chunk)
+                    )
+                ).scalars()
+            )
+        return found
+
+    def remember_spans(
+        self, conn: Connection, deployment_id: str, spans: Sequence[tuple[str, str]], now_us: int
+    ) -> None:
+        """Record (span key, request id) pairs as stored, in the transaction storing them."""
+        conn.execute(
+            insert(m.OtlpSpan),
+            [
+                {"deployment_id": deployment_id, "span_key": k, "request_id": r, "seen_at": now_us}
+                for k, r in spans
+            ],
+        )
+
     def _lock_probe(
         self, conn: Connection, probe_id: str, token_id: int, deployment_id: str, now_us: int
     ) -> Any:

@@ -115,8 +115,11 @@ def test_an_exporters_retry_stores_nothing_twice(collector: Collector) -> None:
         assert not resp.HasField("partial_success")  # a full success
     assert sorted(r["request_id"] for r in _requests(collector)) == ["r-1", "r-2"]
     assert (_spans_metric(collector, "accepted"), _spans_metric(collector, "duplicate")) == (2, 2)
-    # the same request id twice in one export is one request
-    r = _post(collector, collector.ingest, _body({"request_id": "r-3"}, {"request_id": "r-3"}))
+    # the same span twice in one export is one request
+    once = _body({"request_id": "r-3"})
+    twice = ExportTraceServiceRequest.FromString(once)
+    twice.MergeFromString(once)
+    r = _post(collector, collector.ingest, twice.SerializeToString())
     assert r.status_code == 200
     assert sorted(r["request_id"] for r in _requests(collector)) == ["r-1", "r-2", "r-3"]
 
@@ -296,11 +299,24 @@ def test_tenant_and_deployment_attributes_are_configurable(custom: Collector) ->
     assert {r["deployment_id"] for r in rows.values()} == {"lab"}
 
 
-def test_probe_batches_and_spans_of_one_request_merge(collector: Collector) -> None:
-    """A request a probe stored first is not stored again from a span (it is a duplicate)."""
+def test_spans_naming_one_request_are_requests_sharing_its_prompt(collector: Collector) -> None:
+    """vLLM sends one span per parallel-sampling child (n > 1), every one under the parent's
+    request id: each is a request of its own that names the first, and a retry of any of them
+    stores nothing more. A request a probe stored first is named likewise."""
+    body = _body(*({"request_id": "cmpl-n3", "completion": c} for c in (5, 7, 9)))
+    for _ in range(2):  # the second time: an exporter's retry
+        assert _post(collector, collector.ingest, body).status_code == 200
+    rows = _requests(collector, deployment_id="glm-prod")
+    assert len(rows) == 3
+    (parent,) = [r for r in rows if r["request_id"] == "cmpl-n3"]
+    children = [r for r in rows if r is not parent]
+    assert parent["prompt_shared_with"] is None
+    assert all(r["request_id"].startswith("cmpl-n3.") for r in children)
+    assert all(r["prompt_shared_with"] == "cmpl-n3" for r in children)
+    assert sorted(r["completion_tokens"] for r in rows) == [5, 7, 9]
+    assert (_spans_metric(collector, "accepted"), _spans_metric(collector, "duplicate")) == (3, 3)
     with collector.client(collector.ingest) as h:
-        assert h.post("/v1/events", json=[f.as_json(f.admitted(1, "shared"))]).status_code == 200
-    r = _post(collector, collector.ingest, _body({"request_id": "shared"}, {"request_id": "new"}))
-    assert r.status_code == 200
-    assert sorted(x["request_id"] for x in _requests(collector)) == ["new", "shared"]
-    assert _spans_metric(collector, "duplicate") == 1
+        assert h.post("/v1/events", json=[f.as_json(f.admitted(1, "probed"))]).status_code == 200
+    assert _post(collector, collector.ingest, _body({"request_id": "probed"})).status_code == 200
+    probed = [r for r in _requests(collector) if r["request_id"].startswith("probed")]
+    assert sorted(r["prompt_shared_with"] or "" for r in probed) == ["", "probed"]

@@ -235,6 +235,9 @@ class RetentionService:
         res.requests += conn.execute(sa.delete(r).where(*req_cond)).rowcount
         res.pool_samples += conn.execute(sa.delete(ps).where(*pool_cond)).rowcount
         res.page_events += conn.execute(sa.delete(pe).where(*page_cond)).rowcount
+        # The OTLP spans stored before the cutoff: a retry that late is no retry any more.
+        sp = m.OtlpSpan
+        conn.execute(sa.delete(sp).where(sp.deployment_id == dep, sp.seen_at < keep_from))
         rr, rh, pr = m.RequestRollup, m.RequestRollupHourly, m.PoolRollup
         conn.execute(
             sa.delete(rr).where(

@@ -28,10 +28,13 @@ Tenant and deployment come from configured attributes (``KVWATCH_OTLP_TENANT_ATT
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
+
+import msgspec
 
 from collector.errors import InvalidInput
 from collector.otlp.wire import Span
@@ -65,12 +68,29 @@ class SpanRefused(InvalidInput):
 
 @dataclass(frozen=True, slots=True)
 class SpanRequest:
-    """A GenAI span as one request: its deployment, id and events (``seq`` 1 as a
-    placeholder; the service numbers them under the probe's lock)."""
+    """A GenAI span as one request: its deployment, the span's identity (trace id + span id,
+    hex; the request id when the span has none), the request id it names, and its events
+    (``seq`` 1 as a placeholder; the service numbers them under the probe's lock)."""
 
     deployment_id: str
+    span_key: str
     request_id: str
     events: tuple[ev.Event, ...]
+
+    def as_sibling(self) -> SpanRequest:
+        """This span as a request of its own that shares the prompt of the request it names:
+        a later span naming a request id already stored (vLLM sends one span per
+        parallel-sampling child, all under the parent's id). Its id is the named one with
+        the span id appended."""
+        suffix = f".{self.span_key[-16:]}"
+        rid = self.request_id[: ev.ID_MAX - len(suffix)] + suffix
+        events = tuple(
+            msgspec.structs.replace(e, request_id=rid, prompt_shared_with=self.request_id)
+            if isinstance(e, ev.RequestAdmitted)
+            else msgspec.structs.replace(e, request_id=rid)
+            for e in self.events
+        )
+        return SpanRequest(self.deployment_id, self.span_key, rid, events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +173,10 @@ class Mapper:
             err = exc.errors[0]
             field = (err.field or "").split(".", 1)[0].split("[", 1)[0]
             raise SpanRefused(f"{blame.get(field) or field}: {err.message}") from None
-        return SpanRequest(deployment, events[0].request_id, events)  # type: ignore[attr-defined]
+        key = f"{span.trace_id}{span.span_id}" if span.trace_id and span.span_id else rid
+        if len(key) > ev.ID_MAX:  # ids longer than OTLP's 16 and 8 bytes
+            key = hashlib.sha256(key.encode()).hexdigest()
+        return SpanRequest(deployment, key, str(common["request_id"]), events)
 
     def _deployment(self, span: Span) -> str:
         value, attr = _first(span, self.deployment_attributes, resource=True, skip=_sdk_default)

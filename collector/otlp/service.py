@@ -8,9 +8,11 @@ exporter's retry of the same spans stores nothing twice.
 Spans carry no per-producer sequence number, so the collector numbers them: each
 (token lineage, deployment) has a probe of its own (:func:`probe_id`), whose row is locked
 while the request's spans for it are numbered above its high-water mark. Under that lock a
-span whose request the deployment already has a row for (the same span sent again, or a
-probe that saw the request first) is a duplicate. Replicas receiving the same retry
-serialise on the lock, so neither stores it twice.
+span already stored (``otlp_spans``, by trace and span id) is a duplicate: an exporter's
+retry stores nothing twice, and replicas receiving the same retry serialise on the lock.
+A new span naming a request id the deployment already stores is a request of its own that
+shares that request's prompt (vLLM sends one span per parallel-sampling child, every one
+under the parent's id; see :meth:`SpanRequest.as_sibling`).
 
 What is not stored: spans that are not GenAI spans (counted, never stored: an
 application's HTTP or database spans may hold anything), and GenAI spans that cannot be
@@ -179,18 +181,29 @@ class TraceIngest:
                 high = store.high_water(
                     conn, pid, principal.token_id, dep, now_us, lineage_id=principal.lineage
                 )
-                stored = store.stored_requests(conn, dep, [r.request_id for r in group])
+                seen = store.stored_spans(conn, dep, [r.span_key for r in group])
+                taken = store.stored_requests(conn, dep, [r.request_id for r in group])
                 fresh: list[ev.Event] = []
+                remembered: list[tuple[str, str]] = []
                 seq = high
                 for r in group:
-                    if r.request_id in stored:
-                        duplicates += 1
+                    if r.span_key in seen:
+                        duplicates += 1  # this span was stored: a retry
                         continue
-                    stored.add(r.request_id)  # the same request twice in one export
+                    seen.add(r.span_key)
+                    if r.request_id in taken:
+                        r = r.as_sibling()
+                        if r.request_id in taken:  # pragma: no cover - a span id repeated
+                            duplicates += 1
+                            continue
+                    taken.add(r.request_id)
+                    remembered.append((r.span_key, r.request_id))
                     accepted += 1
                     for e in r.events:
                         seq += 1
                         fresh.append(msgspec.structs.replace(e, seq=seq))
+                if remembered:
+                    store.remember_spans(conn, dep, remembered, now_us)
                 if not fresh:
                     continue
                 res = store.write_batch(
