@@ -13,7 +13,13 @@ a ``vllm_server: VllmServer`` argument. The first test that asks starts, in this
    installed in that venv), ``--block-size 32``, ``--optimization-level 0`` (no
    torch.compile), ``--max-num-batched-tokens 128`` (chunked prefill: a long prompt takes
    many steps), ``VLLM_CPU_KVCACHE_SPACE=1``, ``HF_HUB_OFFLINE=1``, and the plugin's
-   test-only fault injection for :data:`FAULT_TENANT` (the positive control).
+   test-only fault injection for :data:`FAULT_TENANT` (the positive control); and vLLM's own
+   OpenTelemetry tracing (``--otlp-traces-endpoint``) exporting over OTLP/HTTP to the same
+   collector's ``/v1/traces`` with the same ingest token, as :data:`OTLP_DEPLOYMENT` (its
+   ``OTEL_SERVICE_NAME``) with the served model on the resource: one ``llm_request`` span per
+   request that finishes in vLLM's output processor (at its length, an EOS or a stop
+   string; none for one aborted because its client left), whether or not it carried a
+   ``traceparent`` (vLLM traces every request once an endpoint is set).
 
 Every later test (any module) gets the same running server: the fixture is session scoped
 and the server a process-wide singleton, so importing the fixture into several modules
@@ -50,6 +56,14 @@ VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 TINY_MODEL_SCRIPT = ROOT / "tests" / "engines" / "vllm" / "tiny_model.py"
 SERVED_MODEL = "kvwatch-tiny-llama"
 DEPLOYMENT = "vllm-tiny"
+#: the deployment vLLM's own OTLP spans name (its OTEL_SERVICE_NAME): a deployment of its own,
+#: so the rows the spans become are never merged with, or mistaken for, the probe's rows of
+#: the same requests (the ids differ: the span names vLLM's external id, the probe the engine
+#: core's, which adds a random suffix), and the probe's deployment keeps its one probe
+OTLP_DEPLOYMENT = f"{DEPLOYMENT}-otlp"
+#: how often vLLM's span processor exports (OTEL_BSP_SCHEDULE_DELAY, ms; the SDK's default is
+#: 5 s): a span is at the collector a fraction of a second after its request ends
+OTLP_EXPORT_DELAY_MS = 200
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 420.0
@@ -68,6 +82,9 @@ class EngineCollector:
     db_url: str
     admin: str
     ingest: str
+    #: the ingest token's lineage (its own id): OTLP ingest stores spans under a probe of
+    #: that lineage (``collector.otlp.service.probe_id``)
+    ingest_lineage: int
 
     def client(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token or self.admin}"}
@@ -76,13 +93,15 @@ class EngineCollector:
 
 @dataclass
 class VllmServer:
-    """One running vLLM OpenAI server with kvwatch's plugin active."""
+    """One running vLLM OpenAI server with kvwatch's plugin active (and vLLM's tracing
+    exporting to the same collector, as ``otlp_deployment_id``)."""
 
     base_url: str
     model: str
     max_model_len: int
     block_size: int
     deployment_id: str
+    otlp_deployment_id: str
     collector: EngineCollector
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False)
@@ -205,14 +224,14 @@ def _start_collector(workdir: Path, stack: list[Any] | None = None) -> EngineCol
         with db.write() as conn:
             now = to_micros(utcnow())
             admin = create_token(conn, kind="admin", now_us=now)[1]
-            ingest = create_token(conn, kind="ingest", now_us=now)[1]
+            ingest_id, ingest = create_token(conn, kind="ingest", now_us=now)
     finally:
         db.dispose()
     settings = Settings(database_url=db_url, auto_migrate=False, rollup_interval_s=0.2)
     serving = serve_in_thread(create_app(settings))
     url = serving.__enter__()
     (_stack if stack is None else stack).append(serving)
-    return EngineCollector(url, db_url, admin, ingest)
+    return EngineCollector(url, db_url, admin, ingest, ingest_id)
 
 
 def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
@@ -221,7 +240,7 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
     model_dir = _tiny_model(workdir)
     port = free_port()
     env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")},
+        **{k: v for k, v in os.environ.items() if not k.startswith(("KVWATCH_", "OTEL_"))},
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_NO_USAGE_STATS": "1",
@@ -233,6 +252,14 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         # plugin.py): the first request of FAULT_TENANT has its KV writes left unrecorded
         "KVWATCH_TEST_FAULT_INJECTION": FAULT_GUARD,
         "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT": FAULT_TENANT,
+        # vLLM's tracing (with --otlp-traces-endpoint below): OTLP/HTTP, not its default gRPC
+        # (the collector takes OTLP/HTTP only), authenticated as the probe is; the deployment
+        # as service.name, the model on the resource (vLLM's span names none)
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"Authorization=Bearer%20{collector.ingest}",
+        "OTEL_SERVICE_NAME": OTLP_DEPLOYMENT,
+        "OTEL_RESOURCE_ATTRIBUTES": f"gen_ai.request.model={SERVED_MODEL}",
+        "OTEL_BSP_SCHEDULE_DELAY": str(OTLP_EXPORT_DELAY_MS),
     }
     log_path = workdir / "vllm-server.log"
     proc = _popen(
@@ -263,6 +290,8 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
             # nothing the probe sees (the scheduler and its KV cache manager are the same)
             "--optimization-level",
             "0",
+            "--otlp-traces-endpoint",
+            f"{collector.url}/v1/traces",
         ],
         log_path,
         env,
@@ -274,6 +303,7 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK_SIZE,
         deployment_id=DEPLOYMENT,
+        otlp_deployment_id=OTLP_DEPLOYMENT,
         collector=collector,
         log_path=log_path,
         process=proc,

@@ -5,7 +5,8 @@ The server (``tests/engine_servers.py``: one per test run, a tiny random Llama, 
 through its ``vllm.general_plugins`` entry point in the engine-core process. Requests from
 two tenants go through the real HTTP API (the tenant as the ``kvwatch_tenant`` vLLM extra
 arg); what the collector then holds is checked against vLLM's own figures (its
-``/metrics`` and its answers).
+``/metrics`` and its answers). The same server also exports vLLM's own OpenTelemetry spans
+to the collector's ``/v1/traces`` (a second producer, under a deployment of its own).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.engine_servers import FAULT_TENANT, VllmServer, vllm_server, wait_for  # noqa: F401
@@ -25,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # tenants only this module uses: other modules may send requests to the same server
 A, B, OVER, PAR = "vsrv-tenant-a", "vsrv-tenant-b", "vsrv-tenant-over", "vsrv-tenant-par"
+OTLP = "vsrv-tenant-otlp"
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -441,3 +445,98 @@ def test_a_seeded_random_mix_is_reported_exactly(
             assert r["status"] in ("aborted", "length", "completed"), (seed, r)
             assert 0 <= r["completion_tokens"] <= max(j["max_tokens"] for j in jobs), (seed, r)
     assert stale_reads_by(vllm_server, set(tenants)) == [], seed
+
+
+def otlp_rows(server: VllmServer, since: datetime) -> list[dict[str, Any]]:
+    """The requests vLLM's OTLP spans became since ``since`` (their deployment's rows)."""
+    with server.collector.client() as c:
+        r = c.get(
+            "/v1/requests",
+            params={
+                "deployment_id": server.otlp_deployment_id,
+                "since": since.isoformat(),
+                "limit": 100,
+            },
+        )
+        r.raise_for_status()
+        return list(r.json()["items"])
+
+
+def otlp_spans(server: VllmServer, result: str) -> float:
+    """The collector's ``kvwatch_otlp_spans_total{result=...}``."""
+    from tests.metrics_text import samples
+
+    r = httpx.get(f"{server.collector.url}/metrics", timeout=30)
+    r.raise_for_status()
+    value = samples(r.text).get("kvwatch_otlp_spans_total", {"result": result})
+    assert value is not None, f"no kvwatch_otlp_spans_total{{result={result!r}}}"
+    return value
+
+
+def test_vllms_own_otlp_span_becomes_a_request_row(vllm_server: VllmServer) -> None:  # noqa: F811
+    """vLLM's tracing (``--otlp-traces-endpoint``, OTLP/HTTP protobuf) sends one
+    ``llm_request`` span per finished request to the collector's ``/v1/traces``. It becomes
+    a request row of its own deployment (``OTEL_SERVICE_NAME``), under the request id vLLM
+    puts in ``gen_ai.request.id``, with vLLM's usage as its token counts and the model from
+    the resource (``OTEL_RESOURCE_ATTRIBUTES``): the probe's row of the same request is
+    another producer's, under another deployment and the engine core's id."""
+    from collector.otlp.genai import UNKNOWN_TENANT
+    from collector.otlp.service import probe_id
+
+    server = vllm_server
+    accepted = otlp_spans(server, "accepted")
+    since = datetime.now(UTC) - timedelta(seconds=1)
+    r = server.complete(tokens(5000, 37), tenant=OTLP, max_tokens=6)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    usage = answer["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (37, 6)
+    # vLLM's front end answers as cmpl-<uuid> and submits the answer's prompt i as
+    # cmpl-<uuid>-i: its "external" request id, the one its span names; the engine core
+    # (where the probe runs) knows the request as that plus "-" and 8 random characters.
+    span_rid = f"{answer['id']}-0"
+
+    (row,) = wait_for(
+        lambda: [x for x in otlp_rows(server, since) if x["request_id"] == span_rid], bool
+    )
+    assert row["deployment_id"] == server.otlp_deployment_id != server.deployment_id
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert row["max_tokens"] == 6  # gen_ai.request.max_tokens
+    assert row["model_id"] == server.model  # from the resource: vLLM's span names no model
+    assert row["tenant"] == UNKNOWN_TENANT  # nor a tenant (kvwatch_tenant is the probe's)
+    assert row["route"] is None
+    # vLLM's span has no gen_ai.response.finish_reasons: a request that ran to max_tokens
+    # is stored as completed (the probe, which sees the engine core's finish, says length)
+    assert row["status"] == "completed"
+
+    # The probe's row of the same request: its own deployment and id, the same counts.
+    (probe_row,) = wait_for(
+        lambda: requests_of(server, OTLP), lambda rows: [x["status"] for x in rows] == ["length"]
+    )
+    assert probe_row["request_id"].startswith(f"{span_rid}-")
+    assert len(probe_row["request_id"]) == len(span_rid) + 9
+    assert (probe_row["prompt_tokens"], probe_row["completion_tokens"]) == (
+        row["prompt_tokens"],
+        row["completion_tokens"],
+    )
+
+    # Stored under the OTLP probe of the ingest token's lineage, the only one of its
+    # deployment; the engine-core probe's deployment has no OTLP probe.
+    lineage = server.collector.ingest_lineage
+    with server.collector.client() as c:
+        probes = c.get("/v1/probes").json()
+    (mine,) = [p for p in probes if p["deployment_id"] == server.otlp_deployment_id]
+    assert mine["probe_id"] == probe_id(lineage, server.otlp_deployment_id)
+    assert mine["probe_id"] == f"otlp.{lineage}.{server.otlp_deployment_id}"
+    assert mine["missing"] == 0 and mine["accepted"] >= 2  # admitted + finished
+    assert not [
+        p for p in probes
+        if p["deployment_id"] == server.deployment_id and p["probe_id"].startswith("otlp.")
+    ]  # fmt: skip
+
+    # counted as accepted (the counter moves just after the commit that made the row)
+    wait_for(lambda: otlp_spans(server, "accepted"), lambda n: n >= accepted + 1, timeout_s=10)
+    assert otlp_spans(server, "rejected") == 0
