@@ -17,10 +17,22 @@ from typing import Any
 from sqlalchemy import Connection, func, select, text
 
 from collector import models as m
-from collector.timefmt import as_datetime, to_micros
+from collector.timefmt import as_datetime, from_micros, to_micros
 from engine_probe import events as ev
-from policies import DeploymentFacts, NodeConfig, ProbeFact, TimerFacts, VerificationFact
-from policies.facts import VerificationResult, clock_period
+from policies import (
+    DeploymentFacts,
+    NodeConfig,
+    PrefixHitFact,
+    ProbeFact,
+    TimerFacts,
+    VerificationFact,
+)
+from policies.facts import (
+    PREFIX_HISTORY_MAX,
+    PREFIX_HISTORY_S,
+    VerificationResult,
+    clock_period,
+)
 
 _CONFIG_HISTORY = 64  # per deployment: configs are stored only when they change
 
@@ -218,6 +230,38 @@ _IN_FLIGHT_WINDOW_US = 15 * 60 * _US  # requests admitted this long before it we
 _CADENCE_WINDOW_US = 3600 * _US  # its pool samples this long before it went quiet
 _CLOCK_SLACK_US = 5 * 60 * _US
 _CADENCE_SAMPLES = 4
+
+
+def prefix_history(
+    conn: Connection, readers: Iterable[tuple[str, str]], until_us: int
+) -> dict[tuple[str, str], list[PrefixHitFact]]:
+    """Each (deployment, reader tenant)'s cross-tenant prefix-cache hits of the
+    PREFIX_HISTORY_S before ``until_us``, newest first, at most PREFIX_HISTORY_MAX, with the
+    reading request's prompt tokens (one indexed query per reader, bounded by the cap)."""
+    out: dict[tuple[str, str], list[PrefixHitFact]] = {}
+    since = until_us - round(PREFIX_HISTORY_S * _US)
+    for dep, reader in sorted(set(readers)):
+        rows = conn.execute(
+            text(
+                "SELECT pe.ts, pe.other_tenant, pe.detail, r.prompt_tokens FROM page_events pe "
+                "LEFT JOIN requests r ON r.deployment_id = pe.deployment_id "
+                "AND r.request_id = pe.request_id "
+                "WHERE pe.deployment_id = :d AND pe.kind = 'prefix_cache.hit' "
+                "AND pe.tenant = :t AND pe.cross_tenant AND pe.ts >= :lo AND pe.ts <= :hi "
+                "ORDER BY pe.ts DESC LIMIT :n"
+            ),
+            {"d": dep, "t": reader, "lo": since, "hi": until_us, "n": PREFIX_HISTORY_MAX},
+        ).all()
+        out[(dep, reader)] = [
+            PrefixHitFact(
+                ts=from_micros(int(ts)),
+                owner_tenant=owner or "",
+                tokens=int(_evidence(detail).get("tokens") or 0),
+                prompt_tokens=None if prompt is None else int(prompt),
+            )
+            for ts, owner, detail, prompt in rows
+        ]
+    return out
 
 
 def timer_facts(

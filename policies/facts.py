@@ -145,6 +145,25 @@ class DeploymentFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixHitFact:
+    """One cross-tenant prefix-cache hit in a reader tenant's recent history (what
+    ``prefix_probe_suspected`` weighs): when, whose blocks (the owner tenant), how many
+    prompt tokens the hit served, and the reading request's prompt tokens (None when not
+    known). Counts only: a prefix's text is never known to the collector."""
+
+    ts: datetime
+    owner_tenant: str
+    tokens: int
+    prompt_tokens: int | None
+
+
+#: How far back, and how many of a reader's cross-tenant prefix hits at most, a batch's
+#: ``prefix_history`` reaches: the loader's bounds, which no rule's window may exceed.
+PREFIX_HISTORY_S = 3600.0
+PREFIX_HISTORY_MAX = 1000
+
+
+@dataclass(frozen=True, slots=True)
 class SeqGapFact:
     probe_id: str
     deployment_id: str
@@ -242,6 +261,11 @@ class BatchFacts:
     prior_configs: Mapping[tuple[str, str], NodeConfig] = field(default_factory=dict)
     seq_gaps: Sequence[SeqGapFact] = ()
     by_type: Mapping[type, list[ev.Event]] | None = None  # index_by_type(events), if known
+    #: (deployment, reader tenant) -> its cross-tenant prefix hits of the last
+    #: PREFIX_HISTORY_S, newest first, at most PREFIX_HISTORY_MAX, the batch's own included:
+    #: loaded only for the readers of the batch's cross-tenant hits, and only when a rule
+    #: needs it (``needs_prefix_history``)
+    prefix_history: Mapping[tuple[str, str], Sequence[PrefixHitFact]] = field(default_factory=dict)
 
     @cached_property
     def _by_type(self) -> Mapping[type, list[ev.Event]]:

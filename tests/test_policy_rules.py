@@ -229,6 +229,89 @@ def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:
     assert env.alerts("prefix_cache_unsalted")[0]["state"] == "resolved"
 
 
+def _probe_campaign(
+    env: Env,
+    reader: str,
+    owner: str,
+    lengths: list[int],
+    suffix: int,
+    *,
+    batch: int = 7,
+    start: datetime | None = None,
+) -> None:
+    """``reader``'s requests, each hitting ``owner``'s cached blocks for ``lengths[i]`` tokens
+    with a prompt ``suffix`` tokens longer, sent in batches as a probe flushes them."""
+    t = start or datetime.now(UTC) - timedelta(minutes=5)
+    events: list[ev.Event] = []
+    for i, tokens in enumerate(lengths):
+        at = t + timedelta(seconds=2 * i)
+        rid = f"{reader}-{env.seq + 1}"
+        events.append(
+            f.admitted(
+                env.next(), rid, tenant=reader, prompt=tokens + suffix, probe=env.probe, ts=at
+            )
+        )
+        events.append(
+            f.prefix_hit(
+                env.next(),
+                probe=env.probe,
+                ts=at,
+                reader_request_id=rid,
+                reader_tenant=reader,
+                owner_tenant=owner,
+                owner_request_id="r-sys",
+                tokens=tokens,
+                pages=max(1, tokens // 16),
+            )
+        )
+        if len(events) >= 2 * batch:
+            env.send(*events)
+            events = []
+    if events:
+        env.send(*events)
+
+
+def test_prefix_probe_suspected_fires_for_a_prober_not_for_tenants_sharing_a_template(
+    env: Env,
+) -> None:
+    # A public system prompt two tenants both use: the same 512-token hit every time, each
+    # request going on with a long prompt of its own.
+    _probe_campaign(env, "initech", "acme", [512] * 40, suffix=2_000)
+    # Short requests, matched prefixes growing page by page: the PromptPeek pattern, but
+    # fewer hits than min_hits (20) so far.
+    probing = [16 * (1 + i // 3) for i in range(30)]  # 16, 16, 16, 32, ... 160
+    t = datetime.now(UTC) - timedelta(minutes=5)
+    _probe_campaign(env, "globex", "acme", probing[:19], suffix=1, start=t)
+    assert env.alerts("prefix_probe_suspected") == []
+    _probe_campaign(env, "globex", "acme", probing[19:], suffix=1, start=t + timedelta(seconds=38))
+    (a,) = env.alerts("prefix_probe_suspected")
+    assert a["state"] == "firing" and a["severity"] == "critical"
+    assert a["labels"] == {
+        "alertname": "prefix_probe_suspected",
+        "deployment_id": "glm-prod",
+        "reader_tenant": "globex",
+        "owner_tenant": "acme",
+        "severity": "critical",
+    }
+    assert a["value"] == 30  # the hits weighed (in the window ending at the latest)
+    assert a["occurrences"] == 11  # the hits of the batches that met the thresholds
+    assert "at 10 different lengths (16 to 160 tokens)" in a["annotations"]["summary"]
+    # another reader probing the same owner, but with long prompts after each hit: not short
+    _probe_campaign(env, "hooli", "acme", probing, suffix=400)
+    assert [x["labels"]["reader_tenant"] for x in env.alerts("prefix_probe_suspected")] == [
+        "globex"
+    ]
+
+
+def test_prefix_probe_suspected_weighs_its_window_only(env: Env) -> None:
+    probing = [16 * (1 + i // 2) for i in range(24)]
+    # 12 probes an hour ago, 12 now: never 20 within the 10-minute window
+    _probe_campaign(env, "globex", "acme", probing[:12], suffix=0,
+                    start=datetime.now(UTC) - timedelta(minutes=58))  # fmt: skip
+    _probe_campaign(env, "globex", "acme", probing[12:], suffix=0)
+    assert env.alerts("prefix_probe_suspected") == []
+
+
 def test_prefix_cache_cross_tenant_on_hits_across_tenants_only(env: Env) -> None:
     same = f.prefix_hit(env.next(), probe=env.probe, reader_tenant="acme")
     env.send(same, f.prefix_hit(env.next(), probe=env.probe, owner_tenant=None))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, text
 
@@ -41,6 +41,7 @@ from policies import (
 )
 from policies.evaluate import RuleHealth
 from policies.facts import index_by_type
+from policies.kinds.prefix import needs_prefix_history
 from policies.kinds.telemetry import probe_evidence_after
 
 _TIMER_LOCK = 0x6B7677_0002  # pg advisory lock: one timer pass at a time across replicas
@@ -99,12 +100,21 @@ class Evaluator:
         configs = F.fold_configs(prior, config_events)
         # tenant counts matter only to rules that look at configs: read them when some came
         tenants = F.tenant_counts(conn, deps) if config_events else {}
+        # the readers of cross-tenant prefix hits: their recent history, if a rule weighs it
+        hits = cast(list[ev.PrefixCacheHit], by_type.get(ev.PrefixCacheHit, []))
+        readers = {(e.deployment_id, e.reader_tenant) for e in hits if e.cross_tenant}
+        history = (
+            F.prefix_history(conn, readers, max(to_micros(e.ts) for e in hits))
+            if readers and needs_prefix_history(self.rules.enabled())
+            else {}
+        )
         facts = BatchFacts(
             by_type=by_type,
             events=events,
             deployments=F.deployment_facts(configs, self.facts.verifications(deps), tenants, deps),
             prior_configs=prior,
             seq_gaps=gaps,
+            prefix_history=history,
         )
         evaluation = evaluate_batch(self.rules, facts, now)
         result = self._apply(conn, evaluation.signals, now)

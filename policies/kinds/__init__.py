@@ -7,7 +7,7 @@ from policies.kinds.base import RuleKind
 from policies.kinds.context import ContextPressure
 from policies.kinds.isolation import RejectedPrefillKvTransfer, StalePageRead
 from policies.kinds.pool import PoolBelowAdvertised, PoolHeadroom
-from policies.kinds.prefix import PrefixCacheCrossTenant, PrefixCacheUnsalted
+from policies.kinds.prefix import PrefixCacheCrossTenant, PrefixCacheUnsalted, PrefixProbeSuspected
 from policies.kinds.telemetry import TelemetryGap
 from policies.kinds.verification import (
     ConfigDrift,
@@ -29,6 +29,7 @@ KINDS: dict[str, RuleKind] = {
         EngineVersionAdvisory(),
         PrefixCacheUnsalted(),
         PrefixCacheCrossTenant(),
+        PrefixProbeSuspected(),
         TelemetryGap(),
     )
 }

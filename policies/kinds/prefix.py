@@ -5,13 +5,15 @@ one tenant probe, by timing, whether another sent a prefix (and reuse its KV).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from datetime import datetime
-from typing import Annotated
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
 
 import msgspec
 
 from engine_probe import events as ev
-from policies.facts import BatchFacts, DeploymentFacts, NodeConfig, TimerFacts
+from policies.durations import human_duration, parse_duration
+from policies.facts import PREFIX_HISTORY_S, BatchFacts, DeploymentFacts, NodeConfig, TimerFacts
 from policies.kinds.base import RuleKind
 from policies.kinds.pool import all_configs, touched_configs
 from policies.rule import Rule
@@ -100,3 +102,99 @@ class PrefixCacheCrossTenant(RuleKind):
                     + (" (with a cache salt: the tenants share a salt)" if salted == "true" else "")
                 },
             )
+
+
+class ProbeParams(msgspec.Struct, forbid_unknown_fields=True):
+    #: how far back a reader's hits on one owner's blocks are weighed (at most 1h: the
+    #: collector loads no more history, PREFIX_HISTORY_S)
+    window: Any = "10m"
+    #: cross-tenant hits on the owner's blocks within the window
+    min_hits: Annotated[int, msgspec.Meta(ge=2)] = 20
+    #: distinct hit lengths among them: a prober extends the prefix it matched, a
+    #: tenant reusing a template it shares with another hits the same length every time
+    min_distinct_prefixes: Annotated[int, msgspec.Meta(ge=2)] = 5
+    #: a request is short when its prompt runs at most this many tokens past the hit
+    max_suffix_tokens: Annotated[int, msgspec.Meta(ge=0)] = 16
+    #: the share of the hits that come from short requests
+    min_short_fraction: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.8
+    window_s: float = 600.0
+
+
+class PrefixProbeSuspected(RuleKind):
+    """The PromptPeek pattern: a reader tenant recovering another tenant's prompt from the
+    prefix cache sends many short requests, each a guessed continuation of what it has
+    matched so far, and so hits the owner's blocks again and again at growing lengths.
+    Ordinary sharing looks otherwise: a tenant re-using its own system prompt hits its own
+    blocks (no cross-tenant hit at all), and two tenants on one public template hit the
+    same length each time, with long prompts of their own after it."""
+
+    name = "prefix_probe_suspected"
+    params = ProbeParams
+    default_severity = "critical"
+    mode = "event"
+    default_resolve_after_s = 24 * 3600.0
+    description = (
+        "A tenant whose cross-tenant prefix-cache hits on one owner's blocks, within window, "
+        "number at least min_hits, at min_distinct_prefixes or more distinct lengths, mostly "
+        "(min_short_fraction) from short requests (at most max_suffix_tokens past the hit): "
+        "someone probing the cache for another tenant's prompt, token by token."
+    )
+
+    def prepare(self, params: ProbeParams, base_dir: Path) -> ProbeParams:
+        try:
+            seconds = parse_duration(params.window)
+        except ValueError as exc:
+            raise ValueError(f"window: {exc}") from None
+        if not 0 < seconds <= PREFIX_HISTORY_S:
+            raise ValueError(f"window: must be more than 0 and at most {PREFIX_HISTORY_S:.0f}s")
+        return msgspec.structs.replace(params, window_s=seconds)
+
+    def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
+        p: ProbeParams = rule.params
+        new: dict[tuple[str, str, str], list[ev.PrefixCacheHit]] = {}
+        for e in facts.of(ev.PrefixCacheHit):
+            if e.cross_tenant and e.owner_tenant:
+                new.setdefault((e.deployment_id, e.reader_tenant, e.owner_tenant), []).append(e)
+        window = timedelta(seconds=p.window_s)
+        for (dep, reader, owner), hits in new.items():
+            # The window ends at the batch's latest hit, not at the evaluation's now: a
+            # replayed or delayed batch is weighed over its own time.
+            end = max(e.ts for e in hits)
+            past = [
+                h
+                for h in facts.prefix_history.get((dep, reader), ())
+                if h.owner_tenant == owner and end - window <= h.ts <= end
+            ]
+            if len(past) < p.min_hits:
+                continue
+            lengths = {h.tokens for h in past}
+            short = sum(
+                1
+                for h in past
+                if h.prompt_tokens is not None and h.prompt_tokens - h.tokens <= p.max_suffix_tokens
+            )
+            fraction = short / len(past)
+            if len(lengths) < p.min_distinct_prefixes or fraction < p.min_short_fraction:
+                continue
+            yield rule.signal(
+                "event",
+                {"deployment_id": dep, "reader_tenant": reader, "owner_tenant": owner},
+                value=float(len(past)),
+                count=len(hits),
+                annotations={
+                    "summary": f"tenant {reader} hit blocks tenant {owner} computed on {dep} "
+                    f"{len(past)} times in {human_duration(p.window_s)}, at {len(lengths)} "
+                    f"different lengths ({min(lengths):,} to {max(lengths):,} tokens), "
+                    f"{fraction:.0%} from short requests: a prefix-cache probe for "
+                    f"{owner}'s prompt is suspected",
+                    "runbook": f"Salt {dep}'s prefix cache per tenant (the gateway's "
+                    "--salt-prefix-cache per-tenant, or cache_salt), and review what "
+                    f"{reader} sent.",
+                },
+            )
+
+
+def needs_prefix_history(rules: Iterable[Rule]) -> bool:
+    """Whether the collector must load a batch's ``prefix_history``: some enabled rule is a
+    ``prefix_probe_suspected``."""
+    return any(r.kind == PrefixProbeSuspected.name for r in rules)
