@@ -123,7 +123,22 @@ def verification_fact(r: Any, last_passed_at: datetime | None) -> VerificationFa
         if isinstance(kinds, dict)
         else {},
         last_passed_at=last_passed_at,
+        **_prefix_fields(evidence.get("prefix_cache")),
     )
+
+
+def _prefix_fields(doc: Any) -> dict[str, Any]:
+    if not isinstance(doc, dict) or not isinstance(doc.get("verdict"), str):
+        return {}
+    pairs = doc.get("shared_pairs")
+    shared = [
+        f"{p['owner']}->{p['reader']}"
+        for p in (pairs if isinstance(pairs, list) else [])[:50]
+        if isinstance(p, dict)
+        and isinstance(p.get("owner"), str)
+        and isinstance(p.get("reader"), str)
+    ]
+    return {"prefix_cache_verdict": doc["verdict"][:32], "prefix_shared_pairs": tuple(shared)}
 
 
 def verifications(

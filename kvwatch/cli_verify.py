@@ -122,6 +122,13 @@ def verify(
     route: Annotated[
         RouteChoice, typer.Option(help="Which API to send prompts to.")
     ] = RouteChoice.chat,
+    no_prefix_cache_check: Annotated[
+        bool,
+        typer.Option(
+            "--no-prefix-cache-check",
+            help="Skip the prefix-cache phase (does tenant B get tenant A's cached prefix?).",
+        ),
+    ] = False,
     no_upload: Annotated[
         bool,
         typer.Option(
@@ -132,8 +139,9 @@ def verify(
     ] = False,
 ) -> None:
     """Find an endpoint's verified safe context: prompts grown to the rejection point and
-    bisected, clean-refusal checks, cross-tenant canaries under load. Only synthetic text,
-    at most --budget requests. Exit 0 pass, 1 leak or finding, 2 could not run. `kvwatch
+    bisected, clean-refusal checks, cross-tenant canaries under load; then whether tenants
+    share cached prefixes (paired: a control that must hit). Only synthetic text, at most
+    --budget requests. Exit 0 pass, 1 leak or finding, 2 could not run. `kvwatch
     verify schedule` has the collector run it by itself."""
     if ctx.invoked_subcommand is not None:
         return
@@ -171,6 +179,7 @@ def verify(
         canary_min_fragment=canary_min_fragment,
         timeout_s=timeout,
         route=route.value,
+        prefix_cache_check=not no_prefix_cache_check,
     )
     try:
         options.check()

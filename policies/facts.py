@@ -73,7 +73,9 @@ class VerificationFact:
     ``error`` (the run could not reach a verdict; it says nothing about the endpoint). A
     failure's ``leak_pairs`` name tenants (``owner->reader``) and ``smallest_leaking_prompt``
     the shortest prompt that leaked; never any text. ``last_passed_at``: the latest passing
-    verification of the same model, however old (None: never passed)."""
+    verification of the same model, however old (None: never passed). The prefix-cache
+    verdict is apart from ``result``: a shared prefix cache leaks no answer text, so it
+    fails no context verdict (it fires ``prefix_cache_unsalted``)."""
 
     deployment_id: str
     model_id: str
@@ -92,6 +94,11 @@ class VerificationFact:
     smallest_leaking_prompt: int | None = None
     findings_by_kind: Mapping[str, int] = field(default_factory=dict)
     last_passed_at: datetime | None = None
+    #: the prefix-cache phase's verdict (``isolated``, ``shared_across_tenants``,
+    #: ``caching_off``, ``inconclusive``; None: not checked) and, when shared, the pairs
+    #: (``owner->reader``) whose prefixes crossed; never text
+    prefix_cache_verdict: str | None = None
+    prefix_shared_pairs: tuple[str, ...] = ()
 
     @property
     def verdict(self) -> VerificationResult:

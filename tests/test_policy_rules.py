@@ -216,6 +216,34 @@ def test_engine_version_advisory_needs_the_version_and_the_condition(env: Env) -
     assert env.alerts("engine_version_advisory")[0]["state"] == "resolved"
 
 
+def test_a_verification_that_found_prefixes_shared_fires_prefix_cache_unsalted(env: Env) -> None:
+    """The same exposure proven from outside: kvwatch verify's prefix-cache verdict, in the
+    evidence it uploads, fires the rule at once (node ``endpoint``), and the next verdict of
+    the same model resolves it."""
+
+    def verify(verdict: str, pairs: list[dict[str, Any]]) -> None:
+        doc = {"verdict": verdict, "method": "cached_tokens", "shared_pairs": pairs}
+        r = env.ingest.post(
+            "/v1/verifications",
+            json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
+                  "verified_safe_context": 500_000, "evidence": {"prefix_cache": doc}},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+
+    verify("inconclusive", [])
+    assert env.alerts("prefix_cache_unsalted") == []
+    verify("shared_across_tenants", [{"owner": "acme", "reader": "globex", "salted": False}])
+    (a,) = env.alerts("prefix_cache_unsalted")
+    assert a["state"] == "firing"
+    assert (a["labels"]["node"], a["labels"]["model_id"]) == ("endpoint", "glm-5.3")
+    assert "acme to globex" in a["annotations"]["summary"]
+    # the context verdict is untouched: the verification passed, its safe context holds
+    assert env.alerts("verification_failed") == []
+    verify("isolated", [])
+    (a,) = env.alerts("prefix_cache_unsalted")
+    assert a["state"] == "resolved"
+
+
 def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:
     env.send(cfg(env, prefix_caching=True))
     env.send(f.admitted(env.next(), "r-1", tenant="acme", prompt=10, probe=env.probe))

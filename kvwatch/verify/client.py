@@ -60,6 +60,8 @@ class Reply:
     detail: str | None = None
     elapsed_s: float = 0.0
     retry_after_s: float | None = None
+    #: ``usage.prompt_tokens_details.cached_tokens``, where the endpoint reports it
+    cached_tokens: int | None = None
 
     @property
     def error_line(self) -> str:
@@ -152,6 +154,11 @@ def _completion_text(body: dict[str, Any]) -> str | None:
     return "".join(out)
 
 
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    return _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+
+
 def _retry_after(headers: httpx.Headers) -> float | None:
     raw = headers.get("retry-after")
     try:
@@ -188,6 +195,7 @@ def classify(status: int, headers: httpx.Headers, content: bytes, elapsed_s: flo
         "error_type": etype if isinstance(etype, str) else None,
         "prompt_tokens": _int(usage.get("prompt_tokens")),
         "completion_tokens": _int(usage.get("completion_tokens")),
+        "cached_tokens": _cached_tokens(usage),
     }
     if 200 <= status < 300:
         if text is None:
@@ -278,32 +286,42 @@ class EndpointClient:
             follow_redirects=False,
         )
 
-    def body(self, text: str, max_tokens: int) -> dict[str, Any]:
+    def body(
+        self, text: str, max_tokens: int, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """``extra``: more body fields (``cache_salt``)."""
         if self.route == "chat":
-            return {
+            body: dict[str, Any] = {
                 "model": self.model,
                 "messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "stream": False,
             }
-        return {
-            "model": self.model,
-            "prompt": text,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": False,
-        }
+        else:
+            body = {
+                "model": self.model,
+                "prompt": text,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": False,
+            }
+        return body | (extra or {})
 
-    def send(self, tenant: str, text: str, max_tokens: int) -> Reply:
+    def send(
+        self, tenant: str, text: str, max_tokens: int, extra: dict[str, Any] | None = None
+    ) -> Reply:
         """One request; every upstream text the reply keeps has the tenant keys masked."""
-        return self.redact.reply(self._send(tenant, text, max_tokens))
+        return self.redact.reply(self._send(tenant, text, max_tokens, extra))
 
-    def _send(self, tenant: str, text: str, max_tokens: int) -> Reply:
+    def _send(
+        self, tenant: str, text: str, max_tokens: int, extra: dict[str, Any] | None = None
+    ) -> Reply:
         headers = {"Authorization": f"Bearer {self._keys[tenant]}"}
         start = time.monotonic()
         try:
-            r = self._http.post(self._url, json=self.body(text, max_tokens), headers=headers)
+            body = self.body(text, max_tokens, extra)
+            r = self._http.post(self._url, json=body, headers=headers)
         except httpx.ConnectTimeout as exc:
             return Reply(Outcome.UNREACHABLE, detail=f"connect timeout: {exc}")
         except httpx.TimeoutException as exc:

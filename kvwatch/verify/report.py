@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from collector.timefmt import iso
+from kvwatch.verify.prefix import ALPHA, PrefixResult
 from kvwatch.verify.session import Finding, Leak, ProbeRecord
 from kvwatch.verify.sweep import SWEEP_MAX_TOKENS, SweepResult
 
@@ -44,12 +45,14 @@ class Report:
     leaks: list[Leak] = field(default_factory=list)
     calibration: tuple[float, float, int] | None = None
     error: str | None = None
+    prefix_cache: PrefixResult | None = None
+    prefix_cache_error: str | None = None
 
     # -- verdict ------------------------------------------------------------------------
 
     @property
     def result(self) -> Result:
-        if self.findings or self.leaks:
+        if self.findings or self.leaks or self.prefix_shared:
             return "fail"
         if self.error is not None or self.sweep is None or not self.cross_tenant_checked:
             return "error"
@@ -58,6 +61,20 @@ class Report:
     @property
     def passed(self) -> bool:
         return self.result == "pass"
+
+    @property
+    def prefix_shared(self) -> bool:
+        return (
+            self.prefix_cache is not None and self.prefix_cache.verdict == "shared_across_tenants"
+        )
+
+    @property
+    def context_passed(self) -> bool:
+        """The context verdict alone (no leak, no finding, run whole): what the verified
+        safe context and the collector's ``passed`` stand for. A prefix cache shared across
+        tenants fails the run (exit 1) and has its own alert, but leaks no answer text, so
+        it neither lowers the safe context nor turns the gateway's limit to zero."""
+        return not (self.findings or self.leaks) and self.result != "error"
 
     @property
     def tokens_measured(self) -> bool:
@@ -76,8 +93,9 @@ class Report:
     @property
     def verified_safe_context(self) -> int | None:
         """The largest prompt verified clean with no leak: the largest accepted, never at or
-        above the rejection point nor above --max-context; None unless the run passed."""
-        if not self.passed or self.sweep is None:
+        above the rejection point nor above --max-context; None unless the context verdict
+        passed (:attr:`context_passed`)."""
+        if not self.context_passed or self.sweep is None:
             return None
         safe = self.sweep.largest_accepted_tokens
         if self.rejection_point is not None:
@@ -153,8 +171,16 @@ class Report:
             },
             "findings": [f.to_json() for f in self.findings],
             "leaks": [x.to_json() for x in self.leaks],
+            "prefix_cache": self._prefix_json(),
             "probes": [r.to_json() for r in self.records],
         }
+
+    def _prefix_json(self) -> dict[str, Any]:
+        if self.prefix_cache is not None:
+            return self.prefix_cache.to_json()
+        if self.prefix_cache_error is not None:
+            return {"verdict": None, "error": self.prefix_cache_error}
+        return {"verdict": None, "error": "not checked"}
 
     def evidence(self) -> dict[str, Any]:
         """The report's key figures, for the collector's verification record."""
@@ -187,13 +213,25 @@ class Report:
                 {k: v for k, v in x.to_json().items() if k != "fragment"} for x in self.leaks[:10]
             ],
             "first_findings": [f.to_json() for f in self.findings[:10]],
+            "prefix_cache": self._prefix_evidence(),
         }
+
+    def _prefix_evidence(self) -> dict[str, Any]:
+        """The prefix-cache verdict for the collector: the verdict, how it was measured, the
+        pairs that shared (tenant names, as the evidence already holds), no timings."""
+        p = self.prefix_cache
+        if p is None:
+            return {"verdict": None, "error": self.prefix_cache_error or "not checked"}
+        doc = p.to_json()
+        doc.pop("comparisons")
+        return doc
 
     def summary_lines(self) -> list[str]:
         verdict = {"pass": "PASS", "fail": "FAIL", "error": "COULD NOT RUN"}[self.result]
         head = f"kvwatch verify: {verdict}"
         if self.result == "fail":
-            head += f" ({_n(len(self.leaks), 'leak')}, {_n(len(self.findings), 'other finding')})"
+            head += f" ({_n(len(self.leaks), 'leak')}, {_n(len(self.findings), 'other finding')}"
+            head += ", a prefix cache shared across tenants)" if self.prefix_shared else ")"
         lines = [head]
 
         def row(name: str, value: str) -> None:
@@ -239,6 +277,18 @@ class Report:
             row("FINDING", f"{f.kind} at {size} ({f.phase}, tenant {f.tenant}): {f.detail}")
         if len(self.findings) > _SHOWN:
             row("", f"... and {len(self.findings) - _SHOWN} more findings (see --json)")
+        p = self.prefix_cache
+        if p is not None:
+            how = "cached_tokens" if p.method == "cached_tokens" else f"timing, alpha {ALPHA}"
+            row("prefix cache", f"{p.verdict} (by {how}, {p.requests} requests)")
+            if p.verdict == "shared_across_tenants":
+                for owner, reader, salted in p.shared_pairs:
+                    how = " with its own cache_salt" if salted else ""
+                    row("PREFIX SHARED", f"{reader} was served {owner}'s cached prefix{how}")
+            elif p.note:
+                row("", ("WARNING: " if p.verdict != "isolated" else "") + p.note)
+        elif self.prefix_cache_error is not None:
+            row("prefix cache", f"not checked: {self.prefix_cache_error}")
         duration = sum(self.durations_s.values())
         row("requests", f"{self.requests} of a {self.budget} budget, {duration:.1f} s")
         return lines

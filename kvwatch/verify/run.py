@@ -1,8 +1,9 @@
-"""One verification, start to end: preflight, sweep, cross-tenant phase, report.
+"""One verification, start to end: preflight, sweep, cross-tenant phase, prefix-cache phase,
+report.
 
-The request budget is a hard cap: the cross-tenant phase's requests are reserved before
-the sweep starts, the sweep stops bisecting when its share is spent, and 429 retries come
-out of the same budget.
+The request budget is a hard cap: the cross-tenant and prefix-cache phases' requests are
+reserved before the sweep starts, the sweep stops bisecting when its share is spent, and 429
+retries come out of the same budget.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Final
 
+from kvwatch.verify import prefix
 from kvwatch.verify.canaries import (
     MIN_FRAGMENT_CEILING,
     MIN_FRAGMENT_FLOOR,
@@ -47,7 +49,17 @@ NO_USAGE: Final = (
 
 
 def minimum_budget(n_tenants: int) -> int:
+    """The prefix-cache phase is not counted: it reserves its requests only from a budget
+    that has room for them (:func:`prefix_reserve`), and otherwise makes do with what the
+    sweep leaves, or says it could not run."""
     return n_tenants + planned_requests(n_tenants) + MIN_SWEEP_REQUESTS
+
+
+def prefix_reserve(options: VerifyOptions) -> int:
+    if not options.prefix_cache_check:
+        return 0
+    planned = prefix.planned_requests(len(options.tenant_keys))
+    return planned if options.budget >= minimum_budget(len(options.tenant_keys)) + planned else 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,8 @@ class VerifyOptions:
     canary_min_fragment: int = 12
     timeout_s: float = 120.0
     route: Route = "chat"
+    #: the paired prefix-cache isolation phase (``--no-prefix-cache-check`` skips it)
+    prefix_cache_check: bool = True
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -133,7 +147,7 @@ def verify(options: VerifyOptions, on_progress: Callable[[Progress], None] | Non
     try:
         first = _preflight(session, tenants, report.endpoint)
         phase_done("preflight")
-        reserved = planned_requests(len(tenants))
+        reserved = planned_requests(len(tenants)) + prefix_reserve(options)
         sweep = run_sweep(
             session,
             tenants[0],
@@ -147,6 +161,9 @@ def verify(options: VerifyOptions, on_progress: Callable[[Progress], None] | Non
         run_cross_tenant(session, tenants, plan)
         report.cross_tenant_checked = True
         phase_done("cross_tenant")
+        if options.prefix_cache_check:
+            _prefix_phase(session, tenants, report)
+            phase_done("prefix_cache")
     except CouldNotRun as exc:
         report.error = str(exc)
     except EndpointGone as exc:
@@ -194,3 +211,19 @@ def _preflight(session: Session, tenants: list[str], endpoint: str) -> ProbeReco
         first = first or rec
     assert first is not None
     return first
+
+
+def _prefix_phase(session: Session, tenants: list[str], report: Report) -> None:
+    """The prefix-cache phase on a prefix of :data:`prefix.PREFIX_TOKENS` tokens, or half
+    the largest prompt answered when that is smaller. A prefix probe that is not answered
+    ends only this phase (its reason is the report's ``prefix_cache_error``)."""
+    largest = report.largest_accepted_tokens or prefix.PREFIX_TOKENS
+    tokens = max(1, min(prefix.PREFIX_TOKENS, largest // 2))
+    try:
+        report.prefix_cache = prefix.run_prefix_check(
+            session, tenants, prefix_bytes=session.calibration.bytes_for(tokens)
+        )
+    except prefix.PrefixPhaseFailed as exc:
+        report.prefix_cache_error = str(exc)
+    except BudgetExhausted:  # a 429 retried past what was left: this phase only
+        report.prefix_cache_error = "the budget ran out during the prefix-cache phase"

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from kvwatch.errors import KvwatchError
 from kvwatch.verify.canaries import LeakMatcher, TenantText
@@ -24,7 +24,7 @@ from kvwatch.verify.client import (
     prompt_tokens_in_message,
 )
 
-Phase = Literal["preflight", "sweep", "plant", "read", "background"]
+Phase = Literal["preflight", "sweep", "plant", "read", "background", "prefix"]
 TokensSource = Literal["usage", "error_message", "estimate"]
 
 #: A 429 is retried this many times (each try takes budget), then the run gives up.
@@ -78,6 +78,8 @@ class ProbeRecord:
     request_id: str | None
     started_s: float
     elapsed_s: float
+    #: the prompt tokens the endpoint says a prefix cache served (usage.prompt_tokens_details)
+    cached_tokens: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -98,6 +100,7 @@ class ProbeRecord:
             "request_id": self.request_id,
             "started_s": round(self.started_s, 4),
             "elapsed_s": round(self.elapsed_s, 4),
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -254,16 +257,27 @@ class Session:
                 raise BudgetExhausted(f"all {self.budget} requests of the budget were sent")
             self._sent += 1
 
-    def probe(self, tenant: str, n_bytes: int, max_tokens: int, phase: Phase) -> ProbeRecord:
-        """Send ``n_bytes`` of ``tenant``'s text; record it. Raises ``CouldNotRun`` (key
-        refused, rate limited past the retries), ``EndpointGone`` (unreachable after the
-        preflight; recorded as a finding first) or ``BudgetExhausted``."""
-        text = self.texts[tenant].text(n_bytes)
+    def probe(
+        self,
+        tenant: str,
+        n_bytes: int,
+        max_tokens: int,
+        phase: Phase,
+        *,
+        text: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> ProbeRecord:
+        """Send ``n_bytes`` of ``tenant``'s text (or ``text``, with more body fields
+        ``extra``); record it. Raises ``CouldNotRun`` (key refused, rate limited past the
+        retries), ``EndpointGone`` (unreachable after the preflight; recorded as a finding
+        first) or ``BudgetExhausted``."""
+        if text is None:
+            text = self.texts[tenant].text(n_bytes)
         attempt = 0
         while True:
             self._take()
             started = time.monotonic() - self._t0
-            reply = self.client.send(tenant, text, max_tokens)
+            reply = self.client.send(tenant, text, max_tokens, extra)
             if reply.outcome is not Outcome.THROTTLED or attempt >= MAX_THROTTLE_RETRIES:
                 break
             record = self._record(tenant, n_bytes, max_tokens, phase, reply, started)
@@ -323,6 +337,7 @@ class Session:
             request_id=reply.request_id,
             started_s=started,
             elapsed_s=reply.elapsed_s,
+            cached_tokens=reply.cached_tokens,
         )
         with self._lock:
             record.seq = len(self.records) + 1

@@ -31,7 +31,8 @@ def verification_body(report: Report, deployment_id: str) -> dict[str, Any]:
     body: dict[str, Any] = {
         "deployment_id": deployment_id,
         "model_id": report.model,
-        "passed": report.passed,
+        # the context verdict; the prefix-cache verdict travels in the evidence
+        "passed": report.context_passed,
         "evidence": report.evidence(),
     }
     if report.finished_at is not None:

@@ -31,7 +31,8 @@ class PrefixCacheUnsalted(RuleKind):
     mode = "state"
     description = (
         "Prefix caching on, per-tenant salting off, on a deployment that has served at least "
-        "min_tenants tenants (default 2)."
+        "min_tenants tenants (default 2); or the latest kvwatch verify of a model found one "
+        "tenant served another's cached prefix (node 'endpoint')."
     )
 
     def _eval(
@@ -56,7 +57,34 @@ class PrefixCacheUnsalted(RuleKind):
         return self._eval(rule, touched_configs(facts), dict(facts.deployments))
 
     def on_timer(self, rule: Rule, facts: TimerFacts, now: datetime) -> Iterable[Signal]:
-        return self._eval(rule, all_configs(facts), dict(facts.deployments))
+        yield from self._eval(rule, all_configs(facts), dict(facts.deployments))
+        yield from self._verified(rule, facts.deployments.values())
+
+    def _verified(self, rule: Rule, deployments: Iterable[DeploymentFacts]) -> Iterator[Signal]:
+        """The same exposure proven from outside: the latest verification of a model found
+        one tenant served another's cached prefix (``kvwatch verify``'s prefix-cache phase).
+        Node ``endpoint``: the verifier sees the endpoint, not its nodes. A later verification
+        that finds the model isolated (or caching off) resolves it."""
+        for d in deployments:
+            for model, v in sorted(d.verifications.items()):
+                if v.prefix_cache_verdict is None or v.prefix_cache_verdict == "inconclusive":
+                    continue
+                shared = v.prefix_cache_verdict == "shared_across_tenants"
+                pairs = ", ".join(p.replace("->", " to ") for p in v.prefix_shared_pairs)
+                yield rule.signal(
+                    "state",
+                    {"deployment_id": d.deployment_id, "node": "endpoint", "model_id": model},
+                    firing=shared,
+                    value=float(len(v.prefix_shared_pairs)),
+                    annotations={
+                        "summary": f"kvwatch verify found {model} on {d.deployment_id} "
+                        f"serving one tenant's cached prefix to another ({pairs}; "
+                        f"verification {v.verification_id})"
+                        if shared
+                        else f"kvwatch verify found {model} on {d.deployment_id}: "
+                        f"{v.prefix_cache_verdict} (verification {v.verification_id})"
+                    },
+                )
 
 
 class CrossTenantParams(msgspec.Struct, forbid_unknown_fields=True):
