@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -48,11 +48,19 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchError, bench_main
+from bench.common import (
+    BenchError,
+    bench_main,
+    cpu_seconds,
+    finished,
+    ingest_token,
+    load_at_start,
+    pct,
+    run_parallel,
+)
 from collector import migrate
 from collector.db import Database
 from collector.store import IngestStore, Rows, shape_rows
-from collector.tokens import create_token
 from engine_probe import events as ev
 
 GOAL_SQLITE_HTTP_EVENTS_PER_S = 150_000
@@ -362,40 +370,12 @@ def raw_postgres(dsn: str, url: str, wl: Workload, clients: int) -> float:
     conns = [psycopg.connect(dsn) for _ in range(clients)]
     try:
         plan = [wl.interleaved(range(i, len(wl.probes), clients)) for i in range(clients)]
-        return _run_parallel(
+        return run_parallel(
             [functools.partial(write, c, p) for c, p in zip(conns, plan, strict=True)]
         )
     finally:
         for c in conns:
             c.close()
-
-
-def _run_parallel(jobs: Sequence[Callable[[], None]]) -> float:
-    """Run jobs on threads released together; seconds until the last one finishes. Any
-    job's exception is re-raised."""
-    barrier = threading.Barrier(len(jobs) + 1)
-    errors: list[BaseException] = []
-    finished: list[float] = []
-
-    def run(job: Callable[[], None]) -> None:
-        barrier.wait()
-        try:
-            job()
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            finished.append(time.perf_counter())
-
-    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in jobs]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return max(finished) - t0
 
 
 # -- HTTP through a real collector -------------------------------------------------------
@@ -424,14 +404,6 @@ def _kvwatch_cmd() -> list[str]:
         return [str(script)]
     found = shutil.which("kvwatch")
     return [found] if found else [sys.executable, "-m", "kvwatch.cli"]
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 @contextlib.contextmanager
@@ -494,19 +466,6 @@ def _tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
-def _ingest_token(url: str) -> str:
-    migrate.upgrade(url)
-    db = Database(url)
-    try:
-        with db.write() as conn:
-            _, secret = create_token(
-                conn, kind="ingest", now_us=int(time.time() * 1e6), name="bench", actor="bench"
-            )
-    finally:
-        db.dispose()
-    return secret
-
-
 @contextlib.contextmanager
 def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
     """With ``out``, sample the collector with py-spy (collapsed stacks) while the body runs."""
@@ -535,19 +494,25 @@ def _py_spy(pid: int, out: Path | None) -> Iterator[None]:
             print(f"  collector profile (py-spy, collapsed stacks): {out}")
 
 
-def ingest_client(base: str, token: str) -> httpx.Client:
-    """An HTTP client for ``POST /v1/events`` with an ingest token."""
+def ingest_client(base: str, token: str, headers: Mapping[str, str] | None = None) -> httpx.Client:
+    """An HTTP client for ``POST /v1/events`` with an ingest token; ``headers`` replace or
+    add to its own (another content type, a content encoding)."""
     return httpx.Client(
         base_url=base,
-        headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+        headers={
+            "authorization": f"Bearer {token}",
+            "content-type": "application/json",
+            **(headers or {}),
+        },
         timeout=httpx.Timeout(300.0),
     )
 
 
 @dataclass(slots=True)
 class Sender:
-    """Posts batches to a collector from client threads and tallies its answers. Any
-    failure raises ``BenchError`` and stops the other threads sharing this sender."""
+    """Posts batches to a collector (to ``path``) from client threads and tallies its
+    answers. Any failure raises ``BenchError`` and stops the other threads sharing this
+    sender."""
 
     accepted: int = 0
     duplicates: int = 0
@@ -555,6 +520,12 @@ class Sender:
     latencies: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     abort: threading.Event = field(default_factory=threading.Event)
+    path: str = "/v1/events"
+
+    def answer(self, r: httpx.Response, b: Batch) -> tuple[int, int, int]:
+        """(accepted, duplicates, gaps) from a 200 answer to batch ``b``."""
+        body = r.json()
+        return body["accepted"], body["duplicates"], len(body["gaps"])
 
     def send(self, client: httpx.Client, batches: Sequence[Batch]) -> None:
         acc = dup = gaps = 0
@@ -564,18 +535,18 @@ class Sender:
                 return
             t = time.perf_counter()
             try:
-                r = client.post("/v1/events", content=b.body)
+                r = client.post(self.path, content=b.body)
             except httpx.HTTPError as exc:
                 self.abort.set()
-                raise BenchError(f"POST /v1/events failed: {exc!r}") from exc
+                raise BenchError(f"POST {self.path} failed: {exc!r}") from exc
             lat.append(time.perf_counter() - t)
             if r.status_code != 200:
                 self.abort.set()
-                raise BenchError(f"POST /v1/events -> {r.status_code}: {r.text[:2000]}")
-            body = r.json()
-            acc += body["accepted"]
-            dup += body["duplicates"]
-            gaps += len(body["gaps"])
+                raise BenchError(f"POST {self.path} -> {r.status_code}: {r.text[:2000]}")
+            a, d, g = self.answer(r, b)
+            acc += a
+            dup += d
+            gaps += g
         with self.lock:
             self.accepted += acc
             self.duplicates += dup
@@ -592,7 +563,7 @@ def http_ingest(
     profile: Path | None = None,
     workers: int = 1,
 ) -> HttpResult:
-    token = _ingest_token(url)
+    token = ingest_token(url)
     with collector(url, workdir, wl, batch, workers) as (base, pid):
         print(f"  collector pid {pid} at {base}", flush=True)
         plan = [wl.interleaved(range(i, len(wl.probes), clients)) for i in range(clients)]
@@ -602,14 +573,14 @@ def http_ingest(
             for c in http_clients:  # open every connection before the clock starts
                 c.get("/readyz").raise_for_status()
             with _py_spy(pid, profile):
-                cpu0 = _cpu_seconds(pid)
-                seconds = _run_parallel(
+                cpu0 = cpu_seconds(pid)
+                seconds = run_parallel(
                     [
                         functools.partial(sender.send, c, p)
                         for c, p in zip(http_clients, plan, strict=True)
                     ]
                 )
-                cpu1 = _cpu_seconds(pid)
+                cpu1 = cpu_seconds(pid)
         finally:
             for c in http_clients:
                 c.close()
@@ -713,13 +684,15 @@ class PgServer:
             return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
         return None
 
-    def create(self, tag: str) -> tuple[str, str]:
-        """A fresh database; returns (psycopg conninfo, SQLAlchemy URL)."""
+    def create(self, tag: str, template: str | None = None) -> tuple[str, str]:
+        """A fresh database (a copy of the database at SQLAlchemy URL ``template``, which
+        nothing may be connected to); returns (psycopg conninfo, SQLAlchemy URL)."""
         from sqlalchemy.engine import make_url
 
         name = f"kvwatch_bench_{tag}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        copy = "" if template is None else f' TEMPLATE "{make_url(template).database}"'
         with self._admin() as c:
-            c.execute(f'CREATE DATABASE "{name}"')
+            c.execute(f'CREATE DATABASE "{name}"{copy}')
         self.created.append(name)
         sa_url = make_url(self.admin_url).set(drivername="postgresql+psycopg", database=name)
         return self._conninfo(name), sa_url.render_as_string(hide_password=False)
@@ -747,11 +720,6 @@ def add_pg_url(p: argparse.ArgumentParser) -> None:
 # -- driver ----------------------------------------------------------------------------------
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
-
-
 def _backend_result(
     name: str, n: int, http: HttpResult, raw_s: float, raw_note: str
 ) -> dict[str, Any]:
@@ -761,7 +729,7 @@ def _backend_result(
     cpu = "" if http.server_cpu_s is None else f", collector CPU {http.server_cpu_s:.2f} s"
     print(
         f"  {name} http: {http_rate:>10,.0f} events/s ({http.seconds:.2f} s; batch latency "
-        f"p50 {_pct(http.latencies, 0.5) * 1e3:.0f} ms, p99 {_pct(http.latencies, 0.99) * 1e3:.0f}"
+        f"p50 {pct(http.latencies, 0.5) * 1e3:.0f} ms, p99 {pct(http.latencies, 0.99) * 1e3:.0f}"
         f" ms{cpu})"
     )
     print(f"  {name} raw:  {raw_rate:>10,.0f} events/s ({raw_s:.2f} s; {raw_note})")
@@ -772,8 +740,8 @@ def _backend_result(
         "ratio": round(ratio, 4),
         "http_s": round(http.seconds, 3),
         "raw_s": round(raw_s, 3),
-        "batch_latency_p50_ms": round(_pct(http.latencies, 0.5) * 1e3, 1),
-        "batch_latency_p99_ms": round(_pct(http.latencies, 0.99) * 1e3, 1),
+        "batch_latency_p50_ms": round(pct(http.latencies, 0.5) * 1e3, 1),
+        "batch_latency_p99_ms": round(pct(http.latencies, 0.99) * 1e3, 1),
         "raw_method": raw_note,
     }
     if http.server_cpu_s is not None:
@@ -798,13 +766,7 @@ def _prof(args: argparse.Namespace, backend: str) -> Path | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    if load0 > 0.5:
-        print(
-            f"note: load average {load0:.2f} on {os.cpu_count()} CPUs before starting; other "
-            "work on this machine makes every figure noisier (the ratios less so)",
-            flush=True,
-        )
+    load0 = load_at_start()
     wl = build_workload(args.events, args.probes, args.batch, args.seed)
     # The workload is a large, long-lived heap: keep the collector of cycles off it, so it
     # does not tax the decode timing and the client threads.
@@ -837,8 +799,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "probes": args.probes,
         "decode_events_per_s": round(decode_rate),
         "decode_shape_events_per_s": round(decode_shape_rate),
-        "cpus": os.cpu_count(),
-        "loadavg_1m_at_start": round(load0, 2),
     }
 
     workdir = Path(tempfile.mkdtemp(prefix="kvwatch-bench-ingest-"))
@@ -902,10 +862,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sqlite_ratio": sq["ratio"] >= GOAL_MIN_RATIO,
         "postgresql_ratio": None if "skipped" in pgr else pgr["ratio"] >= GOAL_MIN_RATIO,
     }
-    result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(f"total {result['wall_s']} s", flush=True)
-    return result
+    return finished(result, load0, t_start)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -57,7 +57,6 @@ import contextlib
 import functools
 import gc
 import json
-import os
 import random
 import shutil
 import statistics
@@ -74,7 +73,16 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchError, bench_main
+from bench.common import (
+    BenchError,
+    bench_main,
+    finished,
+    ingest_token,
+    load_at_start,
+    pct,
+    rotated_rounds,
+    run_parallel,
+)
 from bench.ingest import (
     DEPLOYMENTS,
     ROUTES,
@@ -84,9 +92,6 @@ from bench.ingest import (
     PolicyMix,
     Sender,
     Workload,
-    _ingest_token,
-    _pct,
-    _run_parallel,
     add_pg_url,
     build_workload,
     collector,
@@ -284,7 +289,7 @@ def throughput(
     plan = plan_rounds(wl, args.clients, args.rounds + 1)
     round_events = [sum(b.events for part in rnd for b in part) for rnd in plan]
     runs = [Running(v, urls[v.name]) for v in VARIANTS]
-    tokens = {r.variant.name: _ingest_token(r.url) for r in runs}
+    tokens = {r.variant.name: ingest_token(r.url) for r in runs}
     with contextlib.ExitStack() as stack:
         for r in runs:
             settings = {"KVWATCH_POLICIES_ENABLED": "true" if r.variant.policies else "false"}
@@ -296,27 +301,25 @@ def throughput(
             for c in r.clients:
                 stack.callback(c.close)
                 c.get("/readyz").raise_for_status()  # connections open before the clock
-        gc.collect()
-        gc.disable()
-        try:
-            for k, rnd in enumerate(plan):
-                shift = k % len(runs)
-                for r in runs[shift:] + runs[:shift]:
-                    seconds = _run_parallel(
-                        [
-                            functools.partial(r.sender.send, c, part)
-                            for c, part in zip(r.clients, rnd, strict=True)
-                        ]
-                    )
-                    if k > 0:  # round 0 warms every collector up
-                        r.seconds.append(seconds)
-                if k > 0:
-                    rates = "  ".join(
-                        f"{r.variant.name} {round_events[k] / r.seconds[-1]:>9,.0f}" for r in runs
-                    )
-                    print(f"  round {k:>2}: events/s {rates}", flush=True)
-        finally:
-            gc.enable()
+
+        def one(r: Running, k: int) -> None:
+            seconds = run_parallel(
+                [
+                    functools.partial(r.sender.send, c, part)
+                    for c, part in zip(r.clients, plan[k], strict=True)
+                ]
+            )
+            if k > 0:  # round 0 warms every collector up
+                r.seconds.append(seconds)
+
+        def done(k: int) -> None:
+            if k > 0:
+                rates = "  ".join(
+                    f"{r.variant.name} {round_events[k] / r.seconds[-1]:>9,.0f}" for r in runs
+                )
+                print(f"  round {k:>2}: events/s {rates}", flush=True)
+
+        rotated_rounds(runs, len(plan), one, done)
         on = next(r for r in runs if r.variant.policies)
         failures = {
             "policy_evaluation_failures": _metric_sum(
@@ -467,7 +470,7 @@ class Series:
 
     def summary(self) -> dict[str, Any]:
         def q(values: list[float], p: float) -> float:
-            return round(_pct(values, p), 1)
+            return round(pct(values, p), 1)
 
         out: dict[str, Any] = {"poll_s": self.poll_s}
         if self.total_ms:
@@ -555,7 +558,7 @@ def latency(urls: dict[str, str], workdir: Path, wl: Workload, args: argparse.Na
     """The trials on the policies-on database (``--poll`` then ``--poll-fine``), and the
     same kind of batches POSTed to the policies-off one (what ingest alone takes)."""
     url = urls["on"]
-    token = _ingest_token(url)
+    token = ingest_token(url)
     receiver = WebhookReceiver()
     db = Database(url)
     try:
@@ -597,7 +600,7 @@ def latency(urls: dict[str, str], workdir: Path, wl: Workload, args: argparse.Na
             workdir,
             wl,
             args,
-            _ingest_token(urls["off"]),
+            ingest_token(urls["off"]),
             None,
             LatencyProbe(),
             args.poll,
@@ -738,14 +741,7 @@ def explain(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
-    load0 = os.getloadavg()[0]
-    if load0 > 0.5:
-        print(
-            f"note: load average {load0:.2f} on {os.cpu_count()} CPUs before starting; other "
-            "work on this machine makes every figure noisier (the paired ratios less so; see "
-            "the A/A control)",
-            flush=True,
-        )
+    load0 = load_at_start("the paired ratios less so; see the A/A control")
     mix = PolicyMix(ADVERTISED, near_every=args.near_every)
     wl = build_workload(args.events, args.probes, args.batch, args.seed, mix)
     gc.collect()
@@ -914,13 +910,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "probes": args.probes,
         "rounds": args.rounds,
         "latency_batch_events": args.latency_batch,
-        "cpus": os.cpu_count(),
-        "loadavg_1m_at_start": round(load0, 2),
-        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }
-    result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(f"total {result['wall_s']} s", flush=True)
-    return result
+    return finished(result, load0, t_start)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -32,14 +32,12 @@ from typing import Any
 
 import httpx
 
-from bench.common import BenchError, bench_main
+from bench.common import BenchError, bench_main, ingest_token, pct
 from bench.ingest import (
     Batch,
     Expected,
     PgServer,
     Workload,
-    _ingest_token,
-    _pct,
     add_pg_url,
     collector,
     raw_postgres,
@@ -218,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ceiling = _ceiling(pg, args.batch_requests, args.producers)
         print(f"raw ceiling: {ceiling:,.0f} events/s", flush=True)
         _, url = pg.create("soak")
-        token = _ingest_token(url)
+        token = ingest_token(url)
         dummy = Workload([], [[Batch(0, 0, b"x" * (1 << 20), shape_rows([]))]], Expected())
         with tempfile.TemporaryDirectory(prefix="kvw-soak-") as tmp, ExitStack() as stack:
             cols = [stack.enter_context(collector(url, Path(tmp), dummy, 10_000)) for _ in range(2)]
@@ -261,8 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eps = accepted / wall
     print(
         f"soak {wall:.0f} s, {args.producers} producers, 2 collectors: {eps:,.0f} events/s "
-        f"({accepted:,} stored exactly once); batch p50 {1000 * _pct(lat, 0.5):.0f} ms, p99 "
-        f"{1000 * _pct(lat, 0.99):.0f} ms; collector RSS start {start[0]:.0f}/{start[1]:.0f} MB, "
+        f"({accepted:,} stored exactly once); batch p50 {1000 * pct(lat, 0.5):.0f} ms, p99 "
+        f"{1000 * pct(lat, 0.99):.0f} ms; collector RSS start {start[0]:.0f}/{start[1]:.0f} MB, "
         f"end {end[0]:.0f}/{end[1]:.0f} MB, peak {peak[0]:.0f}/{peak[1]:.0f} MB"
     )
     return {
@@ -275,8 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "events_per_s": round(eps),
         "ceiling_events_per_s": round(ceiling),
         "ratio": round(eps / ceiling, 4),
-        "batch_latency_p50_ms": round(1000 * _pct(lat, 0.5), 1),
-        "batch_latency_p99_ms": round(1000 * _pct(lat, 0.99), 1),
+        "batch_latency_p50_ms": round(1000 * pct(lat, 0.5), 1),
+        "batch_latency_p99_ms": round(1000 * pct(lat, 0.99), 1),
         "rss_start_mb": [round(x, 1) for x in start],
         "rss_end_mb": [round(x, 1) for x in end],
         "rss_peak_mb": [round(x, 1) for x in peak],
