@@ -103,7 +103,7 @@ from bench.ingest import (
 from bench.policy_eval import NOISY_AA, plan_rounds
 from collector.db import Database
 from collector.otlp import wire
-from collector.otlp.genai import Mapper, SpanRequest, is_genai
+from collector.otlp.genai import Mapper, SpanRequest, is_genai, read_attributes
 from collector.otlp.service import probe_id as otlp_probe_id
 from collector.settings import Settings
 from collector.store import shape_rows
@@ -137,6 +137,9 @@ VARIANTS = (
 )
 OTLP_VARIANTS = tuple(v for v in VARIANTS if v.otlp)
 
+
+#: the attributes the collector's decoder keeps, under its default settings
+KEEP = read_attributes(Settings().otlp_tenant_attributes, Settings().otlp_deployment_attributes)
 
 # -- workload ----------------------------------------------------------------------------
 
@@ -274,7 +277,7 @@ def build_workload(requests: int, sources: int, batch: int, seed: int) -> Built:
             js = encode_json(spans).to_json().encode()
             # The events the collector makes of these spans, numbered in this probe's space.
             events: list[ev.Event] = []
-            for r in map_spans(mapper, wire.decode(pb, wire.PROTOBUF, count)):
+            for r in map_spans(mapper, wire.decode(pb, wire.PROTOBUF, count, KEEP)):
                 for e in r.events:
                     seq += 1
                     events.append(msgspec.structs.replace(e, seq=seq))
@@ -322,10 +325,10 @@ def context_us(built: Built) -> dict[str, float]:
         enc, mime = ("gzip" if v.gzip else ""), v.content_type or ""
         t0 = time.perf_counter()
         for body, count in todo:
-            wire.decode(wire.inflate(body, enc, 1 << 30), mime, count)
+            wire.decode(wire.inflate(body, enc, 1 << 30), mime, count, KEEP)
         t1 = time.perf_counter()
         for body, count in todo:
-            map_spans(mapper, wire.decode(wire.inflate(body, enc, 1 << 30), mime, count))
+            map_spans(mapper, wire.decode(wire.inflate(body, enc, 1 << 30), mime, count, KEEP))
         t2 = time.perf_counter()
         out[f"{v.name}_decode"] = 1e6 * (t1 - t0) / n
         out[f"{v.name}_decode_map"] = 1e6 * (t2 - t1) / n

@@ -490,33 +490,17 @@ class IngestStore:
     ) -> set[str]:
         """Which of ``request_ids`` the deployment already has a row for (PostgreSQL asks
         ``request_keys``, which is not partitioned)."""
-        found: set[str] = set()
-        table = m.Request if self._sqlite else m.RequestKey
-        for i in range(0, len(request_ids), 500):
-            chunk = request_ids[i : i + 500]
-            found.update(
-                conn.execute(
-                    select(table.request_id).where(
-                        table.deployment_id == deployment_id, table.request_id.in_(chunk)
-                    )
-                ).scalars()
-            )
-        return found
+        if self._sqlite:
+            r = m.Request
+            return _stored(conn, r, r.request_id, deployment_id, request_ids)
+        return _pg_stored(conn, "request_keys", "request_id", deployment_id, request_ids)
 
     def stored_spans(self, conn: Connection, deployment_id: str, keys: Sequence[str]) -> set[str]:
         """Which of these OTLP span keys (trace id + span id) the deployment stored already."""
-        found: set[str] = set()
-        t = m.OtlpSpan
-        for i in range(0, len(keys), 500):
-            chunk = keys[i : i + 500]
-            found.update(
-                conn.execute(
-                    select(t.span_key).where(
-                        t.deployment_id == deployment_id, t.span_key.in_(chunk)
-                    )
-                ).scalars()
-            )
-        return found
+        if self._sqlite:
+            t = m.OtlpSpan
+            return _stored(conn, t, t.span_key, deployment_id, keys)
+        return _pg_stored(conn, "otlp_spans", "span_key", deployment_id, keys)
 
     def remember_spans(
         self, conn: Connection, deployment_id: str, spans: Sequence[tuple[str, str]], now_us: int
@@ -674,6 +658,34 @@ class IngestStore:
                 config_hash=h,
             )
             conn.execute(insert(m.DeploymentConfig).values(**values))
+
+
+def _stored(
+    conn: Connection, table: Any, col: Any, deployment_id: str, values: Sequence[str]
+) -> set[str]:
+    found: set[str] = set()
+    for i in range(0, len(values), 500):
+        chunk = values[i : i + 500]
+        found.update(
+            conn.execute(
+                select(col).where(table.deployment_id == deployment_id, col.in_(chunk))
+            ).scalars()
+        )
+    return found
+
+
+def _pg_stored(
+    conn: Connection, table: str, col: str, deployment_id: str, values: Sequence[str]
+) -> set[str]:
+    # A join to the array, not IN (...) nor = ANY: psycopg prepares a statement after five
+    # runs, and PostgreSQL's generic plan for those, on a table without fresh statistics,
+    # compared every row of the deployment with every value (83 ms at 8,000 rows,
+    # measured); the hash join stays near 1 ms.
+    sql = (
+        f"SELECT t.{col} FROM {table} t JOIN unnest(%s::text[]) AS v(value) "
+        f"ON t.{col} = v.value WHERE t.deployment_id = %s"
+    )
+    return {row[0] for row in conn.exec_driver_sql(sql, (list(values), deployment_id))}
 
 
 _MARK_SQL = (

@@ -58,7 +58,15 @@ _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 def is_genai(span: Span) -> bool:
     """A GenAI span carries at least one ``gen_ai.*`` attribute of its own."""
-    return any(k.startswith("gen_ai.") for k in span.attrs)
+    return span.genai
+
+
+def read_attributes(tenant: Sequence[str], deployment: Sequence[str]) -> frozenset[str]:
+    """Every attribute the mapping reads (the decoder keeps these and no other)."""
+    return frozenset(
+        (*PROMPT, *COMPLETION, *CACHED, *MODEL, *REQUEST_ID, *MAX_TOKENS, *ROUTE, FINISH_REASONS,
+         *tenant, *deployment)
+    )  # fmt: skip
 
 
 class SpanRefused(InvalidInput):
@@ -157,10 +165,9 @@ class Mapper:
             "model_id": None if model is None else _text(model, model_attr),
             "prompt_tokens": prompt,
         }
-        admitted = {**common, "kind": "request.admitted", "ts": start, "max_tokens": max_tokens}
+        admitted = {**common, "ts": start, "max_tokens": max_tokens}
         finished = {
             **common,
-            "kind": "request.finished",
             "ts": end,
             "completion_tokens": completion,
             "cached_tokens": cached,
@@ -168,7 +175,10 @@ class Mapper:
             "latency_ms": (end - start) / timedelta(milliseconds=1),
         }
         try:
-            events = (ev.convert_event(admitted), ev.convert_event(finished))
+            events: tuple[ev.Event, ...] = (
+                ev.convert_event(ev.RequestAdmitted, admitted),
+                ev.convert_event(ev.RequestFinished, finished),
+            )
         except ev.DecodeError as exc:
             err = exc.errors[0]
             field = (err.field or "").split(".", 1)[0].split("[", 1)[0]

@@ -38,9 +38,9 @@ from sqlalchemy import Connection
 from collector.errors import CollectorError, Forbidden
 from collector.ingest import IngestService
 from collector.otlp import wire
-from collector.otlp.genai import Mapper, SpanRefused, SpanRequest, is_genai
+from collector.otlp.genai import Mapper, SpanRefused, SpanRequest, is_genai, read_attributes
 from collector.settings import Settings
-from collector.store import WriteResult, micros
+from collector.store import WriteResult, micros, shape_rows
 from collector.tokens import Principal
 from engine_probe import events as ev
 
@@ -93,6 +93,9 @@ class TraceIngest:
         )
         for result in ("accepted", "duplicate", "not_genai", "rejected"):
             self.spans.labels(result)
+        self._keep = read_attributes(
+            settings.otlp_tenant_attributes, settings.otlp_deployment_attributes
+        )
 
     def authenticate(self, authorization: str | None) -> Principal:
         return self.ingest.authenticate(authorization)
@@ -109,7 +112,7 @@ class TraceIngest:
         metrics = self.ingest.metrics
         try:
             raw = wire.inflate(body, content_encoding, self.settings.max_body_bytes)
-            spans = wire.decode(raw, content_type, self.settings.max_batch_events)
+            spans = wire.decode(raw, content_type, self.settings.max_batch_events, self._keep)
             result, requests = self._map(principal, spans, now)
             if requests:
                 self._store(principal, requests, now, result)
@@ -171,6 +174,12 @@ class TraceIngest:
         every = [e for r in requests for e in r.events]
         store = self.ingest.store
         now_us = micros(now)
+        # Shaping is pure, so it is done before the write lock, as /v1/events does; a group
+        # that turns out to hold a retried span or a sibling is shaped again under it. (A
+        # request row holds no seq: the placeholder seqs shape the same rows.)
+        shaped = {
+            pid: shape_rows(e for r in group for e in r.events) for pid, group in by_probe.items()
+        }
 
         def write(conn: Connection) -> WriteResult:
             total = WriteResult(0, 0)
@@ -186,12 +195,15 @@ class TraceIngest:
                 fresh: list[ev.Event] = []
                 remembered: list[tuple[str, str]] = []
                 seq = high
+                as_shaped = True
                 for r in group:
                     if r.span_key in seen:
                         duplicates += 1  # this span was stored: a retry
+                        as_shaped = False
                         continue
                     seen.add(r.span_key)
                     if r.request_id in taken:
+                        as_shaped = False
                         r = r.as_sibling()
                         if r.request_id in taken:  # pragma: no cover - a span id repeated
                             duplicates += 1
@@ -213,6 +225,7 @@ class TraceIngest:
                     lineage_id=principal.lineage,
                     events=fresh,
                     now_us=now_us,
+                    rows=shaped[pid] if as_shaped else None,
                 )
                 total.accepted += res.accepted
                 total.new_events.extend(res.new_events)

@@ -42,9 +42,11 @@ STATUS_ERROR: Final = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 @dataclass(frozen=True, slots=True)
 class Span:
     """One span, as the GenAI mapping reads it. ``attrs`` are the span's own attributes,
-    ``resource`` its resource's (one dict shared by the resource's spans); values are
-    str, bool, int, float, bytes, lists and dicts of them, or None. Ids are lowercase hex
-    ('' when the span has none)."""
+    ``resource`` its resource's (one dict shared by the resource's spans), each holding only
+    the keys the decoder was told to keep (values are str, bool, int, float, bytes, lists
+    and dicts of them, or None): every other attribute, a prompt's or completion's text
+    among them, is never even converted. ``genai``: the span has an attribute of its own
+    named ``gen_ai.*``. Ids are lowercase hex ('' when the span has none)."""
 
     trace_id: str
     span_id: str
@@ -55,6 +57,7 @@ class Span:
     status_message: str
     attrs: dict[str, Any]
     resource: dict[str, Any]
+    genai: bool
 
 
 def media_type(content_type: str) -> str:
@@ -85,13 +88,14 @@ def inflate(body: bytes, content_encoding: str, limit: int) -> bytes:
     return out
 
 
-def decode(body: bytes, content_type: str, max_spans: int) -> list[Span]:
-    """Every span of an export request, in order. ``max_spans``: more is a 413."""
+def decode(body: bytes, content_type: str, max_spans: int, keep: frozenset[str]) -> list[Span]:
+    """Every span of an export request, in order, keeping the attributes named in ``keep``.
+    ``max_spans``: more is a 413."""
     mime = media_type(content_type)
     if mime == PROTOBUF:
-        spans = list(_from_protobuf(body))
+        spans = list(_from_protobuf(body, keep))
     elif mime == JSON:
-        spans = list(_from_json(body))
+        spans = list(_from_json(body, keep))
     else:
         raise UnsupportedMediaType(
             f"Content-Type {mime!r} is not accepted on /v1/traces; send {PROTOBUF} or {JSON} "
@@ -124,16 +128,24 @@ def encode_response(mime: str, rejected: int, message: str) -> bytes:
 # -- protobuf ---------------------------------------------------------------------------------
 
 
-def _from_protobuf(body: bytes) -> Iterator[Span]:
+def _from_protobuf(body: bytes, keep: frozenset[str]) -> Iterator[Span]:
     req = ExportTraceServiceRequest()
     try:
         req.ParseFromString(body)
     except (ProtobufDecodeError, RecursionError) as exc:
         raise BadRequest(f"the body is not an OTLP ExportTraceServiceRequest: {exc}") from None
     for rs in req.resource_spans:
-        resource = {kv.key: _pb_value(kv.value) for kv in rs.resource.attributes}
+        resource = {kv.key: _pb_value(kv.value) for kv in rs.resource.attributes if kv.key in keep}
         for ss in rs.scope_spans:
             for sp in ss.spans:
+                attrs: dict[str, Any] = {}
+                genai = False
+                for kv in sp.attributes:
+                    key = kv.key
+                    if key in keep:
+                        attrs[key] = _pb_value(kv.value)
+                    if not genai and key.startswith("gen_ai."):
+                        genai = True
                 yield Span(
                     trace_id=sp.trace_id.hex(),
                     span_id=sp.span_id.hex(),
@@ -142,8 +154,9 @@ def _from_protobuf(body: bytes) -> Iterator[Span]:
                     end_ns=sp.end_time_unix_nano,
                     error=sp.status.code == STATUS_ERROR,
                     status_message=sp.status.message,
-                    attrs={kv.key: _pb_value(kv.value) for kv in sp.attributes},
+                    attrs=attrs,
                     resource=resource,
+                    genai=genai,
                 )
 
 
@@ -219,7 +232,7 @@ class _JRequest(msgspec.Struct, rename="camel"):
 _json_request = msgspec.json.Decoder(_JRequest)
 
 
-def _from_json(body: bytes) -> Iterator[Span]:
+def _from_json(body: bytes, keep: frozenset[str]) -> Iterator[Span]:
     try:
         req = _json_request.decode(body)
     except msgspec.ValidationError as exc:
@@ -230,7 +243,9 @@ def _from_json(body: bytes) -> Iterator[Span]:
         raise BadRequest("JSON nested too deeply") from None
     for r, rs in enumerate(req.resource_spans):
         where = f"resourceSpans[{r}]"
-        resource = _j_attrs(rs.resource.attributes, f"{where}.resource") if rs.resource else {}
+        resource = (
+            _j_attrs(rs.resource.attributes, f"{where}.resource", keep) if rs.resource else {}
+        )
         for s, ss in enumerate(rs.scope_spans):
             for k, sp in enumerate(ss.spans):
                 at = f"{where}.scopeSpans[{s}].spans[{k}]"
@@ -243,14 +258,17 @@ def _from_json(body: bytes) -> Iterator[Span]:
                     end_ns=_j_int(sp.end_time_unix_nano, f"{at}.endTimeUnixNano"),
                     error=_j_int(status.code, f"{at}.status.code") == STATUS_ERROR,
                     status_message=status.message,
-                    attrs=_j_attrs(sp.attributes, at),
+                    attrs=_j_attrs(sp.attributes, at, keep),
                     resource=resource,
+                    genai=any(kv.key.startswith("gen_ai.") for kv in sp.attributes),
                 )
 
 
 def _hex_id(value: str) -> str:
-    v = value.lower()
-    return v if v and all(c in "0123456789abcdef" for c in v) else ""
+    try:
+        return bytes.fromhex(value).hex()  # C speed; lower case; '' for ''
+    except ValueError:
+        return ""
 
 
 def _j_int(value: int | str, where: str) -> int:
@@ -262,8 +280,12 @@ def _j_int(value: int | str, where: str) -> int:
         raise BadRequest(f"{where}: {value!r} is not an integer") from None
 
 
-def _j_attrs(kvs: list[_JKeyValue], where: str) -> dict[str, Any]:
-    return {kv.key: _j_value(kv.value, f"{where}.attributes[{kv.key!r}]") for kv in kvs}
+def _j_attrs(kvs: list[_JKeyValue], where: str, keep: frozenset[str]) -> dict[str, Any]:
+    return {
+        kv.key: _j_value(kv.value, f"{where}.attributes[{kv.key!r}]")
+        for kv in kvs
+        if kv.key in keep
+    }
 
 
 def _j_value(v: _JValue | None, where: str) -> Any:
