@@ -95,6 +95,8 @@ class StepResult:
 
     step: int
     prefilled: int = 0
+    #: prompt tokens prefill computed (a prefix-cache hit's granted tokens are not)
+    prefill_tokens: int = 0
     transferred: int = 0
     decoded: int = 0
     deltas: list[TokenDelta] = field(default_factory=list)
@@ -495,6 +497,7 @@ class Engine:
         if not picked:
             return
         firsts = [self._prefill(pool, req, need(req)) for req in picked]
+        result.prefill_tokens = sum(r.cached_prompt_tokens - r.cached_tokens for r in picked)
         # One device->host sync for all first tokens of the step.
         tokens = torch.cat(firsts).tolist()
         for req, tok in zip(picked, tokens, strict=True):
