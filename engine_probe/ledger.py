@@ -196,8 +196,9 @@ class PageLedger:
     kept as a sorted table of ``reader * num_pages + page`` keys on the device, so a read
     check with grants costs one ``searchsorted`` and two gathers more, and none without.
     The caller keeps every grant's reader live (it revokes a finished reader's grants); a
-    read of a page its reader was not granted is checked as its own. :meth:`transfer` does not consult grants: a source page the request was only granted
-    is checked as its own read.
+    read of a page its reader was not granted is checked as its own. :meth:`transfer` does
+    not consult grants: a source page the request was only granted is checked as its own
+    read.
 
     Stale reads name the previous writer: for a page not valid for the reader, the page's
     last writer (``writer_*``, ``zeroized``); for a page valid for the reader but read past

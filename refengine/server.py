@@ -18,13 +18,17 @@ Shapes follow OpenAI's: ``id`` (the engine's request id, see below), ``object``,
 token budget), and ``usage`` {``prompt_tokens``, ``completion_tokens``, ``total_tokens``} (the
 byte tokenizer's counts; completion tokens include the end-of-text token). Sampling fields
 (``temperature``, ``top_p``, ``stop``, ...) are accepted and ignored: the lab model decodes
-greedily. ``n`` must be 1. ``cache_salt`` (vLLM's field: a non-empty string) salts the prefix
-cache's keys when the engine runs ``prefix_cache="salted"``, and is accepted and ignored
-otherwise. With the prefix cache on, ``usage`` also carries vLLM's
-``prompt_tokens_details: {"cached_tokens": N}`` (the prompt tokens served from the cache; the
-streamed final usage chunk too), and the model card says ``prefix_caching`` and
-``prefix_cache`` (the mode) and ``prefix_cache_salt_by_tenant``. ``max_tokens`` defaults to 16 for completions (as OpenAI's) and to
+greedily. ``n`` must be 1. ``max_tokens`` defaults to 16 for completions (as OpenAI's) and to
 "as much as fits" for chat; chat's ``max_completion_tokens`` wins over ``max_tokens``.
+
+Prefix cache
+------------
+``cache_salt`` (vLLM's request field: a non-empty string) salts the prefix cache's keys when
+the engine runs ``prefix_cache="salted"``; it is accepted and ignored otherwise. With the
+prefix cache on, ``usage`` also carries vLLM's ``prompt_tokens_details: {"cached_tokens":
+N}`` (the prompt tokens served from the cache; the streamed final usage chunk too). The
+model card always says ``prefix_caching``, ``prefix_cache`` (the mode) and
+``prefix_cache_salt_by_tenant``.
 
 Chat template
 -------------

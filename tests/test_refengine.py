@@ -270,9 +270,7 @@ class Recorder(EngineObserver):
     def on_prefix_hit(
         self, pool: KVPool, pages: torch.Tensor, req: Request, owners: torch.Tensor
     ) -> None:
-        assert pages.shape == owners.shape and torch.equal(
-            pages, _table_head(req, pages.shape[0])
-        )
+        assert pages.shape == owners.shape and torch.equal(pages, _table_head(req, pages.shape[0]))
         self.events.append(("hit", pool.name, pages.tolist(), req.request_id, owners.tolist()))
         for p, o in zip(pages.tolist(), owners.tolist(), strict=True):
             assert o != req.handle and self.written[(pool.name, p)] == o  # a hit holds its write

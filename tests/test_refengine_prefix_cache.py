@@ -354,9 +354,9 @@ KEYS = {"acme": "sk-acme", "globex": "sk-globex"}
 @contextmanager
 def serve(**config: Any) -> Iterator[tuple[httpx.Client, Engine]]:
     engine = make(**config)
-    with serve_in_thread(create_app(engine, tenant_keys=KEYS)) as url:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            yield client, engine
+    app = create_app(engine, tenant_keys=KEYS)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client, engine
 
 
 def post(client: httpx.Client, path: str, body: dict[str, Any], key: str) -> httpx.Response:

@@ -419,7 +419,8 @@ class RefengineAdapter:
             else:
                 owner_id, owner_tenant = known[0], self._tenant_id(known[1])
                 same = owner_tenant == reader_tenant
-                self.counters["prefix_hits_same_tenant" if same else "prefix_hits_cross_tenant"] += 1
+                kind = "same_tenant" if same else "cross_tenant"
+                self.counters[f"prefix_hits_{kind}"] += 1
             self._emit(
                 PrefixCacheHit,
                 node=st.node,
