@@ -163,7 +163,9 @@ class Engine:
             self.pools = {"kv": self.prefill_pool}
 
         self.prefix_cache: PrefixCache | None = (
-            PrefixCache(self.prefill_pool.num_pages) if cfg.prefix_caching else None
+            PrefixCache(self.prefill_pool.num_pages, self.prefill_pool)
+            if cfg.prefix_caching
+            else None
         )
         # prefix-cache hits found while picking this step's prefills (handle -> pages)
         self._hits: dict[int, list[int]] = {}

@@ -7,7 +7,8 @@ data-parallel engine index; refengine has one engine), as vLLM's do:
 * ``vllm:num_requests_running`` (decoding), ``vllm:num_requests_waiting`` (waiting for
   prefill, or, disaggregated, for the transfer to decode: vLLM's decode instance counts a
   request waiting for remote KV as waiting too);
-* ``vllm:kv_cache_usage_perc`` (0..1) and ``vllm:cache_config_info`` (1, its labels the
+* ``vllm:kv_cache_usage_perc`` (0..1: pages held by requests; idle prefix-cache pages count
+  as free, as vLLM's evictable cached blocks do) and ``vllm:cache_config_info`` (1, its labels the
   pool's ``block_size``, ``num_gpu_blocks``, ``kv_cache_size_tokens``, ``cache_dtype`` and
   ``enable_prefix_caching``), one series per KV pool, told apart by ``node`` and ``role``
   (``kv``/``both`` monolithic, ``prefill``/``decode`` disaggregated): refengine serves both
@@ -201,7 +202,8 @@ class _EngineGauges(Collector):
             labels=["model_name", "node", "role"],
         )
         for pool, where, fields in self.pools:
-            usage.add_metric([*self.values, *where], pool.used_pages / pool.num_pages)
+            # vLLM counts evictable cached blocks as free: so do we (held_tokens)
+            usage.add_metric([*self.values, *where], pool.held_tokens / pool.capacity_tokens)
             info.add_metric([*self.values, *where, *fields], 1)
             capacity.add_metric([self.values[0], *where], pool.capacity_tokens)
         yield from (running, waiting, usage, info, capacity)

@@ -69,6 +69,9 @@ class KVPool:
         # Flipped so that a fresh pool hands out pages 0, 1, 2, ... in order.
         self._stack = torch.arange(num_pages, dtype=torch.int64, device=device).flip(0)
         self._free = num_pages
+        #: pages the prefix cache keeps that no request holds (evictable; kept up to date by
+        #: :class:`~refengine.prefix_cache.PrefixCache`): not free, yet not in use either
+        self.cached_idle_pages = 0
 
     # -- capacity ------------------------------------------------------------------------
 
@@ -92,6 +95,17 @@ class KVPool:
     def used_tokens(self) -> int:
         """Tokens of capacity held by allocated pages (whole pages, written or not)."""
         return self.used_pages * self.page_size
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of capacity held by live requests: ``used_tokens`` less the idle cached
+        pages (what vLLM's KV-cache usage counts: its evictable cached blocks are free)."""
+        return (self.num_pages - self._free - self.cached_idle_pages) * self.page_size
+
+    @property
+    def available_tokens(self) -> int:
+        """Tokens of capacity an allocation can have: free, or cached and idle (evictable)."""
+        return (self._free + self.cached_idle_pages) * self.page_size
 
     @property
     def kv_bytes(self) -> int:

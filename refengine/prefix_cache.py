@@ -38,6 +38,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refengine.pool import KVPool
 
 ROOT_TAG = b"refengine-prefix-cache-v1"
 
@@ -68,10 +72,12 @@ def page_keys(tokens: bytes, page_size: int, root: bytes) -> list[bytes]:
 
 
 class PrefixCache:
-    """The cached pages of one pool (see the module docstring for the invariants)."""
+    """The cached pages of one pool (see the module docstring for the invariants). Given the
+    pool, it keeps ``pool.cached_idle_pages`` equal to ``idle_pages``."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, pool: KVPool | None = None) -> None:
         self.num_pages = num_pages
+        self.pool = pool
         self.by_key: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}
         self.computed_by: dict[int, int] = {}
@@ -107,6 +113,7 @@ class PrefixCache:
         for p in pages:
             refs[p] += 1
             idle.pop(p, None)
+        self._sync()
 
     def insert(self, key: bytes, page: int, computed_by: int) -> bool:
         """Cache ``page`` (held by its computing request, ``refs`` 1) under ``key``; False,
@@ -131,6 +138,7 @@ class PrefixCache:
                 idle[p] = None
             elif n < 0:
                 raise AssertionError(f"cached page {p} released more often than acquired")
+        self._sync()
 
     def evict(self, n: int) -> list[int]:
         """Take the ``n`` least recently used idle pages out of the cache (for the free list)."""
@@ -144,7 +152,12 @@ class PrefixCache:
             del self.refs[p]
             out.append(p)
         self.evictions += n
+        self._sync()
         return out
+
+    def _sync(self) -> None:
+        if self.pool is not None:
+            self.pool.cached_idle_pages = len(self.idle)
 
     def check(self, free: Iterable[int], held: dict[int, int]) -> None:
         """Assert invariants 1-3 against the pool's free pages and ``held`` (page -> how many
@@ -159,3 +172,5 @@ class PrefixCache:
             assert n == held.get(p, 0), f"cached page {p}: refs {n}, held by {held.get(p, 0)}"
             assert (n == 0) == (p in self.idle), f"cached page {p}: refs {n} vs idle"
         assert set(self.idle) <= set(self.refs), "an idle page is not cached"
+        if self.pool is not None:
+            assert self.pool.cached_idle_pages == len(self.idle), "the pool's idle count is off"

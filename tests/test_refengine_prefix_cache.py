@@ -237,6 +237,11 @@ def test_the_probe_reports_every_hit_with_owner_and_reader_and_no_stale_read() -
     assert finished == {a.request_id: 0, b.request_id: 128, c.request_id: 128}
     (config,) = probe.of(ev.EngineConfig)
     assert config["prefix_caching"] is True and config["prefix_cache_salting"] is False
+    # Idle cached pages are evictable: a pool sample counts them free, as vLLM does.
+    assert eng.prefill_pool.used_pages == 8 and eng.prefill_pool.cached_idle_pages == 8
+    adapter.sample_pools()
+    sample = probe.of(ev.PoolSample)[-1]
+    assert sample["used_tokens"] == 0 and sample["free_tokens"] == sample["capacity_tokens"]
     for ledger in adapter.ledgers.values():
         assert ledger.check_invariants() == []
         assert ledger.granted(b.handle) == 0  # revoked when the reader finished
@@ -403,6 +408,8 @@ def test_server_reports_cached_tokens_in_usage_as_vllm_does() -> None:
         hits = metrics.get("vllm:prefix_cache_hits_total", labels)
         assert hits == 128 * 3 and queries is not None and queries >= hits
         assert engine.prefix_cache is not None and engine.prefix_cache.hits == hits
+        assert engine.prefill_pool.cached_idle_pages > 0
+        assert metrics.get("vllm:kv_cache_usage_perc", labels | {"node": "kv", "role": "both"}) == 0
 
 
 def test_server_without_the_cache_says_nothing_of_cached_tokens() -> None:

@@ -25,7 +25,9 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   the page keys carried a salt (the request's ``cache_salt``, or the tenant). Hits are
   counted too (``prefix_hits_same_tenant``, ``_cross_tenant``, ``_unknown_owner``);
 * ``canary.hit`` (detector ``paint``) in canary mode;
-* ``pool.sample`` per pool at attach and every ``pool_sample_every`` steps.
+* ``pool.sample`` per pool at attach and every ``pool_sample_every`` steps (cached pages no
+  request holds count as free: the allocator evicts them on demand, and vLLM counts its
+  evictable cached blocks so).
 
 Slot ranges
 -----------
@@ -136,6 +138,10 @@ class _Pool(Protocol):
     def used_tokens(self) -> int: ...
     @property
     def free_tokens(self) -> int: ...
+    @property
+    def held_tokens(self) -> int: ...
+    @property
+    def available_tokens(self) -> int: ...
 
 
 class _Request(Protocol):
@@ -264,8 +270,9 @@ class RefengineAdapter:
                 node=st.node,
                 role=st.role,
                 capacity_tokens=pool.capacity_tokens,
-                used_tokens=pool.used_tokens,
-                free_tokens=pool.free_tokens,
+                # idle prefix-cache pages count as free (evictable), as vLLM counts them
+                used_tokens=pool.held_tokens,
+                free_tokens=pool.available_tokens,
             )
 
     # -- EngineObserver: attach and requests ----------------------------------------------
