@@ -316,6 +316,29 @@ def test_stale_reads_are_still_caught_with_the_cache_on() -> None:
     assert b"I" in bytes(reader.output_tokens)  # the wrong KV really came out
 
 
+def test_the_canary_never_paints_a_cached_page() -> None:
+    """Cached pages are not freed when their request ends (only when evicted), so the
+    canary detector never paints KV a later request is granted; evicted pages are painted
+    and then overwritten before anyone reads them."""
+    eng = make("shared", pool_tokens=20 * PS, advertised_context=300)
+    probe = RecordingProbe()
+    adapter = attach(eng, probe, canary=True)
+    system = "Shared system prompt for everyone, please be nice. " * 2
+    reqs = []
+    for i in range(24):
+        prompt = system + f"user {i} " + "x" * (i * 3)
+        reqs.append((eng.submit(prompt, f"t{i % 3}", 30), prompt))
+        eng.step()
+        eng.check_invariants()
+    eng.run_until_idle()
+    eng.check_invariants()
+    assert eng.prefix_cache is not None and eng.prefix_cache.evictions > 0
+    assert sum(r.cached_tokens for r, _ in reqs) > 0
+    assert all(reads_back(r, prompt) for r, prompt in reqs)
+    assert probe.of(ev.CanaryHit) == [] and probe.of(ev.PageStaleRead) == []
+    assert adapter.counters["prefix_hits_cross_tenant"] > 0
+
+
 def test_stale_reads_of_the_incident_are_unchanged() -> None:
     """The cache is refused in the disaggregated topology, so the legacy incident is exactly
     what it was: its stale reads are still reported (see tests/test_adapter.py)."""

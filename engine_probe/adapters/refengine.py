@@ -65,6 +65,10 @@ syncs freely and runs on every step while a leaking request decodes) runs. Steps
 decode sync the reuse counts in ``on_step``. ``PageLedger.transfer`` syncs once per
 transferred request on its own.
 
+With the prefix cache on, a prefill that hits adds one sync for the hit's owners
+(``on_prefix_hit``) and one for the read check of the granted pages its first token attends
+to; the engine itself copies page ids to the host then too.
+
 If attached while requests are in flight, the pages they already own are unknown to the
 ledger: their reads are not checked (requests admitted after attach are).
 
