@@ -184,6 +184,22 @@ class PageLedger:
        ``zeroized``, which only a write covering the first slot of what is not valid clears.
        Alloc never changes the writer fields.
 
+    Grants (:meth:`grant`, :meth:`revoke`): an engine may hand a request pages another
+    request wrote, for it to read and never write (a prefix-cache hit). A grant is a
+    (reader, page) pair with the request whose write it grants, the page's *granter*: a read
+    of a granted page by its reader is checked as the granter's read (valid iff the page is
+    valid for the granter, and the slots read lie within its ``filled`` prefix), so it stays
+    valid exactly as long as the page still holds the granter's write of that generation,
+    and turns stale the moment the page is handed out again or written by anyone else. A
+    stale granted read is reported as the reader's (``reader_request``), naming the page's
+    writer as any stale read does. Grants live until revoked (the reader finished) and are
+    kept as a sorted table of ``reader * num_pages + page`` keys on the device, so a read
+    check with grants costs one ``searchsorted`` and two gathers more, and none without.
+    The caller keeps every grant's reader live (it revokes a finished reader's grants); a
+    read of a page its reader was not granted is checked as its own. :meth:`transfer` does
+    not consult grants: a source page the request was only granted is checked as its own
+    read.
+
     Stale reads name the previous writer: for a page not valid for the reader, the page's
     last writer (``writer_*``, ``zeroized``); for a page valid for the reader but read past
     ``filled`` (a hole: the incident's one-token placeholder page read as 16 positions), who
@@ -269,6 +285,10 @@ class PageLedger:
         self.device: torch.device = self._valid_for.device
         # 1..page_size: a slot's rank, to find the last slot a slot mask marks
         self._slot_rank = torch.arange(1, page_size + 1, dtype=torch.int32, device=self.device)
+        # Grants, per reader: (keys reader * num_pages + page, granters), and the merged,
+        # sorted table the read path searches (None: rebuild it on the next read)
+        self._grants: dict[int, tuple[Tensor, Tensor]] = {}
+        self._grant_table: tuple[Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------ accessors
 
@@ -578,6 +598,37 @@ class PageLedger:
         # invariant 6: the whole page is now attributed to its last writer
         self._prev_rows.index_copy_(0, p, self._writer_rows.index_select(0, p))
 
+    def grant(
+        self, pages: PageIds, reader: int, granters: Tensor | int, tenant: int | None = None
+    ) -> None:
+        """``reader`` may read ``pages`` as ``granters`` (one handle, or a tensor like
+        ``pages``: the request whose write of each page is granted) would: see the class
+        docstring. ``tenant``: the reader's tenant, remembered as an alloc would. Granting a
+        page the reader was granted already replaces that grant."""
+        _check_handle(reader, "reader")
+        if tenant is not None:
+            self._remember_tenant(reader, _check_handle(tenant, "tenant"))
+        p = self._index(pages)
+        g = self._handles(granters, p.shape, "granter")
+        g = g if isinstance(g, Tensor) else torch.full_like(p, g)
+        keys = p + reader * self._num_pages
+        old = self._grants.get(reader)
+        if old is not None:
+            keep = ~torch.isin(old[0], keys)
+            keys, g = torch.cat([old[0][keep], keys]), torch.cat([old[1][keep], g])
+        self._grants[reader] = (keys, g)
+        self._grant_table = None
+
+    def revoke(self, reader: int) -> None:
+        """Forget every grant to ``reader`` (it finished)."""
+        if self._grants.pop(reader, None) is not None:
+            self._grant_table = None
+
+    def granted(self, reader: int) -> int:
+        """How many pages ``reader`` holds grants on (no sync)."""
+        found = self._grants.get(reader)
+        return 0 if found is None else found[0].numel()
+
     def stale_mask(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> Tensor:
         """Which reads are stale, without a host sync: a bool tensor shaped like ``pages``.
 
@@ -721,7 +772,7 @@ class PageLedger:
         p = self._pages(pages)
         shape = p.shape
         flat = p if p.dim() == 1 else p.reshape(-1)
-        r = self._readers(readers, shape)
+        r = self._as_granters(flat, self._readers(readers, shape), shape)
         mask = words = None
         if isinstance(upto, Tensor) and upto.dtype == torch.bool:
             mask = self._slot_mask(upto, shape)
@@ -737,6 +788,8 @@ class PageLedger:
             if everywhere:
                 return foreign.any() | hit.any()
             return (foreign | hit.any(-1)).reshape(shape)
+        if isinstance(r, Tensor) and r.shape == flat.shape and flat.shape != shape:
+            r = r.reshape(shape)  # granters, flat
         foreign = self._valid_for.index_select(0, flat).reshape(shape) != r
         filled = self._filled.index_select(0, flat).reshape(shape)
         if mask is not None:  # a mask not viewable as words: the last slot marked, + 1
@@ -747,6 +800,27 @@ class PageLedger:
             past = filled < self._extent(upto, shape)
         stale = foreign | past
         return stale.any() if everywhere else stale
+
+    def _as_granters(self, flat: Tensor, r: Tensor | int, shape: torch.Size) -> Tensor | int:
+        """The handle each read of ``flat`` pages is checked as: its granter where the
+        reader was granted the page, else the reader (flat, or ``r`` unchanged without
+        grants: the common path costs nothing)."""
+        if not self._grants:
+            return r
+        table = self._grant_table
+        if table is None:
+            keys = torch.cat([k for k, _ in self._grants.values()])
+            granters = torch.cat([g for _, g in self._grants.values()])
+            keys, order = torch.sort(keys)
+            table = self._grant_table = (keys, granters.index_select(0, order))
+        keys, granters = table
+        if isinstance(r, Tensor):
+            rr = r if r.shape == flat.shape else torch.broadcast_to(r, shape).reshape(-1)
+        else:
+            rr = torch.full_like(flat, r)
+        q = rr * self._num_pages + flat
+        at = torch.searchsorted(keys, q).clamp_(max=keys.numel() - 1)
+        return torch.where(keys.index_select(0, at) == q, granters.index_select(0, at), rr)
 
     def _slot_mask(self, mask: Tensor, shape: torch.Size) -> Tensor:
         ms = mask.shape
@@ -838,7 +912,8 @@ class PageLedger:
             stale_readers = torch.broadcast_to(r, shape).reshape(-1).index_select(0, idx)
         else:
             stale_readers = torch.full_like(stale_pages, readers)
-        hole = self._valid_for.index_select(0, stale_pages) == stale_readers
+        checked_as = self._as_granters(stale_pages, stale_readers, stale_pages.shape)
+        hole = self._valid_for.index_select(0, stale_pages) == checked_as
         named = torch.where(
             hole[:, None],
             self._prev_rows.index_select(0, stale_pages),

@@ -15,6 +15,7 @@ import torch
 Mode = Literal["legacy", "hardened"]
 Topology = Literal["monolithic", "disaggregated"]
 KVDtype = Literal["float32", "float16", "bfloat16"]
+PrefixCacheMode = Literal["off", "shared", "salted"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,6 +33,16 @@ class EngineConfig:
     ``decode_pool_tokens`` are >= ``page_size``; ``head_dim`` >= 16 (the lab model's value
     code needs the room, see ``model.py``). Pools hold ``tokens // page_size`` whole pages, so
     a pool's capacity is ``pool_tokens`` rounded down to a multiple of ``page_size``.
+    ``prefix_cache`` other than ``"off"`` needs the monolithic topology (a disaggregated
+    engine refuses it: its prefill pages leave for the decode pool, so nothing would stay
+    to be reused), and ``prefix_cache_salt_by_tenant`` needs ``"salted"``.
+
+    Prefix caching (see :mod:`refengine.prefix_cache`): ``"off"`` caches nothing;
+    ``"shared"`` keys a prompt's full pages by their tokens alone, for every tenant alike,
+    ignoring any ``cache_salt`` a request sends (the insecure setting: one tenant's hit
+    tells it what another sent); ``"salted"`` adds the request's ``cache_salt`` to the
+    keys, and with ``prefix_cache_salt_by_tenant`` the tenant too, so that no two tenants
+    ever share a cached page whatever salts they send.
     """
 
     mode: Mode = "hardened"
@@ -57,6 +68,9 @@ class EngineConfig:
     heads: int = 1
     head_dim: int = 64
     model_id: str = "refengine-lab"
+    prefix_cache: PrefixCacheMode = "off"
+    #: ``"salted"`` only: the tenant is part of every page key, besides the request's salt.
+    prefix_cache_salt_by_tenant: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("legacy", "hardened"):
@@ -93,7 +107,27 @@ class EngineConfig:
                     f"decode_pool_tokens ({self.decode_pool_tokens}) must hold at least one "
                     f"page of {self.page_size} tokens"
                 )
+        if self.prefix_cache not in ("off", "shared", "salted"):
+            raise ValueError(
+                f"prefix_cache must be 'off', 'shared' or 'salted', not {self.prefix_cache!r}"
+            )
+        if self.prefix_cache != "off" and self.topology != "monolithic":
+            raise ValueError(
+                "the prefix cache needs the monolithic topology: a disaggregated engine's "
+                "prefill pages leave for the decode pool, so nothing stays to be reused"
+            )
+        if self.prefix_cache_salt_by_tenant and self.prefix_cache != "salted":
+            raise ValueError("prefix_cache_salt_by_tenant needs prefix_cache='salted'")
         torch.device(self.device)  # fail here, not at the first allocation, on a typo
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_cache != "off"
+
+    @property
+    def prefix_cache_isolates_tenants(self) -> bool:
+        """Whether no two tenants can ever share a cached page (salted by tenant)."""
+        return self.prefix_cache == "salted" and self.prefix_cache_salt_by_tenant
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -29,6 +29,24 @@ Within the advertised context but longer than a pool:
   out; ``req.truncated`` is set and ``on_request_truncated`` fires, the client is not told.
   No stale read happens on this path.
 
+Prefix cache
+------------
+With ``prefix_cache`` on (monolithic only; see :mod:`refengine.prefix_cache` for the keys and
+the cache's invariants), a prompt's full pages are keyed at ``submit``. At prefill the
+longest run of leading full pages whose keys are cached is *granted* to the request: those
+cached pages head its block table and prefill computes and writes only the rest of the
+prompt (``req.cached_tokens`` says how much it skipped; at least the last prompt token is
+always computed, as vLLM does, since the first token's query needs it); the first token
+still attends over the whole prompt, reading the granted pages from the pool
+(``on_kv_read``). Then the full pages prefill wrote join the cache, held by their request.
+When a request ends its cached pages stay cached (idle, in an LRU, released tail first, so
+a prefix's last pages go before its first) and only the others return to the free list; an
+allocation the free list cannot satisfy evicts least recently used idle pages first
+(``on_free`` fires for them then, zeroizing them when the pool zeroizes). A page a live
+request holds is never evicted. Prompts that prefill does not write whole (legacy
+truncation) neither use nor fill the cache, so the over-length behaviour of both modes is
+unchanged.
+
 Threading
 ---------
 Every public method takes the engine's re-entrant lock, so calls from several threads are
@@ -56,6 +74,7 @@ from refengine.errors import ContextLengthExceeded, InvalidRequest
 from refengine.hooks import EngineObserver
 from refengine.model import LabModel
 from refengine.pool import KVPool, Role
+from refengine.prefix_cache import PrefixCache, page_keys, root_key
 from refengine.request import Completion, Request, TokenDelta
 from refengine.scheduler import Scheduler
 from refengine.tokenizer import PLACEHOLDER, ByteTokenizer
@@ -76,6 +95,8 @@ class StepResult:
 
     step: int
     prefilled: int = 0
+    #: prompt tokens prefill computed (a prefix-cache hit's granted tokens are not)
+    prefill_tokens: int = 0
     transferred: int = 0
     decoded: int = 0
     deltas: list[TokenDelta] = field(default_factory=list)
@@ -101,8 +122,10 @@ class Engine:
     over-length handling and threading.
 
     Invariants: ``pools`` never changes after construction; every page of every pool is
-    either free or in the block table of exactly one live request (``check_invariants``);
-    ``_live`` maps the id of every queued/transferring/decoding request to it.
+    either free or in the block table of exactly one live request, or, with the prefix
+    cache on, cached: idle (in no block table) or in the block tables of as many live
+    requests as its reference count (``check_invariants``); ``_live`` maps the id of every
+    queued/transferring/decoding request to it.
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -139,6 +162,13 @@ class Engine:
             self.prefill_pool = self.decode_pool = pool("kv", "both", cfg.prefill_pool_tokens)
             self.pools = {"kv": self.prefill_pool}
 
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(self.prefill_pool.num_pages, self.prefill_pool)
+            if cfg.prefix_caching
+            else None
+        )
+        # prefix-cache hits found while picking this step's prefills (handle -> pages)
+        self._hits: dict[int, list[int]] = {}
         self._sched = Scheduler(max_batch=cfg.max_batch, max_prefill_tokens=cfg.max_prefill_tokens)
         self._observers: list[EngineObserver] = []
         self._lock = threading.RLock()
@@ -200,7 +230,10 @@ class Engine:
             "dtype": cfg.kv_dtype,
             "tp_size": 1,
             "cuda_graphs": False,
-            "prefix_cache": False,
+            "prefix_cache": cfg.prefix_caching,
+            "prefix_cache_mode": cfg.prefix_cache,
+            "prefix_cache_salt_by_tenant": cfg.prefix_cache_salt_by_tenant,
+            "prefix_cache_salting": cfg.prefix_cache_isolates_tenants,
             "zeroize_on_free": cfg.zeroize_on_free,
             "device": str(self.device),
             "max_batch": cfg.max_batch,
@@ -229,13 +262,19 @@ class Engine:
         *,
         route: str | None = None,
         on_delta: Callable[[TokenDelta], None] | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request; returns it (status ``queued``).
 
+        ``cache_salt`` (vLLM's request field): with ``prefix_cache="salted"``, part of the
+        keys of the prompt's pages, so the request shares cached pages only with requests
+        that send the same salt (and, salting by tenant, come from the same tenant); ignored
+        otherwise.
+
         Raises ``InvalidRequest`` (empty prompt or tenant, ``max_tokens < 1``, an id already
-        live) or ``ContextLengthExceeded`` — both before anything is allocated. A clean
-        rejection still gets a handle and fires ``on_request_rejected`` first, so a probe
-        counts it.
+        live, a ``cache_salt`` that is not a non-empty string) or ``ContextLengthExceeded``
+        — both before anything is allocated. A clean rejection still gets a handle and fires
+        ``on_request_rejected`` first, so a probe counts it.
         """
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt must be a string")
@@ -243,10 +282,23 @@ class Engine:
             raise InvalidRequest("tenant must be a non-empty string")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be an integer >= 1, not {max_tokens!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequest("cache_salt must be a non-empty string")
         data = self.tokenizer.encode_bytes(prompt)
         if not data:
             raise InvalidRequest("prompt must not be empty")
         cfg = self.config
+        keys: list[bytes] = []
+        if self.prefix_cache is not None and len(data) <= min(
+            cfg.advertised_context, self.prefill_pool.capacity_tokens
+        ):
+            # Outside the lock: hashing a long prompt must not hold up a step.
+            if cfg.prefix_cache == "salted":
+                tenant_part = tenant if cfg.prefix_cache_salt_by_tenant else None
+                root = root_key(salt=cache_salt, tenant=tenant_part)
+            else:  # shared: every request alike, whatever salt it sent
+                root = root_key()
+            keys = page_keys(data, cfg.page_size, root)
         with self._lock:
             if request_id is not None and request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight")
@@ -263,6 +315,8 @@ class Engine:
                 model=cfg.model_id,
                 route=route,
                 on_delta=on_delta,
+                cache_salt=cache_salt,
+                page_keys=keys,
             )
             p = len(data)
             if p > cfg.advertised_context:
@@ -348,11 +402,14 @@ class Engine:
         request_id: str | None = None,
         *,
         route: str | None = None,
+        cache_salt: str | None = None,
     ) -> Completion:
         """Submit and step until this request finishes (other queued requests progress too).
         Raises like ``submit``."""
         with self._lock:
-            req = self.submit(prompt, tenant, max_tokens, request_id, route=route)
+            req = self.submit(
+                prompt, tenant, max_tokens, request_id, route=route, cache_salt=cache_salt
+            )
             while not req.finished:
                 self.step()
             return req.completion()
@@ -410,12 +467,39 @@ class Engine:
             def need(r: Request) -> int:
                 return pool.pages_for(r.reserve_tokens)
 
+        cache = self.prefix_cache
+        free_pages = pool.free_pages
+        pages_needed = need
+        if cache is not None:
+            # Idle cached pages can be evicted, so they count as free; a request's hits are
+            # not allocated, but those idle now stop being evictable once it holds them.
+            free_pages += cache.idle_pages
+            hits = self._hits
+
+            def pages_needed(r: Request) -> int:
+                found = hits[r.handle] = self._lookup(r)
+                idle = sum(1 for p in found if cache.refs[p] == 0)
+                return need(r) - len(found) + idle
+
         picked = self._sched.pick_prefills(
-            free_pages=pool.free_pages, pages_needed=need, slots=slots
+            free_pages=free_pages, pages_needed=pages_needed, slots=slots
         )
+        if cache is not None:
+            # Every picked request holds its hits before any allocation evicts: none of this
+            # step's allocations can evict a page another picked request is granted.
+            for req in picked:
+                found = self._hits.pop(req.handle)
+                cache.acquire(found)
+                req.cached_pages = list(found)
+                req.cached_tokens = len(found) * pool.page_size
+                if req.page_keys:
+                    cache.queries += req.prompt_tokens
+                    cache.hits += req.cached_tokens
+            self._hits.clear()
         if not picked:
             return
         firsts = [self._prefill(pool, req, need(req)) for req in picked]
+        result.prefill_tokens = sum(r.cached_prompt_tokens - r.cached_tokens for r in picked)
         # One device->host sync for all first tokens of the step.
         tokens = torch.cat(firsts).tolist()
         for req, tok in zip(picked, tokens, strict=True):
@@ -453,19 +537,54 @@ class Engine:
             # bytearray: torch.frombuffer wants a writable buffer.
             raw = bytearray(req.prompt[: req.cached_prompt_tokens])
             tokens = torch.frombuffer(raw, dtype=torch.uint8).to(self.device, torch.int64)
-        pages = pool.alloc(n_pages)
+        ps = pool.page_size
+        n_hit = req.cached_tokens // ps
+        fresh = self._alloc(pool, n_pages - n_hit)
+        granted: torch.Tensor | None = None
+        if n_hit:
+            granted = torch.tensor(req.cached_pages, dtype=torch.int64, device=self.device)
+            pages = torch.cat([granted, fresh])
+        else:
+            pages = fresh
         req.block_table = pages
         req.pool_name = pool.name
+        if granted is not None and obs:
+            cache = self.prefix_cache
+            assert cache is not None
+            owners = torch.tensor(
+                [cache.computed_by[p] for p in req.cached_pages],
+                dtype=torch.int64,
+                device=self.device,
+            )
+            for o in obs:
+                o.on_prefix_hit(pool, granted, req, owners)
         for o in obs:
-            o.on_alloc(pool, pages, req)
+            o.on_alloc(pool, fresh, req)
         n = tokens.shape[0]
-        k, v = self.model.kv(tokens, 0)
-        pool.write(pool.slots(pages, 0, n), k, v)
+        start = req.cached_tokens
+        # Only the positions past the granted prefix are computed and written: the compute a
+        # prefix-cache hit saves.
+        k, v = self.model.kv(tokens[start:], 0)
+        pool.write(pool.slots(pages, start, n - start), k, v)
+        req.cache_len = start  # what observers read: the write starts here
         for o in obs:
-            o.on_kv_write(pool, pages[: pool.pages_for(n)], req)
+            o.on_kv_write(pool, pages[n_hit : pool.pages_for(n)], req)
+        if granted is not None:
+            # The granted prefix is read back from the pool (it was not computed here).
+            kc, vc = pool.gather(granted)
+            if obs:
+                readers = torch.full((n_hit,), req.handle, dtype=torch.int64, device=self.device)
+                valid = torch.ones((n_hit, ps), dtype=torch.bool, device=self.device)
+                for o in obs:
+                    o.on_kv_read(pool, granted, readers, kc, vc, valid)
+            shape = (n_hit * ps, pool.heads, pool.head_dim)
+            k = torch.cat([kc.reshape(shape), k])
+            v = torch.cat([vc.reshape(shape), v])
+        if req.page_keys:
+            self._cache_written(pool, req, fresh)
         # The first token attends to the K/V just computed (in flight, not re-read from the
-        # pool), as prefill kernels do; the query aims at position 0.
-        # All n slots form one "page" of the single reader.
+        # pool) and to the granted prefix, as prefill kernels do; the query aims at
+        # position 0. All n slots form one "page" of the single reader.
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         first, _ = self.model.attend(
             self.model.query(tokens[-1:], 0),
@@ -477,6 +596,40 @@ class Engine:
             zero,
         )
         return first
+
+    def _lookup(self, req: Request) -> list[int]:
+        """The cached pages to grant ``req``: its longest cached run of leading full pages,
+        leaving at least its last prompt token to compute."""
+        cache = self.prefix_cache
+        if cache is None or not req.page_keys:
+            return []
+        most = (req.cached_prompt_tokens - 1) // self.config.page_size
+        return cache.lookup(req.page_keys[:most])
+
+    def _alloc(self, pool: KVPool, n: int) -> torch.Tensor:
+        """``n`` pages from the free list, evicting least recently used idle cached pages
+        into it first when it is short."""
+        cache = self.prefix_cache
+        if cache is not None and n > pool.free_pages:
+            evicted = cache.evict(n - pool.free_pages)
+            pages = torch.tensor(evicted, dtype=torch.int64, device=self.device)
+            zeroized = pool.free(pages)
+            for o in self._observers:
+                o.on_free(pool, pages, zeroized)
+        return pool.alloc(n)
+
+    def _cache_written(self, pool: KVPool, req: Request, fresh: torch.Tensor) -> None:
+        """Cache the full prompt pages prefill just wrote (one host copy of their ids)."""
+        cache = self.prefix_cache
+        assert cache is not None
+        n_hit = len(req.cached_pages)
+        n_full = min(len(req.page_keys), req.cached_prompt_tokens // pool.page_size)
+        if n_full <= n_hit:
+            return
+        ids = fresh[: n_full - n_hit].tolist()
+        for key, page in zip(req.page_keys[n_hit:n_full], ids, strict=True):
+            if cache.insert(key, page, req.handle):
+                req.cached_pages.append(page)
 
     def _transfer_phase(self, result: StepResult) -> None:
         src_pool, dst_pool = self.prefill_pool, self.decode_pool
@@ -576,11 +729,24 @@ class Engine:
     # -- endings --------------------------------------------------------------------------
 
     def _free(self, pool: KVPool, req: Request) -> None:
+        """Free ``req``'s block table: its cached pages are released to the cache (idle once
+        nobody holds them, the last page first so that a prefix's tail is evicted before its
+        head), the others go back to the free list (``on_free``)."""
         assert req.block_table is not None
         pages = req.block_table
-        zeroized = pool.free(pages)
         req.block_table = None
         req.pool_name = None
+        if req.cached_pages:
+            cache = self.prefix_cache
+            assert cache is not None
+            held = set(req.cached_pages)
+            own = [p for p in pages.tolist() if p not in held]
+            cache.release(reversed(req.cached_pages))
+            req.cached_pages = []
+            pages = torch.tensor(own, dtype=torch.int64, device=self.device)
+            if not own:
+                return
+        zeroized = pool.free(pages)
         for o in self._observers:
             o.on_free(pool, pages, zeroized)
 
@@ -599,16 +765,29 @@ class Engine:
     # -- checks ---------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert that every page is free or owned by exactly one live request, and that the
-        queues hold exactly the live requests. Synchronises the device: tests only."""
+        """Assert that every page is free or owned by exactly one live request (with the
+        prefix cache: or cached, idle or held by as many live requests as its reference
+        count, the cache's own invariants holding), and that the queues hold exactly the
+        live requests. Synchronises the device: tests only."""
         with self._lock:
+            cache = self.prefix_cache
             for pool in self.pools.values():
                 owned = [
                     r.block_table
                     for r in self._live.values()
                     if r.block_table is not None and r.pool_name == pool.name
                 ]
-                pool.check(owned)
+                if cache is not None and pool is self.prefill_pool:
+                    pool.check(owned, idle=list(cache.idle), shared=cache.refs)
+                    held: dict[int, int] = {}
+                    for table in owned:
+                        for p in table.tolist():
+                            held[p] = held.get(p, 0) + 1
+                    cache.check(pool.free_page_ids().tolist(), held)
+                    for r in self._live.values():
+                        assert set(r.cached_pages) <= set(cache.refs), "a held page left the cache"
+                else:
+                    pool.check(owned)
             queued = (
                 list(self._sched.waiting) + list(self._sched.transferring) + self._sched.running
             )

@@ -14,8 +14,10 @@ the other hand, may be painted by a canary observer inside ``on_free``).
 At ``submit`` (in the caller's thread): ``on_request_admitted``, or ``on_request_rejected``
 when the prompt is over the advertised context (or, ``hardened``, over the pool). Then, within
 one engine step: prefill (``on_request_rejected`` for a prompt over a disaggregated prefill
-pool, which still gets a one-token placeholder; else maybe ``on_request_truncated``; then
-``on_alloc`` and ``on_kv_write``), transfers (``on_alloc`` on the decode pool,
+pool, which still gets a one-token placeholder; else maybe ``on_request_truncated``; then,
+with a prefix-cache hit, ``on_prefix_hit``; then ``on_free`` of any cached pages evicted to
+make room, ``on_alloc`` and ``on_kv_write``, and with a hit ``on_kv_read`` of the granted
+pages, which the first token attends to), transfers (``on_alloc`` on the decode pool,
 ``on_kv_transfer``, ``on_free`` of the prefill pages), decode (``on_kv_write_batch`` for the
 tokens fed back, then ``on_kv_read`` of everything attended), finishes (``on_free``,
 ``on_request_finished``), then ``on_step``.
@@ -64,7 +66,18 @@ class EngineObserver:
         """``pages`` now belong to ``req`` (contents unchanged: whatever they held)."""
 
     def on_free(self, pool: KVPool, pages: torch.Tensor, zeroized: bool) -> None:
-        """``pages`` returned to the free list (after zeroizing, when ``zeroized``)."""
+        """``pages`` returned to the free list (after zeroizing, when ``zeroized``). With the
+        prefix cache on, a request's cached pages do not come here when it ends (they stay
+        cached, still holding their KV); they come when the cache evicts them."""
+
+    def on_prefix_hit(
+        self, pool: KVPool, pages: torch.Tensor, req: Request, owners: torch.Tensor
+    ) -> None:
+        """Prefill grants ``req`` the cached ``pages`` (the head of its block table, in
+        order) instead of computing them: ``pages[i]`` was computed and written by the
+        request with handle ``owners[i]`` (same length; maybe finished, maybe another
+        tenant's), and holds exactly that write. ``req`` reads them as it reads its own
+        pages but never writes them. Fired before the request's ``on_alloc``."""
 
     def on_kv_write(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
         """``req`` just wrote slots in ``pages`` (prefill; decode via the batch hook)."""

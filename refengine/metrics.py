@@ -7,7 +7,8 @@ data-parallel engine index; refengine has one engine), as vLLM's do:
 * ``vllm:num_requests_running`` (decoding), ``vllm:num_requests_waiting`` (waiting for
   prefill, or, disaggregated, for the transfer to decode: vLLM's decode instance counts a
   request waiting for remote KV as waiting too);
-* ``vllm:kv_cache_usage_perc`` (0..1) and ``vllm:cache_config_info`` (1, its labels the
+* ``vllm:kv_cache_usage_perc`` (0..1: pages held by requests; idle prefix-cache pages count
+  as free, as vLLM's evictable cached blocks do) and ``vllm:cache_config_info`` (1, its labels the
   pool's ``block_size``, ``num_gpu_blocks``, ``kv_cache_size_tokens``, ``cache_dtype`` and
   ``enable_prefix_caching``), one series per KV pool, told apart by ``node`` and ``role``
   (``kv``/``both`` monolithic, ``prefill``/``decode`` disaggregated): refengine serves both
@@ -18,9 +19,13 @@ data-parallel engine index; refengine has one engine), as vLLM's do:
   buckets up to the advertised context), ``vllm:e2e_request_latency_seconds`` and
   ``vllm:time_to_first_token_seconds`` (vLLM's default buckets);
 * ``kvwatch_refengine_pool_capacity_tokens{model_name,node,role}``: each pool's size, the
-  figure vLLM only gives as labels.
+  figure vLLM only gives as labels;
+* with the prefix cache on, ``vllm:prefix_cache_queries_total`` (prompt tokens of the
+  requests that looked their prefix up) and ``vllm:prefix_cache_hits_total`` (the tokens
+  found cached), as vLLM counts them; ``enable_prefix_caching`` says so on
+  ``vllm:cache_config_info``.
 
-vLLM series refengine has no equivalent for (swapping, preemption, prefix caching, LoRA,
+vLLM series refengine has no equivalent for (swapping, preemption, LoRA,
 speculative decoding) are left out rather than faked. Nothing describes one request:
 counters and histograms only, and gauges of the whole engine. The gauges are read from the
 engine at scrape time; the hot path only increments precomputed label children.
@@ -35,7 +40,7 @@ from collections.abc import Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from refengine.engine import Engine
@@ -158,7 +163,7 @@ class _EngineGauges(Collector):
                     str(pool.num_pages),
                     str(pool.capacity_tokens),
                     cfg.kv_dtype,
-                    "False",
+                    str(cfg.prefix_caching),
                 ],
             )
             for pool in engine.pools.values()
@@ -197,7 +202,23 @@ class _EngineGauges(Collector):
             labels=["model_name", "node", "role"],
         )
         for pool, where, fields in self.pools:
-            usage.add_metric([*self.values, *where], pool.used_pages / pool.num_pages)
+            # vLLM counts evictable cached blocks as free: so do we (held_tokens)
+            usage.add_metric([*self.values, *where], pool.held_tokens / pool.capacity_tokens)
             info.add_metric([*self.values, *where, *fields], 1)
             capacity.add_metric([self.values[0], *where], pool.capacity_tokens)
         yield from (running, waiting, usage, info, capacity)
+        cache = self.engine.prefix_cache
+        if cache is not None:  # plain ints, read without the engine's lock
+            queries = CounterMetricFamily(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                labels=names,
+            )
+            queries.add_metric(self.values, cache.queries)
+            hits = CounterMetricFamily(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                labels=names,
+            )
+            hits.add_metric(self.values, cache.hits)
+            yield from (queries, hits)

@@ -7,6 +7,7 @@ hot path never turns them into Python lists (which would synchronise a GPU).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -22,7 +23,11 @@ class KVPool:
     Invariants:
 
     * ``_stack[:free_pages]`` holds each free page id exactly once; every other page is owned
-      by exactly one live request (the engine keeps that side, see ``Engine.check_invariants``).
+      by exactly one live request, or, with the prefix cache on, is a cached page: idle (held
+      by nobody) or held by each live request whose block table has it, as many as its
+      reference count (the engine and :class:`~refengine.prefix_cache.PrefixCache` keep that
+      side, see ``Engine.check_invariants``). The pool itself knows nothing of the cache: a
+      cached page is simply not free.
     * ``free(pages)`` followed by ``alloc(len(pages))`` returns the same pages in the same
       order: the most recently freed pages go out first, and in block-table order. Engines
       favour recently freed pages (they are warm in cache); it also means a stale read comes
@@ -64,6 +69,9 @@ class KVPool:
         # Flipped so that a fresh pool hands out pages 0, 1, 2, ... in order.
         self._stack = torch.arange(num_pages, dtype=torch.int64, device=device).flip(0)
         self._free = num_pages
+        #: pages the prefix cache keeps that no request holds (evictable; kept up to date by
+        #: :class:`~refengine.prefix_cache.PrefixCache`): not free, yet not in use either
+        self.cached_idle_pages = 0
 
     # -- capacity ------------------------------------------------------------------------
 
@@ -87,6 +95,17 @@ class KVPool:
     def used_tokens(self) -> int:
         """Tokens of capacity held by allocated pages (whole pages, written or not)."""
         return self.used_pages * self.page_size
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of capacity held by live requests: ``used_tokens`` less the idle cached
+        pages (what vLLM's KV-cache usage counts: its evictable cached blocks are free)."""
+        return (self.num_pages - self._free - self.cached_idle_pages) * self.page_size
+
+    @property
+    def available_tokens(self) -> int:
+        """Tokens of capacity an allocation can have: free, or cached and idle (evictable)."""
+        return (self._free + self.cached_idle_pages) * self.page_size
 
     @property
     def kv_bytes(self) -> int:
@@ -122,16 +141,37 @@ class KVPool:
         """The free pages (a copy), next to be allocated first."""
         return self._stack[: self._free].flip(0).clone()
 
-    def check(self, owned: list[torch.Tensor]) -> None:
-        """Assert the allocator invariant against the pages the engine says are owned.
+    def check(
+        self,
+        owned: list[torch.Tensor],
+        *,
+        idle: Sequence[int] = (),
+        shared: Mapping[int, int] | None = None,
+    ) -> None:
+        """Assert the allocator invariant against the pages the engine says are owned (the
+        live requests' block tables), the prefix cache's ``idle`` pages and its reference
+        counts (``shared``: cached page -> live requests holding it): every page is listed
+        exactly once (free, idle, or in one block table), except a cached page held by
+        ``n >= 1`` requests, listed ``n`` times.
 
         Synchronises the device: for tests and debugging only.
         """
-        every = torch.cat([self._stack[: self._free], *[p.to(self.device) for p in owned]])
+        every = torch.cat(
+            [
+                self._stack[: self._free],
+                torch.tensor(list(idle), dtype=torch.int64, device=self.device),
+                *[p.to(self.device) for p in owned],
+            ]
+        )
         counts = torch.bincount(every, minlength=self.num_pages)
-        if every.numel() != self.num_pages or bool((counts != 1).any()):
+        expected = torch.ones(self.num_pages, dtype=torch.int64, device=self.device)
+        for page, n in (shared or {}).items():
+            if n > 0:
+                expected[page] = n
+        if counts.numel() != self.num_pages or bool((counts != expected).any()):
             raise AssertionError(
-                f"pool {self.name!r}: free + owned pages are not a permutation of all pages "
+                f"pool {self.name!r}: free, cached and owned pages do not account for every "
+                f"page once (or a shared page once per holder) "
                 f"({every.numel()} ids for {self.num_pages} pages)"
             )
 

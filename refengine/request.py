@@ -49,6 +49,9 @@ class Completion:
     rejected: bool
     #: Legacy monolithic: the prompt was silently cut to the pool before prefill.
     truncated: bool
+    #: Prompt tokens served from the prefix cache instead of computed (vLLM's
+    #: ``usage.prompt_tokens_details.cached_tokens``).
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -74,6 +77,15 @@ class Request:
       block table covers, allocated up front, so decode never waits for a page mid-request
       (the last generated token is never fed back, hence the -1).
     * ``1 <= max_new_tokens <= max_tokens``; ``len(output_tokens) <= max_new_tokens``.
+    * ``cached_tokens`` (a multiple of ``page_size``, ``< cached_prompt_tokens``) is the part
+      of the prompt granted from the prefix cache: the first ``cached_tokens // page_size``
+      pages of ``block_table`` are cached pages other requests computed, and prefill
+      computed and wrote only positions ``[cached_tokens, cached_prompt_tokens)``. 0 with the
+      cache off, and for a prompt prefill does not write whole (legacy truncation or
+      placeholder): those neither use nor fill the cache.
+    * ``page_keys`` are the prefix-cache keys of the prompt's full pages (empty when the
+      request takes no part in the cache); ``cached_pages`` the cached pages its block table
+      holds a reference on (its hits, then the pages it cached itself), host ints.
     * ``handle`` (>= 1) is unique per engine; ``tenant_handle`` (>= 1) is the same for every
       request of a tenant. Both are stable ints for vectorised observers.
     """
@@ -87,6 +99,7 @@ class Request:
     max_new_tokens: int
     model: str
     route: str | None = None
+    cache_salt: str | None = None
     status: Status = "queued"
     prefill_rejected: bool = False
     truncated: bool = False
@@ -94,6 +107,9 @@ class Request:
     assumed_prompt_tokens: int = 0
     reserve_tokens: int = 0
     cache_len: int = 0
+    cached_tokens: int = 0
+    page_keys: list[bytes] = field(default_factory=list, repr=False)
+    cached_pages: list[int] = field(default_factory=list, repr=False)
     output_tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
@@ -137,6 +153,7 @@ class Request:
             finish_reason=self.finish_reason,
             rejected=self.rejected,
             truncated=self.truncated,
+            cached_tokens=self.cached_tokens,
         )
 
     # -- engine side ----------------------------------------------------------------------

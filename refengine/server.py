@@ -21,6 +21,15 @@ byte tokenizer's counts; completion tokens include the end-of-text token). Sampl
 greedily. ``n`` must be 1. ``max_tokens`` defaults to 16 for completions (as OpenAI's) and to
 "as much as fits" for chat; chat's ``max_completion_tokens`` wins over ``max_tokens``.
 
+Prefix cache
+------------
+``cache_salt`` (vLLM's request field: a non-empty string) salts the prefix cache's keys when
+the engine runs ``prefix_cache="salted"``; it is accepted and ignored otherwise. With the
+prefix cache on, ``usage`` also carries vLLM's ``prompt_tokens_details: {"cached_tokens":
+N}`` (the prompt tokens served from the cache; the streamed final usage chunk too). The
+model card always says ``prefix_caching``, ``prefix_cache`` (the mode) and
+``prefix_cache_salt_by_tenant``.
+
 Chat template
 -------------
 ``messages`` become one prompt string, one line per message: ``f"{role}: {content}\\n"``
@@ -160,6 +169,7 @@ class _Body(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class CompletionRequest(_Body):
@@ -372,12 +382,17 @@ class _Flight:
         self._post(error)
 
 
-def _usage(req: EngineRequest) -> dict[str, int]:
-    return {
+def _usage(req: EngineRequest, cached: bool) -> dict[str, Any]:
+    """OpenAI's usage; ``cached`` (the prefix cache is on): with vLLM's
+    ``prompt_tokens_details.cached_tokens``."""
+    usage: dict[str, Any] = {
         "prompt_tokens": req.prompt_tokens,
         "completion_tokens": req.completion_tokens,
         "total_tokens": req.prompt_tokens + req.completion_tokens,
     }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
+    return usage
 
 
 def _sse(obj: object) -> bytes:
@@ -432,6 +447,7 @@ def create_app(
     driver = EngineDriver(engine)
     started = int(time.time())
     metrics = ServerMetrics(engine, served)
+    cached = engine.config.prefix_caching
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -520,6 +536,9 @@ def create_app(
             "created": started,
             "owned_by": "refengine",
             "max_model_len": engine.config.advertised_context,
+            "prefix_caching": engine.config.prefix_caching,
+            "prefix_cache": engine.config.prefix_cache,
+            "prefix_cache_salt_by_tenant": engine.config.prefix_cache_salt_by_tenant,
         }
 
     async def run(
@@ -529,6 +548,7 @@ def create_app(
         max_tokens: int,
         stream: bool,
         include_usage: bool,
+        cache_salt: str | None = None,
     ) -> Any:
         prefix, route, param = (
             ("cmpl", "/v1/completions", "prompt")
@@ -546,7 +566,13 @@ def create_app(
 
         def submit() -> EngineRequest:
             return engine.submit(
-                prompt, tenant, max_tokens, rid, route=route, on_delta=flight.on_delta
+                prompt,
+                tenant,
+                max_tokens,
+                rid,
+                route=route,
+                on_delta=flight.on_delta,
+                cache_salt=cache_salt,
             )
 
         try:
@@ -591,7 +617,7 @@ def create_app(
             "created": int(req.created),
             "model": served,
             "choices": [choice],
-            "usage": _usage(req),
+            "usage": _usage(req, cached),
         }
         return JSONResponse(body, headers=headers)
 
@@ -646,7 +672,7 @@ def create_app(
                 elif piece:
                     yield chunk(piece, None)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(req)})
+                yield _sse({**base, "choices": [], "usage": _usage(req, cached)})
             yield b"data: [DONE]\n\n"
         finally:
             if not finished:
@@ -670,7 +696,13 @@ def create_app(
             prompt = prompt[0]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         return await run(
-            "completion", tenant, prompt, max_tokens, bool(body.stream), _include_usage(body)
+            "completion",
+            tenant,
+            prompt,
+            max_tokens,
+            bool(body.stream),
+            _include_usage(body),
+            body.cache_salt,
         )
 
     @app.post(
@@ -691,7 +723,13 @@ def create_app(
         else:  # as much as fits: the engine caps it by the context and the pool
             max_tokens = engine.config.advertised_context
         return await run(
-            "chat", tenant, prompt, max_tokens, bool(body.stream), _include_usage(body)
+            "chat",
+            tenant,
+            prompt,
+            max_tokens,
+            bool(body.stream),
+            _include_usage(body),
+            body.cache_salt,
         )
 
     @app.post(

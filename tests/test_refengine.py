@@ -228,6 +228,11 @@ def test_invalid_requests() -> None:
 # -- observers ------------------------------------------------------------------------------
 
 
+def _table_head(req: Request, n: int) -> torch.Tensor:
+    assert req.block_table is not None
+    return req.block_table[:n]
+
+
 @dataclass
 class Recorder(EngineObserver):
     """Records every hook with tensors turned into lists (fine in a test, not on a hot path),
@@ -238,6 +243,8 @@ class Recorder(EngineObserver):
     written: dict[tuple[str, int], int | None] = field(default_factory=dict)
     last_writer: dict[tuple[str, int], int] = field(default_factory=dict)
     stale: list[tuple[int, int, int | None]] = field(default_factory=list)  # reader, page, prev
+    # prefix-cache grants: (pool, reader, page) -> the request whose write was granted
+    grants: dict[tuple[str, int, int], int] = field(default_factory=dict)
     canary_hits: int = 0
     attached: Engine | None = None
 
@@ -257,6 +264,17 @@ class Recorder(EngineObserver):
 
     def on_request_finished(self, req: Request) -> None:
         self.events.append(("finished", req.request_id, req.status))
+        for key in [k for k in self.grants if k[1] == req.handle]:
+            del self.grants[key]
+
+    def on_prefix_hit(
+        self, pool: KVPool, pages: torch.Tensor, req: Request, owners: torch.Tensor
+    ) -> None:
+        assert pages.shape == owners.shape and torch.equal(pages, _table_head(req, pages.shape[0]))
+        self.events.append(("hit", pool.name, pages.tolist(), req.request_id, owners.tolist()))
+        for p, o in zip(pages.tolist(), owners.tolist(), strict=True):
+            assert o != req.handle and self.written[(pool.name, p)] == o  # a hit holds its write
+            self.grants[(pool.name, req.handle, p)] = o
 
     def on_alloc(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
         assert pages.dtype == torch.int64 and pages.device == pool.device
@@ -322,7 +340,8 @@ class Recorder(EngineObserver):
         self.canary_hits += int((v[valid] == 7.0).all(-1).all(-1).sum())
         self.events.append(("read", pool.name, pages.tolist(), readers.tolist()))
         for p, r in zip(pages.tolist(), readers.tolist(), strict=True):
-            if self.written[(pool.name, p)] != r:
+            # a granted page is read as its computing request's write
+            if self.written[(pool.name, p)] != self.grants.get((pool.name, r, p), r):
                 self.stale.append((r, p, self.last_writer.get((pool.name, p))))
 
     def on_step(self, engine: Engine) -> None:

@@ -249,6 +249,9 @@ def test_models_and_auth() -> None:
                     "created": r.json()["data"][0]["created"],
                     "owned_by": "refengine",
                     "max_model_len": 4096,
+                    "prefix_caching": False,
+                    "prefix_cache": "off",
+                    "prefix_cache_salt_by_tenant": False,
                 }
             ],
         }
@@ -584,6 +587,9 @@ def test_cli_engine_serve_names_a_bad_collector_setting() -> None:
         (["--decode-pool-tokens", "4096"], "disaggregated"),
         (["--pool-tokens", "8", "--page-size", "16"], "at least one page"),
         (["--device", "tpu"], "--device"),
+        (["--prefix-cache", "shared", "--topology", "disaggregated"], "monolithic"),
+        (["--prefix-cache-salt-by-tenant"], "--prefix-cache salted"),
+        (["--prefix-cache", "on"], "on"),
     ],
 )
 def test_cli_engine_serve_bad_flags_exit_2(args: list[str], needle: str) -> None:

@@ -17,8 +17,17 @@ What it emits, through the probe (``get_probe()`` unless one is given):
   somebody's KV (or zeroized ones), with the cross-tenant count;
 * ``page.stale_read`` per :class:`~engine_probe.ledger.StaleRead` the ledger finds in a
   decode gather or a transfer, naming reader and previous writer (request and tenant);
+* ``prefix_cache.hit`` for every prefix-cache hit, one per (reader, owner) pair: the
+  request granted cached pages and the request that computed them, with their tenants,
+  same tenant or not (the engine's hits are few, one per request at most, and a hit is a
+  reuse across requests either way; ``PrefixCacheHit.cross_tenant`` tells them apart, and
+  only cross-tenant ones raise the ``prefix_cache_cross_tenant`` rule). ``salted`` says
+  the page keys carried a salt (the request's ``cache_salt``, or the tenant). Hits are
+  counted too (``prefix_hits_same_tenant``, ``_cross_tenant``, ``_unknown_owner``);
 * ``canary.hit`` (detector ``paint``) in canary mode;
-* ``pool.sample`` per pool at attach and every ``pool_sample_every`` steps.
+* ``pool.sample`` per pool at attach and every ``pool_sample_every`` steps (cached pages no
+  request holds count as free: the allocator evicts them on demand, and vLLM counts its
+  evictable cached blocks so).
 
 Slot ranges
 -----------
@@ -56,8 +65,24 @@ syncs freely and runs on every step while a leaking request decodes) runs. Steps
 decode sync the reuse counts in ``on_step``. ``PageLedger.transfer`` syncs once per
 transferred request on its own.
 
+With the prefix cache on, a prefill that hits adds one sync for the hit's owners
+(``on_prefix_hit``) and one for the read check of the granted pages its first token attends
+to; the engine itself copies page ids to the host then too.
+
 If attached while requests are in flight, the pages they already own are unknown to the
 ledger: their reads are not checked (requests admitted after attach are).
+
+Prefix-cache grants
+-------------------
+A cached page stays owned, in the ledger, by the request that computed it after that
+request finished: the engine fires ``on_free`` for a cached page only when the cache evicts
+it. ``on_prefix_hit`` hands the ledger a grant per page (:meth:`PageLedger.grant`): the
+reader's reads of it are checked as its computing request's, so a granted page read while
+it still holds that request's write is no stale read, and one handed out again or
+overwritten meanwhile (an engine that evicted a page in use) is one, reported as the
+reader's and naming the page's new writer. Grants are revoked when the reader finishes. A
+hit on a page computed before the attach (unknown to the ledger) is taken on trust: the
+ledger records it as written by its computing request before the grant.
 """
 
 from __future__ import annotations
@@ -79,6 +104,7 @@ from engine_probe.events import (
     KvTransfer,
     PageReuse,
     PoolSample,
+    PrefixCacheHit,
     RequestAdmitted,
     RequestFinished,
     RequestRejected,
@@ -116,6 +142,10 @@ class _Pool(Protocol):
     def used_tokens(self) -> int: ...
     @property
     def free_tokens(self) -> int: ...
+    @property
+    def held_tokens(self) -> int: ...
+    @property
+    def available_tokens(self) -> int: ...
 
 
 class _Request(Protocol):
@@ -130,6 +160,8 @@ class _Request(Protocol):
     finish_reason: str | None
     cache_len: int
     cached_prompt_tokens: int
+    cached_tokens: int
+    cache_salt: str | None
 
     @property
     def prompt_tokens(self) -> int: ...
@@ -205,7 +237,12 @@ class RefengineAdapter:
             "stale_reads": 0,
             "canary_hits": 0,
             "reuse_events": 0,
+            "prefix_hits_same_tenant": 0,
+            "prefix_hits_cross_tenant": 0,
+            "prefix_hits_unknown_owner": 0,
         }
+        self._prefix_caching = False
+        self._salt_mode: tuple[str, bool] = ("off", False)
         self._stale = StaleReadEmitter(self._emit, self.counters, self._names, self._tenant_name)
 
     # -- public helpers ------------------------------------------------------------------
@@ -237,8 +274,9 @@ class RefengineAdapter:
                 node=st.node,
                 role=st.role,
                 capacity_tokens=pool.capacity_tokens,
-                used_tokens=pool.used_tokens,
-                free_tokens=pool.free_tokens,
+                # idle prefix-cache pages count as free (evictable), as vLLM counts them
+                used_tokens=pool.held_tokens,
+                free_tokens=pool.available_tokens,
             )
 
     # -- EngineObserver: attach and requests ----------------------------------------------
@@ -247,6 +285,11 @@ class RefengineAdapter:
         self._engine = engine
         info = engine.info()
         self._model_id = str(info["model_id"])
+        self._prefix_caching = bool(info.get("prefix_cache", False))
+        self._salt_mode = (
+            str(info.get("prefix_cache_mode", "off")),
+            bool(info.get("prefix_cache_salt_by_tenant", False)),
+        )
         version = self.engine_version or str(info.get("engine_version", "unknown"))
         self._pools = {}
         for pool in engine.pools.values():
@@ -283,8 +326,8 @@ class RefengineAdapter:
                 tp_size=int(info.get("tp_size", 1)),
                 cuda_graphs=bool(info.get("cuda_graphs", False)),
                 disaggregated=bool(info["disaggregated"]),
-                prefix_caching=bool(info.get("prefix_cache", False)),
-                prefix_cache_salting=False,
+                prefix_caching=self._prefix_caching,
+                prefix_cache_salting=bool(info.get("prefix_cache_salting", False)),
             )
         self._prefill_node = self._pools[engine.prefill_pool.name].node
         self._decode_node = self._pools[engine.decode_pool.name].node
@@ -326,6 +369,9 @@ class RefengineAdapter:
     def on_request_finished(self, req: _Request) -> None:
         self._stale.forget(req.handle)
         self._seen_canary.pop(req.handle, None)
+        for st in self._pools.values():
+            if st.ledger is not None:
+                st.ledger.revoke(req.handle)
         if req.status == "aborted":
             status = "aborted"
         else:
@@ -340,6 +386,7 @@ class RefengineAdapter:
             completion_tokens=req.completion_tokens,
             status=status,
             node=self._decode_node,
+            cached_tokens=int(req.cached_tokens) if self._prefix_caching else None,
         )
 
     # -- EngineObserver: pages -------------------------------------------------------------
@@ -353,6 +400,50 @@ class RefengineAdapter:
             st.pending = counts if st.pending is None else st.pending + counts
         if st.canary is not None:
             st.canary.on_alloc(pages, req.tenant_handle)
+
+    def on_prefix_hit(self, pool: _Pool, pages: Tensor, req: _Request, owners: Tensor) -> None:
+        st = self._pools[pool.name]
+        if req.handle not in self._requests:
+            self._remember(req, new=False)
+        owner_list = owners.tolist()  # one sync per hit (a prefill, which syncs anyway)
+        if st.ledger is not None:
+            unknown = [self._unchecked(o) for o in owner_list]
+            if any(unknown):  # computed before the attach: taken on trust (see above)
+                sel = torch.tensor(unknown, device=pages.device)
+                for o in sorted({o for o, u in zip(owner_list, unknown, strict=True) if u}):
+                    mine = pages[sel & (owners == o)]
+                    st.ledger.alloc_counts(mine, o, 0)
+                    st.ledger.write(mine, o)
+            st.ledger.grant(pages, req.handle, owners, req.tenant_handle)
+        by_owner: dict[int, int] = {}
+        for o in owner_list:
+            by_owner[o] = by_owner.get(o, 0) + 1
+        reader_id = self._request_id(req.handle, req.request_id)
+        reader_tenant = self._tenant_id(req.tenant_handle, req.tenant)
+        mode, by_tenant = self._salt_mode
+        salted = mode == "salted" and (by_tenant or req.cache_salt is not None)
+        for owner, n in by_owner.items():
+            known = self._requests.get(owner)
+            if known is None or self._unchecked(owner):
+                owner_id = owner_tenant = None
+                self.counters["prefix_hits_unknown_owner"] += 1
+            else:
+                owner_id, owner_tenant = known[0], self._tenant_id(known[1])
+                same = owner_tenant == reader_tenant
+                kind = "same_tenant" if same else "cross_tenant"
+                self.counters[f"prefix_hits_{kind}"] += 1
+            self._emit(
+                PrefixCacheHit,
+                node=st.node,
+                role=st.role,
+                reader_request_id=reader_id,
+                reader_tenant=reader_tenant,
+                owner_request_id=owner_id,
+                owner_tenant=owner_tenant,
+                pages=n,
+                tokens=n * st.page_size,
+                salted=salted,
+            )
 
     def on_free(self, pool: _Pool, pages: Tensor, zeroized: bool) -> None:
         st = self._pools[pool.name]
