@@ -24,9 +24,9 @@ greedily. ``n`` must be 1. ``max_tokens`` defaults to 16 for completions (as Ope
 Prefix cache
 ------------
 ``cache_salt`` (vLLM's request field: a non-empty string) salts the prefix cache's keys when
-the engine runs ``prefix_cache="salted"``; it is accepted and ignored otherwise. With the
-prefix cache on, ``usage`` also carries vLLM's ``prompt_tokens_details: {"cached_tokens":
-N}`` (the prompt tokens served from the cache; the streamed final usage chunk too). The
+the engine runs ``prefix_cache="salted"``; it is accepted and ignored otherwise. ``usage`` also
+carries vLLM's ``prompt_tokens_details: {"cached_tokens": N}`` (the prompt tokens served from
+the cache, 0 with it off; the streamed final usage chunk too). The
 model card always says ``prefix_caching``, ``prefix_cache`` (the mode) and
 ``prefix_cache_salt_by_tenant``.
 
@@ -383,16 +383,16 @@ class _Flight:
 
 
 def _usage(req: EngineRequest, cached: bool) -> dict[str, Any]:
-    """OpenAI's usage; ``cached`` (the prefix cache is on): with vLLM's
-    ``prompt_tokens_details.cached_tokens``."""
-    usage: dict[str, Any] = {
+    """OpenAI's usage with vLLM's ``prompt_tokens_details.cached_tokens``, 0 with the prefix
+    cache off (``cached`` false), as vLLM with ``--enable-prompt-tokens-details`` reports
+    it: a client can then tell caching off from a cache that did not hit, which timing
+    alone cannot (``kvwatch verify``'s prefix-cache phase reads it)."""
+    return {
         "prompt_tokens": req.prompt_tokens,
         "completion_tokens": req.completion_tokens,
         "total_tokens": req.prompt_tokens + req.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": req.cached_tokens if cached else 0},
     }
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
-    return usage
 
 
 def _sse(obj: object) -> bytes:

@@ -120,6 +120,7 @@ def test_completion_and_chat_read_back_the_prompt() -> None:
             "prompt_tokens": n,
             "completion_tokens": n + 1,
             "total_tokens": 2 * n + 1,
+            "prompt_tokens_details": {"cached_tokens": 0},  # the prefix cache is off
         }
         assert s.seen.tenants[body["id"]] == "acme"  # the engine's request id is the answer's
         assert s.seen.routes[body["id"]] == "/v1/completions"
@@ -153,6 +154,7 @@ def test_completion_and_chat_read_back_the_prompt() -> None:
             "prompt_tokens": m,
             "completion_tokens": m + 1,
             "total_tokens": 2 * m + 1,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         # max_completion_tokens wins over max_tokens
         r = s.post(
