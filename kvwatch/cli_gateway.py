@@ -18,6 +18,11 @@ class Tokenizer(StrEnum):
     estimate = "estimate"
 
 
+class SaltPrefixCache(StrEnum):
+    per_tenant = "per-tenant"
+    off = "off"
+
+
 class OnFailedVerification(StrEnum):
     refuse = "refuse"
     warn = "warn"
@@ -120,6 +125,24 @@ def gateway(
             "[KVWATCH_GATEWAY_ON_FAILED_VERIFICATION; refuse].",
         ),
     ] = None,
+    tag_tenants: Annotated[
+        bool | None,
+        typer.Option(
+            "--tag-tenants/--no-tag-tenants",
+            help="Tell the engine's probe each request's tenant and route: vllm_xargs "
+            "(vLLM) and the X-SMG-Routing-Key header (SGLang). Off for an upstream that "
+            "refuses unknown fields [KVWATCH_GATEWAY_TAG_TENANTS; on].",
+        ),
+    ] = None,
+    salt_prefix_cache: Annotated[
+        SaltPrefixCache | None,
+        typer.Option(
+            help="per-tenant: replace each request's cache_salt with its tenant's (derived "
+            "from KVWATCH_GATEWAY_SALT_SECRET; generated at start when unset), so no tenant "
+            "is served another's cached prefix; off: pass the client's "
+            "[KVWATCH_GATEWAY_SALT_PREFIX_CACHE; per-tenant].",
+        ),
+    ] = None,
     verification_refresh: Annotated[
         float | None,
         typer.Option(
@@ -151,6 +174,8 @@ def gateway(
             "gateway_timeout_s": timeout,
             "gateway_connect_timeout_s": connect_timeout,
             "gateway_verification_refresh_s": verification_refresh,
+            "gateway_tag_tenants": tag_tenants,
+            "gateway_salt_prefix_cache": salt_prefix_cache.value if salt_prefix_cache else None,
             "gateway_on_failed_verification": on_failed_verification.value
             if on_failed_verification
             else None,

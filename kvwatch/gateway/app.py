@@ -24,6 +24,7 @@ from engine_probe.probe import BaseProbe
 from kvwatch.gateway.auth import TenantKeys
 from kvwatch.gateway.counting import PromptCounter
 from kvwatch.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, NotFound
+from kvwatch.gateway.isolation import Isolation
 from kvwatch.gateway.limits import SafeContexts, VerificationSource
 from kvwatch.gateway.metrics import GatewayMetrics
 from kvwatch.gateway.records import Recorder
@@ -46,6 +47,18 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     limits = SafeContexts(settings.gateway_safe_contexts, settings.gateway_on_failed_verification)
     upstream = Upstream(settings)
     metrics = GatewayMetrics(limits)
+    secret = settings.gateway_salt_secret
+    isolation = Isolation(
+        salting=settings.gateway_salt_prefix_cache,
+        tag_tenants=settings.gateway_tag_tenants,
+        secret=secret.get_secret_value() if secret is not None else None,
+    )
+    if isolation.generated:
+        log.warning(
+            "KVWATCH_GATEWAY_SALT_SECRET is not set: per-tenant prefix-cache salts come from "
+            "a secret generated for this process, so they change when it restarts (each "
+            "tenant's cache starts afresh) and differ between replicas; set it to keep them"
+        )
     service = ProxyService(
         upstream,
         PromptCounter(settings, upstream),
@@ -53,6 +66,7 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
         Recorder(probe, metrics),
         secrets=[*settings.gateway_tenant_keys.values(), settings.gateway_upstream_key or ""],
         warn_ratio=settings.gateway_warn_ratio,
+        isolation=isolation,
     )
     source = VerificationSource(settings, limits) if settings.reads_verifications else None
     max_body = settings.gateway_max_body_bytes

@@ -2,7 +2,8 @@
 
 Per request: parse the body (only to read ``model``, the prompt and the stream flags), check
 the prompt against the model's safe context (counting it only when a limit applies; input
-that cannot be counted is then refused), forward the body (unchanged, unless a stream needs
+that cannot be counted is then refused), forward the body (unchanged, but for the tenant's
+tags and prefix-cache salt, :mod:`kvwatch.gateway.isolation`, and a stream's
 ``stream_options.include_usage``), pass the answer back (an error body with every configured
 key replaced by ``***``), and emit the request's one record. Nothing outlives the request.
 """
@@ -31,6 +32,7 @@ from kvwatch.gateway.errors import (
     UnsupportedContent,
     UpstreamError,
 )
+from kvwatch.gateway.isolation import Injection, Isolation
 from kvwatch.gateway.limits import Limit, SafeContexts
 from kvwatch.gateway.records import Flight, Recorder, finish_status
 from kvwatch.gateway.sse import SseScanner
@@ -95,8 +97,10 @@ class ProxyService:
         *,
         secrets: Iterable[str] = (),
         warn_ratio: float = 0.8,
+        isolation: Isolation | None = None,
     ) -> None:
         self.upstream = upstream
+        self.isolation = isolation
         self.warn_ratio = warn_ratio
         self.counter = counter
         self.limits = limits
@@ -104,8 +108,12 @@ class ProxyService:
         # Keys never relayed back: the upstream key and every tenant's (plus the caller's).
         self._secrets = tuple(s for s in secrets if s)
 
-    def _upstream_error(self, status: int, body: Any, caller: Caller) -> UpstreamError:
-        return UpstreamError(status, body, secrets=(*self._secrets, caller.key))
+    def _upstream_error(
+        self, status: int, body: Any, caller: Caller, salt: str | None = None
+    ) -> UpstreamError:
+        # the tenant's salt too: a client that reaches the engine directly could use it
+        extra = (caller.key,) if salt is None else (caller.key, salt)
+        return UpstreamError(status, body, secrets=(*self._secrets, *extra))
 
     # -- /v1/models -----------------------------------------------------------------------
 
@@ -182,13 +190,26 @@ class ProxyService:
                     w for w in (near, headers.get("X-Kvwatch-Warning")) if w
                 )
                 log.warning("request %s: %s", flight.request_id, near)
+        inject = (
+            self.isolation.for_request(body, caller.tenant, ROUTES[kind])
+            if self.isolation is not None and self.isolation.active
+            else Injection({}, {}, None)
+        )
         flight.forwarded_at = time.monotonic()
         if stream is True:
-            return await self._stream(kind, body, caller, flight, headers)
-        r = await self.upstream.send("POST", ROUTES[kind], caller, flight.request_id, raw)
+            return await self._stream(kind, body | inject.fields, caller, flight, headers, inject)
+        content = msgspec.json.encode(body | inject.fields) if inject.fields else raw
+        r = await self.upstream.send(
+            "POST",
+            ROUTES[kind],
+            caller,
+            flight.request_id,
+            content,
+            extra_headers=inject.headers,
+        )
         data = _decode(r.content)
         if r.status_code >= 400:
-            raise self._upstream_error(r.status_code, data, caller)
+            raise self._upstream_error(r.status_code, data, caller, inject.salt)
         if not isinstance(data, dict):
             raise BadUpstreamResponse("The upstream answered with something other than JSON.")
         _learn_model(flight, data.get("model"))
@@ -202,13 +223,20 @@ class ProxyService:
         caller: Caller,
         flight: Flight,
         headers: dict[str, str],
+        inject: Injection,
     ) -> Response:
         options = body.get("stream_options")
         options = dict(options) if isinstance(options, dict) else {}
         wanted = options.get("include_usage") is True
         content = msgspec.json.encode(body | {"stream_options": options | {"include_usage": True}})
         r = await self.upstream.send(
-            "POST", ROUTES[kind], caller, flight.request_id, content, stream=True
+            "POST",
+            ROUTES[kind],
+            caller,
+            flight.request_id,
+            content,
+            stream=True,
+            extra_headers=inject.headers,
         )
         if r.status_code >= 400 or not r.headers.get("content-type", "").startswith(
             "text/event-stream"
@@ -221,7 +249,7 @@ class ProxyService:
                 await r.aclose()
             data = _decode(answer)
             if r.status_code >= 400:
-                raise self._upstream_error(r.status_code, data, caller)
+                raise self._upstream_error(r.status_code, data, caller, inject.salt)
             if not isinstance(data, dict):
                 raise BadUpstreamResponse("The upstream answered with something other than JSON.")
             # The upstream answered the stream request in one piece: pass that on as it is.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine_probe.events import MAX_TOKENS, is_valid_id
@@ -51,12 +51,21 @@ def parse_pairs(value: object, what: str) -> object:
 
 
 OnFailed = Literal["refuse", "warn"]
+Salting = Literal["per-tenant", "off"]
+#: the shortest salt secret taken (characters): 128 bits as hex
+MIN_SALT_SECRET_CHARS = 32
 
 
 class GatewaySettings(BaseSettings):
     """Settings of one gateway. Immutable once built; ``create_app(settings)`` takes it."""
 
-    model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        # hide_input_in_errors: a refused value may be a key or the salt secret
+        env_prefix="KVWATCH_",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,
+    )
 
     gateway_upstream: str = Field(
         description="Root URL of the OpenAI-compatible upstream (a trailing /v1 is dropped): "
@@ -128,6 +137,27 @@ class GatewaySettings(BaseSettings):
     gateway_verification_refresh_s: float = Field(
         default=60.0, gt=0, le=86400, description="How often verifications are read again."
     )
+    gateway_tag_tenants: bool = Field(
+        default=True,
+        description="Tag each forwarded completion with its tenant and route for the probe "
+        "inside the engine: vllm_xargs kvwatch_tenant and kvwatch_route (vLLM; the client's "
+        "own values of those two are replaced) and the X-SMG-Routing-Key header (SGLang's "
+        "routing_key). Off for an upstream that refuses unknown fields (a hosted API).",
+    )
+    gateway_salt_prefix_cache: Salting = Field(
+        default="per-tenant",
+        description="'per-tenant': set each forwarded completion's cache_salt to the tenant's "
+        "salt (HMAC-SHA256 of the tenant under KVWATCH_GATEWAY_SALT_SECRET, 32 hex digits), "
+        "replacing any the client sent, so no tenant is served another's cached prefix "
+        "(vLLM, SGLang). 'off': the body's cache_salt passes unchanged.",
+    )
+    gateway_salt_secret: SecretStr | None = Field(
+        default=None,
+        description="The secret the per-tenant salts are derived from (at least 32 "
+        "characters; every replica of one gateway needs the same). A new one gives every "
+        "tenant a new salt: a fresh prefix cache. Unset: one is generated at start, and the "
+        "salts change at every restart.",
+    )
     collector_url: str | None = Field(
         default=None,
         description="The collector the gateway reads the deployment's verifications from and "
@@ -167,6 +197,22 @@ class GatewaySettings(BaseSettings):
         if not sep or scheme.lower() not in ("http", "https") or not rest or rest[0] == "/":
             raise ValueError(f"{value!r} must be an http:// or https:// URL")
         return url[: -len("/v1")] if url.endswith("/v1") else url
+
+    @field_validator("gateway_salt_secret", mode="before")
+    @classmethod
+    def _check_secret(cls, value: object) -> object:
+        text = value.get_secret_value() if isinstance(value, SecretStr) else value
+        if isinstance(text, str):
+            text = text.strip()
+            if not text:
+                return None
+            # Never echo the value: it is the secret.
+            if len(text) < MIN_SALT_SECRET_CHARS:
+                raise ValueError(
+                    f"the salt secret must be at least {MIN_SALT_SECRET_CHARS} characters "
+                    "(e.g. `openssl rand -hex 32`)"
+                )
+        return text
 
     @field_validator("gateway_tenant_keys")
     @classmethod
@@ -229,4 +275,10 @@ class GatewaySettings(BaseSettings):
             "on_failed_verification": self.gateway_on_failed_verification,
             "counting": ("tokenize endpoint, else " if self.gateway_tokenize_endpoint else "")
             + self.gateway_tokenizer,
+            "tenant_tags": "on" if self.gateway_tag_tenants else "off",
+            "prefix_cache_salt": "off"
+            if self.gateway_salt_prefix_cache == "off"
+            else "per-tenant (secret "
+            + ("set" if self.gateway_salt_secret else "generated at start")
+            + ")",
         }

@@ -114,11 +114,14 @@ class Upstream:
         content: bytes | None = None,
         *,
         stream: bool = False,
+        extra_headers: dict[str, str] | None = None,
     ) -> httpx.Response:
-        """The upstream's response (its body still unread when ``stream``)."""
-        request = self._client.build_request(
-            method, path, content=content, headers=self.headers(caller, request_id)
-        )
+        """The upstream's response (its body still unread when ``stream``); ``extra_headers``
+        (the tenant's routing tag) go with the gateway's own."""
+        headers = self.headers(caller, request_id)
+        if extra_headers:
+            headers |= extra_headers
+        request = self._client.build_request(method, path, content=content, headers=headers)
         try:
             return await self._client.send(request, stream=stream)
         except httpx.HTTPError as exc:

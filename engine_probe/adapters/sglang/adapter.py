@@ -209,6 +209,8 @@ class SGLangAdapter:
         self._by_room: _Bounded[int, int] = _Bounded(request_capacity)  # room -> handle
         self._rejected: _Bounded[int, None] = _Bounded(request_capacity)  # aborted at intake
         self._health_checks: _Bounded[int, None] = _Bounded(request_capacity)
+        # the requests that carried a cache_salt (SGLang keys its radix cache by it)
+        self._salted: _Bounded[int, None] = _Bounded(request_capacity)
         self._rooms: _Bounded[int, _Room] = _Bounded(request_capacity)
         self._restore: list[Callable[[], None]] = []
         self._calls = threading.local()  # per thread: the outermost wrapped calls running
@@ -551,6 +553,8 @@ class SGLangAdapter:
                 self._names[handle] = (self._wire_id(req, rid), th, tname)
                 if rid.startswith(HEALTH_CHECK_PREFIX) or _fake_transfer(req):
                     self._health_checks[handle] = None
+                if getattr(req, "cache_salt", None):
+                    self._salted[handle] = None
                 if self._lose_write_of is not None and tname == self._lose_write_of:
                     self._lost, self._lose_write_of = handle, None  # TEST ONLY, once
             room = getattr(req, "bootstrap_room", None)
@@ -695,6 +699,7 @@ class SGLangAdapter:
         """A request done on its last node: drop what pairs its transfers."""
         self._rejected.pop(handle, None)
         self._health_checks.pop(handle, None)
+        self._salted.pop(handle, None)
         if room is not None:
             self._rooms.pop(room, None)
             if self._by_room.get(room) == handle:
@@ -839,9 +844,10 @@ class SGLangAdapter:
                 owner_tenant=owner_tenant,
                 pages=len(set(owned)),
                 tokens=len(owned),
-                # SGLang keys its radix cache by extra_key too, which the adapter cannot
-                # see here: a hit is reported unsalted
-                salted=False,
+                # the reader carried a cache_salt, so the owner had the same one: the two
+                # tenants share a salt (SGLang keys its radix cache by extra_key too, which
+                # is not counted as a salt: it is the caller's request classification)
+                salted=reader in self._salted,
             )
 
     def _on_free(self, st: _Node, index: Tensor) -> None:

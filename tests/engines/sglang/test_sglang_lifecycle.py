@@ -139,8 +139,30 @@ def test_a_cross_tenant_radix_prefix_hit_is_reported_with_owner_and_reader(
     assert (hit.reader_request_id, hit.reader_tenant) == ("b-1", "tenant-b")
     assert (hit.owner_request_id, hit.owner_tenant) == ("a-1", "tenant-a")
     assert (hit.pages, hit.tokens) == (2 * PAGE // PAGE, 2 * PAGE)
-    assert hit.cross_tenant
+    assert hit.cross_tenant and not hit.salted
     assert adapter.counters["prefix_hits_same_tenant"] == 1
+
+
+def test_a_cross_tenant_hit_between_requests_that_share_a_cache_salt_says_salted(
+    probe: Any, tp_rank0: None, torch_native: None
+) -> None:
+    """SGLang keys its radix cache by ``cache_salt``: a hit across tenants whose requests
+    carried one means the two tenants share a salt, and the hit says so."""
+    n = make_node(PREFILL_TOKENS)
+    adapter = attach(req_to_token_pool=n.r2t, allocator=n.alloc, probe=probe)
+    try:
+        a = new_req("a-1", "tenant-a", 2 * PAGE, room=1)
+        a.cache_salt = "one-salt"
+        a_row, _ = prefill(n, a)
+        prefix = n.r2t.req_to_token[a_row, : 2 * PAGE].clone()
+        b = new_req("b-1", "tenant-b", 3 * PAGE, room=2)
+        b.cache_salt = "one-salt"
+        extend_with_prefix(n, b, prefix, PAGE)
+    finally:
+        adapter.detach()
+    (hit,) = probe.of(PrefixCacheHit)
+    assert (hit.reader_tenant, hit.owner_tenant) == ("tenant-b", "tenant-a")
+    assert hit.cross_tenant and hit.salted
 
 
 def test_granted_prefix_freed_and_reused_is_still_caught(
