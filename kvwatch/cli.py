@@ -260,18 +260,11 @@ def engine_serve(
         PrefixCacheMode,
         typer.Option(
             help="Keep prompts' full KV pages for later requests with the same prefix: off; "
-            "shared (keyed by tokens alone, across tenants, ignoring cache_salt: insecure); "
-            "salted (the request's cache_salt is part of the key). Monolithic only."
+            "shared (vLLM's keys: tokens and the request's cache_salt, so tenants share "
+            "unless their clients salt); salted (the server salts by tenant too: tenants "
+            "never share). Monolithic only."
         ),
     ] = PrefixCacheMode.off,
-    prefix_cache_salt_by_tenant: Annotated[
-        bool,
-        typer.Option(
-            "--prefix-cache-salt-by-tenant",
-            help="With --prefix-cache salted: the tenant is part of the key too, so tenants "
-            "never share cached pages whatever cache_salt they send.",
-        ),
-    ] = False,
     canary: Annotated[
         bool,
         typer.Option(
@@ -297,9 +290,6 @@ def engine_serve(
             "[red]error:[/] --prefix-cache needs --topology monolithic (a disaggregated "
             "engine's prefill pages leave for the decode pool: nothing would stay cached)"
         )
-        raise typer.Exit(2)
-    if prefix_cache_salt_by_tenant and prefix_cache is not PrefixCacheMode.salted:
-        err.print("[red]error:[/] --prefix-cache-salt-by-tenant needs --prefix-cache salted")
         raise typer.Exit(2)
 
     import torch
@@ -330,7 +320,6 @@ def engine_serve(
             kv_dtype=kv_dtype.value,
             model_id=model_id,
             prefix_cache=prefix_cache.value,
-            prefix_cache_salt_by_tenant=prefix_cache_salt_by_tenant,
         )
         engine = Engine(config)
     except (ValueError, RuntimeError) as exc:
@@ -348,7 +337,7 @@ def engine_serve(
     fastapi_app = create_app(engine, tenant_keys=keys, model_id=model_id)
     pools = ", ".join(f"{p.name} {p.capacity_tokens} tokens" for p in engine.pools.values())
     tenants = ", ".join(sorted(keys)) if keys else "one per bearer key"
-    caching = prefix_cache.value + (" by tenant" if prefix_cache_salt_by_tenant else "")
+    caching = prefix_cache.value + (" by tenant" if prefix_cache is PrefixCacheMode.salted else "")
     err.print(
         f"refengine {mode.value} {topology.value} serving {model_id!r} on http://{host}:{port}/v1"
         f" - advertised context {advertised_context} tokens; pools: {pools}; tenants: {tenants}"

@@ -35,14 +35,14 @@ class EngineConfig:
     a pool's capacity is ``pool_tokens`` rounded down to a multiple of ``page_size``.
     ``prefix_cache`` other than ``"off"`` needs the monolithic topology (a disaggregated
     engine refuses it: its prefill pages leave for the decode pool, so nothing would stay
-    to be reused), and ``prefix_cache_salt_by_tenant`` needs ``"salted"``.
+    to be reused).
 
     Prefix caching (see :mod:`refengine.prefix_cache`): ``"off"`` caches nothing;
-    ``"shared"`` keys a prompt's full pages by their tokens alone, for every tenant alike,
-    ignoring any ``cache_salt`` a request sends (the insecure setting: one tenant's hit
-    tells it what another sent); ``"salted"`` adds the request's ``cache_salt`` to the
-    keys, and with ``prefix_cache_salt_by_tenant`` the tenant too, so that no two tenants
-    ever share a cached page whatever salts they send.
+    ``"shared"`` is vLLM's behaviour: a prompt's full pages are keyed by their tokens and
+    the request's ``cache_salt`` when it sends one, so tenants share every prefix unless
+    their clients (or a gateway) salt it, and one tenant's hit tells it what another sent;
+    ``"salted"`` salts by tenant on the server besides: the tenant is part of every key, so
+    no two tenants ever share a cached page whatever salts they send.
     """
 
     mode: Mode = "hardened"
@@ -69,8 +69,6 @@ class EngineConfig:
     head_dim: int = 64
     model_id: str = "refengine-lab"
     prefix_cache: PrefixCacheMode = "off"
-    #: ``"salted"`` only: the tenant is part of every page key, besides the request's salt.
-    prefix_cache_salt_by_tenant: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("legacy", "hardened"):
@@ -116,8 +114,6 @@ class EngineConfig:
                 "the prefix cache needs the monolithic topology: a disaggregated engine's "
                 "prefill pages leave for the decode pool, so nothing stays to be reused"
             )
-        if self.prefix_cache_salt_by_tenant and self.prefix_cache != "salted":
-            raise ValueError("prefix_cache_salt_by_tenant needs prefix_cache='salted'")
         torch.device(self.device)  # fail here, not at the first allocation, on a typo
 
     @property
@@ -127,7 +123,7 @@ class EngineConfig:
     @property
     def prefix_cache_isolates_tenants(self) -> bool:
         """Whether no two tenants can ever share a cached page (salted by tenant)."""
-        return self.prefix_cache == "salted" and self.prefix_cache_salt_by_tenant
+        return self.prefix_cache == "salted"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -232,7 +232,6 @@ class Engine:
             "cuda_graphs": False,
             "prefix_cache": cfg.prefix_caching,
             "prefix_cache_mode": cfg.prefix_cache,
-            "prefix_cache_salt_by_tenant": cfg.prefix_cache_salt_by_tenant,
             "prefix_cache_salting": cfg.prefix_cache_isolates_tenants,
             "zeroize_on_free": cfg.zeroize_on_free,
             "device": str(self.device),
@@ -293,11 +292,9 @@ class Engine:
             cfg.advertised_context, self.prefill_pool.capacity_tokens
         ):
             # Outside the lock: hashing a long prompt must not hold up a step.
-            if cfg.prefix_cache == "salted":
-                tenant_part = tenant if cfg.prefix_cache_salt_by_tenant else None
-                root = root_key(salt=cache_salt, tenant=tenant_part)
-            else:  # shared: every request alike, whatever salt it sent
-                root = root_key()
+            # shared: the client's salt only (vLLM's keys); salted: the tenant's too
+            tenant_part = tenant if cfg.prefix_cache == "salted" else None
+            root = root_key(salt=cache_salt, tenant=tenant_part)
             keys = page_keys(data, cfg.page_size, root)
         with self._lock:
             if request_id is not None and request_id in self._live:

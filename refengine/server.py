@@ -23,12 +23,12 @@ greedily. ``n`` must be 1. ``max_tokens`` defaults to 16 for completions (as Ope
 
 Prefix cache
 ------------
-``cache_salt`` (vLLM's request field: a non-empty string) salts the prefix cache's keys when
-the engine runs ``prefix_cache="salted"``; it is accepted and ignored otherwise. ``usage`` also
-carries vLLM's ``prompt_tokens_details: {"cached_tokens": N}`` (the prompt tokens served from
-the cache, 0 with it off; the streamed final usage chunk too). The
-model card always says ``prefix_caching``, ``prefix_cache`` (the mode) and
-``prefix_cache_salt_by_tenant``.
+``cache_salt`` (vLLM's request field: a non-empty string) salts the prefix cache's keys, as
+vLLM's does, whenever the cache is on (``shared`` or ``salted``; ``salted`` adds the tenant
+itself); it is accepted and ignored with it off. ``usage`` also carries vLLM's
+``prompt_tokens_details: {"cached_tokens": N}`` (the prompt tokens served from the cache, 0
+with it off; the streamed final usage chunk too). The model card always says
+``prefix_caching`` and ``prefix_cache`` (the mode).
 
 Chat template
 -------------
@@ -538,7 +538,6 @@ def create_app(
             "max_model_len": engine.config.advertised_context,
             "prefix_caching": engine.config.prefix_caching,
             "prefix_cache": engine.config.prefix_cache,
-            "prefix_cache_salt_by_tenant": engine.config.prefix_cache_salt_by_tenant,
         }
 
     async def run(

@@ -116,24 +116,22 @@ def test_off_never_hits() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "by_tenant", "salts", "shared"),
+    ("mode", "salts", "shared"),
     [
-        # shared: tenants share whatever salt they send (the insecure setting)
-        ("shared", False, (None, None), True),
-        ("shared", False, ("a", "b"), True),
-        # salted, salt by tenant: never across tenants, whatever the salts
-        ("salted", True, (None, None), False),
-        ("salted", True, ("same", "same"), False),
-        # salted by the request's salt only: the same salt shares, different ones do not
-        ("salted", False, ("same", "same"), True),
-        ("salted", False, ("a", "b"), False),
-        ("salted", False, (None, None), True),  # no salt is the same (empty) salt
+        # shared (vLLM's keys): the same salt shares, different ones do not, and no salt is
+        # the same (empty) salt: tenants whose clients do not salt share everything
+        ("shared", (None, None), True),
+        ("shared", ("same", "same"), True),
+        ("shared", ("a", "b"), False),
+        # salted (by tenant, on the server): never across tenants, whatever the salts
+        ("salted", (None, None), False),
+        ("salted", ("same", "same"), False),
     ],
 )
 def test_who_shares_cached_pages(
-    mode: str, by_tenant: bool, salts: tuple[str | None, str | None], shared: bool
+    mode: str, salts: tuple[str | None, str | None], shared: bool
 ) -> None:
-    eng = make(mode, prefix_cache_salt_by_tenant=by_tenant)
+    eng = make(mode)
     prompt = SYSTEM + "What is the merger code?"
     a = run(eng, prompt, "acme", cache_salt=salts[0])
     b = run(eng, prompt, "globex", cache_salt=salts[1])
@@ -147,15 +145,13 @@ def test_who_shares_cached_pages(
 def test_configuration_rules() -> None:
     with pytest.raises(ValueError, match="monolithic"):
         EngineConfig(prefix_cache="shared", topology="disaggregated")
-    with pytest.raises(ValueError, match="salted"):
-        EngineConfig(prefix_cache="shared", prefix_cache_salt_by_tenant=True)
     with pytest.raises(ValueError, match="prefix_cache must be"):
         EngineConfig(prefix_cache="on")  # type: ignore[arg-type]
-    eng = make("salted", prefix_cache_salt_by_tenant=True)
+    eng = make("salted")
     info = eng.info()
     assert info["prefix_cache"] is True and info["prefix_cache_mode"] == "salted"
     assert info["prefix_cache_salting"] is True
-    assert make("salted").info()["prefix_cache_salting"] is False  # isolation left to clients
+    assert make("shared").info()["prefix_cache_salting"] is False  # isolation left to clients
     assert make("off").info()["prefix_cache"] is False
     with pytest.raises(ValueError, match="cache_salt"):
         eng.submit("hi", "acme", cache_salt="")
@@ -215,7 +211,7 @@ def test_the_probe_reports_every_hit_with_owner_and_reader_and_no_stale_read() -
     prompt = SYSTEM + "status?"
     a = run(eng, prompt, "acme")
     b = run(eng, prompt, "acme")  # same tenant
-    c = run(eng, prompt, "globex", cache_salt="ignored-in-shared")  # across tenants
+    c = run(eng, prompt, "globex")  # across tenants: no salt, like acme's
     hits = probe.of(ev.PrefixCacheHit)
     assert [(h["reader_request_id"], h["owner_request_id"]) for h in hits] == [
         (b.request_id, a.request_id),
@@ -249,7 +245,7 @@ def test_the_probe_reports_every_hit_with_owner_and_reader_and_no_stale_read() -
 
 
 def test_the_probe_says_salting_by_tenant_and_marks_salted_hits() -> None:
-    eng = make("salted", prefix_cache_salt_by_tenant=True)
+    eng = make("salted")
     probe = RecordingProbe()
     attach(eng, probe)
     run(eng, SYSTEM, "acme")
@@ -392,7 +388,8 @@ def post(client: httpx.Client, path: str, body: dict[str, Any], key: str) -> htt
 
 
 def test_server_reports_cached_tokens_in_usage_as_vllm_does() -> None:
-    with serve(prefix_cache="salted") as (client, engine):
+    # shared keys by the request's cache_salt, as vLLM does: one salt, two tenants, one cache
+    with serve(prefix_cache="shared") as (client, engine):
         body = {"prompt": SYSTEM + "Q?", "max_tokens": 4, "cache_salt": "team-1"}
         first = post(client, "/v1/completions", body, "sk-acme").json()
         second = post(client, "/v1/completions", body, "sk-globex").json()
@@ -422,8 +419,7 @@ def test_server_reports_cached_tokens_in_usage_as_vllm_does() -> None:
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
         card = client.get("/v1/models", headers={"Authorization": "Bearer sk-acme"}).json()
         assert card["data"][0]["prefix_caching"] is True
-        assert card["data"][0]["prefix_cache"] == "salted"
-        assert card["data"][0]["prefix_cache_salt_by_tenant"] is False
+        assert card["data"][0]["prefix_cache"] == "shared"
 
         metrics = samples(client.get("/metrics").text)
         labels = {"engine": "0", "model_name": "refengine-lab"}

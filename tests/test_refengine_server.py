@@ -253,7 +253,6 @@ def test_models_and_auth() -> None:
                     "max_model_len": 4096,
                     "prefix_caching": False,
                     "prefix_cache": "off",
-                    "prefix_cache_salt_by_tenant": False,
                 }
             ],
         }
@@ -590,7 +589,6 @@ def test_cli_engine_serve_names_a_bad_collector_setting() -> None:
         (["--pool-tokens", "8", "--page-size", "16"], "at least one page"),
         (["--device", "tpu"], "--device"),
         (["--prefix-cache", "shared", "--topology", "disaggregated"], "monolithic"),
-        (["--prefix-cache-salt-by-tenant"], "--prefix-cache salted"),
         (["--prefix-cache", "on"], "on"),
     ],
 )

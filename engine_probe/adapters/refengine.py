@@ -242,7 +242,7 @@ class RefengineAdapter:
             "prefix_hits_unknown_owner": 0,
         }
         self._prefix_caching = False
-        self._salt_mode: tuple[str, bool] = ("off", False)
+        self._salt_mode = "off"
         self._stale = StaleReadEmitter(self._emit, self.counters, self._names, self._tenant_name)
 
     # -- public helpers ------------------------------------------------------------------
@@ -286,10 +286,7 @@ class RefengineAdapter:
         info = engine.info()
         self._model_id = str(info["model_id"])
         self._prefix_caching = bool(info.get("prefix_cache", False))
-        self._salt_mode = (
-            str(info.get("prefix_cache_mode", "off")),
-            bool(info.get("prefix_cache_salt_by_tenant", False)),
-        )
+        self._salt_mode = str(info.get("prefix_cache_mode", "off"))
         version = self.engine_version or str(info.get("engine_version", "unknown"))
         self._pools = {}
         for pool in engine.pools.values():
@@ -420,8 +417,8 @@ class RefengineAdapter:
             by_owner[o] = by_owner.get(o, 0) + 1
         reader_id = self._request_id(req.handle, req.request_id)
         reader_tenant = self._tenant_id(req.tenant_handle, req.tenant)
-        mode, by_tenant = self._salt_mode
-        salted = mode == "salted" and (by_tenant or req.cache_salt is not None)
+        # the keys carried a salt: the server's per tenant, or the request's own
+        salted = self._salt_mode == "salted" or req.cache_salt is not None
         for owner, n in by_owner.items():
             known = self._requests.get(owner)
             if known is None or self._unchecked(owner):
