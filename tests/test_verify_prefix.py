@@ -168,7 +168,7 @@ def test_a_promptpeek_style_probe_fires_prefix_probe_suspected_for_the_prober_on
     eng = Engine(
         EngineConfig(
             advertised_context=2048, pool_tokens=16_384, page_size=16, prefix_cache="shared"
-        )  # fmt: skip
+        )
     )
     probe = Probe(probe_settings(collector, collector.ingest, deployment_id="lab"))
     probes.append(probe)
