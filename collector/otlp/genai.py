@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -114,6 +114,7 @@ class Mapper:
     probe_id: Callable[[str], str]
     now: datetime
     max_clock_skew: timedelta
+    _probe_ids: dict[str, str] = field(default_factory=dict)
 
     def request(self, span: Span) -> SpanRequest:
         """Raises :class:`SpanRefused`."""
@@ -142,21 +143,12 @@ class Mapper:
         end = self._time(span.end_ns, "endTimeUnixNano") if span.end_ns else start
         if end < start:
             raise SpanRefused("endTimeUnixNano is before startTimeUnixNano")
-        # Which attribute fed each field, so a refusal names what the client sent.
-        blame = {
-            "deployment_id": self._deployment_source(span),
-            "tenant": tenant_attr,
-            "model_id": model_attr,
-            "request_id": rid_attr,
-            "prompt_tokens": prompt_attr,
-            "completion_tokens": completion_attr,
-            "max_tokens": max_attr,
-            "cached_tokens": cached_attr,
-            "route": route_attr,
-        }
+        probe_id = self._probe_ids.get(deployment)
+        if probe_id is None:
+            probe_id = self._probe_ids[deployment] = self.probe_id(deployment)
         common = {
             "schema_version": ev.SCHEMA_VERSION,
-            "probe_id": self.probe_id(deployment),
+            "probe_id": probe_id,
             "seq": 1,
             "deployment_id": deployment,
             "request_id": _text(rid, rid_attr),
@@ -180,6 +172,18 @@ class Mapper:
                 ev.convert_event(ev.RequestFinished, finished),
             )
         except ev.DecodeError as exc:
+            # Which attribute fed each field, so a refusal names what the client sent.
+            blame = {
+                "deployment_id": self._deployment_source(span),
+                "tenant": tenant_attr,
+                "model_id": model_attr,
+                "request_id": rid_attr,
+                "prompt_tokens": prompt_attr,
+                "completion_tokens": completion_attr,
+                "max_tokens": max_attr,
+                "cached_tokens": cached_attr,
+                "route": route_attr,
+            }
             err = exc.errors[0]
             field = (err.field or "").split(".", 1)[0].split("[", 1)[0]
             raise SpanRefused(f"{blame.get(field) or field}: {err.message}") from None
