@@ -27,6 +27,12 @@ from tests.engine_servers import (  # noqa: F401
 )
 from tests.engine_servers import collector_get as get
 
+# The gateway in front of this same server: collected here so they share its one start.
+from tests.sglang_gateway_checks import (  # noqa: F401
+    test_positive_control_unsalted_tenants_share_the_prefix,
+    test_salted_per_tenant_no_prefix_is_shared_and_the_tenant_reaches_the_probe,
+)
+
 pytestmark = pytest.mark.slow
 
 A, B = "ssrv-tenant-a", "ssrv-tenant-b"
