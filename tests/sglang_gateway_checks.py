@@ -4,7 +4,11 @@ clients that send neither a routing key nor a ``cache_salt``: SGLang takes the g
 (its request models drop the ``vllm_xargs`` meant for vLLM), the probe's request rows carry
 the gateway's tenants (the ``X-SMG-Routing-Key`` header, SGLang's ``routing_key``), and with
 per-tenant salting SGLang's radix cache serves no tenant another's prefix (SGLang keys it by
-``cache_salt``), while with salting off it does (the positive control)."""
+``cache_salt``), while with salting off it does (the positive control).
+
+Its tests run from ``tests/test_sglang_server.py``, which imports them: the run's SGLang
+server is one per worker process, and ``--dist loadfile`` keeps one module's tests on one
+worker, so a module of their own would start a second server (about 45 s of CI)."""
 
 from __future__ import annotations
 
