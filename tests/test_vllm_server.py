@@ -20,7 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_servers import FAULT_TENANT, VllmServer, vllm_server, wait_for  # noqa: F401
+from tests.engine_servers import (  # noqa: F401
+    FAULT_TENANT,
+    KV_EVENTS_NODE,
+    VllmServer,
+    vllm_server,
+    wait_for,
+)
 
 # serial: whether a client's disconnect lands mid-answer depends on the server keeping up
 # with a sub-second decode; beside another worker's tests it sometimes cannot (CI, twice).
@@ -73,8 +79,10 @@ def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F
     def configs() -> list[dict[str, Any]]:
         with vllm_server.collector.client() as c:
             deps = c.get("/v1/deployments").json()
+        # the plugin's node (kvwatch kv-events reports as a node of its own:
+        # tests/test_kv_events_vllm.py)
         return [cfg for d in deps if d["deployment_id"] == vllm_server.deployment_id
-                for cfg in d["config"]]  # fmt: skip
+                for cfg in d["config"] if cfg["node"] != KV_EVENTS_NODE]  # fmt: skip
 
     (cfg,) = wait_for(configs, bool)
     assert cfg["engine"] == "vllm"
