@@ -6,12 +6,14 @@ msgspec. A batch is an array ``[ts, events, data_parallel_rank]`` (``ts``: the e
 ``time.time()`` when the step's events were taken; the rank may be missing); each event a
 map tagged by ``type``:
 
-- ``BlockStored``: ``block_hashes`` (one per block, bytes, or ints under
-  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), ``parent_block_hash`` (the block before the first,
+- ``BlockStored``: ``block_hashes`` (one per block: the low 64 bits of the block's sha256 as
+  an int, vLLM's default ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, else the 32 bytes),
+  ``parent_block_hash`` (the block before the first,
   None when the first block starts the prompt), ``token_ids``, ``block_size``, ``lora_id``,
   ``medium``, ``lora_name``, and, in recent versions, ``extra_keys`` (one entry per block:
   the LoRA name, ``[mm_identifier, offset]`` pairs, the cache salt on a prompt's first block,
-  prompt-embedding digests as bytes; None where a block has none), ``group_idx`` and
+  prompt-embedding digests as bytes; None where a block has none, and 0.32 sends a list of
+  Nones rather than None for a request without any), ``group_idx`` and
   ``session_id`` (the session whose request stored, or in ``kv_cache_report_mode: full``
   reused, the blocks);
 - ``BlockRemoved``: ``block_hashes``, ``medium``, ``group_idx``;
