@@ -102,13 +102,17 @@ def publisher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Publisher]:
         pub.stop()
 
 
-def subscribe(pub: Publisher, **kw: Any) -> Stream:
+def subscribe(pub: Publisher, seen: list[Decoded] | None = None, **kw: Any) -> Stream:
     """A stream whose subscription has reached the publisher: probe batches are published
-    until one arrives (ZMQ subscriptions propagate asynchronously)."""
+    until one arrives (ZMQ subscriptions propagate asynchronously); what it yielded meanwhile
+    goes into ``seen``."""
     stream = Stream(pub.endpoint, **{"replay_endpoint": pub.replay, **kw})
     for _ in range(100):
         pub.publish([{"cleared": True}])
-        if list(stream.batches(0.1)):
+        got = [b for b in stream.batches(0.1) if isinstance(b, Decoded)]
+        if seen is not None:
+            seen.extend(got)
+        if got:
             return stream
     raise AssertionError("the subscription never reached the publisher")
 
@@ -142,6 +146,7 @@ def burst(pub: Publisher, stream: Stream, first_hash: int) -> tuple[int, int, li
     return start, end, got
 
 
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_vllms_own_batches_decode(publisher: Publisher) -> None:
     stream = subscribe(publisher)
     try:
@@ -203,6 +208,7 @@ def test_the_mirror_follows_salts_down_the_chain_and_sees_sessions_meet() -> Non
     assert no_salt.salt_of_first_block() is None
 
 
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_a_gap_the_pub_socket_dropped_is_replayed(publisher: Publisher) -> None:
     stream = subscribe(publisher, rcvhwm=1)
     try:
@@ -217,6 +223,7 @@ def test_a_gap_the_pub_socket_dropped_is_replayed(publisher: Publisher) -> None:
     assert [b.seq for b in got] == list(range(start + 1, end + 1))  # each once, in order
 
 
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_what_the_publisher_no_longer_buffers_is_counted_lost(publisher: Publisher) -> None:
     publisher.restart(buffer_steps=5)
     try:
@@ -234,6 +241,7 @@ def test_what_the_publisher_no_longer_buffers_is_counted_lost(publisher: Publish
     assert len({b.seq for b in got}) == len(got)
 
 
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_without_a_replay_endpoint_a_gap_is_lost_and_counted(publisher: Publisher) -> None:
     stream = subscribe(publisher, replay_endpoint=None, rcvhwm=1)
     try:
@@ -245,6 +253,25 @@ def test_without_a_replay_endpoint_a_gap_is_lost_and_counted(publisher: Publishe
     assert len(got) + s.lost == end - start
 
 
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
+def test_a_backfill_replays_what_came_before_the_subscriber(publisher: Publisher) -> None:
+    before = publisher.publish([{"stored": [5000, 5001], "parent": None, "salt": "early"}])
+    got: list[Decoded] = []
+    stream = subscribe(publisher, got, backfill=True)
+    try:
+        got += [b for b in drain(stream, before) if isinstance(b, Decoded)]
+    finally:
+        stream.close()
+    s = stream.stats
+    early = [b for b in got if b.seq == before - 1]
+    assert len(early) == 1 and s.replayed >= 1 and s.lost == 0, s
+    (stored,) = early[0].events
+    assert isinstance(stored, BlockStored) and stored.salt_of_first_block() == "early"
+    # every batch the publisher still buffered, once each, in order, then the live ones
+    assert [b.seq for b in got] == list(range(got[0].seq, got[-1].seq + 1))
+
+
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_a_restarted_publisher_is_a_new_cache(publisher: Publisher) -> None:
     stream = subscribe(publisher)
     try:
@@ -292,6 +319,7 @@ def test_the_cli_refuses_what_cannot_run() -> None:
     assert r.exit_code == 2 and "KVWATCH_COLLECTOR_URL" in r.output
 
 
+@pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_the_cli_dry_run_reads_vllms_publisher(publisher: Publisher) -> None:
     """In-process, as `kvwatch kv-events --dry-run` for a second: what it took is counted."""
     import threading

@@ -38,8 +38,9 @@ def check_endpoint(endpoint: str, what: str = "--endpoint") -> str:
         raise BadEndpoint(
             f"{what} {e!r}: '*' is for binding (vLLM's side); connect to tcp://HOST:PORT"
         )
-    port_ok = not e.startswith("tcp://") or 0 < int(e.rsplit(":", 1)[1]) < 65536
-    if not _ENDPOINT.match(e) or not port_ok:
+    if not _ENDPOINT.match(e) or (
+        e.startswith("tcp://") and not 0 < int(e.rsplit(":")[-1]) < 65536
+    ):
         raise BadEndpoint(f"{what} {e!r} is not tcp://HOST:PORT or ipc://PATH")
     return e
 
