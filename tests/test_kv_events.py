@@ -210,7 +210,7 @@ def test_the_mirror_follows_salts_down_the_chain_and_sees_sessions_meet() -> Non
 
 @pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_a_gap_the_pub_socket_dropped_is_replayed(publisher: Publisher) -> None:
-    stream = subscribe(publisher, rcvhwm=1)
+    stream = subscribe(publisher, rcvhwm=1, rcvbuf=65536)
     try:
         # the stream reads nothing while these go out: socket buffers fill, and the PUB
         # socket (high-water mark 2) drops the rest for this subscriber
@@ -227,7 +227,7 @@ def test_a_gap_the_pub_socket_dropped_is_replayed(publisher: Publisher) -> None:
 def test_what_the_publisher_no_longer_buffers_is_counted_lost(publisher: Publisher) -> None:
     publisher.restart(buffer_steps=5)
     try:
-        stream = subscribe(publisher, rcvhwm=1)
+        stream = subscribe(publisher, rcvhwm=1, rcvbuf=65536)
         try:
             start, end, got = burst(publisher, stream, 2000)
         finally:
@@ -243,7 +243,7 @@ def test_what_the_publisher_no_longer_buffers_is_counted_lost(publisher: Publish
 
 @pytest.mark.slow  # vLLM\'s publisher in a process of its own
 def test_without_a_replay_endpoint_a_gap_is_lost_and_counted(publisher: Publisher) -> None:
-    stream = subscribe(publisher, replay_endpoint=None, rcvhwm=1)
+    stream = subscribe(publisher, replay_endpoint=None, rcvhwm=1, rcvbuf=65536)
     try:
         start, end, got = burst(publisher, stream, 3000)
     finally:

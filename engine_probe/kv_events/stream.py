@@ -90,6 +90,7 @@ class Stream:
         backfill: bool = False,
         replay_timeout_s: float = 5.0,
         rcvhwm: int = 0,
+        rcvbuf: int = -1,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
@@ -104,8 +105,11 @@ class Stream:
         self._last_ts = float("-inf")  # the engine's time of the newest batch taken
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
-        # 0: keep all that arrives (drops happen at the PUB only); tests make it small
+        # 0: keep all that arrives (drops happen at the PUB only); -1: the OS's socket
+        # buffer. Tests make both small, so that a subscriber that stops reading makes the
+        # PUB socket drop, whatever the machine's TCP buffer autotuning would hold.
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sub.connect(self.endpoint)
 
