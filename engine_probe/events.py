@@ -338,7 +338,8 @@ class KvTurnover(Event, tag="kv.turnover", kw_only=True, frozen=True):
     ``stored_blocks``: blocks the engine reported storing (a full block of some request's
     KV entering the prefix cache; in vLLM's ``kv_cache_report_mode: full`` also a request's
     prefix-cache hits, reported again); ``removed_blocks``: cached blocks it reported
-    evicting (their pages handed to new allocations); ``cleared``: whole-cache resets. Of the
+    evicting (their pages handed to new allocations); ``cleared``: whole-cache resets (the
+    engine's own, or a restarted engine). Of the
     stored: ``unsalted_blocks`` chain from a first block stored without a cache salt,
     ``salted_blocks`` from one with a salt (the rest chain from blocks stored before the
     consumer joined: unknown). ``restored_blocks``: stored while already cached (a hit

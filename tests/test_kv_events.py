@@ -201,6 +201,9 @@ def test_the_mirror_follows_salts_down_the_chain_and_sees_sessions_meet() -> Non
     i = m.take()
     assert (i.stored_blocks, i.removed_blocks, i.cleared) == (0, 2, 1)
     assert len(m) == 0
+    m.apply([BlockStored(block_hashes=[h(1)], parent_block_hash=None)])
+    m.reset()  # a restarted engine: its cache is gone, a whole-cache reset
+    assert m.salting_of(h(1)) is None and m.take().cleared == 1
     # a salt under a LoRA name: the name comes first in the extra keys, and is no salt
     lora = BlockStored(block_hashes=[h(5)], lora_name="ad", extra_keys=[["ad", ["mm", 0], "s"]])
     assert lora.salt_of_first_block() == "s"

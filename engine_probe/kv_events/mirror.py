@@ -116,8 +116,10 @@ class Mirror:
         return done
 
     def reset(self) -> None:
-        """The publisher restarted: its cache is new, nothing the mirror held is cached."""
+        """The publisher restarted: its cache is new, nothing the mirror held is cached (a
+        whole-cache reset, counted as ``cleared`` like vLLM's ``AllBlocksCleared``)."""
         self._blocks.clear()
+        self._add("cleared", 1)
 
     def apply(self, events: list[KvEvent], unknown: int = 0) -> None:
         self.interval.batches += 1
