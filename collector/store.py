@@ -239,6 +239,24 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
                      e.reader_tenant, e.owner_request_id, e.owner_tenant, e.pages, e.cross_tenant,
                      _json.encode(detail).decode())
                 )  # fmt: skip
+            case ev.KvTurnover():
+                detail = {
+                    "role": e.role,
+                    "interval_s": e.interval_s,
+                    "removed_blocks": e.removed_blocks,
+                    "cleared": e.cleared,
+                    "unsalted_blocks": e.unsalted_blocks,
+                    "salted_blocks": e.salted_blocks,
+                    "restored_blocks": e.restored_blocks,
+                    "cross_session_blocks": e.cross_session_blocks,
+                    "lost_batches": e.lost_batches,
+                }
+                # page_count: the blocks stored; the engine's events name no tenant, so no
+                # row of this kind is ever cross-tenant
+                rows.page.append(
+                    (dep, e.probe_id, e.seq, ts, "kv.turnover", e.node, None, None, None, None,
+                     e.stored_blocks, False, _json.encode(detail).decode())
+                )  # fmt: skip
             case ev.CanaryHit():
                 detail = {"detector": e.detector, "page_ids": e.page_ids}
                 rows.page.append(

@@ -14,7 +14,8 @@ optional field with a default is added within the version: older producers' even
 as before. Since unknown fields are refused, a collector must know a field before any
 producer sets it: upgrade collectors first. Optional fields added within version 1 since
 this note: ``request.admitted``'s ``prompt_shared_with``, ``request.finished``'s
-``limit_tokens`` and ``cached_tokens``.
+``limit_tokens`` and ``cached_tokens``; and one kind, ``kv.turnover`` (a kind a collector does
+not know is refused, like a field: upgrade collectors first).
 
 Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
 which is what an ingest path taking hundreds of thousands of events per second needs (about
@@ -329,6 +330,49 @@ class PrefixCacheHit(Event, tag="prefix_cache.hit", kw_only=True, frozen=True):
         return crosses_tenants(self.reader_tenant, self.owner_tenant)
 
 
+class KvTurnover(Event, tag="kv.turnover", kw_only=True, frozen=True):
+    """What an engine's own KV-cache events said of its prefix cache over one interval,
+    aggregated (``kvwatch kv-events``: vLLM's ``--kv-events-config`` stream). Added within
+    version 1.
+
+    ``stored_blocks``: blocks the engine reported storing (a full block of some request's
+    KV entering the prefix cache; in vLLM's ``kv_cache_report_mode: full`` also a request's
+    prefix-cache hits, reported again); ``removed_blocks``: cached blocks it reported
+    evicting (their pages handed to new allocations); ``cleared``: whole-cache resets (the
+    engine's own, or a restarted engine). Of the
+    stored: ``unsalted_blocks`` chain from a first block stored without a cache salt,
+    ``salted_blocks`` from one with a salt (the rest chain from blocks stored before the
+    consumer joined: unknown). ``restored_blocks``: stored while already cached (a hit
+    reported in full mode, or the same prefix computed twice); ``cross_session_blocks``: of
+    those, stored by a session other than the one that first stored the block (both session
+    ids known). ``lost_batches``: the engine's event batches that could be neither received
+    nor replayed in the interval, so its counts are lower bounds.
+
+    The engine's events name no tenant and no request: nothing here is cross-tenant by
+    itself (see docs/vllm.md, "KV cache events").
+    """
+
+    node: Id = "node-0"
+    role: Role = "both"
+    interval_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+    stored_blocks: Count
+    removed_blocks: Count
+    cleared: Count = 0
+    unsalted_blocks: Count = 0
+    salted_blocks: Count = 0
+    restored_blocks: Count = 0
+    cross_session_blocks: Count = 0
+    lost_batches: Count = 0
+
+    def __post_init__(self) -> None:
+        if self.unsalted_blocks + self.salted_blocks > self.stored_blocks:
+            raise ValueError("unsalted_blocks: unsalted + salted blocks exceed stored_blocks")
+        if self.restored_blocks > self.stored_blocks:
+            raise ValueError("restored_blocks: restored_blocks exceeds stored_blocks")
+        if self.cross_session_blocks > self.restored_blocks:
+            raise ValueError("cross_session_blocks: cross_session_blocks exceeds restored_blocks")
+
+
 class CanaryHit(Event, tag="canary.hit", kw_only=True, frozen=True):
     """A canary (painted page pattern or planted text) found where it must not be."""
 
@@ -366,6 +410,7 @@ AnyEvent = (
     | PageReuse
     | PageStaleRead
     | PrefixCacheHit
+    | KvTurnover
     | CanaryHit
     | ProbeDrops
     | ProbeStopped
@@ -381,6 +426,7 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     PageReuse,
     PageStaleRead,
     PrefixCacheHit,
+    KvTurnover,
     CanaryHit,
     ProbeDrops,
     ProbeStopped,

@@ -23,6 +23,7 @@ from kvwatch.cli_common import (
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
+from kvwatch.cli_kv_events import kv_events
 from kvwatch.cli_lifecycle import erase, retention_app
 from kvwatch.cli_reports import audit_app, report_app
 from kvwatch.cli_scrape import scrape
@@ -59,6 +60,7 @@ app.add_typer(verify_app, name="verify")
 app.command("gateway")(gateway)
 app.command("dashboard")(dashboard)
 app.command("scrape")(scrape)
+app.command("kv-events")(kv_events)
 app.add_typer(retention_app, name="retention")
 app.command("erase")(erase)
 

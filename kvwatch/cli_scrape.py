@@ -40,9 +40,9 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_COULD_NOT_RUN)
 
 
-def _probe_settings(deployment: str | None) -> ProbeSettings:
+def _probe_settings(deployment: str | None, root: str = "scrape") -> ProbeSettings:
     """The producer settings from the environment; the probe id root defaults to
-    ``scrape-<deployment>`` (each run still sends under its own id, see ProbeSettings)."""
+    ``<root>-<deployment>`` (each run still sends under its own id, see ProbeSettings)."""
     import os
 
     from pydantic import ValidationError
@@ -55,7 +55,7 @@ def _probe_settings(deployment: str | None) -> ProbeSettings:
     try:
         s = ProbeSettings(**overrides)
         if not os.environ.get("KVWATCH_PROBE_ID", "").strip():
-            s = ProbeSettings(**overrides, probe_id=f"scrape-{s.deployment_id}"[:100])
+            s = ProbeSettings(**overrides, probe_id=f"{root}-{s.deployment_id}"[:100])
     except ValidationError as exc:
         for e in exc.errors():
             name = "KVWATCH_" + "_".join(str(p) for p in e["loc"]).upper()

@@ -19,7 +19,10 @@ a ``vllm_server: VllmServer`` argument. The first test that asks starts, in this
    ``OTEL_SERVICE_NAME``) with the served model on the resource: one ``llm_request`` span per
    request that finishes in vLLM's output processor (at its length, an EOS or a stop
    string; none for one aborted because its client left), whether or not it carried a
-   ``traceparent`` (vLLM traces every request once an endpoint is set).
+   ``traceparent`` (vLLM traces every request once an endpoint is set); and vLLM's KV-cache
+   events (``--kv-events-config``: its ZMQ publisher, topic :data:`KV_EVENTS_TOPIC`, on
+   :attr:`VllmServer.kv_events_endpoint`, its replay socket on
+   :attr:`VllmServer.kv_events_replay_endpoint`), which ``kvwatch kv-events`` reads.
 
 Every later test (any module) gets the same running server: the fixture is session scoped
 and the server a process-wide singleton, so importing the fixture into several modules
@@ -65,6 +68,12 @@ OTLP_DEPLOYMENT = f"{DEPLOYMENT}-otlp"
 #: 5 s): a span is at the collector a fraction of a second after its request ends
 OTLP_EXPORT_DELAY_MS = 200
 BLOCK_SIZE = 32
+#: the topic of the server's KV-cache events (vLLM's default is empty: a topic tests that the
+#: consumer subscribes to the one it is given)
+KV_EVENTS_TOPIC = "kvwatch-tiny"
+#: the node ``kvwatch kv-events`` reports this server's KV-cache events as, beside the
+#: plugin's probe, under the same deployment (tests/test_kv_events_vllm.py)
+KV_EVENTS_NODE = "vsrv-kv-events"
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 420.0
 #: the tenant whose first request's KV writes the probe is told to lose (a test-only fault:
@@ -104,6 +113,10 @@ class VllmServer:
     otlp_deployment_id: str
     collector: EngineCollector
     log_path: Path
+    #: where vLLM's KV-cache events are published (its PUB socket, bound on every address)
+    #: and replayed (its ROUTER socket, bound on loopback), as a subscriber connects to them
+    kv_events_endpoint: str
+    kv_events_replay_endpoint: str
     process: subprocess.Popen[bytes] = field(repr=False)
 
     def complete(
@@ -116,11 +129,14 @@ class VllmServer:
         route: str | None = None,
         stop: list[str] | None = None,
         n: int = 1,
+        session_id: str | None = None,
+        xargs: dict[str, Any] | None = None,
         timeout_s: float = 120.0,
     ) -> httpx.Response:
         """POST /v1/completions (greedy, ``ignore_eos``: exactly ``max_tokens`` tokens, unless
         the output matches one of the ``stop`` strings first); ``n > 1``: that many samples
-        of one prompt (seeded sampling: vLLM's parallel sampling)."""
+        of one prompt (seeded sampling: vLLM's parallel sampling). ``session_id``: vLLM's
+        session (its KV-cache events name it); ``xargs``: more vLLM extra args."""
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -132,7 +148,9 @@ class VllmServer:
             body.update(n=n, temperature=0.8, seed=7)
         if stop is not None:
             body["stop"] = stop
-        xargs = {}
+        xargs = dict(xargs or {})
+        if session_id is not None:
+            body["session_id"] = session_id
         if tenant is not None:
             xargs["kvwatch_tenant"] = tenant
         if route is not None:
@@ -238,7 +256,7 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
     from kvwatch.embedded import free_port
 
     model_dir = _tiny_model(workdir)
-    port = free_port()
+    port, kv_port, kv_replay_port = free_port(), free_port(), free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("KVWATCH_", "OTEL_"))},
         "HF_HUB_OFFLINE": "1",
@@ -292,6 +310,18 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
             "0",
             "--otlp-traces-endpoint",
             f"{collector.url}/v1/traces",
+            # vLLM's KV-cache events: a PUB socket (vLLM binds an endpoint with '*' and
+            # connects to any other) and a replay socket (always bound: loopback here)
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{kv_port}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{kv_replay_port}",
+                    "topic": KV_EVENTS_TOPIC,
+                }
+            ),
         ],
         log_path,
         env,
@@ -306,6 +336,8 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         otlp_deployment_id=OTLP_DEPLOYMENT,
         collector=collector,
         log_path=log_path,
+        kv_events_endpoint=f"tcp://127.0.0.1:{kv_port}",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{kv_replay_port}",
         process=proc,
     )
     _wait_healthy("vLLM", proc, server.base_url, server.log_tail)

@@ -155,6 +155,19 @@ def test_scrape_stands_alone() -> None:
     assert bad == []
 
 
+def test_kv_events_stand_alone() -> None:
+    """engine_probe.kv_events, like the scraper, imports of ours only the contract and the
+    package's exception classes: a collector-side consumer may import it."""
+    rules = {"engine_probe.events", "engine_probe.errors", "engine_probe.kv_events"}
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in (ROOT / "engine_probe" / "kv_events").rglob("*.py")
+        for name in _imports(path)
+        if name.split(".")[0] in OURS and not _allowed(name, rules)
+    ]
+    assert bad == []
+
+
 def test_probe_errors_are_a_leaf() -> None:
     """engine_probe.errors is what the contract and the scraper import beside the events: it
     must stay plain classes that import nothing (no runtime, no third-party package)."""
@@ -180,7 +193,7 @@ def test_torch_free_packages_import_without_torch() -> None:
         "            raise ImportError('torch is blocked in this test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import collector.app, collector.store, engine_probe, engine_probe.events\n"
-        "import engine_probe.scrape\n"
+        "import engine_probe.scrape, engine_probe.kv_events\n"
         "import policies, dashboard\n"
         "assert 'torch' not in sys.modules\n"
     )

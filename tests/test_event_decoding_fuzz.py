@@ -96,6 +96,18 @@ def _samples(seq: int, variant: int = 0) -> dict[str, dict[str, Any]]:
         f.prefix_hit(
             seq, reader_request_id=f"r-{v}", owner_tenant=f"o{v}", pages=2 + v, tokens=64 + v, **at
         ),
+        ev.KvTurnover(
+            **f.base(seq, **at),
+            interval_s=5.0 + v,
+            stored_blocks=8 + v,
+            removed_blocks=2 + v,
+            cleared=v,
+            unsalted_blocks=3 + v,
+            salted_blocks=1,
+            restored_blocks=2 + v,
+            cross_session_blocks=1 + v,
+            lost_batches=v,
+        ),
     ]
     return {ev.kind_of(e): f.as_json(e) for e in events}
 

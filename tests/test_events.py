@@ -40,6 +40,16 @@ ALL = [
     ev.ProbeDrops(**f.base(10), counts={"buffer_full": 3}),
     ev.ProbeStopped(**f.base(11)),
     f.prefix_hit(11),
+    ev.KvTurnover(
+        **f.base(11),
+        interval_s=10.0,
+        stored_blocks=5,
+        removed_blocks=2,
+        unsalted_blocks=3,
+        salted_blocks=1,
+        restored_blocks=2,
+        cross_session_blocks=1,
+    ),
     *f.parallel_sampling(12, "cmpl-1", 2),  # the second names the first's prompt
 ]
 

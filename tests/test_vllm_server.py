@@ -20,7 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_servers import FAULT_TENANT, VllmServer, vllm_server, wait_for  # noqa: F401
+from tests.engine_servers import (  # noqa: F401
+    FAULT_TENANT,
+    KV_EVENTS_NODE,
+    VllmServer,
+    vllm_server,
+    wait_for,
+)
 
 # serial: whether a client's disconnect lands mid-answer depends on the server keeping up
 # with a sub-second decode; beside another worker's tests it sometimes cannot (CI, twice).
@@ -73,8 +79,10 @@ def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F
     def configs() -> list[dict[str, Any]]:
         with vllm_server.collector.client() as c:
             deps = c.get("/v1/deployments").json()
+        # the plugin's node (kvwatch kv-events reports as a node of its own:
+        # tests/test_kv_events_vllm.py)
         return [cfg for d in deps if d["deployment_id"] == vllm_server.deployment_id
-                for cfg in d["config"]]  # fmt: skip
+                for cfg in d["config"] if cfg["node"] != KV_EVENTS_NODE]  # fmt: skip
 
     (cfg,) = wait_for(configs, bool)
     assert cfg["engine"] == "vllm"
@@ -140,10 +148,13 @@ def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(
     assert hit["detail"]["salted"] is False
 
     assert stale_reads_by(vllm_server, {A, B, OVER}) == []
-    # one probe (the engine core's), every seq it sent accounted for
+    # one probe (the engine core's), every seq it sent accounted for; kvwatch kv-events
+    # reports the same deployment's KV-cache events under probes of its own
+    # (tests/test_kv_events_vllm.py)
     with vllm_server.collector.client() as c:
         probes = [p for p in c.get("/v1/probes").json()
-                  if p["deployment_id"] == vllm_server.deployment_id]  # fmt: skip
+                  if p["deployment_id"] == vllm_server.deployment_id
+                  and not p["probe_id"].startswith("kv-events-")]  # fmt: skip
     assert len(probes) == 1
     assert probes[0]["missing"] == 0 and probes[0]["reported_drops"] == {}
     assert "kvwatch: the vLLM adapter failed" not in vllm_server.log_tail(10**7)

@@ -1,0 +1,44 @@
+"""An engine's own KV-cache events (vLLM's ``--kv-events-config``) → kvwatch's figures.
+
+For deployments without the in-engine probe, or beside it: vLLM publishes every block its
+prefix cache stores and evicts over ZMQ (``wire``: the format; ``stream``: the subscription,
+its sequence numbers and the replay socket that fills gaps; ``mirror``: the cache as the
+events describe it, and what each interval proves). ``kvwatch kv-events`` turns intervals
+into ``kv.turnover`` events and, with the engine's ``/metrics`` beside, an ``engine.config``
+saying prefix caching is on and unsalted once unsalted blocks are seen.
+
+Like :mod:`engine_probe.scrape`, this package imports of ours only the contract and
+:mod:`engine_probe.errors` (never torch, never the probe's machinery), plus msgspec and pyzmq.
+"""
+
+from engine_probe.kv_events.errors import BadEndpoint, KvEventsError, MalformedBatch
+from engine_probe.kv_events.mirror import Interval, Mirror, Totals, salt_digest
+from engine_probe.kv_events.stream import Restarted, Stream, StreamStats, check_endpoint
+from engine_probe.kv_events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Decoded,
+    decode_batch,
+    decode_seq,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BadEndpoint",
+    "BlockRemoved",
+    "BlockStored",
+    "Decoded",
+    "Interval",
+    "KvEventsError",
+    "MalformedBatch",
+    "Mirror",
+    "Restarted",
+    "Stream",
+    "StreamStats",
+    "Totals",
+    "check_endpoint",
+    "decode_batch",
+    "decode_seq",
+    "salt_digest",
+]

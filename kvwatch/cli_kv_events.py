@@ -1,0 +1,288 @@
+"""``kvwatch kv-events``: an engine's own KV-cache events (vLLM's ``--kv-events-config`` ZMQ
+publisher) → ``kv.turnover`` events every interval and, with ``--target`` (the engine's HTTP
+root, for its figures), an ``engine.config`` saying prefix caching is on and unsalted once
+blocks stored without a cache salt are seen; sent through the probe's exporter like ``kvwatch
+scrape``'s. Exit 0 done, 2 could not run (bad endpoint, target down, collector settings
+missing, events not delivered)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from kvwatch.cli_common import err
+from kvwatch.cli_scrape import EXIT_SENT, _fail, _probe_settings
+
+if TYPE_CHECKING:
+    from engine_probe.kv_events import Mirror, Stream
+    from engine_probe.probe import BaseProbe
+    from engine_probe.scrape import NodeFigures
+
+
+def _node_from(endpoint: str) -> str:
+    """The default node id: the publisher's host:port (``ipc://`` paths: ``kv-events``)."""
+    from engine_probe.scrape.figures import id_from
+
+    if endpoint.startswith("tcp://"):
+        return id_from(endpoint.removeprefix("tcp://").strip("[]"), "kv-events")
+    return "kv-events"
+
+
+def kv_events(
+    endpoint: Annotated[
+        str,
+        typer.Option(
+            envvar="KVWATCH_KV_EVENTS_ENDPOINT",
+            help="The engine's KV-events PUB socket to connect to, tcp://HOST:PORT "
+            "(vLLM's --kv-events-config endpoint) [KVWATCH_KV_EVENTS_ENDPOINT].",
+        ),
+    ],
+    replay_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVWATCH_KV_EVENTS_REPLAY_ENDPOINT",
+            help="Its ROUTER replay socket (vLLM's replay_endpoint): gaps in the sequence "
+            "are filled from it; without it they are counted as lost "
+            "[KVWATCH_KV_EVENTS_REPLAY_ENDPOINT].",
+        ),
+    ] = None,
+    topic: Annotated[
+        str,
+        typer.Option(
+            envvar="KVWATCH_KV_EVENTS_TOPIC",
+            help="The publisher's topic (vLLM's default: empty) [KVWATCH_KV_EVENTS_TOPIC].",
+        ),
+    ] = "",
+    deployment: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVWATCH_DEPLOYMENT_ID",
+            help="The deployment the events belong to: the one its other producers (probe, "
+            "gateway, OTLP) report its tenants under [KVWATCH_DEPLOYMENT_ID; default].",
+        ),
+    ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="The engine's HTTP root (http://host:8000): its /metrics, /v1/models and "
+            "/version give the figures of the engine.config sent once unsalted blocks are "
+            "seen (without it none is sent)."
+        ),
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(help="Node id (default: the --target's host:port, else the endpoint's)."),
+    ] = None,
+    interval: Annotated[
+        float, typer.Option(min=0.05, help="Seconds per kv.turnover event.")
+    ] = 10.0,
+    duration: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Stop after this many seconds (default: at SIGTERM or SIGINT)."),
+    ] = None,
+    backfill: Annotated[
+        bool,
+        typer.Option(
+            "--backfill",
+            help="At the first batch, replay what the publisher still buffers (blocks stored "
+            "before this started); needs --replay-endpoint.",
+        ),
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds to wait for each HTTP or replay answer.")
+    ] = 10.0,
+    flush_timeout: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds to wait at exit for the collector to take the events."),
+    ] = 15.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVWATCH_SCRAPE_API_KEY",
+            show_envvar=False,
+            help="Bearer key for the --target's API endpoints [KVWATCH_SCRAPE_API_KEY; "
+            "prefer the variable].",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what was found; send nothing.")
+    ] = False,
+) -> None:
+    """Subscribe to an engine's KV-cache events (vLLM's --kv-events-config): blocks stored,
+    evicted and cleared, with their cache salts and sessions. Every interval sends a
+    kv.turnover event; once blocks without a cache salt are seen, an engine.config with
+    prefix caching on and unsalted (so prefix_cache_unsalted fires when the deployment
+    serves 2+ tenants). The events carry no tenant: see docs/vllm.md."""
+    from engine_probe.events import is_valid_id
+    from engine_probe.kv_events import KvEventsError, Mirror, Stream
+
+    if backfill and not replay_endpoint:
+        raise _fail("--backfill needs --replay-endpoint (the publisher's buffer is read there)")
+    figures: NodeFigures | None = None
+    if target is not None:
+        from engine_probe.scrape import ScrapeError, TargetScraper, make_target
+
+        try:
+            scraped = TargetScraper(
+                make_target(target, "vllm", node=node, api_key=api_key), timeout_s=timeout
+            ).scrape()
+        except ScrapeError as exc:
+            raise _fail(str(exc)) from None
+        if len(scraped.nodes) != 1:
+            raise _fail(
+                f"{target} has {len(scraped.nodes)} engine cores; each publishes on its own "
+                "port (endpoint + rank): run one kvwatch kv-events per core with --node"
+            )
+        figures = scraped.nodes[0]
+    node_id = node or (figures.node if figures else _node_from(endpoint))
+    if not is_valid_id(node_id):
+        raise _fail(f"--node {node_id!r} does not follow the id rule")
+    settings = _probe_settings(deployment, "kv-events")
+    if not dry_run:
+        if settings.collector_url is None:
+            raise _fail("KVWATCH_COLLECTOR_URL is not set: nowhere to send (or pass --dry-run)")
+        if settings.ingest_token is None:
+            raise _fail("KVWATCH_COLLECTOR_URL is set but KVWATCH_INGEST_TOKEN is not")
+    try:
+        stream = Stream(
+            endpoint,
+            replay_endpoint=replay_endpoint,
+            topic=topic,
+            backfill=backfill,
+            replay_timeout_s=timeout,
+        )
+    except KvEventsError as exc:
+        raise _fail(str(exc)) from None
+
+    from engine_probe.probe import NoopProbe, Probe
+
+    probe: BaseProbe = NoopProbe() if dry_run else Probe(settings)
+    loop = _Loop(stream, Mirror(), probe, node_id, figures)
+    err.print(
+        f"subscribed to {escape(stream.endpoint)}"
+        + (f" (replay {escape(stream.replay_endpoint)})" if stream.replay_endpoint else "")
+        + f" as node {escape(node_id)}",
+        highlight=False,
+    )
+    try:
+        loop.run(interval, duration)
+    finally:
+        stream.close()
+    flushed = probe.force_flush(flush_timeout)
+    clean = probe.shutdown(max(flush_timeout, 1.0) if not flushed else 2.0)
+    stats = probe.stats()
+    lost = sum(stats.get("dropped", {}).values())
+    typer.echo(
+        json.dumps(
+            {
+                "intervals": loop.intervals,
+                "events": loop.events,
+                "config_sent": loop.config_sent,
+                "probe_id": stats.get("probe_id"),
+                "delivered": stats.get("sent", 0),
+                "lost": lost,
+                "node": node_id,
+                "stream": stream.stats.as_dict(),
+                "blocks": loop.mirror.totals.summary(),
+                "cached_blocks": len(loop.mirror),
+            }
+        )
+    )
+    if lost or not clean:
+        why = stats.get("last_error") or "the collector did not take them in time"
+        raise _fail(f"{lost} events were not delivered: {why}")
+    raise typer.Exit(EXIT_SENT)
+
+
+class _Loop:
+    """Reads the stream into the mirror; every ``interval`` sends the interval's
+    ``kv.turnover`` (also when nothing happened: the probe is alive, the cache idle), and the
+    first time an unsalted block is stored, the ``engine.config`` (with ``--target``)."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        mirror: Mirror,
+        probe: BaseProbe,
+        node: str,
+        figures: NodeFigures | None,
+    ) -> None:
+        self.stream = stream
+        self.mirror = mirror
+        self.probe = probe
+        self.node = node
+        self.figures = figures
+        self.intervals = self.events = 0
+        self.config_sent = False
+        self._lost_before = 0
+        self._stop = threading.Event()
+
+    def run(self, interval: float, duration: float | None) -> None:
+        from engine_probe.kv_events import Restarted
+
+        def stop(signum: int, frame: object) -> None:
+            self._stop.set()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, stop)
+            signal.signal(signal.SIGINT, stop)
+        start = last = time.monotonic()
+        end = None if duration is None else start + duration
+        while not self._stop.is_set():
+            now = time.monotonic()
+            due = last + interval
+            if end is not None:
+                due = min(due, end)
+            for item in self.stream.batches(max(due - now, 0.0)):
+                if isinstance(item, Restarted):
+                    self.mirror.reset()
+                    continue
+                self.mirror.apply(item.events, len(item.unknown))
+                if not self.config_sent and self.mirror.totals.counts.unsalted_blocks:
+                    self._send_config()
+            now = time.monotonic()
+            if now >= last + interval or (end is not None and now >= end):
+                self._send_turnover(max(now - last, 1e-3))
+                last = now
+            if end is not None and now >= end:
+                break
+
+    def _send_config(self) -> None:
+        from engine_probe.events import EngineConfig
+
+        self.config_sent = True
+        if self.figures is None:
+            err.print(
+                "[yellow]blocks without a cache salt were stored[/]: prefix caching is shared "
+                "unsalted (no --target: no engine.config sent)",
+                highlight=False,
+            )
+            return
+        fields: dict[str, Any] = {
+            **self.figures.config_fields(),
+            "node": self.node,
+            "prefix_caching": True,
+            "prefix_cache_salting": False,
+        }
+        self.events += self.probe.emit(EngineConfig, **fields)
+
+    def _send_turnover(self, elapsed: float) -> None:
+        from engine_probe.events import KvTurnover
+
+        counts = self.mirror.take()
+        lost = self.stream.stats.lost - self._lost_before
+        self._lost_before = self.stream.stats.lost
+        self.intervals += 1
+        self.events += self.probe.emit(
+            KvTurnover,
+            node=self.node,
+            interval_s=round(elapsed, 3),
+            lost_batches=lost,
+            **counts.turnover_fields(),
+        )

@@ -1,0 +1,174 @@
+"""``kvwatch kv-events`` against the KV-cache events of the run's one real vLLM server
+(``tests/engine_servers.py``: the tiny model on CPU, block size 32, ``--kv-events-config``
+with a ZMQ publisher and its replay socket), reporting into that server's collector under the
+server's deployment (whose tenants the plugin's probe reports) as a node of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_probe.kv_events import BlockStored, Decoded, Stream
+from tests import engine_servers
+from tests.engine_servers import KV_EVENTS_NODE as NODE
+from tests.engine_servers import KV_EVENTS_TOPIC, VllmServer, wait_for
+
+vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
+
+KVWATCH = str(Path(sys.executable).parent / "kvwatch")
+# serial: the run's one vLLM server is started in the serial phase (tests/test_vllm_server.py)
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
+
+# tenants and sessions only this module uses
+A, B, W = "kvev-tenant-a", "kvev-tenant-b", "kvev-tenant-warm"
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 290) for _ in range(n)]
+
+
+def turnovers(server: VllmServer) -> list[dict[str, Any]]:
+    with server.collector.client() as c:
+        r = c.get(
+            "/v1/page-events",
+            params={"deployment_id": server.deployment_id, "kind": "kv.turnover", "limit": 1000},
+        )
+        r.raise_for_status()
+        return [e for e in r.json()["items"] if e["node"] == NODE]
+
+
+def summed(rows: list[dict[str, Any]]) -> dict[str, int]:
+    out = {"stored_blocks": sum(r["page_count"] for r in rows)}
+    for name in ("removed_blocks", "unsalted_blocks", "salted_blocks", "restored_blocks",
+                 "cross_session_blocks", "lost_batches", "cleared"):  # fmt: skip
+        out[name] = sum(r["detail"][name] for r in rows)
+    return out
+
+
+def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServer) -> None:
+    server = vllm_server
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
+    env["KVWATCH_COLLECTOR_URL"] = server.collector.url
+    env["KVWATCH_INGEST_TOKEN"] = server.collector.ingest
+    env["KVWATCH_PROBE_FLUSH_INTERVAL_S"] = "0.2"
+    # beside the command, the stream in this process: the server's own events, decoded
+    watch = Stream(server.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
+    proc = subprocess.Popen(
+        [KVWATCH, "kv-events", "--endpoint", server.kv_events_endpoint,
+         "--replay-endpoint", server.kv_events_replay_endpoint, "--topic", KV_EVENTS_TOPIC,
+         "--deployment", server.deployment_id, "--target", server.base_url, "--node", NODE,
+         "--interval", "0.5"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        # Until a warm-up request's blocks are counted, the subscription may not have
+        # reached the publisher yet (ZMQ subscriptions propagate asynchronously). Salted:
+        # the engine.config must come from the unsalted requests below.
+        def warmed() -> bool:
+            r = server.complete(tokens(random.randrange(1 << 30), 64), tenant=W,
+                                cache_salt="kvev-warm", max_tokens=1)  # fmt: skip
+            assert r.status_code == 200, r.text
+            time.sleep(1.2)
+            return sum(r["page_count"] for r in turnovers(server)) > 0
+
+        wait_for(lambda: warmed(), bool, timeout_s=60)
+        time.sleep(1.0)  # the warm-up's interval is sent
+        before = summed(turnovers(server))
+
+        a_prompt = tokens(11, 100)
+        sent = {
+            # 100 + 4 tokens: 3 full blocks, unsalted, session a
+            "a": server.complete(a_prompt, tenant=A, session_id="kvev-sess-a", max_tokens=4),
+            # 70 + 2: 2 full blocks, salted
+            "b": server.complete(
+                tokens(12, 70), tenant=B, cache_salt="kvev-salt-b", session_id="kvev-sess-b",
+                max_tokens=2,
+            ),
+            # a's first 96 tokens and 20 more (+ 2): its 3 blocks are a prefix-cache hit, which
+            # vLLM reports as stores in kv_cache_report_mode "full", naming session b
+            "c": server.complete(
+                a_prompt[:96] + tokens(13, 20), tenant=B, session_id="kvev-sess-b",
+                max_tokens=2, xargs={"kv_cache_report_mode": "full"},
+            ),
+        }  # fmt: skip
+        for name, r in sent.items():
+            assert r.status_code == 200, (name, r.text)
+        cached = sent["c"].json()["usage"].get("prompt_tokens_details") or {}
+        time.sleep(1.5)
+        seen = [e for b in watch.batches(1.0) if isinstance(b, Decoded) for e in b.events]
+    finally:
+        watch.close()
+        proc.send_signal(signal.SIGINT)
+        out, errors = proc.communicate(timeout=60)
+    # What vLLM 0.32 sent for each request: one store per step that filled blocks; the
+    # first block of a salted prompt carries the salt; every store names its session.
+    stores = [e for e in seen if isinstance(e, BlockStored)]
+    a_stores = [e for e in stores if e.session_id == "kvev-sess-a"]
+    assert sum(len(e.block_hashes) for e in a_stores) == 3
+    # unsalted: an entry per block, each None (0.32 sends the list, not None)
+    assert a_stores[0].parent_block_hash is None
+    assert all(k is None for e in a_stores for k in e.extra_keys or [])
+    assert all(e.block_size == server.block_size for e in stores)
+    assert [t for e in a_stores for t in e.token_ids] == a_prompt[:96]
+    b_first = next(e for e in stores if e.session_id == "kvev-sess-b")
+    assert b_first.salt_of_first_block() == "kvev-salt-b"
+    c_hit = [e for e in stores if e.session_id == "kvev-sess-b" and e.salt_of_first_block() is None]
+    assert [h for e in c_hit for h in e.block_hashes] == [
+        h for e in a_stores for h in e.block_hashes
+    ]
+    assert proc.returncode == 0, errors
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["stream"]["lost"] == 0 and summary["stream"]["malformed"] == 0, summary
+    assert summary["config_sent"] is True and summary["lost"] == 0
+    assert summary["blocks"]["block_sizes"] == [server.block_size]
+
+    rows = turnovers(server)
+    total = summed(rows)
+    # everything the consumer counted reached the collector
+    assert total["stored_blocks"] == summary["blocks"]["stored_blocks"]
+    assert total["restored_blocks"] == summary["blocks"]["restored_blocks"]
+    got = {k: total[k] - before[k] for k in total}
+    assert got == {
+        "stored_blocks": 3 + 2 + 3,
+        "removed_blocks": 0,  # the pool (1 GiB) evicts nothing this early
+        "unsalted_blocks": 3 + 3,
+        "salted_blocks": 2,
+        "restored_blocks": 3,
+        "cross_session_blocks": 3,
+        "lost_batches": 0,
+        "cleared": 0,
+    }, (got, cached)
+
+    # the engine.config it sent: vLLM's figures (from --target), prefix caching on, unsalted
+    with server.collector.client() as c:
+        history = c.get(f"/v1/deployments/{server.deployment_id}/config-history").json()
+        (cfg,) = [h for h in history if h["node"] == NODE]
+        assert (cfg["engine"], cfg["model_id"], cfg["page_size"]) == (
+            "vllm",
+            server.model,
+            server.block_size,
+        )
+        assert cfg["prefix_caching"] is True and cfg["prefix_cache_salting"] is False
+        assert cfg["advertised_context"] == server.max_model_len
+
+    # and with the deployment's tenants (the plugin reported A and B), the rule fires
+    def unsalted() -> list[dict[str, Any]]:
+        with server.collector.client() as c:
+            alerts = c.get("/v1/alerts", params={"rule": "prefix_cache_unsalted"}).json()
+        return [a for a in alerts if a["labels"].get("node") == NODE and a["state"] == "firing"]
+
+    (alert,) = wait_for(unsalted, bool, timeout_s=60)
+    assert alert["labels"]["deployment_id"] == server.deployment_id
