@@ -66,6 +66,7 @@ def test_a_shared_cache_is_reported_naming_the_pair_and_exits_1(tmp_path: Any) -
     assert by[("cross", True)]["hit"] is False
     assert by[("cross", False)]["cached_tokens"][0] >= 0.5 * p["prefix_tokens"]
     assert "PREFIX SHARED" in ran.stdout and "globex was served acme's cached prefix" in ran.stdout
+    assert "with each tenant's own cache_salt nothing was shared" in ran.stdout
     assert p["requests"] <= 40
     # the context verdict is apart: no leak, a safe context measured
     assert ran.report is not None and ran.report["verified_safe_context"] is not None

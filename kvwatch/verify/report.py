@@ -285,6 +285,9 @@ class Report:
                 for owner, reader, salted in p.shared_pairs:
                     how = " with its own cache_salt" if salted else ""
                     row("PREFIX SHARED", f"{reader} was served {owner}'s cached prefix{how}")
+                if p.salt_accepted and not any(salted for _, _, salted in p.shared_pairs):
+                    row("", "with each tenant's own cache_salt nothing was shared: salting "
+                        "isolates, clients that send none share")  # fmt: skip
             elif p.note:
                 row("", ("WARNING: " if p.verdict != "isolated" else "") + p.note)
         elif self.prefix_cache_error is not None:
