@@ -24,9 +24,13 @@ MEASURES = {
     "Prefill pool": "#1f77b4",
     "Verified safe context": "#2ca02c",
 }
+# Every page-event kind the collector stores: the scale's domain is this list, so a kind left
+# out would have no colour (prefix_cache.hit and kv.turnover once had none).
 KINDS = {
     "kv.transfer": "#9ecae1",
     "page.reuse": "#6baed6",
+    "kv.turnover": "#c6dbef",
+    "prefix_cache.hit": "#fd8d3c",
     "page.stale_read": CRIT,
     "canary.hit": "#9467bd",
 }

@@ -620,3 +620,21 @@ def test_the_incident_draws_each_involved_node_over_its_own_minutes(
     times = _dashed_layer_times(at, index)
     assert (times[0], times[-1]) == (lo, hi)
     assert not problems(at)
+
+
+def test_every_page_event_kind_has_a_colour_on_the_page_events_chart() -> None:
+    """The chart's colour scale has a fixed domain: a kind the collector stores as a page
+    event but the chart does not list would be drawn without a colour."""
+    from dashboard import charts
+    from engine_probe import events as ev
+
+    not_page_rows = {
+        "engine.config",
+        "request.admitted",
+        "request.rejected",
+        "request.finished",
+        "pool.sample",
+        "probe.drops",
+        "probe.stopped",
+    }
+    assert set(charts.KINDS) == set(ev.KINDS) - not_page_rows
