@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -620,6 +621,26 @@ def sglang_server(
 # Lists that take no deployment filter (the collector refuses a parameter a route does not
 # take); each live server has a collector of its own, so they hold only its deployment.
 _UNFILTERED = frozenset({"/v1/deployments", "/v1/probes"})
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny model's vocabulary (300 tokens; 0 and 1 are special),
+    the same for the same ``seed``: the live servers' prompts."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, 290) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def gateway_in_front(base_url: str, keys: dict[str, str], **settings: Any) -> Iterator[str]:
+    """kvwatch's gateway in front of a live server, with these tenant keys. Its own records
+    go nowhere: the live tests look at the probe's inside the engine."""
+    from engine_probe.probe import NoopProbe
+    from kvwatch.embedded import serve_in_thread
+    from kvwatch.gateway import GatewaySettings, create_app
+
+    config = GatewaySettings(gateway_upstream=base_url, gateway_tenant_keys=keys, **settings)
+    with serve_in_thread(create_app(config, probe=NoopProbe())) as url:
+        yield url
 
 
 def collector_get(server: Any, path: str, **params: Any) -> Any:

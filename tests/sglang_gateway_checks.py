@@ -12,20 +12,15 @@ worker, so a module of their own would start a second server (about 45 s of CI).
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from engine_probe.probe import NoopProbe
-from kvwatch.embedded import serve_in_thread
-from kvwatch.gateway import GatewaySettings, create_app
 from kvwatch.gateway.isolation import derive_salt
-from tests.engine_servers import SglangServer, sglang_server, wait_for  # noqa: F401
+from tests.engine_servers import SglangServer, sglang_server, tokens, wait_for  # noqa: F401
 from tests.engine_servers import collector_get as get
+from tests.engine_servers import gateway_in_front as gateway
 
 pytestmark = pytest.mark.slow  # as every test of the run's one SGLang server
 
@@ -34,18 +29,6 @@ SECRET = "gateway-sglang-test-secret-" + "7" * 16
 SALTED = {"gws-salted-a": "sk-gws-1", "gws-salted-b": "sk-gws-2"}
 OPEN = {"gws-open-a": "sk-gws-3", "gws-open-b": "sk-gws-4"}
 SHARED = 96  # tokens of the prompt both tenants send before their own tails
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 290) for _ in range(n)]
-
-
-@contextmanager
-def gateway(server: SglangServer, keys: dict[str, str], **settings: Any) -> Iterator[str]:
-    config = GatewaySettings(gateway_upstream=server.base_url, gateway_tenant_keys=keys, **settings)
-    with serve_in_thread(create_app(config, probe=NoopProbe())) as url:
-        yield url
 
 
 def complete(url: str, key: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
@@ -81,7 +64,7 @@ def test_salted_per_tenant_no_prefix_is_shared_and_the_tenant_reaches_the_probe(
 ) -> None:
     a, b = SALTED
     shared = tokens(8001, SHARED)
-    with gateway(sglang_server, SALTED, gateway_salt_secret=SECRET) as url:
+    with gateway(sglang_server.base_url, SALTED, gateway_salt_secret=SECRET) as url:
         complete(url, SALTED[a], shared + tokens(8002, 10))
         # a again: its own prefix is served from the cache (the salt keeps a's cache a's)
         again = complete(url, SALTED[a], shared + tokens(8003, 10))
@@ -102,7 +85,7 @@ def test_positive_control_unsalted_tenants_share_the_prefix(
 ) -> None:
     a, b = OPEN
     shared = tokens(8011, SHARED)
-    with gateway(sglang_server, OPEN, gateway_salt_prefix_cache="off") as url:
+    with gateway(sglang_server.base_url, OPEN, gateway_salt_prefix_cache="off") as url:
         complete(url, OPEN[a], shared + tokens(8012, 10))
         b_answer = complete(url, OPEN[b], shared + tokens(8013, 12))
     assert cached_tokens(b_answer) >= 64, b_answer["usage"]

@@ -7,19 +7,14 @@ with salting off they do (the positive control: the same requests, the same serv
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
-from engine_probe.probe import NoopProbe
-from kvwatch.embedded import serve_in_thread
-from kvwatch.gateway import GatewaySettings, create_app
 from kvwatch.gateway.isolation import derive_salt
-from tests.engine_servers import VllmServer, vllm_server, wait_for  # noqa: F401
+from tests.engine_servers import VllmServer, tokens, vllm_server, wait_for  # noqa: F401
+from tests.engine_servers import gateway_in_front as gateway
 
 # serial and slow, as every test of the run's one vLLM server (tests/test_vllm_server.py)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -30,19 +25,6 @@ SALTED = {"gwv-salted-a": "sk-gwv-1", "gwv-salted-b": "sk-gwv-2"}
 OPEN = {"gwv-open-a": "sk-gwv-3", "gwv-open-b": "sk-gwv-4"}
 # 5 full blocks shared, then a tail of the reader's own: a hit would be 5 blocks
 SHARED = 5 * 32
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 290) for _ in range(n)]
-
-
-@contextmanager
-def gateway(server: VllmServer, keys: dict[str, str], **settings: Any) -> Iterator[str]:
-    config = GatewaySettings(gateway_upstream=server.base_url, gateway_tenant_keys=keys, **settings)
-    # the gateway's own records are not what is tested here: the probe inside vLLM's are
-    with serve_in_thread(create_app(config, probe=NoopProbe())) as url:
-        yield url
 
 
 def complete(
@@ -90,7 +72,7 @@ def test_salted_per_tenant_no_prefix_is_shared_and_tags_reach_the_probe(
 ) -> None:
     a, b = SALTED
     first, second = tokens(7001, SHARED + 10), tokens(7002, SHARED + 10)
-    with gateway(vllm_server, SALTED, gateway_salt_secret=SECRET) as url:
+    with gateway(vllm_server.base_url, SALTED, gateway_salt_secret=SECRET) as url:
         complete(url, SALTED[a], first)
         complete(url, SALTED[b], first[:SHARED] + tokens(7003, 12), stream=True)
         # b sends the salt a's requests get: the gateway replaces it with b's own
@@ -116,7 +98,7 @@ def test_positive_control_unsalted_tenants_share_the_prefix(
     says so, naming both of the gateway's tenants (so the test above can see a hit)."""
     a, b = OPEN
     first = tokens(7011, SHARED + 10)
-    with gateway(vllm_server, OPEN, gateway_salt_prefix_cache="off") as url:
+    with gateway(vllm_server.base_url, OPEN, gateway_salt_prefix_cache="off") as url:
         complete(url, OPEN[a], first)
         complete(url, OPEN[b], first[:SHARED] + tokens(7013, 12))
     (a_row,), (b_row,) = rows_of(vllm_server, a, 1), rows_of(vllm_server, b, 1)

@@ -20,7 +20,7 @@ import pytest
 from engine_probe.kv_events import BlockStored, Decoded, Stream
 from tests import engine_servers
 from tests.engine_servers import KV_EVENTS_NODE as NODE
-from tests.engine_servers import KV_EVENTS_TOPIC, VllmServer, wait_for
+from tests.engine_servers import KV_EVENTS_TOPIC, VllmServer, tokens, wait_for
 
 vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
 
@@ -30,11 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # tenants and sessions only this module uses
 A, B, W = "kvev-tenant-a", "kvev-tenant-b", "kvev-tenant-warm"
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 290) for _ in range(n)]
 
 
 def turnovers(server: VllmServer) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ then holds is checked against SGLang's own figures (``/get_server_info`` and its
 from __future__ import annotations
 
 import json
-import random
 import socket
 import time
 from typing import Any
@@ -23,6 +22,7 @@ from tests.engine_servers import (  # noqa: F401
     SGLANG_POOL_TOKENS,
     SglangServer,
     sglang_server,
+    tokens,
     wait_for,
 )
 from tests.engine_servers import collector_get as get
@@ -36,11 +36,6 @@ from tests.sglang_gateway_checks import (  # noqa: F401
 pytestmark = pytest.mark.slow
 
 A, B = "ssrv-tenant-a", "ssrv-tenant-b"
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 290) for _ in range(n)]
 
 
 def requests_of(server: SglangServer, tenant: str) -> list[dict[str, Any]]:

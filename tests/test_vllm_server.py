@@ -24,6 +24,7 @@ from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
     KV_EVENTS_NODE,
     VllmServer,
+    tokens,
     vllm_server,
     wait_for,
 )
@@ -35,11 +36,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 # tenants only this module uses: other modules may send requests to the same server
 A, B, OVER, PAR = "vsrv-tenant-a", "vsrv-tenant-b", "vsrv-tenant-over", "vsrv-tenant-par"
 OTLP = "vsrv-tenant-otlp"
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 290) for _ in range(n)]
 
 
 def vllm_cache_config(server: VllmServer) -> dict[str, str]:
