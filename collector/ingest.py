@@ -26,7 +26,7 @@ from collector.errors import (
 )
 from collector.metrics import CollectorMetrics
 from collector.settings import Settings
-from collector.store import IngestStore, WriteResult, micros, shape_rows
+from collector.store import IngestStore, Rows, WriteResult, micros, shape_rows
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
 from policies import NodeConfig, SeqGapFact
@@ -52,6 +52,16 @@ class IngestResult:
             "duplicates": self.duplicates,
             "gaps": [list(g) for g in self.gaps],
         }
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    """A decoded, validated batch: its events (one probe's), their rows when the batch is
+    in seq order (see :func:`collector.store.shape_rows`), and when its handling began."""
+
+    events: list[ev.Event]
+    rows: Rows | None
+    started: float
 
 
 class IngestService:
@@ -90,14 +100,34 @@ class IngestService:
     def ingest(
         self, principal: Principal, body: bytes, content_type: str, now: datetime
     ) -> IngestResult:
+        """Decode, validate and store one batch (``prepare``, then ``store_batch``)."""
+        return self.store_batch(principal, self.prepare(principal, body, content_type, now), now)
+
+    def prepare(
+        self, principal: Principal, body: bytes, content_type: str, now: datetime
+    ) -> PreparedBatch:
+        """Decode and validate a batch and shape its rows. Pure CPU work touching no database:
+        the HTTP route runs it outside the write limiter, so one batch is decoded while
+        another is written."""
         started = time.perf_counter()
         try:
             events = self._decode(body, content_type)
             self._validate(principal, events, now)
-            # Shaping is pure: do it before taking the write lock (the store re-shapes only
-            # when the batch turns out to hold duplicates).
-            ordered = all(a.seq < b.seq for a, b in pairwise(events))
-            rows = shape_rows(events) if ordered else None
+        except CollectorError as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            raise
+        # The store re-shapes only when the batch turns out to hold duplicates or is out of
+        # order (then only its new events are written).
+        ordered = all(a.seq < b.seq for a, b in pairwise(events))
+        rows = shape_rows(events) if ordered else None
+        return PreparedBatch(events, rows, started)
+
+    def store_batch(
+        self, principal: Principal, batch: PreparedBatch, now: datetime
+    ) -> IngestResult:
+        """Store a prepared batch in one transaction (with its policies), or nothing."""
+        events = batch.events
+        try:
             res = self.commit(
                 principal,
                 events,
@@ -109,7 +139,7 @@ class IngestService:
                     lineage_id=principal.lineage,
                     events=events,
                     now_us=micros(now),
-                    rows=rows,
+                    rows=batch.rows,
                 ),
             )
         except CollectorError as exc:
@@ -117,7 +147,7 @@ class IngestService:
             raise
         self.metrics.events.labels("accepted").inc(res.accepted)
         self.metrics.events.labels("duplicate").inc(res.duplicates)
-        self.metrics.batch_seconds.observe(time.perf_counter() - started)
+        self.metrics.batch_seconds.observe(time.perf_counter() - batch.started)
         return IngestResult(res.accepted, res.duplicates, res.new_gaps)
 
     def commit(

@@ -25,9 +25,16 @@ _ERRORS = params.errors(401, 403, 422, 503)
 
 
 def build_router(
-    ingest: IngestService, max_body_bytes: int, limiter: anyio.CapacityLimiter
+    ingest: IngestService,
+    max_body_bytes: int,
+    limiter: anyio.CapacityLimiter,
+    in_hand: anyio.CapacityLimiter | None = None,
 ) -> APIRouter:
-    """``limiter``: how many batches are written at once."""
+    """``limiter``: how many batches are written at once. ``in_hand``: how many are decoded
+    or being written at once (default: one more than ``limiter``), so the next batch is
+    decoded while one is written, and decoded batches waiting for the writer stay bounded."""
+    if in_hand is None:
+        in_hand = anyio.CapacityLimiter(limiter.total_tokens + 1)
     r = APIRouter()
 
     @r.post(
@@ -60,9 +67,12 @@ def build_router(
         body = await read_producer_body(request, max_body_bytes, who.token_id)
         ctype = request.headers.get("content-type", "")
         now = datetime.now(UTC)
-        result = await anyio.to_thread.run_sync(
-            ingest.ingest, who, body, ctype, now, limiter=limiter
-        )
+        async with in_hand:
+            # Decoding and shaping touch no database: outside the write limiter.
+            batch = await anyio.to_thread.run_sync(ingest.prepare, who, body, ctype, now)
+            result = await anyio.to_thread.run_sync(
+                ingest.store_batch, who, batch, now, limiter=limiter
+            )
         return result.as_dict()
 
     return r
