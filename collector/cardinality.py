@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from sqlalchemy import Connection, func, select, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -44,20 +45,28 @@ class Limits:
 
 def names_of(events: Iterable[ev.Event]) -> set[Name]:
     """Every (kind, deployment, value) a batch names."""
+    # A batch's events repeat a few label tuples: collect the distinct ones at C speed (one
+    # getter per event type, made at import), then spell out their names.
+    seen = {(type(e), _LABEL_GET[type(e)](e)) for e in events}
     out: set[Name] = set()
-    for e in events:
-        dep = e.deployment_id
+    for t, got in seen:
+        fields = _LABEL_FIELDS[t]
+        labels = dict(zip(fields, got if len(fields) > 1 else (got,), strict=True))
+        dep = labels["deployment_id"]
         out.add(("deployment", dep, dep))
-        node = getattr(e, "node", None)
-        if node:
-            out.add(("node", dep, node))
-        model = getattr(e, "model_id", None)
-        if model:
-            out.add(("model", dep, model))
-        route = getattr(e, "route", None)
-        if route:
-            out.add(("route", dep, route))
+        for field, kind in _LABEL_KINDS:
+            if value := labels.get(field):
+                out.add((kind, dep, value))
     return out
+
+
+_LABEL_KINDS = (("node", "node"), ("model_id", "model"), ("route", "route"))
+# Per event type: the label fields it has (deployment_id first), and a getter of them.
+_LABEL_FIELDS = {
+    t: ("deployment_id", *(f for f, _ in _LABEL_KINDS if f in t.__struct_fields__))
+    for t in ev.EVENT_TYPES
+}
+_LABEL_GET = {t: attrgetter(*fields) for t, fields in _LABEL_FIELDS.items()}
 
 
 class NewNames:
@@ -66,11 +75,17 @@ class NewNames:
         self._known: set[Name] = set()
 
     def admit(
-        self, conn: Connection, lineage: int, events: Sequence[ev.Event], now_us: int
+        self,
+        conn: Connection,
+        lineage: int,
+        events: Sequence[ev.Event],
+        now_us: int,
+        names: set[Name] | None = None,
     ) -> None:
         """Record the batch's new names for ``lineage``, or raise :class:`TooManyNewNames`
-        (inside the caller's transaction, before anything of the batch is written)."""
-        wanted = names_of(events) - self._known
+        (inside the caller's transaction, before anything of the batch is written).
+        ``names``: ``names_of(events)``, when the caller has it already."""
+        wanted = (names_of(events) if names is None else names) - self._known
         if not wanted:
             return
         lv = m.LabelValue

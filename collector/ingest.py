@@ -14,7 +14,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from collector.alerting.evaluation import PassResult
 from collector.alerting.service import AlertingService
-from collector.cardinality import Limits, NewNames
+from collector.cardinality import Limits, Name, NewNames, names_of
 from collector.db import DRIVER_ERRORS, Database
 from collector.errors import (
     CollectorError,
@@ -61,6 +61,7 @@ class PreparedBatch:
 
     events: list[ev.Event]
     rows: Rows | None
+    names: set[Name]
     started: float
 
 
@@ -120,7 +121,7 @@ class IngestService:
         # order (then only its new events are written).
         ordered = all(a.seq < b.seq for a, b in pairwise(events))
         rows = shape_rows(events) if ordered else None
-        return PreparedBatch(events, rows, started)
+        return PreparedBatch(events, rows, names_of(events), started)
 
     def store_batch(
         self, principal: Principal, batch: PreparedBatch, now: datetime
@@ -141,6 +142,7 @@ class IngestService:
                     now_us=micros(now),
                     rows=batch.rows,
                 ),
+                names=batch.names,
             )
         except CollectorError as exc:
             self.metrics.rejected.labels(exc.code).inc()
@@ -156,6 +158,7 @@ class IngestService:
         events: Sequence[ev.Event],
         now: datetime,
         write: Callable[[Connection], WriteResult],
+        names: set[Name] | None = None,
     ) -> WriteResult:
         """One transaction: the token's new-name limits over ``events``, ``write`` (which
         stores them, or the part of them that is new), and the policies over what it wrote;
@@ -169,7 +172,7 @@ class IngestService:
                         if self.alerting is not None
                         else {}
                     )
-                    self.names.admit(conn, principal.lineage, events, micros(now))
+                    self.names.admit(conn, principal.lineage, events, micros(now), names)
                     res = write(conn)
                     outcome = (
                         self._evaluate(conn, res, prior, now)
