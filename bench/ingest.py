@@ -332,11 +332,12 @@ def bench_decode(wl: Workload) -> tuple[float, float]:
 # -- raw ceilings --------------------------------------------------------------------------
 
 
-def raw_sqlite(path: Path, wl: Workload) -> float:
-    """Seconds to write every batch's rows with the collector's own writer
-    (``IngestStore.write_rows``: sqlite3 executemany), one transaction per batch."""
+def raw_sqlite(path: Path, wl: Workload, *, executemany: bool = True) -> float:
+    """Seconds to write every batch's rows with the collector's own SQL (``IngestStore
+    .write_rows``), one transaction per batch: one statement per row (sqlite3 executemany,
+    the ceiling), or with ``executemany=False`` the collector's own multi-row statements."""
     migrate.upgrade(f"sqlite:///{path}")
-    store = IngestStore("sqlite")
+    store = IngestStore("sqlite", sqlite_executemany=executemany)
     con = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON"):

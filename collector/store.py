@@ -13,12 +13,13 @@ the ORM would cost several times the insert itself on this path.
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 import time
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from itertools import pairwise
+from itertools import chain, pairwise
 from typing import Any
 
 import msgspec
@@ -26,7 +27,7 @@ from sqlalchemy import Connection, delete, func, insert, select, update
 
 from collector import models as m
 from collector.errors import Forbidden
-from collector.rollups.buckets import POOL_BUCKET_US, floor_to, request_marks
+from collector.rollups.buckets import POOL_BUCKET_US, REQUEST_BUCKET_US, request_marks
 from engine_probe import events as ev
 
 _json = msgspec.json.Encoder()
@@ -77,7 +78,8 @@ REQ_COLS = (
     "prompt_shared_with",
     "cached_tokens",
 )
-# What is written: a new row's part_ts is its first_ts (never updated by the upsert).
+# What is written: a new row's part_ts is its first_ts (never updated by the upsert). The
+# batch's rows carry it from the start, folded as first_ts is, so they are written as they are.
 REQ_WRITE_COLS = (*REQ_COLS, "part_ts")
 _CONFIG_FIELDS = (
     "engine",
@@ -117,7 +119,9 @@ class Rows:
     pool: list[tuple[Any, ...]] = field(default_factory=list)
     page: list[tuple[Any, ...]] = field(default_factory=list)
     drops: list[tuple[Any, ...]] = field(default_factory=list)
-    requests: dict[tuple[str, str], list[Any]] = field(default_factory=dict)
+    #: one row per request, in ``REQ_WRITE_COLS`` order (the writers take several rows of
+    #: one request too: the database merges them as it merges batches)
+    requests: list[tuple[Any, ...]] = field(default_factory=list)
     configs: list[ev.EngineConfig] = field(default_factory=list)
     deployments: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: when the batch's probe said it shut down cleanly (probe.stopped), µs
@@ -127,8 +131,10 @@ class Rows:
 # Request status: "admitted" is provisional; any terminal status replaces it.
 _PROVISIONAL = "admitted"
 
-# How two observations of one request merge, per column. One table drives both the in-batch
-# fold (``_fold_request``) and the database upsert (``_request_upsert_sql``). Every rule is
+# How two observations of one request merge, per column. One table drives both the merge of
+# a batch's rows for one request (SQLite's upsert takes them one by one; PostgreSQL groups
+# them first, ``_request_group_sql``) and the upsert into the stored row
+# (``_request_upsert_sql``). Every rule is
 # commutative and associative and ignores NULL, so the stored row does not depend on which
 # probe's batch arrives first: the prefill node's rejection (700,000 prompt tokens) and the
 # decode node's completion of the one-token placeholder merge to the same row either way.
@@ -159,7 +165,12 @@ STATUS_RANK: dict[str, int] = {
     "aborted": 4,
     "error": 5,
 }
-_FOLD = tuple((REQ_COLS.index(c), rule) for c, rule in REQUEST_MERGE.items())
+# Where each rule applies in a row. part_ts merges as first_ts does (it is the earliest
+# first_ts until the row is stored), though the upsert never changes a stored one.
+_MERGE_AT = (
+    *((REQ_WRITE_COLS.index(c), rule) for c, rule in REQUEST_MERGE.items()),
+    (REQ_WRITE_COLS.index("part_ts"), "min"),
+)
 _TEXT_COLS = {
     "tenant",
     "route",
@@ -172,15 +183,24 @@ _TEXT_COLS = {
 
 
 def shape_rows(events: Iterable[ev.Event]) -> Rows:
-    """Turn decoded events into table rows. Pure; events must be in seq order."""
+    """Turn decoded events into table rows. Pure; events must be in seq order.
+
+    A request's events in the batch fold into one row by ``REQUEST_MERGE`` (``_merge``):
+    SQLite would merge them too, row by row, but its upsert's update costs twice the
+    insert (measured); folding here is a dictionary look-up per event.
+    """
     rows = Rows()
+    pool = rows.pool.append
     reqs = rows.requests
+    at: dict[tuple[str, str], int] = {}  # request key -> its row's index in reqs
     deps = rows.deployments
-    detail: dict[str, Any]
+    admitted, finished, sample = ev.RequestAdmitted, ev.RequestFinished, ev.PoolSample
     # A batch nearly always holds one deployment: track its time span in locals.
     cur_dep, lo, hi = "", 0, 0
+    e: Any  # each branch below knows its event's type
+    row: tuple[Any, ...] | None
     for e in events:
-        ts = micros(e.ts)
+        ts = round(e.ts.timestamp() * 1_000_000)  # micros(), inlined: once per event
         dep = e.deployment_id
         if dep != cur_dep:
             if cur_dep:
@@ -190,92 +210,148 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
             lo = ts
         elif ts > hi:
             hi = ts
-        match e:
-            case ev.PoolSample():
-                rows.pool.append(
-                    (dep, e.probe_id, e.seq, ts, e.node, e.role, e.capacity_tokens,
-                     e.used_tokens, e.free_tokens)
-                )  # fmt: skip
-            case ev.RequestAdmitted() | ev.RequestRejected() | ev.RequestFinished():
-                _fold_request(reqs, e, ts)
-            case ev.PageStaleRead():
-                detail = {
-                    "page_ids": e.page_ids,
-                    "read_kind": e.read_kind,
-                    "role": e.role,
-                    "zeroized": e.zeroized,
-                }
-                rows.page.append(
-                    (dep, e.probe_id, e.seq, ts, "page.stale_read", e.node, e.reader_request_id,
-                     e.reader_tenant, e.previous_request_id, e.previous_tenant, len(e.page_ids),
-                     e.cross_tenant, _json.encode(detail).decode())
-                )  # fmt: skip
-            case ev.KvTransfer():
-                detail = {
-                    "from_node": e.from_node,
-                    "to_node": e.to_node,
-                    "tokens": e.tokens,
-                    "prefill_rejected": e.prefill_rejected,
-                }
-                rows.page.append(
-                    (dep, e.probe_id, e.seq, ts, "kv.transfer", e.from_node, e.request_id,
-                     e.tenant, None, None, e.pages, False, _json.encode(detail).decode())
-                )  # fmt: skip
-            case ev.PageReuse():
-                detail = {
-                    "step": e.step,
-                    "role": e.role,
-                    "cross_tenant_pages": e.cross_tenant_pages,
-                    "zeroized_pages": e.zeroized_pages,
-                }
-                rows.page.append(
-                    (dep, e.probe_id, e.seq, ts, "page.reuse", e.node, None, None, None, None,
-                     e.reused_pages, e.cross_tenant_pages > 0, _json.encode(detail).decode())
-                )  # fmt: skip
-            case ev.PrefixCacheHit():
-                detail = {"role": e.role, "tokens": e.tokens, "salted": e.salted}
-                rows.page.append(
-                    (dep, e.probe_id, e.seq, ts, "prefix_cache.hit", e.node, e.reader_request_id,
-                     e.reader_tenant, e.owner_request_id, e.owner_tenant, e.pages, e.cross_tenant,
-                     _json.encode(detail).decode())
-                )  # fmt: skip
-            case ev.KvTurnover():
-                detail = {
-                    "role": e.role,
-                    "interval_s": e.interval_s,
-                    "removed_blocks": e.removed_blocks,
-                    "cleared": e.cleared,
-                    "unsalted_blocks": e.unsalted_blocks,
-                    "salted_blocks": e.salted_blocks,
-                    "restored_blocks": e.restored_blocks,
-                    "cross_session_blocks": e.cross_session_blocks,
-                    "lost_batches": e.lost_batches,
-                }
-                # page_count: the blocks stored; the engine's events name no tenant, so no
-                # row of this kind is ever cross-tenant
-                rows.page.append(
-                    (dep, e.probe_id, e.seq, ts, "kv.turnover", e.node, None, None, None, None,
-                     e.stored_blocks, False, _json.encode(detail).decode())
-                )  # fmt: skip
-            case ev.CanaryHit():
-                detail = {"detector": e.detector, "page_ids": e.page_ids}
-                rows.page.append(
-                    (dep, e.probe_id, e.seq, ts, "canary.hit", e.node, e.reader_request_id,
-                     e.reader_tenant, None, e.canary_tenant, len(e.page_ids), e.cross_tenant,
-                     _json.encode(detail).decode())
-                )  # fmt: skip
-            case ev.EngineConfig():
-                rows.configs.append(e)
-            case ev.ProbeDrops():
-                for reason, count in sorted(e.counts.items()):
-                    rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
-            case ev.ProbeStopped():
-                rows.stopped_at = ts if rows.stopped_at is None else max(rows.stopped_at, ts)
-            case _:  # pragma: no cover - the decoder only yields the kinds above
-                raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
+        # The common kinds by identity (cheaper than a match's isinstance chain); the
+        # rest in _shape_other. Request rows are in REQ_WRITE_COLS order.
+        t = type(e)
+        if t is finished:
+            row = (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
+                   e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts,
+                   None, e.cached_tokens, ts)  # fmt: skip
+        elif t is admitted:
+            cats = e.data_categories
+            row = (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens, None,
+                   e.max_tokens, _PROVISIONAL, None, None, _categories(cats) if cats else None,
+                   ts, ts, e.prompt_shared_with, None, ts)  # fmt: skip
+        elif t is sample:
+            pool((dep, e.probe_id, e.seq, ts, e.node, e.role, e.capacity_tokens,
+                  e.used_tokens, e.free_tokens))  # fmt: skip
+            continue
+        else:
+            row = _shape_other(rows, e, dep, ts)
+            if row is None:
+                continue
+        key = (dep, row[1])
+        i = at.get(key)
+        if i is None:
+            at[key] = len(reqs)
+            reqs.append(row)
+        else:
+            reqs[i] = _merge(reqs[i], row)
     if cur_dep:
         _widen(deps, cur_dep, lo, hi)
     return rows
+
+
+def _merge(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Two rows of one request merged by ``REQUEST_MERGE``, as the upsert merges them."""
+    out = list(a)
+    for i, rule in _MERGE_AT:
+        x, y = out[i], b[i]
+        if y is None or x == y:
+            continue
+        if x is None:
+            out[i] = y
+        elif rule == "max":
+            if y > x:
+                out[i] = y
+        elif rule == "min":
+            if y < x:
+                out[i] = y
+        elif STATUS_RANK[y] > STATUS_RANK[x]:  # rule == "rank"
+            out[i] = y
+    return tuple(out)
+
+
+def _categories(cats: Sequence[str]) -> str:
+    return _json.encode(sorted(set(cats))).decode()
+
+
+def _shape_other(rows: Rows, e: ev.Event, dep: str, ts: int) -> tuple[Any, ...] | None:
+    """Shape an event of the less frequent kinds (see ``shape_rows``): a request's row is
+    returned (for the caller to fold), any other is added to ``rows``."""
+    detail: dict[str, Any]
+    match e:
+        case ev.RequestRejected():
+            cats = e.data_categories
+            return (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens, None,
+                    None, "rejected", e.reason, e.limit_tokens,
+                    _categories(cats) if cats else None, ts, ts, None, None, ts)  # fmt: skip
+        case ev.PageStaleRead():
+            detail = {
+                "page_ids": e.page_ids,
+                "read_kind": e.read_kind,
+                "role": e.role,
+                "zeroized": e.zeroized,
+            }
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "page.stale_read", e.node, e.reader_request_id,
+                 e.reader_tenant, e.previous_request_id, e.previous_tenant, len(e.page_ids),
+                 e.cross_tenant, _json.encode(detail).decode())
+            )  # fmt: skip
+        case ev.KvTransfer():
+            detail = {
+                "from_node": e.from_node,
+                "to_node": e.to_node,
+                "tokens": e.tokens,
+                "prefill_rejected": e.prefill_rejected,
+            }
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "kv.transfer", e.from_node, e.request_id,
+                 e.tenant, None, None, e.pages, False, _json.encode(detail).decode())
+            )  # fmt: skip
+        case ev.PageReuse():
+            detail = {
+                "step": e.step,
+                "role": e.role,
+                "cross_tenant_pages": e.cross_tenant_pages,
+                "zeroized_pages": e.zeroized_pages,
+            }
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "page.reuse", e.node, None, None, None, None,
+                 e.reused_pages, e.cross_tenant_pages > 0, _json.encode(detail).decode())
+            )  # fmt: skip
+        case ev.PrefixCacheHit():
+            detail = {"role": e.role, "tokens": e.tokens, "salted": e.salted}
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "prefix_cache.hit", e.node, e.reader_request_id,
+                 e.reader_tenant, e.owner_request_id, e.owner_tenant, e.pages, e.cross_tenant,
+                 _json.encode(detail).decode())
+            )  # fmt: skip
+        case ev.KvTurnover():
+            detail = {
+                "role": e.role,
+                "interval_s": e.interval_s,
+                "removed_blocks": e.removed_blocks,
+                "cleared": e.cleared,
+                "unsalted_blocks": e.unsalted_blocks,
+                "salted_blocks": e.salted_blocks,
+                "restored_blocks": e.restored_blocks,
+                "cross_session_blocks": e.cross_session_blocks,
+                "lost_batches": e.lost_batches,
+            }
+            # page_count: the blocks stored; the engine's events name no tenant, so no
+            # row of this kind is ever cross-tenant
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "kv.turnover", e.node, None, None, None, None,
+                 e.stored_blocks, False, _json.encode(detail).decode())
+            )  # fmt: skip
+        case ev.CanaryHit():
+            detail = {"detector": e.detector, "page_ids": e.page_ids}
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "canary.hit", e.node, e.reader_request_id,
+                 e.reader_tenant, None, e.canary_tenant, len(e.page_ids), e.cross_tenant,
+                 _json.encode(detail).decode())
+            )  # fmt: skip
+        case ev.EngineConfig():
+            rows.configs.append(e)
+        case ev.ProbeDrops():
+            for reason, count in sorted(e.counts.items()):
+                rows.drops.append((dep, e.probe_id, e.seq, ts, reason, count))
+        case ev.ProbeStopped():
+            rows.stopped_at = ts if rows.stopped_at is None else max(rows.stopped_at, ts)
+        case _:  # pragma: no cover - the decoder only yields the kinds above
+            raise TypeError(f"unhandled event kind {ev.kind_of(e)}")
+    return None
 
 
 def _widen(spans: dict[str, tuple[int, int]], dep: str, lo: int, hi: int) -> None:
@@ -283,52 +359,13 @@ def _widen(spans: dict[str, tuple[int, int]], dep: str, lo: int, hi: int) -> Non
     spans[dep] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
 
 
-def _fold_request(reqs: dict[tuple[str, str], list[Any]], e: Any, ts: int) -> None:
-    """Merge one request event into the batch's row for that request, with the same rules
-    the database upsert applies between batches (see ``_request_upsert_sql``)."""
-    t = type(e)
-    if t is ev.RequestFinished:
-        new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
-               e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts,
-               None, e.cached_tokens]  # fmt: skip
-    else:
-        cats = e.data_categories
-        cat_json = _json.encode(sorted(set(cats))).decode() if cats else None
-        if t is ev.RequestAdmitted:
-            new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
-                   e.prompt_tokens, None, e.max_tokens, _PROVISIONAL, None, None, cat_json,
-                   ts, ts, e.prompt_shared_with, None]  # fmt: skip
-        else:
-            new = [e.deployment_id, e.request_id, e.tenant, e.route, e.model_id,
-                   e.prompt_tokens, None, None, "rejected", e.reason, e.limit_tokens, cat_json,
-                   ts, ts, None, None]  # fmt: skip
-    key = (e.deployment_id, e.request_id)
-    row = reqs.get(key)
-    if row is None:
-        reqs[key] = new
-        return
-    for i, rule in _FOLD:
-        a, b = row[i], new[i]
-        if b is None or a == b:
-            continue
-        if a is None:
-            row[i] = b
-        elif rule == "max":
-            if b > a:
-                row[i] = b
-        elif rule == "min":
-            if b < a:
-                row[i] = b
-        elif STATUS_RANK[b] > STATUS_RANK[a]:  # rule == "rank"
-            row[i] = b
-
-
 def _request_upsert_sql(dialect: str, source: str) -> str:
     """The upsert of request rows (``REQ_WRITE_COLS``) from ``source``. PostgreSQL's
     conflict target holds ``part_ts``: its unique index must hold the partition key, and the
     staged rows carry the stored row's part_ts (from ``request_keys``)."""
     r, x = "requests", "excluded"
-    # Compare strings by code point on both databases, as Python does in the fold.
+    # Compare strings by code point on both databases (SQLite's default; PostgreSQL's
+    # database collation could order them otherwise).
     collate = ' COLLATE "C"' if dialect == "postgresql" else ""
     sets = []
     for col, rule in REQUEST_MERGE.items():
@@ -349,6 +386,29 @@ def _request_upsert_sql(dialect: str, source: str) -> str:
     )
 
 
+def _request_group_sql(stage: str) -> str:
+    """The staged request rows merged into one per request by ``REQUEST_MERGE``, for
+    PostgreSQL, whose upsert may not meet one row twice in a statement. Its aggregates skip
+    NULL as the upsert's rules do; part_ts, the same on every row of a stored request (see
+    ``IngestStore``), is the earliest first_ts of a new one. Ordered by key: two batches
+    touching the same requests lock them in one order and cannot deadlock."""
+    cols = []
+    for col in REQ_WRITE_COLS:
+        rule = REQUEST_MERGE.get(col, "min" if col == "part_ts" else "key")
+        if rule == "key":
+            cols.append(col)
+        elif rule == "rank":
+            ranked = " ".join(f"WHEN {v} THEN '{k}'" for k, v in STATUS_RANK.items())
+            cols.append(f"(CASE max({_rank_sql(col)}) {ranked} END)")
+        else:
+            c = ' COLLATE "C"' if col in _TEXT_COLS else ""
+            cols.append(f"{rule}({col}{c})")
+    return (
+        f"SELECT {', '.join(cols)} FROM {stage} GROUP BY deployment_id, request_id "
+        "ORDER BY deployment_id, request_id"
+    )
+
+
 def _rank_sql(col: str) -> str:
     cases = " ".join(f"WHEN '{k}' THEN {v}" for k, v in STATUS_RANK.items())
     return f"(CASE {col} {cases} ELSE -1 END)"
@@ -359,12 +419,55 @@ def config_hash(c: ev.EngineConfig) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-class IngestStore:
-    """Writes batches for one database dialect ("sqlite" or "postgresql")."""
+class MultiRowInsert:
+    """One SQLite INSERT (or upsert) of many rows: ``head`` + ``VALUES (...), (...)`` +
+    ``tail``, run as a few statements of many rows each instead of one per row.
 
-    def __init__(self, dialect: str):
+    Why: ``executemany`` steps once per row and the driver releases the GIL around every
+    step; with another thread decoding the next batch, each row then waits for the GIL
+    (a batch's write took 4x as long beside a decoding thread, measured). A statement of a
+    thousand rows releases it once.
+
+    Invariant: every statement text is one of ``len(sizes)`` fixed shapes (a row count from
+    ``sizes``), built here once, so the driver's statement cache holds them all and no batch
+    parses SQL; a statement never binds more than ``max_vars`` parameters.
+    """
+
+    def __init__(self, head: str, ncols: int, tail: str = "", *, max_vars: int):
+        largest = max(1, min(1024, max_vars // ncols))
+        sizes = [largest]
+        while sizes[-1] > 1:
+            sizes.append(max(1, sizes[-1] // 4))
+        self.sizes = tuple(sizes)
+        group = "(" + ", ".join("?" * ncols) + ")"
+        self._sql = {n: f"{head} VALUES {', '.join([group] * n)}{tail}" for n in self.sizes}
+
+    def run(self, cur: Any, rows: Sequence[Sequence[Any]]) -> None:
+        i, n = 0, len(rows)
+        for size in self.sizes:
+            sql = self._sql[size]
+            while n - i >= size:
+                cur.execute(sql, list(chain.from_iterable(rows[i : i + size])))
+                i += size
+
+
+def _sqlite_max_vars() -> int:
+    """How many parameters one SQLite statement may bind: 32,766 from SQLite 3.32, 999
+    before (the library's compile-time default)."""
+    return 32_766 if sqlite3.sqlite_version_info >= (3, 32) else 999
+
+
+class IngestStore:
+    """Writes batches for one database dialect ("sqlite" or "postgresql").
+
+    ``sqlite_executemany``: write SQLite rows one statement per row (only the benchmark's
+    ceiling asks for it; see :class:`MultiRowInsert` for why the collector does not).
+    """
+
+    def __init__(self, dialect: str, *, sqlite_executemany: bool = False):
         self.dialect = dialect
         self._sqlite = dialect == "sqlite"
+        self._executemany = sqlite_executemany
         self._dep_sql = deployment_upsert_sql(dialect)
         if self._sqlite:
             self._req_sql = _request_upsert_sql(
@@ -374,16 +477,20 @@ class IngestStore:
             self._page_sql = _insert_sql("page_events", PAGE_COLS)
             self._drop_sql = _insert_sql("probe_drops", DROP_COLS)
             self._mark_sql = _MARK_SQL.format("?, ?, ?, ?")
+            max_vars = _sqlite_max_vars()
+            upsert_head, upsert_tail = _request_upsert_sql(dialect, "<rows>").split("<rows>")
+            self._multi = {
+                "pool": MultiRowInsert(_insert_head("pool_samples", POOL_COLS),
+                                       len(POOL_COLS), max_vars=max_vars),
+                "page": MultiRowInsert(_insert_head("page_events", PAGE_COLS),
+                                       len(PAGE_COLS), max_vars=max_vars),
+                "requests": MultiRowInsert(upsert_head.rstrip(), len(REQ_WRITE_COLS),
+                                           upsert_tail, max_vars=max_vars),
+            }  # fmt: skip
         else:
             self._mark_sql = _MARK_SQL.format("%s, %s, %s, %s")
             # The staging table makes a whole batch one COPY plus one INSERT ... SELECT.
-            self._req_sql = _request_upsert_sql(
-                dialect,
-                # Key order: two batches touching the same requests (a prefill and a decode
-                # probe) then lock them in one order and cannot deadlock.
-                f"SELECT {', '.join(REQ_WRITE_COLS)} FROM _kvw_stage_requests "
-                "ORDER BY deployment_id, request_id",
-            )
+            self._req_sql = _request_upsert_sql(dialect, _request_group_sql("_kvw_stage_requests"))
             self._stage_sql = (
                 "CREATE TEMP TABLE IF NOT EXISTS _kvw_stage_requests ON COMMIT DELETE ROWS AS "
                 f"SELECT {', '.join(REQ_WRITE_COLS)} FROM requests WITH NO DATA"
@@ -393,8 +500,9 @@ class IngestStore:
             # takes its key's part_ts, so the upsert meets the stored row in its partition.
             self._keys_sql = (
                 "INSERT INTO request_keys (deployment_id, request_id, part_ts) "
-                "SELECT deployment_id, request_id, part_ts FROM _kvw_stage_requests "
-                "ORDER BY deployment_id, request_id ON CONFLICT DO NOTHING"
+                "SELECT deployment_id, request_id, min(part_ts) FROM _kvw_stage_requests "
+                "GROUP BY deployment_id, request_id ORDER BY deployment_id, request_id "
+                "ON CONFLICT DO NOTHING"
             )
             self._part_sql = (
                 "UPDATE _kvw_stage_requests s SET part_ts = k.part_ts FROM request_keys k "
@@ -443,7 +551,8 @@ class IngestStore:
                 )
             ]
         )
-        new, duplicates, filled = _classify(events, max_seq, gaps)
+        # Rows shaped by the caller come from a batch in seq order (``shape_rows`` needs it).
+        new, duplicates, filled = _classify(events, max_seq, gaps, ordered=rows is not None)
         if rows is None or len(new) != len(events):
             rows = shape_rows(new) if new else None
         new_max = max(max_seq, new[-1].seq) if new else max_seq
@@ -602,16 +711,22 @@ class IngestStore:
         if self._sqlite:
             cur = raw.cursor()
             try:
-                if rows.pool:
-                    cur.executemany(self._pool_sql, rows.pool)
-                if rows.page:
-                    cur.executemany(self._page_sql, rows.page)
-                if rows.drops:
+                if self._executemany:
+                    if rows.pool:
+                        cur.executemany(self._pool_sql, rows.pool)
+                    if rows.page:
+                        cur.executemany(self._page_sql, rows.page)
+                    if rows.requests:
+                        cur.executemany(self._req_sql, rows.requests)
+                else:
+                    if rows.pool:
+                        self._multi["pool"].run(cur, rows.pool)
+                    if rows.page:
+                        self._multi["page"].run(cur, rows.page)
+                    if rows.requests:
+                        self._multi["requests"].run(cur, rows.requests)
+                if rows.drops:  # a handful per batch at most
                     cur.executemany(self._drop_sql, rows.drops)
-                if rows.requests:
-                    cur.executemany(
-                        self._req_sql, [(*r, r[_FIRST_TS]) for r in rows.requests.values()]
-                    )
                 if marks := rollup_marks(rows, now_us):
                     cur.executemany(self._mark_sql, marks)
                 cur.executemany(self._dep_sql, _spans(rows.deployments))
@@ -627,14 +742,7 @@ class IngestStore:
                 _copy(cur, "probe_drops", DROP_COLS, rows.drops)
             if rows.requests:
                 cur.execute(self._stage_sql)
-                reqs = rows.requests
-                _copy(
-                    cur,
-                    "_kvw_stage_requests",
-                    REQ_WRITE_COLS,
-                    [(*reqs[k], reqs[k][_FIRST_TS]) for k in sorted(reqs)],
-                    "requests",
-                )
+                _copy(cur, "_kvw_stage_requests", REQ_WRITE_COLS, rows.requests, "requests")
                 cur.execute(self._keys_sql)
                 cur.execute(self._part_sql)
                 cur.execute(self._req_sql)
@@ -718,17 +826,21 @@ _POOL_TS = POOL_COLS.index("ts")
 def rollup_marks(rows: Rows, now_us: int) -> list[tuple[str, str, int, int]]:
     """The rollup buckets a batch's rows touch, sorted, stamped ``now_us`` (see
     ``collector.rollups``)."""
-    marks: set[tuple[str, str, int]] = set()
-    for r in rows.requests.values():
-        for b in request_marks((r[_FIRST_TS],)):
-            marks.add(("requests", r[0], b))
-    for p in rows.pool:
-        marks.add(("pool", p[0], floor_to(p[_POOL_TS], POOL_BUCKET_US)))
+    # Distinct (deployment, bucket) pairs first: a batch's thousands of rows touch a few.
+    req_w, pool_w = REQUEST_BUCKET_US, POOL_BUCKET_US
+    req = {(r[0], r[_FIRST_TS] // req_w) for r in rows.requests}
+    pool = {(p[0], p[_POOL_TS] // pool_w) for p in rows.pool}
+    marks = {("requests", d, b) for d, k in req for b in request_marks((k * req_w,))}
+    marks.update(("pool", d, k * pool_w) for d, k in pool)
     return [(*mk, now_us) for mk in sorted(marks)]
 
 
+def _insert_head(table: str, cols: Sequence[str]) -> str:
+    return f"INSERT INTO {table} ({', '.join(cols)})"
+
+
 def _insert_sql(table: str, cols: Sequence[str]) -> str:
-    return f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+    return f"{_insert_head(table, cols)} VALUES ({', '.join('?' * len(cols))})"
 
 
 def _spans(spans: dict[str, tuple[int, int]]) -> list[tuple[str, int, int]]:
@@ -775,13 +887,16 @@ def _copy(
 
 
 def _classify(
-    events: Sequence[ev.Event], max_seq: int, gaps: list[tuple[int, int, int]]
+    events: Sequence[ev.Event],
+    max_seq: int,
+    gaps: list[tuple[int, int, int]],
+    *,
+    ordered: bool = False,
 ) -> tuple[list[ev.Event], int, set[int]]:
     """Split a batch into new events (in seq order), a duplicate count, and the seqs that
-    fill existing gaps."""
-    seqs = [e.seq for e in events]
+    fill existing gaps. ``ordered``: the caller knows the seqs strictly increase."""
     # The common case: a fresh, ordered batch above the high-water mark.
-    if seqs[0] > max_seq and all(a < b for a, b in pairwise(seqs)):
+    if events[0].seq > max_seq and (ordered or all(a.seq < b.seq for a, b in pairwise(events))):
         return list(events), 0, set()
     seen: set[int] = set()
     new: list[ev.Event] = []
@@ -808,6 +923,13 @@ def _classify(
 
 
 def _gaps_above(new: Sequence[ev.Event], max_seq: int) -> list[tuple[int, int]]:
+    """The seqs above ``max_seq`` that ``new`` (in seq order) skips."""
+    if not new:
+        return []
+    first, last = new[0].seq, new[-1].seq
+    if first > max_seq and last - first == len(new) - 1:
+        # Strictly increasing and as many as the span holds: no gap inside the batch.
+        return [(max_seq + 1, first - 1)] if first > max_seq + 1 else []
     gaps: list[tuple[int, int]] = []
     prev = max_seq
     for e in new:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from typing import Any
 
 import msgspec
@@ -445,6 +446,47 @@ def test_request_rows_do_not_depend_on_arrival_order(collector: Collector) -> No
     assert row["status"] == "completed" and row["reject_reason"] == "pool_exhausted"
     assert row["completion_tokens"] == 37 and row["route"] == "/v1/chat/completions"
     assert row["data_categories"] == ["pii"]
+
+
+def test_a_requests_events_in_one_batch_merge_as_across_batches(collector: Collector) -> None:
+    """The database merges one batch's rows of a request (SQLite's upsert row by row,
+    PostgreSQL's grouping first) by the same rules as rows from different batches: every
+    order of the views inside one batch gives the row the views give one batch each."""
+    import itertools
+
+    t0 = f.T0
+
+    def views(dep: str, probe: str, seqs: tuple[int, ...]) -> list[ev.Event]:
+        s = iter(seqs)
+        return [
+            f.admitted(next(s), "r1", "acme", 700_000, dep=dep, probe=probe, ts=t0,
+                       route="/v1/chat/completions", data_categories=["pii", "health"],
+                       max_tokens=512),
+            f.rejected(next(s), "r1", "acme", 700_000, dep=dep, probe=probe,
+                       ts=t0 + timedelta(seconds=1)),
+            f.finished(next(s), "r1", "acme", 37, dep=dep, probe=probe, prompt_tokens=1,
+                       model_id="glm-5.3", ts=t0 + timedelta(seconds=9), cached_tokens=1),
+        ]  # fmt: skip
+
+    # the reference: each view its own batch
+    for e in views("apart", "apart-p", (1, 2, 3)):
+        assert post(collector, [e]).status_code == 200
+    orders = list(itertools.permutations(range(3)))
+    for n, order in enumerate(orders):
+        # seqs follow the order in the batch; each order its own deployment and probe
+        seqs = tuple(1 + order.index(i) for i in range(3))
+        batch = sorted(views(f"dep{n}", f"p{n}", seqs), key=lambda e: e.seq)
+        assert post(collector, batch).status_code == 200
+    with collector.client(collector.admin) as c:
+        rows = c.get("/v1/requests", params={"limit": 100}).json()["items"]
+    assert len(rows) == 1 + len(orders)
+    shapes = {json.dumps(r | {"deployment_id": None}, sort_keys=True) for r in rows}
+    assert len(shapes) == 1, shapes
+    row = rows[0]
+    assert row["prompt_tokens"] == 700_000 and row["completion_tokens"] == 37
+    assert row["status"] == "completed" and row["reject_reason"] == "pool_exhausted"
+    assert row["max_tokens"] == 512 and row["cached_tokens"] == 1
+    assert row["data_categories"] == ["health", "pii"]
 
 
 def test_bad_input_never_gets_a_500(collector: Collector) -> None:
