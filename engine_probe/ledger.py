@@ -12,7 +12,7 @@ tenant whose KV the reader may have seen.
 Every operation is vectorised over tensors of page ids; nothing loops over pages in Python.
 The common case of a read check (:meth:`PageLedger.any_stale`, given the engine's slot mask)
 is three gathers (the pages' ``valid_for`` and ``filled``, and the words marking the slots past
-``filled``), a compare, an and and two reductions, with no host sync; the caller's one sync
+``filled``), an and, an xor, an or and one reduction, with no host sync; the caller's one sync
 decides whether anything must be reported (:meth:`PageLedger.read` syncs once itself). A
 decode step's writes (:meth:`PageLedger.append`) are a dozen ops, also without a sync.
 
@@ -222,9 +222,8 @@ class PageLedger:
     write gathers one row per page and scatters it, patched, as the writer's row;
     ``valid_for`` and ``filled`` are contiguous; a ``[page_size + 1, page_size / 8]`` table
     marks, 8 slots per int64 word, the slots at or past each value of ``filled``, for the read
-    path. The writer and previous-writer rows, ``valid_for`` and ``filled`` have a sink row
-    past the last page, where :meth:`write` and :meth:`append` scatter what they must leave
-    unchanged.
+    path. The writer and previous-writer rows and ``filled`` have a sink row past the last
+    page, where :meth:`write` and :meth:`append` scatter what they must leave unchanged.
     """
 
     def __init__(
@@ -264,12 +263,11 @@ class PageLedger:
         w = self._writer_rows[:n]
         self._writer_req, self._writer_ten, self._writer_gen, self._zeroized = w.unbind(1)
         self._prev_req, self._prev_ten, _, self._prev_zero = self._prev_rows[:n].unbind(1)
-        # valid_for and filled also have a sink row (see append()); the first n rows are
-        # views, contiguous, used everywhere else.
+        # filled also has a sink row (see append()); its first n rows are a view,
+        # contiguous, used everywhere else.
         self._filled_sink = torch.zeros((n + 1,), dtype=torch.long, device=dev)
-        self._valid_for_sink = torch.full((n + 1,), NOBODY, dtype=torch.long, device=dev)
         self._filled = self._filled_sink[:n]
-        self._valid_for = self._valid_for_sink[:n]
+        self._valid_for = torch.full((n,), NOBODY, dtype=torch.long, device=dev)
         # For page sizes a multiple of 8, the slots a read of each page must not use (those
         # at or past `filled`) as int64 words of 8 slots (bytes): the layout of a bool slot
         # mask viewed as int64, so that `mask & unread` is what a read used past the prefix,
@@ -278,9 +276,10 @@ class PageLedger:
         past = torch.arange(page_size)[None, :] >= torch.arange(page_size + 1)[:, None]
         unread_of = past.view(torch.int64) if self._words else torch.zeros((page_size + 1, 0))
         self._unread_of = unread_of.to(device=dev, dtype=torch.long)
-        # An append() whose writes were not all plain appends, settled by the next operation:
-        # (pages, writers, slots, which ones still need the general write rules, any of them)
-        self._unsettled: tuple[Tensor, Tensor | int, Tensor | int, Tensor, Tensor] | None = None
+        # The last append()'s writes, settled by the next operation: (pages, writers, slots,
+        # which ones were not plain appends and still need the general write rules). Those
+        # pages' valid_for is NOBODY until then (see append()).
+        self._unsettled: tuple[Tensor, Tensor | int, Tensor | int, Tensor] | None = None
         # torch.device("cuda") has no index; the tensors' device does.
         self.device: torch.device = self._valid_for.device
         # 1..page_size: a slot's rank, to find the last slot a slot mask marks
@@ -549,8 +548,10 @@ class PageLedger:
         engine writing into a page it does not own, into its prefix or past it) is applied
         by the general rules of :meth:`write` when the ledger is next used: the first later
         operation syncs once on whether there is any, except :meth:`any_stale`, which
-        instead answers True while there is (conservatively; :meth:`read` then settles them
-        and is exact). Pages within one call must be distinct.
+        instead answers True for a read of any of those pages while they wait
+        (conservatively: they are valid for nobody until then; :meth:`read` settles them and
+        is exact). Reads of every other page are checked exactly. Pages within one call must
+        be distinct.
         """
         self._settle()
         ps = self._page_size
@@ -559,17 +560,22 @@ class PageLedger:
         w = self._handles(request, shape, "request")
         s = self._slots(slot, shape, "slot", 0, ps - 1)
         own = self._own.index_select(0, p)
-        rest = (own[:, _REQ] != w).logical_or_(self._filled.index_select(0, p) != s)
+        owner = own[:, _REQ]
+        rest = (owner != w).logical_or_(self._filled.index_select(0, p) != s)
         target = p.masked_fill(rest, self._num_pages)  # all but plain appends: the sink row
         # The owner's row (request, tenant, generation, 0) is its writer row (invariant 4);
         # a page already valid for it gets the same values again.
         self._writer_rows.index_copy_(0, target, own)
-        self._valid_for_sink.index_copy_(0, target, own[:, _REQ])
+        # Valid for the owner after a plain append; valid for nobody while another write
+        # waits to be settled, so that any_stale needs no separate "anything unsettled?"
+        # test (the general rules recompute valid_for from filled and the owner, which
+        # that write leaves as they were).
+        self._valid_for.index_copy_(0, p, owner.masked_fill(rest, NOBODY))
         if isinstance(s, int):
             self._filled_sink.index_fill_(0, target, s + 1)
         else:
             self._filled_sink.index_copy_(0, target, s + 1)
-        self._unsettled = (p, w, s, rest, rest.any())
+        self._unsettled = (p, w, s, rest)
 
     def _settle(self) -> None:
         """Apply the writes of the last append() that were not plain appends (see there)."""
@@ -577,10 +583,13 @@ class PageLedger:
         if unsettled is None:
             return
         self._unsettled = None
-        p, w, s, rest, anything = unsettled
-        if not bool(anything):
+        p, w, s, rest = unsettled
+        # One op and the sync on the common path (none to settle), where rest.any() and a
+        # bool() of it would be two.
+        found = rest.nonzero()
+        if not found.shape[0]:
             return
-        idx = rest.nonzero().squeeze(1)
+        idx = found.squeeze(1)
         w = w.index_select(0, idx) if isinstance(w, Tensor) else w
         s = s.index_select(0, idx) if isinstance(s, Tensor) else s
         self.write(p.index_select(0, idx), w, start=s, end=s + 1)
@@ -645,12 +654,10 @@ class PageLedger:
         """``stale_mask(pages, readers, upto).any()`` (a 0-d bool tensor, no host sync),
         cheaper for slot masks: the hot path of an engine's read check.
 
-        Right after an :meth:`append` that was not all plain appends it is conservative (True
-        whatever was read, since those writes are not applied yet); :meth:`read` is exact."""
-        anything = self._stale(pages, readers, upto, everywhere=True)
-        if self._unsettled is not None:
-            return anything | self._unsettled[4]
-        return anything
+        Right after an :meth:`append` that was not all plain appends it is conservative for
+        the pages of those writes (True for any read of one, since they are not applied
+        yet), exact for every other page; :meth:`read` is exact."""
+        return self._stale(pages, readers, upto, everywhere=True)
 
     def read(self, pages: PageIds, readers: Tensor | int, upto: Extent = None) -> list[StaleRead]:
         """Check a decode gather of ``pages`` by ``readers``, of ``upto`` of each page (see
@@ -777,16 +784,21 @@ class PageLedger:
         if isinstance(upto, Tensor) and upto.dtype == torch.bool:
             mask = self._slot_mask(upto, shape)
             words = self._slot_words(mask)
-        if words is not None:  # the hot path: 3 gathers, a compare, an and, 2 reductions
+        if words is not None:  # the hot path: 3 gathers, an and, an xor, an or, 1 reduction
             if isinstance(r, Tensor) and r.shape != flat.shape:
                 r = torch.broadcast_to(r, shape).reshape(-1)
-            foreign = self._valid_for.index_select(0, flat) != r
             if words.dim() != 2:
                 words = words.view(-1, self._words)
             unread = self._unread_of.index_select(0, self._filled.index_select(0, flat))
-            hit = unread.bitwise_and_(words)
+            hit = unread.bitwise_and_(words)  # nonzero: a slot read past the prefix
             if everywhere:
-                return foreign.any() | hit.any()
+                # valid_for ^ reader is nonzero iff the page is not valid for its reader
+                # (NOBODY matches no handle); or-ed into the first word, one reduction
+                # answers for both tests
+                foreign = self._valid_for.index_select(0, flat).bitwise_xor_(r)
+                hit[:, 0].bitwise_or_(foreign)
+                return hit.any()
+            foreign = self._valid_for.index_select(0, flat) != r
             return (foreign | hit.any(-1)).reshape(shape)
         if isinstance(r, Tensor) and r.shape == flat.shape and flat.shape != shape:
             r = r.reshape(shape)  # granters, flat

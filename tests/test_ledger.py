@@ -231,6 +231,32 @@ def test_filled_grows_with_in_order_writes_only() -> None:
     assert led.check_invariants() == []
 
 
+def test_any_stale_is_conservative_only_for_the_pages_of_unsettled_appends() -> None:
+    """An append that is not all plain appends leaves its other writes to the next operation;
+    until then any_stale answers True for a read of one of those pages, and exactly for
+    every other page (the pages wait valid for nobody, not a ledger-wide flag)."""
+    led = PageLedger(4, page_size=8)
+    for page, req in ((0, 1), (1, 2), (2, 3)):
+        led.alloc(ids(page), req, 10 * req)
+        led.write(ids(page), req, end=2)
+
+    def slots(n: int) -> torch.Tensor:  # a slot mask of slots 0..n-1 of one page
+        return (torch.arange(8) < n)[None, :]
+
+    # page 0: its owner's plain append at slot 2; page 1: request 3 writes into request 2's
+    # prefix (spoils it); page 2 is not written
+    led.append(ids(0, 1), ids(1, 3), ids(2, 1))
+    assert bool(led.any_stale(ids(0), 1, slots(3))) is False  # exact: the append applied
+    assert bool(led.any_stale(ids(2), 3, slots(2))) is False  # exact: not written
+    assert bool(led.any_stale(ids(1), 2, slots(1))) is True  # waits: conservative
+    (stale,) = led.read(ids(1), 2, slots(1))  # settles: exact
+    assert (stale.previous_request, stale.page_ids) == (3, [1])
+    assert bool(led.any_stale(ids(1), 2, slots(1))) is True
+    assert bool(led.any_stale(ids(0), 1, slots(3))) is False
+    assert bool(led.any_stale(ids(0), 1, slots(4))) is True  # slot 3 was never written
+    assert led.check_invariants() == []
+
+
 def test_placeholder_page_read_past_its_one_written_slot() -> None:
     """The incident's placeholder page: tenant 100's prompt fills a prefill page; it is freed;
     rejected request 2 (tenant 200) writes ONE token into slot 0 and the page is transferred;

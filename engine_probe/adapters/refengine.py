@@ -87,6 +87,7 @@ ledger records it as written by its computing request before the grant.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -484,12 +485,14 @@ class RefengineAdapter:
             return
         ps = st.page_size
         # Host-side: each request writes the one slot at its cache_len (no device sync).
-        slots = [r.cache_len % ps for r in reqs]
+        slots = array("q", [r.cache_len % ps for r in reqs])
         first = slots[0] if slots else 0
         if all(s == first for s in slots):
             st.ledger.append(pages, writers, first)
         else:
-            at = torch.tensor(slots, dtype=torch.long).to(st.ledger.device)
+            # a view of the array's buffer (the tensor keeps it alive): a few µs, where
+            # torch.tensor(list) parses the list element by element (~9-17 µs for 32)
+            at = torch.frombuffer(slots, dtype=torch.long).to(st.ledger.device)
             st.ledger.append(pages, writers, at)
 
     def on_kv_transfer(
