@@ -106,9 +106,10 @@ from collector.notify.signing import verify as verify_signature
 from engine_probe import events as ev
 from policies import KINDS, BatchFacts, NodeConfig, evaluate_batch, load_ruleset
 
-GOAL_MAX_COST = 0.15  # policies may cost at most 15% of ingest throughput
+GOAL_MAX_COST = 0.10  # policies may cost at most 10% of ingest throughput
 PURE_BATCHES = 100  # batches the in-process evaluation timing runs over
 NOISY_AA = 0.05  # an A/A ratio further than this from 1: the run is too noisy to judge the goal
+ROLLUPS_DEFERRED_S = 3600.0  # the refresher's interval in the rounds: longer than any run
 # Advertised context per bench.ingest.DEPLOYMENTS: glm-prod advertises 1,048,576 tokens on a
 # 681,280-token pool (the incident's configuration: pool_below_advertised fires); the others
 # have at least twice their advertised context in pool.
@@ -292,7 +293,14 @@ def throughput(
     tokens = {r.variant.name: ingest_token(r.url) for r in runs}
     with contextlib.ExitStack() as stack:
         for r in runs:
-            settings = {"KVWATCH_POLICIES_ENABLED": "true" if r.variant.policies else "false"}
+            settings = {
+                "KVWATCH_POLICIES_ENABLED": "true" if r.variant.policies else "false",
+                # The rollup refresher's passes are no policy cost, yet one landing in a round
+                # (this workload's closed buckets are re-marked by every batch, so each pass
+                # re-reads them whole) took that round's rate anywhere from 0.5 to 1.7 of its
+                # pair's. Every collector defers them alike; bench.ingest keeps them.
+                "KVWATCH_ROLLUP_INTERVAL_S": str(ROLLUPS_DEFERRED_S),
+            }
             r.base, r.pid = stack.enter_context(
                 collector(r.url, workdir, wl, args.batch, settings=settings)
             )
@@ -869,7 +877,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{'met' if met else 'not met'}"
         + (
             f" (but the A/A control is {aa:.3f}, more than {NOISY_AA:.0%} off 1: this run is "
-            "too noisy to judge a 15% goal; rerun on a quiet machine, or with more --rounds)"
+            f"too noisy to judge a {GOAL_MAX_COST:.0%} goal; rerun on a quiet machine, or with "
+            "more --rounds)"
             if noisy
             else ""
         ),
