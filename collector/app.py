@@ -4,6 +4,7 @@ here, per app."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
@@ -179,6 +180,11 @@ def _lifespan(
         for worker in workers:
             if worker is not None:
                 worker.start()
+        # What startup built lives as long as the app: out of the collector of cycles with
+        # it (collected first, so no garbage is kept), else every full collection, which
+        # ingest's allocations trigger every few batches, walks it all again.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:

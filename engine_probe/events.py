@@ -105,7 +105,12 @@ DropReason = Literal[
 
 
 class Event(
-    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="kind"
+    msgspec.Struct,
+    kw_only=True,
+    frozen=True,
+    forbid_unknown_fields=True,
+    tag_field="kind",
+    gc=False,
 ):
     """Fields every event carries."""
 
