@@ -912,8 +912,9 @@ class PageLedger:
     ) -> list[StaleRead]:
         """Group the stale reads (the rare path: syncs, and loops over groups only).
 
-        A stale page valid for its reader was read past its prefix: it names who the slots
-        past the prefix are attributed to; any other stale page names its last writer."""
+        A stale page valid for its reader (for a decode read, the granter it is checked as)
+        was read past its prefix: it names who the slots past the prefix are attributed to;
+        any other stale page names its last writer."""
         p = self._pages(pages)
         shape = p.shape
         p = p.reshape(-1)
@@ -924,7 +925,16 @@ class PageLedger:
             stale_readers = torch.broadcast_to(r, shape).reshape(-1).index_select(0, idx)
         else:
             stale_readers = torch.full_like(stale_pages, readers)
-        checked_as = self._as_granters(stale_pages, stale_readers, stale_pages.shape)
+        # Name each page as it was checked. Only decode reads consult grants; a transfer
+        # checks its source pages as the request's own (see transfer()), so they must not be
+        # mapped through its grants here either: a granted page still valid for its granter
+        # would then look like a read past the granter's prefix and name whoever the slots
+        # past it are attributed to (often nobody: None), not the granter, the tenant whose
+        # KV the transfer copied.
+        if kind == "decode":
+            checked_as = self._as_granters(stale_pages, stale_readers, stale_pages.shape)
+        else:
+            checked_as = stale_readers
         hole = self._valid_for.index_select(0, stale_pages) == checked_as
         named = torch.where(
             hole[:, None],

@@ -424,6 +424,32 @@ def test_a_granted_read_past_the_granters_prefix_is_stale() -> None:
     assert stale.reader_request == 2 and stale.previous_request is None
 
 
+def test_a_transfer_of_granted_pages_names_their_writer() -> None:
+    """A transfer consults no grant: a source page the request was only granted is a stale
+    read naming the page's writer (the tenant exposed), not, as if it were checked as its
+    granter's read past the prefix, who wrote before the granter (here nobody). The case
+    hypothesis found: request 1 prefills pages, they are granted to request 0 (a prefix hit),
+    and request 0 transfers them to decode."""
+    pre, dec = PageLedger(6, name="prefill", page_size=8), PageLedger(8, name="decode", page_size=8)
+    pre.alloc(ids(0, 2, 3), request=1, tenant=1)
+    pre.write(ids(0, 2, 3), 1)
+    pre.grant(ids(0, 2, 3), 0, 1, tenant=0)
+    assert pre.read(ids(0, 2, 3), 0) == []  # the hit's decode reads are valid
+    (stale,) = pre.transfer(ids(3, 0, 2), dec, ids(6, 0, 2), 0)
+    assert (stale.read_kind, stale.pool, sorted(stale.page_ids)) == (
+        "transfer",
+        "prefill",
+        [0, 2, 3],
+    )
+    assert (stale.reader_request, stale.reader_tenant) == (0, 0)
+    assert (stale.previous_request, stale.previous_tenant, stale.zeroized) == (1, 1, False)
+    assert stale.cross_tenant
+    # the copies carry the writer in: decode's later reads of them name it too
+    got = {(s.previous_request, s.previous_tenant) for s in dec.read(ids(6, 0, 2), 0)}
+    assert got == {(1, 1)}
+    assert pre.check_invariants() == [] and dec.check_invariants() == []
+
+
 def test_transfer_of_valid_pages() -> None:
     pre, dec = PageLedger(4, name="prefill"), PageLedger(8, name="decode")
     pre.alloc(ids(0, 1), 1, 10)
