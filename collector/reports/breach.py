@@ -22,11 +22,12 @@ import hashlib
 import io
 import json
 import secrets
+import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import pandas as pd
 import sqlalchemy as sa
@@ -47,6 +48,9 @@ CHUNK_ROWS = 50_000
 # 2: "items" is a sample (SAMPLE_ROWS), the CSV is streamed from the database and lists every
 # affected request. 1: "items" listed up to 100,000 requests and the CSV was made from them.
 SCHEMA_VERSION = 2
+# A CSV served over HTTP is spooled (and counted) before its first byte goes out: in memory up
+# to this size, then in a temporary file.
+_SPOOL_BYTES = 8 << 20
 # Requests listed in the JSON (and so the PDF): a sample; the CSV lists them all.
 SAMPLE_ROWS = 1_000
 BUCKETS = 48
@@ -306,6 +310,18 @@ class BreachService:
                 {"counted": expected, "found": n},
             )
         return n
+
+    def csv_file(self, report: dict[str, Any]) -> BinaryIO:
+        """The report's CSV (:meth:`write_csv`) in a temporary file, at its start: checked
+        whole before anyone reads a byte, in memory while small and on disk beyond."""
+        out = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)  # noqa: SIM115 - returned
+        try:
+            self.write_csv(report, out.write)
+        except BaseException:
+            out.close()
+            raise
+        out.seek(0)
+        return cast(BinaryIO, out)
 
     def build(
         self, scope: BreachScope, *, now: datetime, late_reason: str | None = None
@@ -1109,6 +1125,51 @@ def _report_filter(report: dict[str, Any]) -> RowFilter:
             deployment_id=sc["deployment_id"],
         )
     )
+
+
+def check_csv(report: dict[str, Any], lines: Iterable[str]) -> list[str]:
+    """What is wrong with ``lines`` (a CSV's text, line by line) as this report's CSV; empty
+    when nothing. The first line must name the report and its hash; then, for a schema-2
+    report, the rows are recounted: their number, per tenant, route and deployment, the
+    largest prompt, and every request the JSON lists must be among them, as listed. A
+    schema-1 report's CSV must be exactly :func:`to_csv`'s."""
+    it = iter(lines)
+    head = next(it, "")
+    if report.get("schema_version", 1) < 2:
+        return [] if head + "".join(it) == to_csv(report) else ["its rows differ"]
+    problems = []
+    if head != _csv_head(report):
+        problems.append("its first line does not name this report and its evidence hash")
+    reader = csv.reader(it)
+    if next(reader, None) != list(CSV_COLUMNS):
+        return [*problems, "its header row is not the breach CSV's"]
+    ar = report["affected_requests"]
+    listed = {tuple(str(x) for x in csv_row(r)) for r in ar["items"]}
+    count = 0
+    tenants: Counter[str] = Counter()
+    routes: Counter[str] = Counter()
+    deployments: Counter[str] = Counter()
+    max_prompt: int | None = None
+    for row in reader:
+        count += 1
+        rec = dict(zip(CSV_COLUMNS, row, strict=False))
+        tenants[rec.get("tenant", "")] += 1
+        routes[rec.get("route", "")] += 1
+        deployments[rec.get("deployment_id", "")] += 1
+        if pt := rec.get("prompt_tokens"):
+            max_prompt = max(max_prompt or 0, int(pt)) if pt.isdigit() else max_prompt
+        listed.discard(tuple(row))
+    expected = {
+        "rows": (count, ar["count"]),
+        "rows per tenant": (dict(tenants), ar["by_tenant"]),
+        "rows per route": (dict(routes), ar.get("by_route", dict(routes))),
+        "rows per deployment": (dict(deployments), ar.get("by_deployment", dict(deployments))),
+        "largest prompt": (max_prompt, ar["max_prompt_tokens"]),
+    }
+    problems += [f"{what} differ" for what, (got, want) in expected.items() if got != want]
+    if listed:
+        problems.append(f"{len(listed)} request(s) the report lists are missing or changed")
+    return problems
 
 
 def to_csv(report: dict[str, Any]) -> str:
