@@ -696,3 +696,30 @@ def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> 
         assert check_csv(report, edited.splitlines(keepends=True)) != []
     finally:
         db.dispose()
+
+
+def test_postgresql_writes_times_as_iso_does(collector: Collector) -> None:
+    """The CSV's times, formatted by PostgreSQL inside the COPY, are collector.timefmt.iso's
+    text: microseconds only when there are some, instants before 1970 included."""
+    from sqlalchemy import text
+
+    from collector.reports.breach_rows import _iso_sql
+    from collector.timefmt import iso
+
+    if not collector.db_url.startswith("postgresql"):
+        pytest.skip("SQLite's CSV is formatted by collector.timefmt.iso itself")
+    t = int(T0.timestamp() * 10**6)
+    values = [t, t + 1, t + 120_000, t + 999_999, 0, -1, -1_500_000, 253402300799999999]
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            conn.exec_driver_sql("SET LOCAL DateStyle = 'ISO, MDY'")
+            got = [
+                conn.execute(
+                    text(f"SELECT {_iso_sql('x')} FROM (SELECT :v AS x) s"), {"v": v}
+                ).scalar_one()
+                for v in values
+            ]
+    finally:
+        db.dispose()
+    assert got == [iso(v) for v in values]
