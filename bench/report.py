@@ -215,6 +215,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     insert_s = time.perf_counter() - t
                     r = measure(url, n, args.tracemalloc) | {"insert_seconds": round(insert_s, 1)}
                     if backend == "postgresql":
+                        # Printed now: the ceilings take as long again, and a run cut short
+                        # (the server restarted under it) should still say what it measured.
+                        print(f"measured: {r}", file=sys.stderr, flush=True)
                         c1, c2 = ceiling(url), ceiling(url)
                         report_s = r["seconds"] + r["csv_seconds"]
                         r |= {
