@@ -168,8 +168,10 @@ def summary(conn: Connection, f: RowFilter) -> Summary:
         .group_by(*keys)
     )
     out = Summary()
-    stream = conn.execution_options(stream_results=True, yield_per=5_000)
-    for row in stream.execute(stmt):
+    # Not a server-side cursor: PostgreSQL plans a cursor for its first rows (a sorted
+    # GroupAggregate over an index, 9x slower here than the hash aggregate it picks for a
+    # plain query); the groups are few enough to fetch at once.
+    for row in conn.execute(stmt):
         tenant, route, dep, model, cats = row[:5]
         n, mx, lo, hi = int(row.n), row.max_prompt, row.first_ts, row.last_ts
         out.count += n
@@ -198,7 +200,9 @@ def prompt_buckets(
     over any window of years 1-9999)."""
     r = m.Request
     width = max(1, -(-(hi - lo) // buckets))
-    idx = ((_ts(r.first_ts) - lo) / width).label("b")
+    # "//": integer division on both databases ("/" is SQLAlchemy's true division: NUMERIC
+    # on PostgreSQL, a group per request).
+    idx = ((_ts(r.first_ts) - lo) // width).label("b")
     stmt = (
         select(idx, sa.func.max(r.prompt_tokens))
         .where(*f.where, _ts(r.first_ts) >= lo, _ts(r.first_ts) < hi, r.prompt_tokens.is_not(None))
