@@ -47,7 +47,7 @@ def breach(
     breach-<id>.json/.csv/.pdf to --out, records it in the audit log, prints the paths."""
     import json
 
-    from collector.reports.breach import BreachScope, BreachService, to_csv
+    from collector.reports.breach import BreachScope, BreachService
     from collector.reports.breach_pdf import render_pdf
 
     if incident is not None and model is not None:
@@ -62,12 +62,21 @@ def breach(
         deployment_id=deployment,
     )
     with database(database_url) as (db, s):
-        report = BreachService(db, s).create(scope, created_by=by, late_reason=late_reason)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"breach-{report['report_id']}"
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv"), stem.with_suffix(".pdf")]
+        service = BreachService(db, s)
+        report = service.create(scope, created_by=by, late_reason=late_reason)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"breach-{report['report_id']}"
+        paths = [stem.with_suffix(".json"), stem.with_suffix(".csv"), stem.with_suffix(".pdf")]
+        # Every affected request, streamed from the database into a .part file that becomes
+        # the CSV only once its rows are the ones the report counted.
+        part = stem.with_suffix(".csv.part")
+        try:
+            with part.open("wb") as fh:
+                service.write_csv(report, fh.write)
+            part.replace(paths[1])
+        finally:
+            part.unlink(missing_ok=True)
     paths[0].write_text(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-    paths[1].write_text(to_csv(report), encoding="utf-8")
     paths[2].write_bytes(render_pdf(report))
     for p in paths:
         typer.echo(str(p))
@@ -77,11 +86,12 @@ def report_verify(
     path: Annotated[Path, typer.Argument(help="A breach report's .json, or its .csv.")],
 ) -> None:
     """Recompute a breach report's evidence hash. A .json is checked against the hash it
-    records; a .csv against the .json beside it (same name): its rows must be that report's
-    and its first line must name that hash. Exit 0 intact, 1 altered, 2 unreadable."""
+    records; a .csv against the .json beside it (same name): its first line must name that
+    hash, and its rows must be that report's (recounted against the report's figures, and
+    holding every request the JSON lists). Exit 0 intact, 1 altered, 2 unreadable."""
     import json
 
-    from collector.reports.breach import evidence_digest, to_csv
+    from collector.reports.breach import check_csv, evidence_digest
 
     json_path = path.with_suffix(".json")
     try:
@@ -101,12 +111,17 @@ def report_verify(
         problems.append(f"the evidence hashes to {recomputed}, the report records {recorded}")
     if path.suffix == ".csv":
         try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            err.print(f"[red]error:[/] {path}: {exc.strerror or exc}")
+            # Streamed: a report's CSV can list millions of requests.
+            with path.open(encoding="utf-8", newline="") as fh:
+                wrong = check_csv(report, fh)
+        except (OSError, UnicodeDecodeError) as exc:
+            err.print(f"[red]error:[/] {path}: {getattr(exc, 'strerror', None) or exc}")
             raise typer.Exit(2) from None
-        if text != to_csv(report):
-            problems.append(f"{path.name} is not the affected-request list of {json_path.name}")
+        if wrong:
+            problems.append(
+                f"{path.name} is not the affected-request list of {json_path.name} "
+                f"({'; '.join(wrong)})"
+            )
     if problems:
         err.print(f"[red]ALTERED:[/] {path} ({report_id}): " + "; ".join(problems))
         raise typer.Exit(1)

@@ -78,6 +78,7 @@ COLLECTOR_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "collector.audit",
             "collector.deployment_facts",
             "collector.partitions",
+            "collector.reports.breach_rows",
         ),
     ),
     (

@@ -616,3 +616,110 @@ def test_the_pdf_wraps_at_word_boundaries_and_explains_its_figures(
     ):
         assert figure in text, figure
     assert "receiving tenant" in text and "victim tenant" not in text
+
+
+def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> None:
+    """A window of more requests than the JSON samples: the CSV (COPY on PostgreSQL, a cursor
+    on SQLite) lists all of them, formatted exactly as the JSON's items are (times with and
+    without microseconds, categories joined, nulls empty, a comma quoted); the counts stay
+    exact; and once rows are deleted the stored report's CSV is a 409, never a short file."""
+    from collector.reports.breach import SAMPLE_ROWS, check_csv
+    from collector.reports.breach_rows import csv_row
+
+    n = SAMPLE_ROWS + 37
+    t0 = int(T0.timestamp() * 10**6)
+    rows = [
+        {
+            "deployment_id": f"dep-{i % 2}",
+            "request_id": f"bulk-{i}",
+            "tenant": f"tenant-{i % 7}",
+            "route": None if i % 11 == 0 else f"/v1/route,{i % 3}",
+            "model_id": MODEL,
+            "prompt_tokens": None if i % 13 == 0 else 100 + i,
+            "completion_tokens": 5,
+            "status": "rejected" if i % 17 == 0 else "completed",
+            "reject_reason": "too_long" if i % 17 == 0 else None,
+            "data_categories": ['["contact", "health"]', None, '["hr"]'][i % 3],
+            "first_ts": t0 + i * 1_000_003,
+            "last_ts": t0 + i * 1_000_003 + (0 if i % 2 else 250_000),
+            "part_ts": t0 + i * 1_000_003,
+        }
+        for i in range(n)
+    ]
+    db = Database(collector.db_url)
+    try:
+        with db.write() as conn:
+            conn.execute(m.Request.__table__.insert(), rows)
+        service = BreachService(db, Settings(database_url=collector.db_url))
+        scope = BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(days=1))
+        report = service.create(scope, created_by="test")
+        ar = report["affected_requests"]
+        assert (ar["count"], ar["listed"], ar["truncated"]) == (n, SAMPLE_ROWS, True)
+        assert sum(ar["by_tenant"].values()) == sum(ar["by_route"].values()) == n
+        assert ar["by_deployment"] == {"dep-0": (n + 1) // 2, "dep-1": n // 2}
+        assert report["data_categories"]["affected"] == {
+            "contact": len(range(0, n, 3)),
+            "health": len(range(0, n, 3)),
+            "hr": len(range(2, n, 3)),
+        }
+        chunks: list[bytes] = []
+        assert service.write_csv(report, chunks.append) == n
+        text = b"".join(chunks).decode()
+        head, body = text.split("\n", 1)
+        assert head == (
+            f"# kvwatch breach report {report['report_id']} "
+            f"evidence_sha256={report['evidence_sha256']}"
+        )
+        # the sample is the CSV's first rows, byte for byte as the JSON's items would be
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(csv_row(x) for x in ar["items"])
+        lines = body.splitlines(keepends=True)
+        assert "".join(lines[1 : SAMPLE_ROWS + 1]) == buf.getvalue()
+        listed = list(csv.DictReader(io.StringIO(body)))
+        assert [x["request_id"] for x in listed] == [f"bulk-{i}" for i in range(n)]
+        last = listed[-1]
+        i = n - 1
+        assert last["first_ts"].endswith("Z") and "." in last["first_ts"]
+        assert last["data_categories"] == ["contact;health", "", "hr"][i % 3]
+        assert check_csv(report, text.splitlines(keepends=True)) == []
+
+        with collector.client(collector.admin) as admin:
+            got = admin.get(f"/v1/reports/{report['report_id']}", params={"format": "csv"})
+            assert got.status_code == 200 and got.text == text
+            with db.write() as conn:
+                conn.execute(m.Request.__table__.delete().where(m.Request.request_id == "bulk-5"))
+            gone = admin.get(f"/v1/reports/{report['report_id']}", params={"format": "csv"})
+        assert gone.status_code == 409, gone.text
+        assert gone.json()["error"]["code"] == "conflict"
+        assert "generate a new report" in gone.json()["error"]["message"]
+        edited = text.replace("bulk-7,", "bulk-x,")
+        assert check_csv(report, edited.splitlines(keepends=True)) != []
+    finally:
+        db.dispose()
+
+
+def test_postgresql_writes_times_as_iso_does(collector: Collector) -> None:
+    """The CSV's times, formatted by PostgreSQL inside the COPY, are collector.timefmt.iso's
+    text: microseconds only when there are some, instants before 1970 included."""
+    from sqlalchemy import text
+
+    from collector.reports.breach_rows import _iso_sql
+    from collector.timefmt import iso
+
+    if not collector.db_url.startswith("postgresql"):
+        pytest.skip("SQLite's CSV is formatted by collector.timefmt.iso itself")
+    t = int(T0.timestamp() * 10**6)
+    values = [t, t + 1, t + 120_000, t + 999_999, 0, -1, -1_500_000, 253402300799999999]
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            conn.exec_driver_sql("SET LOCAL DateStyle = 'ISO, MDY'")
+            got = [
+                conn.execute(
+                    text(f"SELECT {_iso_sql('x')} FROM (SELECT :v AS x) s"), {"v": v}
+                ).scalar_one()
+                for v in values
+            ]
+    finally:
+        db.dispose()
+    assert got == [iso(v) for v in values]

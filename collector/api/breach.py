@@ -1,7 +1,7 @@
 """HTTP routes for stored reports: ``POST /v1/reports`` builds, stores and audits a breach
 assessment or a quarterly review; ``GET /v1/reports`` lists them; ``GET
-/v1/reports/{report_id}`` returns one as JSON, CSV (a breach's affected requests, a review's
-rows) or its PDF."""
+/v1/reports/{report_id}`` returns one as JSON, CSV (every affected request of a breach,
+streamed from the database; a review's rows) or its PDF."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
-from collector.api.files import attachment
+from collector.api.files import attachment, attachment_file
 from collector.errors import Forbidden, InvalidInput
-from collector.reports.breach import BreachScope, BreachService, to_csv
+from collector.reports.breach import BreachScope, BreachService
 from collector.reports.notice import NoticeService
 from collector.reports.notice import render_pdf as notice_pdf
 from collector.reports.notice import to_markdown as notice_md
@@ -134,6 +134,9 @@ def build_router(
         "/v1/reports/{report_id:rpt}",
         responses={
             **_ERRORS,
+            **params.errors(
+                409, e409="The breach report's affected requests changed since it was generated"
+            ),
             200: {"content": {"text/csv": {}, "application/pdf": {}}},
         },
         summary="A stored report: JSON, CSV (a breach's affected requests, a review's rows) or "
@@ -149,7 +152,11 @@ def build_router(
         kind = report.get("kind", "breach")
         name = f"{kind}-{report_id}"
         if format == "csv":
-            return attachment((review_csv if kind == "review" else to_csv)(report), name, "csv")
+            if kind == "review":
+                return attachment(review_csv(report), name, "csv")
+            # Every affected request, from the database; counted before the first byte, so a
+            # report whose rows changed since is a 409, never a short file.
+            return attachment_file(await in_thread(service.csv_file, report), name, "csv")
         if format == "pdf":
             from collector.reports.breach_pdf import render_pdf as breach_pdf
             from collector.reports.review_pdf import render_pdf as review_pdf

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator
+from typing import BinaryIO, Literal
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 _MEDIA = {"csv": "text/csv; charset=utf-8", "pdf": "application/pdf"}
 
@@ -15,4 +17,20 @@ def attachment(body: bytes | str, name: str, format: Literal["csv", "pdf"]) -> R
         body,
         media_type=_MEDIA[format],
         headers={"Content-Disposition": f'attachment; filename="{name}.{format}"'},
+    )
+
+
+def attachment_file(body: BinaryIO, name: str, format: Literal["csv", "pdf"]) -> Response:
+    """An open file as the download ``{name}.{format}``, streamed in blocks and closed once
+    sent (a report's CSV can be far larger than memory)."""
+
+    def blocks() -> Iterator[bytes]:
+        while block := body.read(1 << 20):
+            yield block
+
+    return StreamingResponse(
+        blocks(),
+        media_type=_MEDIA[format],
+        headers={"Content-Disposition": f'attachment; filename="{name}.{format}"'},
+        background=BackgroundTask(body.close),
     )

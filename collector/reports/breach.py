@@ -4,9 +4,12 @@ A report covers an incident (the stale reads of the incident's deployment since 
 incident was closed, up to this one's close or now; the scope records those bounds, an open
 side as None, so the evidence hash does not change with the generation time) or a window
 (one model's requests in ``[since, until)`` with prompts of at least ``min_prompt_tokens``).
-Requests are streamed through pandas in chunks: aggregates stay bounded whatever the window
-holds, and at most ``MAX_LISTED`` requests are listed (``affected_requests.count`` is always
-the full count).
+The affected requests are summarised in SQL (:mod:`collector.reports.breach_rows`): exact
+counts, per tenant, route, deployment and category figures, and a bounded sample (the first
+``SAMPLE_ROWS`` by first event, and every request a stale read names); nothing loads them
+all. The CSV lists every one of them, streamed from the database when it is written
+(:meth:`BreachService.write_csv`: ``COPY … TO STDOUT`` on PostgreSQL), and it must hold
+exactly ``affected_requests.count`` rows.
 
 The evidence set (the sections named in ``EVIDENCE_KEYS``) is serialised canonically (sorted
 keys, compact separators, UTF-8) and hashed with SHA-256: ``evidence_sha256``.
@@ -19,20 +22,22 @@ import hashlib
 import io
 import json
 import secrets
+import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO, cast
 
-import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
 from collector import models as m
 from collector.db import Database
-from collector.errors import InvalidInput, NotFound
+from collector.errors import Conflict, InvalidInput, NotFound
+from collector.reports import breach_rows as rows_sql
+from collector.reports.breach_rows import CSV_COLUMNS, RowFilter, csv_row
 from collector.reports.stored import ReportStore, canonical
 from collector.settings import Settings
 from collector.timefmt import iso, parse_iso, to_micros
@@ -40,7 +45,14 @@ from policies.datamap import DataMap
 from policies.errors import PackError
 
 CHUNK_ROWS = 50_000
-MAX_LISTED = 100_000
+# 2: "items" is a sample (SAMPLE_ROWS), the CSV is streamed from the database and lists every
+# affected request. 1: "items" listed up to 100,000 requests and the CSV was made from them.
+SCHEMA_VERSION = 2
+# A CSV served over HTTP is spooled (and counted) before its first byte goes out: in memory up
+# to this size, then in a temporary file.
+_SPOOL_BYTES = 8 << 20
+# Requests listed in the JSON (and so the PDF): a sample; the CSV lists them all.
+SAMPLE_ROWS = 1_000
 BUCKETS = 48
 # GDPR Art. 9(1) special categories and Art. 10 criminal-offence data, as request tags.
 SPECIAL_CATEGORIES = frozenset(
@@ -69,21 +81,6 @@ EVIDENCE_KEYS = (
     "stale_reads",
     "deployments",
     "cause",
-)
-CSV_COLUMNS = (
-    "deployment_id",
-    "request_id",
-    "tenant",
-    "route",
-    "model_id",
-    "prompt_tokens",
-    "completion_tokens",
-    "status",
-    "reject_reason",
-    "data_categories",
-    "first_ts",
-    "last_ts",
-    "role",
 )
 NEEDS_PERSON = "needs a person"
 
@@ -131,16 +128,6 @@ def evidence_digest(report: dict[str, Any]) -> str:
     return hashlib.sha256(canonical({k: report[k] for k in EVIDENCE_KEYS})).hexdigest()
 
 
-def _cats(raw: Any) -> list[str]:
-    if raw is None or (isinstance(raw, float) and pd.isna(raw)):
-        return []
-    try:
-        v = json.loads(raw)
-    except (TypeError, ValueError):
-        return []
-    return [str(c) for c in v] if isinstance(v, list) else []
-
-
 def _int(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
@@ -166,6 +153,12 @@ class _Buckets:
             else:
                 self.vals[int(i)] = max(cur, fv) if self.how == "max" else cur + fv
 
+    def put(self, values: dict[int, int]) -> None:
+        """Per-bucket values computed elsewhere (in SQL), folded in like :meth:`add`'s."""
+        for i, v in values.items():
+            cur, fv = self.vals[i], float(v)
+            self.vals[i] = fv if cur is None else max(cur, fv) if self.how == "max" else cur + fv
+
     def points(self) -> list[dict[str, Any]]:
         width = (self.hi - self.lo) / BUCKETS
         return [
@@ -175,105 +168,82 @@ class _Buckets:
         ]
 
 
-class _RequestAgg:
-    """Streams request chunks: counts, tenants, categories, a capped listing."""
+@dataclass(slots=True)
+class _Affected:
+    """The affected requests as a report states them: exact figures from SQL, a sample."""
 
-    def __init__(self, roles: dict[tuple[str, str], str] | None = None):
-        self.count = 0
-        self.listed: list[dict[str, Any]] = []
-        self.tenants: Counter[str] = Counter()
-        self.categories: Counter[str] = Counter()
-        self.max_prompt: int | None = None
-        self.first_ts: int | None = None
-        self.last_ts: int | None = None
-        self.deployments: set[str] = set()
-        self.roles = roles or {}
-
-    def add(self, df: pd.DataFrame) -> None:
-        if df.empty:
-            return
-        self.count += len(df)
-        self.tenants.update(df["tenant"].astype(str).value_counts().to_dict())
-        self.deployments.update(df["deployment_id"].astype(str).unique().tolist())
-        for raw, n in df["data_categories"].dropna().value_counts().items():
-            for c in _cats(raw):
-                self.categories[c] += int(n)
-        pt = df["prompt_tokens"].dropna()
-        if not pt.empty:
-            mx = int(pt.max())
-            self.max_prompt = mx if self.max_prompt is None else max(self.max_prompt, mx)
-        lo, hi = int(df["first_ts"].min()), int(df["last_ts"].max())
-        self.first_ts = lo if self.first_ts is None else min(self.first_ts, lo)
-        self.last_ts = hi if self.last_ts is None else max(self.last_ts, hi)
-        room = MAX_LISTED - len(self.listed)
-        if room > 0:
-            self.listed.extend(self._listing(df.head(room)))
-
-    def _listing(self, df: pd.DataFrame) -> list[dict[str, Any]]:
-        # Column-wise conversion: per-row Python work here was most of a report's time.
-        cols = {
-            "deployment_id": df["deployment_id"].astype(object),
-            "request_id": df["request_id"].astype(object),
-            "tenant": df["tenant"].astype(object),
-            "route": _nullable(df["route"]),
-            "model_id": _nullable(df["model_id"]),
-            "prompt_tokens": _nullable_int(df["prompt_tokens"]),
-            "completion_tokens": _nullable_int(df["completion_tokens"]),
-            "status": df["status"].astype(object),
-            "reject_reason": _nullable(df["reject_reason"]),
-            "data_categories": _categories(df["data_categories"]),
-            "first_ts": iso_series(df["first_ts"]),
-            "last_ts": iso_series(df["last_ts"]),
-        }
-        # zip over tolist(): DataFrame.to_dict("records") boxes every cell and was 3x slower.
-        keys = (*cols, "role")
-        roles = [
-            self.roles.get(k, "in_window")
-            for k in zip(df["deployment_id"].tolist(), df["request_id"].tolist(), strict=True)
-        ]
-        columns = [c.tolist() for c in cols.values()]
-        return [dict(zip(keys, vals, strict=True)) for vals in zip(*columns, roles, strict=True)]
+    count: int
+    listed: list[dict[str, Any]]
+    tenants: dict[str, int]
+    routes: dict[str, int]
+    deployments: dict[str, int]
+    models: dict[str, int]
+    categories: Counter[str]
+    max_prompt: int | None
+    first_ts: int | None
+    last_ts: int | None
 
 
-def iso_series(us: pd.Series) -> pd.Series:
-    """Microseconds since the epoch → the same strings as :func:`collector.timefmt.iso`
-    (``...Z``, no zero micros), for a whole column at once."""
-    text = np.datetime_as_string(us.to_numpy(dtype="int64").astype("datetime64[us]"), unit="us")
-    s = pd.Series(text, index=us.index, dtype=object)
-    return s.str.removesuffix(".000000") + "Z"
+def _affected(
+    conn: Connection,
+    f: RowFilter,
+    named: set[tuple[str, str]],
+    s: rows_sql.Summary | None = None,
+) -> _Affected:
+    """``f``'s requests: ``s`` (its summary, computed here unless given) and the sample, which
+    holds every request in ``named`` that ``f`` covers."""
+    s = s or rows_sql.summary(conn, f)
+    cats: Counter[str] = Counter()
+    for raw, n in s.by_categories.items():
+        for c in rows_sql.categories(raw):
+            cats[c] += n
+    return _Affected(
+        count=s.count,
+        listed=rows_sql.sample(conn, f, SAMPLE_ROWS, named),
+        tenants=s.by_tenant,
+        routes=s.by_route,
+        deployments=s.by_deployment,
+        models=s.by_model,
+        categories=cats,
+        max_prompt=s.max_prompt,
+        first_ts=s.first_ts,
+        last_ts=s.last_ts,
+    )
 
 
-def _nullable(col: pd.Series) -> pd.Series:
-    return col.astype(object).where(col.notna(), None)
+def _window_filter(scope: BreachScope) -> RowFilter:
+    assert scope.since is not None and scope.until is not None and scope.model_id
+    return RowFilter.window(
+        scope.model_id,
+        to_micros(scope.since),
+        to_micros(scope.until),
+        min_prompt_tokens=scope.min_prompt_tokens,
+        deployment_id=scope.deployment_id,
+    )
 
 
-def _nullable_int(col: pd.Series) -> pd.Series:
-    ints = col.astype("Int64").astype(object)
-    return ints.where(col.notna(), None)
+def _roles(reads: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """Each request the stale reads name, by (deployment, request id): reader, previous
+    writer, or both."""
+    roles: dict[tuple[str, str], str] = {}
+    for s in reads:
+        if s["reader_request_id"]:
+            key = (s["deployment_id"], s["reader_request_id"])
+            roles[key] = "both" if roles.get(key) in ("previous_writer", "both") else "reader"
+        if s["previous_request_id"]:
+            key = (s["deployment_id"], s["previous_request_id"])
+            roles[key] = "both" if roles.get(key) in ("reader", "both") else "previous_writer"
+    return roles
 
 
-def _categories(col: pd.Series) -> pd.Series:
-    # A window holds few distinct tag sets: parse each once.
-    parsed = {raw: _cats(raw) for raw in col.dropna().unique()}
-    return col.astype(object).map(lambda raw: parsed.get(raw, []))
-
-
-def _request_cols() -> list[Any]:
-    r = m.Request
-    return [
-        r.deployment_id,
-        r.request_id,
-        r.tenant,
-        r.route,
-        r.model_id,
-        r.prompt_tokens,
-        r.completion_tokens,
-        r.status,
-        r.reject_reason,
-        r.data_categories,
-        type_coerce(r.first_ts, BigInteger).label("first_ts"),
-        type_coerce(r.last_ts, BigInteger).label("last_ts"),
-    ]
+def _named(reads: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    """The requests stale reads name, on either side."""
+    return {
+        (s["deployment_id"], rid)
+        for s in reads
+        for rid in (s["reader_request_id"], s["previous_request_id"])
+        if rid
+    }
 
 
 def _chunks(conn: Connection, stmt: Any) -> Iterator[pd.DataFrame]:
@@ -314,11 +284,54 @@ class BreachService:
         ReportStore(self.db).save(report, created_by=created_by, now=now)
         return report
 
+    def write_csv(self, report: dict[str, Any], sink: Callable[[bytes], Any]) -> int:
+        """The report's CSV, handed to ``sink`` block by block: its first line names the
+        report and its evidence hash, then every affected request, streamed from the database
+        (``COPY`` on PostgreSQL). Returns the rows written.
+
+        The rows are read again, so they must still be the ones the report counted: when
+        their number differs (rows erased or expired since), raises :class:`Conflict` after
+        the last block; a caller that must not hand out such a file writes to a temporary
+        one first. A report stored before the CSV was streamed (schema 1) gives the requests
+        it listed, as it always did."""
+        sink(_csv_head(report).encode())
+        if report.get("schema_version", 1) < 2:
+            body = to_csv(report).split("\n", 1)[1]
+            sink(body.encode())
+            return len(report["affected_requests"]["items"])
+        with self.db.read() as conn:
+            n = rows_sql.write_listing(conn, _report_filter(report), sink)
+        expected = report["affected_requests"]["count"]
+        if n != expected:
+            raise Conflict(
+                f"report {report['report_id']} counted {expected} affected requests; the "
+                f"database now holds {n} of them (erased, expired or changed since): generate "
+                "a new report",
+                {"counted": expected, "found": n},
+            )
+        return n
+
+    def csv_file(self, report: dict[str, Any]) -> BinaryIO:
+        """The report's CSV (:meth:`write_csv`) in a temporary file, at its start: checked
+        whole before anyone reads a byte, in memory while small and on disk beyond."""
+        out = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)  # noqa: SIM115 - returned
+        try:
+            self.write_csv(report, out.write)
+        except BaseException:
+            out.close()
+            raise
+        out.seek(0)
+        return cast(BinaryIO, out)
+
     def build(
         self, scope: BreachScope, *, now: datetime, late_reason: str | None = None
     ) -> dict[str, Any]:
         scope.validate()
         with self.db.read() as conn:
+            if self.db.dialect == "postgresql":
+                # One snapshot for every statement: the counts, the sample and the figures
+                # agree with each other (and with a CSV written from an unchanged database).
+                conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             if scope.incident_id is not None:
                 body = self._incident(conn, scope, now)
             else:
@@ -326,7 +339,7 @@ class BreachService:
         body["report_id"] = "rpt_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
         body["kind"] = "breach"
         body["generated_at"] = iso(now)
-        body["schema_version"] = 1
+        body["schema_version"] = SCHEMA_VERSION
         tl = body["timeline"]
         if tl["deadline_at"] is not None and to_micros(now) > tl["deadline_us"]:
             tl["late"] = True
@@ -369,27 +382,10 @@ class BreachService:
         hi = to_micros(scope.until) if scope.until else (inc.closed_at or to_micros(now) + 1)
         deps = [inc.deployment_id]
         reads = self._stale_reads(conn, deps, lo, hi)
-        roles: dict[tuple[str, str], str] = {}
-        for s in reads:
-            if s["reader_request_id"]:
-                roles.setdefault((s["deployment_id"], s["reader_request_id"]), "reader")
-            if s["previous_request_id"]:
-                key = (s["deployment_id"], s["previous_request_id"])
-                roles[key] = "previous_writer" if roles.get(key) != "reader" else "both"
-        agg = _RequestAgg(roles)
-        ids = sorted({rid for _, rid in roles})
-        for i in range(0, len(ids), 500):
-            stmt = (
-                select(*_request_cols())
-                .where(
-                    m.Request.deployment_id == inc.deployment_id,
-                    m.Request.request_id.in_(ids[i : i + 500]),
-                )
-                .order_by(m.Request.first_ts, m.Request.id)
-            )
-            for df in _chunks(conn, stmt):
-                agg.add(df)
-        model_ids = sorted({r["model_id"] for r in agg.listed if r["model_id"]})
+        roles = _roles(reads)
+        # The incident's affected requests are exactly those its stale reads name: all listed.
+        agg = _affected(conn, RowFilter.named(roles), set(roles))
+        model_ids = sorted(k for k in agg.models if k)
         incident = {
             "id": inc.id,
             "deployment_id": inc.deployment_id,
@@ -437,21 +433,15 @@ class BreachService:
     def _window(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
         assert scope.since is not None and scope.until is not None and scope.model_id
         lo, hi = to_micros(scope.since), to_micros(scope.until)
-        r = m.Request
-        conds = [r.model_id == scope.model_id, m.requests_since(r, lo), r.first_ts < hi]
-        if scope.min_prompt_tokens is not None:
-            conds.append(r.prompt_tokens >= scope.min_prompt_tokens)
-        if scope.deployment_id is not None:
-            conds.append(r.deployment_id == scope.deployment_id)
-        agg = _RequestAgg()
-        prompt = _Buckets(lo, hi, "max")
-        stmt = select(*_request_cols()).where(*conds).order_by(r.first_ts, r.id)
-        for df in _chunks(conn, stmt):
-            agg.add(df)
-            pt = df.dropna(subset=["prompt_tokens"])
-            prompt.add(pt["first_ts"].astype("int64"), pt["prompt_tokens"].astype("int64"))
-        deps = sorted(agg.deployments | ({scope.deployment_id} if scope.deployment_id else set()))
+        f = _window_filter(scope)
+        s = rows_sql.summary(conn, f)
+        deps = sorted(
+            set(s.by_deployment) | ({scope.deployment_id} if scope.deployment_id else set())
+        )
         reads = self._stale_reads(conn, deps, lo, hi)
+        agg = _affected(conn, f, _named(reads), s)
+        prompt = _Buckets(lo, hi, "max")
+        prompt.put(rows_sql.prompt_buckets(conn, f, lo, hi, BUCKETS))
         series = self._series(conn, deps, [scope.model_id], lo, hi, prompt=prompt)
         return self._assemble(
             conn,
@@ -509,16 +499,8 @@ class BreachService:
             prompt = _Buckets(lo, hi, "max")
             if deps and model_ids:
                 r = m.Request
-                ts = type_coerce(r.first_ts, BigInteger)
-                stmt = select(ts.label("ts"), r.prompt_tokens).where(
-                    r.deployment_id.in_(deps),
-                    r.model_id.in_(model_ids),
-                    ts >= lo,
-                    ts < hi,
-                    r.prompt_tokens.is_not(None),
-                )
-                for df in _chunks(conn, stmt):
-                    prompt.add(df["ts"].astype("int64"), df["prompt_tokens"].astype("int64"))
+                around = RowFilter([r.deployment_id.in_(deps), r.model_id.in_(model_ids)])
+                prompt.put(rows_sql.prompt_buckets(conn, around, lo, hi, BUCKETS))
         pool = _Buckets(lo, hi, "max")
         stale = _Buckets(lo, hi, "sum")
         if deps:
@@ -553,7 +535,7 @@ class BreachService:
         conn: Connection,
         deps: list[str],
         window_us: tuple[int, int],
-        agg: _RequestAgg,
+        agg: _Affected,
         reads: list[dict[str, Any]],
         deployments: list[dict[str, Any]],
     ) -> list[dict[str, Any]]:
@@ -719,7 +701,7 @@ class BreachService:
         conn: Connection,
         *,
         scope_json: dict[str, Any],
-        agg: _RequestAgg,
+        agg: _Affected,
         reads: list[dict[str, Any]],
         deps: list[str],
         model_ids: list[str],
@@ -812,6 +794,11 @@ class BreachService:
                 "truncated": agg.count > len(agg.listed),
                 "max_prompt_tokens": agg.max_prompt,
                 "by_tenant": dict(sorted(agg.tenants.items())),
+                "by_route": dict(sorted(agg.routes.items())),
+                "by_deployment": dict(sorted(agg.deployments.items())),
+                # What "items" holds; the CSV lists all "count" of them.
+                "sample": f"the first {SAMPLE_ROWS:,} by first event, and every request a "
+                "stale read names",
                 "items": agg.listed,
             },
             # Tenants are customers (controllers), not data subjects. Exposed: whose KV was
@@ -1115,21 +1102,84 @@ def plain_account(body: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def to_csv(report: dict[str, Any]) -> str:
-    """The affected requests; a first comment line names the report and its evidence hash
-    (``kvwatch report verify`` checks the JSON it came with)."""
-    buf = io.StringIO()
-    buf.write(
+def _csv_head(report: dict[str, Any]) -> str:
+    return (
         f"# kvwatch breach report {report['report_id']} evidence_sha256="
         f"{report['evidence_sha256']}\n"
     )
+
+
+def _report_filter(report: dict[str, Any]) -> RowFilter:
+    """The rows a stored report covers, from the report alone: a window's scope, or the
+    requests an incident's stale reads name."""
+    if report["mode"] == "incident":
+        roles = _roles(report["stale_reads"]["items"])
+        return RowFilter.named(roles)
+    sc = report["scope"]
+    return _window_filter(
+        BreachScope(
+            model_id=sc["model_id"],
+            since=parse_iso(sc["since"]),
+            until=parse_iso(sc["until"]),
+            min_prompt_tokens=sc["min_prompt_tokens"],
+            deployment_id=sc["deployment_id"],
+        )
+    )
+
+
+def check_csv(report: dict[str, Any], lines: Iterable[str]) -> list[str]:
+    """What is wrong with ``lines`` (a CSV's text, line by line) as this report's CSV; empty
+    when nothing. The first line must name the report and its hash; then, for a schema-2
+    report, the rows are recounted: their number, per tenant, route and deployment, the
+    largest prompt, and every request the JSON lists must be among them, as listed. A
+    schema-1 report's CSV must be exactly :func:`to_csv`'s."""
+    it = iter(lines)
+    head = next(it, "")
+    if report.get("schema_version", 1) < 2:
+        return [] if head + "".join(it) == to_csv(report) else ["its rows differ"]
+    problems = []
+    if head != _csv_head(report):
+        problems.append("its first line does not name this report and its evidence hash")
+    reader = csv.reader(it)
+    if next(reader, None) != list(CSV_COLUMNS):
+        return [*problems, "its header row is not the breach CSV's"]
+    ar = report["affected_requests"]
+    listed = {tuple(str(x) for x in csv_row(r)) for r in ar["items"]}
+    count = 0
+    tenants: Counter[str] = Counter()
+    routes: Counter[str] = Counter()
+    deployments: Counter[str] = Counter()
+    max_prompt: int | None = None
+    for row in reader:
+        count += 1
+        rec = dict(zip(CSV_COLUMNS, row, strict=False))
+        tenants[rec.get("tenant", "")] += 1
+        routes[rec.get("route", "")] += 1
+        deployments[rec.get("deployment_id", "")] += 1
+        if pt := rec.get("prompt_tokens"):
+            max_prompt = max(max_prompt or 0, int(pt)) if pt.isdigit() else max_prompt
+        listed.discard(tuple(row))
+    expected = {
+        "rows": (count, ar["count"]),
+        "rows per tenant": (dict(tenants), ar["by_tenant"]),
+        "rows per route": (dict(routes), ar.get("by_route", dict(routes))),
+        "rows per deployment": (dict(deployments), ar.get("by_deployment", dict(deployments))),
+        "largest prompt": (max_prompt, ar["max_prompt_tokens"]),
+    }
+    problems += [f"{what} differ" for what, (got, want) in expected.items() if got != want]
+    if listed:
+        problems.append(f"{len(listed)} request(s) the report lists are missing or changed")
+    return problems
+
+
+def to_csv(report: dict[str, Any]) -> str:
+    """The requests the report lists in its JSON ("items"), as CSV with the first comment line
+    that names the report and its evidence hash. The whole CSV of a schema-2 report comes from
+    :meth:`BreachService.write_csv`; this is the CSV of a schema-1 report."""
+    buf = io.StringIO()
+    buf.write(_csv_head(report))
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     for r in report["affected_requests"]["items"]:
-        w.writerow(
-            [
-                ";".join(r[c]) if c == "data_categories" else ("" if r[c] is None else r[c])
-                for c in CSV_COLUMNS
-            ]
-        )
+        w.writerow(csv_row(r))
     return buf.getvalue()
