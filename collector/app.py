@@ -53,9 +53,17 @@ from collector.verify_schedules import Verifier, VerifyScheduleService
 from policies import RuleSet, load_ruleset
 
 
-def create_app(settings: Settings | None = None, *, verifier: Verifier | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    verifier: Verifier | None = None,
+    freeze_heap: bool = False,
+) -> FastAPI:
     """``verifier`` runs scheduled verifications (``kvwatch serve`` hands in
-    ``kvwatch.verify``'s); without one, schedules are kept but not run."""
+    ``kvwatch.verify``'s); without one, schedules are kept but not run. ``freeze_heap``: the
+    app owns its process (``kvwatch serve``), so what its startup built is moved out of the
+    collector of cycles once it has started (a process that builds many apps, as the tests
+    do, would keep each one's cycles forever)."""
     settings = settings or Settings()
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
     metrics = CollectorMetrics(
@@ -125,7 +133,7 @@ def create_app(settings: Settings | None = None, *, verifier: Verifier | None = 
         version="1",
         description="Ingests probe events; serves deployments, requests, pool samples and "
         "page events. Every endpoint but /healthz, /readyz and /metrics needs a bearer token.",
-        lifespan=_lifespan(settings, db, maintainer, workers),
+        lifespan=_lifespan(settings, db, maintainer, workers, freeze_heap),
     )
     errors.install(app)
     app.add_middleware(LimitBody, limit=settings.max_request_bytes)
@@ -167,6 +175,7 @@ def _lifespan(
     db: Database,
     maintainer: Periodic | None,
     workers: tuple[Periodic | Dispatcher | None, ...],
+    freeze_heap: bool,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Migrate (when told to) and make the partitions, start the workers; at shutdown, stop
     them and close the database's connections."""
@@ -180,11 +189,12 @@ def _lifespan(
         for worker in workers:
             if worker is not None:
                 worker.start()
-        # What startup built lives as long as the app: out of the collector of cycles with
-        # it (collected first, so no garbage is kept), else every full collection, which
-        # ingest's allocations trigger every few batches, walks it all again.
-        gc.collect()
-        gc.freeze()
+        if freeze_heap:
+            # What startup built lives as long as the process: out of the collector of
+            # cycles with it (collected first, so no garbage is kept), else every full
+            # collection, which ingest's allocations set off every few batches, walks it all.
+            gc.collect()
+            gc.freeze()
         try:
             yield
         finally:

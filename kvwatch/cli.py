@@ -103,7 +103,9 @@ def serve(
         # Migrated here, not in the app's startup: a database it cannot reach then ends the
         # command with the CLI's one line, not uvicorn's traceback after its banner.
         collector = create_app(
-            settings.model_copy(update={"auto_migrate": False}), verifier=run_scheduled
+            settings.model_copy(update={"auto_migrate": False}),
+            verifier=run_scheduled,
+            freeze_heap=True,
         )
         _database_ready(settings, collector.state.db)
         app_or_path: object = collector

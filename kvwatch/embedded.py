@@ -47,4 +47,4 @@ def collector_app() -> Any:
     from collector.app import create_app
     from kvwatch.verify.scheduled import run_scheduled
 
-    return create_app(verifier=run_scheduled)
+    return create_app(verifier=run_scheduled, freeze_heap=True)
