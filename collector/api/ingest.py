@@ -25,16 +25,12 @@ _ERRORS = params.errors(401, 403, 422, 503)
 
 
 def build_router(
-    ingest: IngestService,
-    max_body_bytes: int,
-    limiter: anyio.CapacityLimiter,
-    in_hand: anyio.CapacityLimiter | None = None,
+    ingest: IngestService, max_body_bytes: int, limiter: anyio.CapacityLimiter
 ) -> APIRouter:
-    """``limiter``: how many batches are written at once. ``in_hand``: how many are decoded
-    or being written at once (default: one more than ``limiter``), so the next batch is
-    decoded while one is written, and decoded batches waiting for the writer stay bounded."""
-    if in_hand is None:
-        in_hand = anyio.CapacityLimiter(limiter.total_tokens + 1)
+    """``limiter``: how many batches are written at once. Decoding runs outside it, with
+    at most one batch more in hand than there are writers, so decoded batches waiting for
+    the writer stay few."""
+    in_hand = anyio.CapacityLimiter(limiter.total_tokens + 1)
     r = APIRouter()
 
     @r.post(
