@@ -70,6 +70,7 @@ def _fill(conninfo: str, n: int, now: datetime) -> None:
 def measure(conninfo: str, url: str, n: int) -> dict[str, Any]:
     from collector import migrate
     from collector.db import Database
+    from collector.limits import Limits
     from collector.rollups.refresh import RollupRefresher
     from collector.rollups.stats import Scope, StatsService, Window
     from collector.timefmt import to_micros
@@ -89,7 +90,7 @@ def measure(conninfo: str, url: str, n: int) -> dict[str, Any]:
                 "SELECT count(*) FROM request_rollups"
             ).scalar()
         out["buckets"] = built.request_buckets
-        stats = StatsService(db)
+        stats = StatsService(db, Limits(db))
         for label, days in (("24h", 1), ("7d", DAYS)):
             w = Window(to_micros(now - timedelta(days=days)), to_micros(now), 200)
             lo = w.since_us

@@ -374,7 +374,7 @@ def pure_evaluation(batches: Sequence[Batch], passes: int = 3) -> PureEvaluation
         prepared.append(
             BatchFacts(
                 events=events,
-                deployments=F.deployment_facts(folded, {}, tenants, deps),
+                deployments=F.deployment_facts(folded, F.Verdicts(), tenants, deps),
                 prior_configs=configs,
                 seq_gaps=[],
             )

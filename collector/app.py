@@ -32,6 +32,7 @@ from collector.api.bodies import LimitBody
 from collector.db import Database
 from collector.fleet import FleetService
 from collector.ingest import IngestService
+from collector.limits import Limits
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
 from collector.otlp.service import TraceIngest
@@ -66,20 +67,24 @@ def create_app(
     do, would keep each one's cycles forever)."""
     settings = settings or Settings()
     db = Database(settings.database_url, pool_size=settings.db_pool_size)
+    rules = load_ruleset(settings.policy_packs_dir) if settings.policies_enabled else RuleSet()
+    # The limit in force, decided by policies over the stored facts: every view reads it here
+    limits = Limits.for_rules(db, rules)
     metrics = CollectorMetrics(
         db,
+        limits=limits,
         max_deployments=settings.metrics_max_deployments,
         min_requests=settings.metrics_min_requests,
     )
     authenticator = Authenticator(
         db, ttl_s=settings.token_cache_s, use_audit_s=settings.token_use_audit_s
     )
-    rules = load_ruleset(settings.policy_packs_dir) if settings.policies_enabled else RuleSet()
     alerting = AlertingService(db, rules)
     ingester = IngestService(
         db, settings, metrics, authenticator, alerting if settings.policies_enabled else None
     )
-    reviews = ReviewService(db)
+    reviews = ReviewService(db, limits)
+    cards = LimitsService(db, limits)
 
     scraper = (
         ScheduledScraper(db, settings, ingester, metrics.registry)
@@ -157,12 +162,12 @@ def create_app(
     app.include_router(alerts.build_router(alerting, notices, settings.max_evidence_bytes))
     app.include_router(schedules_api.build_router(schedules))
     app.include_router(
-        breach.build_router(BreachService(db, settings), reviews, ReportStore(db), notices)
+        breach.build_router(BreachService(db, settings, limits), reviews, ReportStore(db), notices)
     )
     app.include_router(
-        reports.build_router(InventoryService(db), LimitsService(db), reviews, AuditLog(db))
+        reports.build_router(InventoryService(db), cards, reviews, AuditLog(db), limits)
     )
-    app.include_router(dashboard.build_router(FleetService(db), StatsService(db)))
+    app.include_router(dashboard.build_router(FleetService(db, cards), StatsService(db, limits)))
     app.include_router(tokens_api.build_router(TokenService(db)))
     token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
     app.include_router(health.build_router(metrics, db.ping, metrics_token=token))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -175,6 +176,69 @@ def verifications(
     return out
 
 
+# How far back past runs that reached no verdict the latest decided one is looked for.
+_LOOK_BACK = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Verdicts:
+    """The verifications a limit is decided from, per (deployment, model): the latest of
+    any result, the latest passing one and the latest with a verdict (pass or fail), the
+    last two only where they are not the latest (``DeploymentFacts``'s fallbacks)."""
+
+    latest: dict[tuple[str, str], VerificationFact] = field(default_factory=dict)
+    passing: dict[tuple[str, str], VerificationFact] = field(default_factory=dict)
+    decided: dict[tuple[str, str], VerificationFact] = field(default_factory=dict)
+
+    def of(self, deployment_id: str) -> Verdicts:
+        def mine(
+            d: dict[tuple[str, str], VerificationFact],
+        ) -> dict[tuple[str, str], VerificationFact]:
+            return {k: v for k, v in d.items() if k[0] == deployment_id}
+
+        return Verdicts(mine(self.latest), mine(self.passing), mine(self.decided))
+
+    def merge(self, other: Verdicts) -> None:
+        self.latest.update(other.latest)
+        self.passing.update(other.passing)
+        self.decided.update(other.decided)
+
+
+def verdicts(conn: Connection, deployments: Iterable[str] | None) -> Verdicts:
+    """The latest, latest passing and latest decided verification of each (deployment,
+    model): the latest's query, and one more read only for models whose latest did not pass
+    (rare: they are failing or could not be verified)."""
+    latest = verifications(conn, deployments)
+    t = m.Verification.__table__
+    out = Verdicts(latest=latest)
+    for (dep, model), v in latest.items():
+        if v.verdict == "pass":
+            continue
+        if v.last_passed_at is not None:
+            row = conn.execute(
+                select(t)
+                .where(t.c.deployment_id == dep, t.c.model_id == model, t.c.passed.is_(True))
+                .order_by(t.c.verified_at.desc(), t.c.id.desc())
+                .limit(1)
+            ).first()
+            if row is not None:
+                out.passing[(dep, model)] = verification_fact(row, v.last_passed_at)
+        if v.verdict == "error":
+            rows = conn.execute(
+                select(t)
+                .where(t.c.deployment_id == dep, t.c.model_id == model)
+                .order_by(t.c.verified_at.desc(), t.c.id.desc())
+                .limit(_LOOK_BACK)
+            )
+            decided = (
+                f for r in rows if (f := verification_fact(r, v.last_passed_at)).verdict != "error"
+            )
+            found = next(decided, None)
+            if found is not None:
+                out.decided[(dep, model)] = found
+    return out
+
+
 def tenant_pairs(by_type: Mapping[type, list[ev.Event]]) -> set[tuple[str, str]]:
     """(deployment, tenant) of every request event."""
     return {
@@ -206,19 +270,46 @@ def tenant_counts(conn: Connection, deployments: Iterable[str] | None) -> dict[s
 
 def deployment_facts(
     configs: dict[tuple[str, str], NodeConfig],
-    verified: dict[tuple[str, str], VerificationFact],
+    verified: Verdicts,
     tenants: dict[str, int],
     deployments: Iterable[str],
+    max_verification_age_s: float | None = None,
 ) -> dict[str, DeploymentFacts]:
     out = {}
     for dep in deployments:
         out[dep] = DeploymentFacts(
             deployment_id=dep,
             configs={node: c for (d, node), c in configs.items() if d == dep},
-            verifications={model: v for (d, model), v in verified.items() if d == dep},
+            verifications={model: v for (d, model), v in verified.latest.items() if d == dep},
             tenant_count=tenants.get(dep, 0),
+            passing={model: v for (d, model), v in verified.passing.items() if d == dep},
+            decided={model: v for (d, model), v in verified.decided.items() if d == dep},
+            max_verification_age_s=max_verification_age_s,
         )
     return out
+
+
+def load(
+    conn: Connection,
+    deployments: Iterable[str] | None,
+    max_verification_age_s: float | None,
+    *,
+    tenants: bool = False,
+) -> dict[str, DeploymentFacts]:
+    """What is known of these deployments (every one: ``None``), as the rules see it:
+    what every reader of the limit in force loads (``collector.limits``)."""
+    deployments = None if deployments is None else set(deployments)
+    configs = node_configs(conn, deployments)
+    verified = verdicts(conn, deployments)
+    deps = (
+        set(deployments)
+        if deployments is not None
+        else {d for d, _ in configs}
+        | {d for d, _ in verified.latest}
+        | set(conn.execute(select(m.Deployment.id)).scalars())
+    )
+    counts = tenant_counts(conn, deps) if tenants else {}
+    return deployment_facts(configs, verified, counts, deps, max_verification_age_s)
 
 
 def fold_configs(
@@ -280,15 +371,16 @@ def prefix_history(
 
 
 def timer_facts(
-    conn: Connection, now: datetime | None = None, evidence_after_s: float | None = None
+    conn: Connection,
+    now: datetime | None = None,
+    evidence_after_s: float | None = None,
+    max_verification_age_s: float | None = None,
 ) -> TimerFacts:
     """Every deployment and every probe (bounded by how many exist, not by history). With
     ``now`` and ``evidence_after_s`` (``policies.kinds.telemetry.probe_evidence_after``),
     the probes quiet at least that long, and the other probes of their deployments, carry
     the evidence that they should be sending (see :class:`policies.ProbeFact`)."""
-    configs = node_configs(conn, None)
-    deps = {d for d, _ in configs} | set(conn.execute(select(m.Deployment.id)).scalars())
-    facts = deployment_facts(configs, verifications(conn, None), tenant_counts(conn, None), deps)
+    facts = load(conn, None, max_verification_age_s, tenants=True)
     rows = list(
         conn.execute(
             text(

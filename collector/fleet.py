@@ -25,9 +25,9 @@ _RANK = {"green": 0, "amber": 1, "red": 2}
 
 
 class FleetService:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, cards: LimitsService):
         self.db = db
-        self.limits = LimitsService(db)
+        self.limits = cards
 
     def fleet(self, now: datetime) -> dict[str, Any]:
         with self.db.read() as conn:
@@ -77,6 +77,7 @@ class FleetService:
                         "verification_stale": bool(mod["stale"]),
                         "latest_verification_failed": mod["latest_verification_failed"],
                         "verdict": mod["verdict"],
+                        "limit_in_force": mod["limit_in_force"],
                     }
                 )
                 name = mod["model_id"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -20,18 +21,24 @@ from collector import deployment_facts, queries
 from collector import models as m
 from collector.db import Database
 from collector.errors import Unavailable
+from collector.limits import Limits
 from collector.rollups.buckets import bin_high, bin_of
 from policies import VerificationFact
-from policies.safe_context import safe_context
 
 # Per deployment: the (model, route) series of the largest prompts; the rest are left out.
 MAX_ROUTES = 20
 # Verifications looked back through, past runs that reached no verdict.
-_LOOK_BACK = 50
 
 
 class CollectorMetrics:
-    def __init__(self, db: Database, *, max_deployments: int = 200, min_requests: int = 10):
+    def __init__(
+        self,
+        db: Database,
+        *,
+        limits: Limits | None = None,
+        max_deployments: int = 200,
+        min_requests: int = 10,
+    ):
         self.registry = CollectorRegistry(auto_describe=True)
         self.events = Counter(
             "kvwatch_ingest_events",
@@ -71,7 +78,9 @@ class CollectorMetrics:
         # Pre-create the label sets so a scrape shows zeros instead of nothing.
         for r in ("accepted", "duplicate"):
             self.events.labels(r)
-        self.registry.register(_DeploymentGauges(db, max_deployments, min_requests))
+        self.registry.register(
+            _DeploymentGauges(db, limits or Limits(db), max_deployments, min_requests)
+        )
         self.registry.register(_AlertGauges(db))
 
 
@@ -136,8 +145,9 @@ class _DeploymentGauges(Collector):
     prompt of the hour is published rounded up to its 9%-wide size bin, and only for a
     deployment with at least ``min_requests`` requests in that hour."""
 
-    def __init__(self, db: Database, max_deployments: int, min_requests: int):
+    def __init__(self, db: Database, limits: Limits, max_deployments: int, min_requests: int):
         self.db = db
+        self.limits = limits
         self.max_deployments = max_deployments
         self.min_requests = min_requests
         self.max_routes = MAX_ROUTES
@@ -201,14 +211,16 @@ class _DeploymentGauges(Collector):
             "When the latest passing verification ran (Unix time).",
             labels=["deployment", "model"],
         )
-        # What the context_pressure rule measures prompts against, so that Prometheus (and
-        # Grafana) draw the same line kvwatch alerts on.
+        # The limit in force, the one decision the context_pressure rule measures prompts
+        # against and the gateway enforces, so that Prometheus (and Grafana) draw the same
+        # line kvwatch alerts on.
         safe = GaugeMetricFamily(
             "kvwatch_deployment_safe_context_tokens",
-            "The context prompts are measured against: the verified safe context while the "
-            "passing verification still matches every node serving the model, else "
-            "min(advertised context, prefill pool).",
-            labels=["deployment", "model", "verified"],
+            "The limit in force (policies.limits): the verified safe context while it holds, "
+            "else min(advertised context, prefill pool), tightened by a failed verification "
+            "(0: every prompt refused). source: verified, pool, failed-verification; stale: "
+            "a passing verification no longer holds (drift, pool below it, too old).",
+            labels=["deployment", "model", "verified", "source", "stale"],
         )
         canary = GaugeMetricFamily(
             "kvwatch_deployment_canary_hits_1h",
@@ -299,25 +311,30 @@ class _DeploymentGauges(Collector):
         yield from (adv, cap, used, occ, maxp, route_maxp, missing, omitted)
         yield from (verified, failed, passed_at, stale, rejected, safe, canary)
 
-    @staticmethod
     def _safe_context(
+        self,
         conn: Connection,
         kept: set[str],
         since: int,
         safe: GaugeMetricFamily,
         canary: GaugeMetricFamily,
     ) -> None:
-        """The safe context of each (deployment, model) as ``policies.safe_context`` decides
-        it, the one definition the rule, the reports and the dashboard share; and the hour's
-        canary hits, zeros included ("none this hour" is an answer, not missing data)."""
-        configs = deployment_facts.node_configs(conn, kept)
-        latest = deployment_facts.verifications(conn, kept)  # a later failure withdraws a pass
-        by_dep = deployment_facts.deployment_facts(configs, latest, {}, kept)
-        models = {(d, c.model_id) for (d, _), c in configs.items()} | set(latest)
-        for dep, model in sorted(models):
-            bound, is_verified = safe_context(by_dep[dep], model)
-            if bound is not None:
-                safe.add_metric([dep, model, "true" if is_verified else "false"], bound)
+        """The limit in force of each (deployment, model), as ``collector.limits`` serves it
+        to every other reader; and the hour's canary hits, zeros included ("none this hour"
+        is an answer, not missing data)."""
+        now = datetime.now(UTC)
+        for (dep, model), lim in self.limits.in_conn(conn, kept, now).items():
+            if lim.tokens is not None:
+                safe.add_metric(
+                    [
+                        dep,
+                        model,
+                        "true" if lim.verified else "false",
+                        lim.source,
+                        "true" if lim.stale else "false",
+                    ],
+                    lim.tokens,
+                )
         hits = dict.fromkeys(kept, 0)
         pe = m.PageEvent
         for dep, n in conn.execute(
@@ -386,25 +403,11 @@ def _decided_verifications(
 ) -> dict[tuple[str, str], VerificationFact]:
     """The latest verification of each (deployment, model) that reached a verdict: a run
     that could not (``error``) changes nothing, as for the default pack's rules."""
-    latest = deployment_facts.verifications(conn, deployments)
+    found = deployment_facts.verdicts(conn, deployments)
     out = {}
-    for key, v in latest.items():
+    for key, v in found.latest.items():
         if v.verdict == "error":
-            # rare: look back past the runs without a verdict
-            t = m.Verification.__table__
-            rows = conn.execute(
-                select(t)
-                .where(t.c.deployment_id == key[0], t.c.model_id == key[1])
-                .order_by(t.c.verified_at.desc(), t.c.id.desc())
-                .limit(_LOOK_BACK)
-            )
-            decided = (
-                f
-                for r in rows
-                if (f := deployment_facts.verification_fact(r, v.last_passed_at)).verdict != "error"
-            )
-            v = next(decided, v)
-            if v.verdict == "error":
-                continue
-        out[key] = v
+            v = found.decided.get(key, v)
+        if v.verdict != "error":
+            out[key] = v
     return out

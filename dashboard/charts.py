@@ -23,6 +23,7 @@ MEASURES = {
     "Advertised context": "#9e9e9e",
     "Prefill pool": "#1f77b4",
     "Verified safe context": "#2ca02c",
+    "Limit in force": "#d62728",
 }
 # Every page-event kind the collector stores: the scale's domain is this list, so a kind left
 # out would have no colour (prefix_cache.hit and kv.turnover once had none).

@@ -142,8 +142,10 @@ def report_limits(
             "[red]error:[/] --format pdf needs --out DIR (a PDF is not written to a terminal)"
         )
         raise typer.Exit(2)
-    with database(database_url) as (db, _):
-        card = LimitsService(db).card(deployment, datetime.now(UTC))
+    from collector.limits import Limits
+
+    with database(database_url) as (db, s):
+        card = LimitsService(db, Limits.for_settings(db, s)).card(deployment, datetime.now(UTC))
     data: bytes
     if format is CardFormat.pdf:
         data = render_pdf(card)
@@ -257,11 +259,12 @@ def report_review(
     their weekly trend against the safe threshold; rows at >= 80% highlighted. Stored and
     recorded in the audit log like a breach report; writes JSON, CSV and PDF to --out and
     prints the paths."""
+    from collector.limits import Limits
     from collector.reports.review import ReviewScope, ReviewService, to_csv
     from collector.reports.review_pdf import render_pdf
 
-    with database(database_url) as (db, _):
-        doc = ReviewService(db).create(
+    with database(database_url) as (db, s):
+        doc = ReviewService(db, Limits.for_settings(db, s)).create(
             ReviewScope(since=since, until=until, deployment_id=deployment), created_by=by
         )
     try:

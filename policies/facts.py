@@ -129,13 +129,23 @@ def verified_nodes(configs: Iterable[NodeConfig], model_id: str) -> list[NodeCon
 
 @dataclass(frozen=True, slots=True)
 class DeploymentFacts:
-    """One deployment: each node's latest config, the latest verification per model, and
-    how many tenants it has served."""
+    """One deployment: each node's latest config, the latest verification per model (and
+    the latest passing and decided ones), how many tenants it has served, and the pack's
+    maximum verification age: everything :func:`policies.limits.limit_in_force` decides
+    from."""
 
     deployment_id: str
     configs: Mapping[str, NodeConfig] = field(default_factory=dict)
     verifications: Mapping[str, VerificationFact] = field(default_factory=dict)
     tenant_count: int = 0
+    #: per model, the latest passing verification and the latest with a verdict (pass or
+    #: fail), where they are not the latest one (``verifications``); missing entries are
+    #: read from ``verifications`` when it qualifies
+    passing: Mapping[str, VerificationFact] = field(default_factory=dict)
+    decided: Mapping[str, VerificationFact] = field(default_factory=dict)
+    #: the rule pack's maximum verification age (``verification_missing_or_stale``'s
+    #: ``max_age``), which the limit in force applies; None: no maximum
+    max_verification_age_s: float | None = None
 
     def prefill_pool_tokens(self) -> int | None:
         """The smallest pool a prompt must fit in: the prefill (or monolithic) nodes'."""

@@ -85,3 +85,41 @@ def verdict(
             latest.verification_id,
         )
     return Verdict("not_verified", "not verified")
+
+
+_SOURCE_WORDS = {
+    "verified": "verified safe context",
+    "configured": "configured safe context",
+    "pool": "not verified: min(advertised context, prefill pool)",
+    "failed-verification": "held by a failed verification",
+}
+
+
+def limit_text(
+    tokens: int | None,
+    source: str,
+    verified_safe_context: int | None,
+    verified_at: datetime | None,
+    verification_id: int | None,
+    stale: str | None,
+) -> str:
+    """The limit in force in words (``policies.limits.LimitInForce.text``), the same in the
+    rule's alert, the limits card, the fleet, the reports, the dashboard and the gateway's
+    log: ``8,000 tokens (verified safe context on DATE, verification ID)``, ``4,096 tokens
+    (not verified: min(advertised context, prefill pool); STALE: …)``, ``every prompt
+    refused (held by a failed verification)``, ``no limit known``."""
+    if tokens is None:
+        return "no limit known (no node reports its pool and nothing passed verification)"
+    head = "every prompt refused" if tokens == 0 else f"{_n(tokens)} tokens"
+    why = _SOURCE_WORDS.get(source, source)
+    if source == "verified" and verified_at is not None:
+        why += f" on {_day(verified_at)}, verification {verification_id}"
+    if stale:
+        ref = (
+            f"verified safe context {_n(verified_safe_context)} tokens on "
+            f"{_day(verified_at)}, verification {verification_id}"
+            if verified_safe_context is not None and verified_at is not None
+            else "the verification"
+        )
+        why += f"; STALE: {ref}: {stale}"
+    return f"{head} ({why})"

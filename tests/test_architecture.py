@@ -335,3 +335,88 @@ if __name__ == "__main__":
     # `python tests/test_architecture.py`: the import graph, one line per importer.
     for src, dsts in sorted(import_graph().items()):
         print(f"{src} -> {', '.join(sorted(dsts))}")
+
+
+# -- the limit in force is decided in one place ------------------------------------------------
+
+# What deciding a prompt limit reads: a verification's verified safe context, the engine's
+# advertised context and pool sizes. Outside policies/limits.py, code may show these figures,
+# but never combine them into a limit (a min/max over them, a staleness check of a
+# verification): that is policies.limits.limit_in_force's, which every consumer reads.
+_LIMIT_INPUTS = {
+    "verified_safe_context",
+    "safe_context",
+    "advertised_context",
+    "pool_capacity_tokens",
+    "prefill_pool_tokens",
+    "smallest_leaking_prompt",
+}
+_DECIDES = {"stale_against", "verified_nodes", "limit_in_force", "with_configured"}
+_THE_DECISION = {"policies/limits.py", "policies/facts.py"}
+_CONSUMERS = ("collector", "kvwatch", "dashboard", "policies")
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Attribute):
+            out.add(n.attr)
+        elif isinstance(n, ast.Name):
+            out.add(n.id)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            out.add(n.value)
+    return out
+
+
+def limit_deciders(root: Path = ROOT) -> list[str]:
+    """Places outside policies.limits that decide a limit: a min() or max() over a limit's
+    inputs, or a call of the staleness checks (``stale_against``, ``verified_nodes``)."""
+    found = []
+    # The consumers of the limit; refengine and the probe measure an engine (its own
+    # admission bound, a pool's size), they do not decide what kvwatch holds prompts to.
+    for pkg in _CONSUMERS:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in _THE_DECISION:
+                continue
+            tree = ast.parse(path.read_text(), filename=rel)
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                fn = node.func
+                name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", None)
+                if name in ("min", "max") and isinstance(fn, ast.Name):
+                    used = set().union(*(_names_in(a) for a in node.args)) if node.args else set()
+                    if used & _LIMIT_INPUTS:
+                        found.append(
+                            f"{rel}:{node.lineno}: {name}() over {sorted(used & _LIMIT_INPUTS)}"
+                        )
+                elif name in _DECIDES - {"limit_in_force", "with_configured"}:
+                    found.append(f"{rel}:{node.lineno}: {name}()")
+    return found
+
+
+def test_only_policies_decides_the_limit_in_force() -> None:
+    """The rule, the card, the fleet, the reports, the dashboard, /metrics and the gateway
+    read policies.limits' one decision (through the collector's collector.limits, or
+    GET /v1/limits); a second rule, even one that agrees today, is how they came to disagree."""
+    assert limit_deciders() == []
+
+
+def test_the_limit_check_sees_a_second_rule(tmp_path: Path) -> None:
+    """The check above catches the shapes the old rules had (the breach report's own
+    min over pools, the gateway's min over verified and configured, a staleness check)."""
+    for pkg in _CONSUMERS:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "collector" / "report.py").write_text(
+        "def safe(cfgs, v):\n"
+        "    pools = [c.pool_capacity_tokens for c in cfgs]\n"
+        "    return min([v.verified_safe_context, *pools])\n"
+    )
+    (tmp_path / "kvwatch" / "guard.py").write_text(
+        "def stale(v, c):\n    return bool(v.stale_against(c))\n"
+    )
+    assert [f.split(":")[0] for f in limit_deciders(tmp_path)] == [
+        "collector/report.py",
+        "kvwatch/guard.py",
+    ]

@@ -78,6 +78,8 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/incidents/{incident_id}/assessment"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
     ("GET", "/v1/verifications"): _allow(200, "ingest", *READERS),
+    # the limit in force: the gateway reads it with its ingest token
+    ("GET", "/v1/limits"): _allow(200, "ingest", *READERS),
     ("POST", "/v1/verifications"): _allow(201, "ingest", "admin"),
     # the evidence names tenants: admin only
     ("GET", "/v1/verifications/{verification_id}"): _allow(200, "admin"),

@@ -99,14 +99,21 @@ def test_prompt_token_stats_match_the_ingested_requests(collector: Collector) ->
     reqs = _seed(collector)
     doc = get(collector, "/v1/stats/prompt-tokens", **WINDOW, max_points=24)
     (line,) = doc["thresholds"]
+    limit = line.pop("limit")
     assert line == {
         "model_id": MODEL,
         "safe_context": SAFE,
         "verified": True,
+        "source": "verified",
+        "stale": False,
         "deployment_id": "glm-prod",
         "warn_line": 480_000,
         "critical_line": SAFE,
     }
+    # the limit in force in the collector's words, as the card and the alerts say it
+    card = get(collector, "/v1/deployments/glm-prod/limits-card")
+    assert limit == card["models"][0]["limit_in_force"]["text"]
+    assert limit.startswith(f"{SAFE:,} tokens (verified safe context on ")
     assert doc["bucket_seconds"] == 300
     # times are ISO text like every other answer; fields named *_us stay microseconds
     assert (doc["since"], doc["until"]) == (iso(f.T0), iso(f.T0 + timedelta(hours=2)))

@@ -29,13 +29,8 @@ from engine_probe.probe import BaseProbe, Probe
 from engine_probe.settings import ProbeSettings
 from kvwatch.embedded import free_port, serve_in_thread
 from kvwatch.gateway import GatewaySettings, create_app
-from kvwatch.gateway.limits import (
-    Limit,
-    SafeContexts,
-    VerificationSource,
-    latest_passing,
-    read_verdicts,
-)
+from kvwatch.gateway.limits import Limit, LimitsSource, SafeContexts
+from policies.limits import LimitInForce, from_json
 from refengine import Engine, EngineConfig
 from refengine.server import create_app as refengine_app
 from tests.conftest import Collector
@@ -472,27 +467,35 @@ def test_records_reach_the_collector_without_text(upstream: Upstream, collector:
         engine.dispose()
 
 
-def test_latest_passing_verification_and_keeping_the_last_known(
+def served(model: str, tokens: int | None, source: str, **fields: Any) -> LimitInForce:
+    """A limit in force as the collector serves it (GET /v1/limits)."""
+    doc = {"deployment_id": "d1", "model_id": model, "tokens": tokens, "source": source}
+    return from_json(doc | fields)
+
+
+def test_the_collectors_limit_joined_by_the_configured_and_kept_while_unreachable(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert latest_passing(
-        [
-            {"model_id": "a", "passed": False, "verified_safe_context": 10},
-            {"model_id": "a", "passed": True, "verified_safe_context": 20},
-            {"model_id": "a", "passed": True, "verified_safe_context": 30},
-            {"model_id": "b", "passed": True, "verified_safe_context": None},
-        ]
-    ) == {"a": 20}
-    limits = SafeContexts({"a": 25, "*": 1000})
+    now = [1_000_000.0]
+    limits = SafeContexts(
+        {"a": 25, "*": 1000}, deployment_id="d1", keep_s=600, clock=lambda: now[0]
+    )
 
     def tokens(*models: str | None) -> tuple[int | None, ...]:
         return tuple(None if (lim := limits.limit(m)) is None else lim.tokens for m in models)
 
     assert tokens("a", "other", None) == (25, 1000, 1000)
     assert limits.limit("a") == Limit(25, "configured")
-    limits.set_verified({"a": 20, "c": 7})
+    limits.set_served(
+        {
+            "a": served("a", 20, "verified", verified_safe_context=20),
+            "c": served("c", 7, "verified", verified_safe_context=7),
+            "p": served("p", 4096, "pool", structural=4096),
+        }
+    )
     assert tokens("a", "c") == (20, 7)  # the smaller applies
     assert limits.limit("a") == Limit(20, "verified")
+    assert limits.limit("p") == Limit(1000, "configured")  # '*' tightens the pool's bound
 
     down = GatewaySettings(
         gateway_upstream="http://127.0.0.1:1",
@@ -500,7 +503,7 @@ def test_latest_passing_verification_and_keeping_the_last_known(
         ingest_token="t",
         deployment_id="d1",
     )
-    source = VerificationSource(down, limits)
+    source = LimitsSource(down, limits)
 
     async def refresh() -> bool:
         async with httpx.AsyncClient(timeout=5) as h:
@@ -509,38 +512,56 @@ def test_latest_passing_verification_and_keeping_the_last_known(
     with caplog.at_level(logging.WARNING, logger="engine_probe.gateway"):
         assert asyncio.run(refresh()) is False
     assert tokens("a", "c") == (20, 7)  # the last known stay
-    assert "cannot read verifications of d1" in caplog.text and "keeping" in caplog.text
+    assert "cannot read the limits in force of d1" in caplog.text and "keeping" in caplog.text
+    # past keep_s, refuse (the default) refuses every prompt; warn keeps them, and says so
+    now[0] += 601
+    refused = limits.limit("a")
+    assert refused is not None and (refused.tokens, refused.source) == (0, "none")
+    assert "could not be read since" in (refused.warning or "")
+    limits.on_failed = "warn"
+    kept = limits.limit("a")
+    assert kept is not None and kept.tokens == 20 and "could not be read" in (kept.warning or "")
 
 
 def test_a_failed_verification_refuses_above_the_last_clean_value_or_warns() -> None:
-    """Newest first, as the collector lists them: a failure after a pass keeps the pass's
-    value; a failure with no pass and no configured limit refuses everything; a run that
-    reached no verdict changes nothing; ``warn`` keeps the limits and only says so."""
-    records = [
-        {"id": 9, "model_id": "a", "passed": False, "result": "error"},
-        {"id": 8, "model_id": "a", "passed": False, "result": "fail", "verdict": "UNSAFE: x"},
-        {"id": 7, "model_id": "a", "passed": True, "result": "pass", "verified_safe_context": 300},
-        {"id": 6, "model_id": "b", "passed": False, "result": "fail", "verdict": "UNSAFE: y"},
-        {"id": 5, "model_id": "c", "passed": True, "result": "pass", "verified_safe_context": 50},
-        {"id": 4, "model_id": "c", "passed": False, "result": "fail", "verdict": "old"},
-    ]
-    verdicts = read_verdicts(records)
-    assert dict(verdicts.passing) == {"a": 300, "c": 50}
-    assert dict(verdicts.failed) == {"a": "UNSAFE: x", "b": "UNSAFE: y"}  # c passed since
-    refuse = SafeContexts({}, "refuse")
-    refuse.set_verdicts(verdicts)
-    a, b, c = refuse.limit("a"), refuse.limit("b"), refuse.limit("c")
-    assert (
-        a is not None
-        and (a.tokens, a.source) == (300, "verified")
-        and "UNSAFE: x" in (a.warning or "")
+    """The collector's decision under a failed verification holds; ``warn`` enforces what
+    would hold without the failure, and passes the failure on."""
+    failed = {"warning": "the latest verification of a failed: UNSAFE: x"}
+    a = served(
+        "a",
+        299,
+        "failed-verification",
+        verified_safe_context=300,
+        leaked_at=300,
+        without_failure={"tokens": 300, "source": "verified"},
+        **failed,
     )
-    assert b is not None and (b.tokens, b.source) == (0, "failed-verification")
-    assert c == Limit(50, "verified")
+    b = served(
+        "b",
+        0,
+        "failed-verification",
+        structural=8192,
+        without_failure={"tokens": 8192, "source": "pool"},
+        warning="UNSAFE: y",
+    )
+    refuse = SafeContexts({}, "refuse")
+    refuse.set_served({"a": a, "b": b})
+    got_a, got_b = refuse.limit("a"), refuse.limit("b")
+    assert got_a is not None and (got_a.tokens, got_a.source) == (299, "failed-verification")
+    assert "UNSAFE: x" in (got_a.warning or "")
+    assert got_b is not None and (got_b.tokens, got_b.source) == (0, "failed-verification")
+    # a configured limit counts as known safe: the failure holds prompts below it
+    configured = SafeContexts({"b": 4000}, "refuse")
+    configured.set_served({"b": b})
+    got = configured.limit("b")
+    assert got is not None and (got.tokens, got.source) == (4000, "failed-verification")
     warn = SafeContexts({"b": 4000}, "warn")
-    warn.set_verdicts(verdicts)
-    b = warn.limit("b")
-    assert b is not None and (b.tokens, b.source) == (4000, "configured") and b.warning
+    warn.set_served({"a": a, "b": b})
+    got_b = warn.limit("b")
+    assert got_b is not None and (got_b.tokens, got_b.source) == (4000, "configured")
+    assert got_b.warning == "UNSAFE: y"
+    got_a = warn.limit("a")
+    assert got_a is not None and (got_a.tokens, got_a.source) == (300, "verified")
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -804,7 +825,12 @@ def test_a_request_without_a_limit_of_its_own_gets_the_smallest(
 ) -> None:
     limits = SafeContexts({})
     assert limits.limit(None) is None and limits.limit("x") is None  # nothing known: unguarded
-    limits.set_verified({"a": 20, "b": 50})
+    limits.set_served(
+        {
+            "a": served("a", 20, "verified", verified_safe_context=20),
+            "b": served("b", 50, "verified", verified_safe_context=50),
+        }
+    )
     got = [limits.limit(m) for m in (None, "alias", "b")]
     assert [lim.tokens if lim else None for lim in got] == [20, 20, 50]
 

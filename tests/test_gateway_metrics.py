@@ -16,8 +16,9 @@ from prometheus_client import generate_latest
 from engine_probe.probe import NoopProbe
 from kvwatch.embedded import free_port, serve_in_thread
 from kvwatch.gateway import GatewaySettings, create_app
-from kvwatch.gateway.limits import SafeContexts, Verdicts
+from kvwatch.gateway.limits import SafeContexts
 from kvwatch.gateway.metrics import NO_MODEL, OTHER, GatewayMetrics
+from policies.limits import from_json
 from refengine import Engine, EngineConfig
 from refengine.server import create_app as refengine_app
 from tests.metrics_text import Samples, samples
@@ -82,7 +83,28 @@ def test_requests_refusals_latency_and_limits_move(upstream: str) -> None:
         sprayed = [f"nope-{i}" for i in range(12)]
         for name in sprayed:  # the upstream does not serve them: refused there
             assert post(url, {"model": name, "prompt": "e" * 10}).status_code == 404
-        app.state.limits.set_verdicts(Verdicts({MODEL: 800}, {"leaky-model": "a leak"}))
+        app.state.limits.set_served(
+            {
+                MODEL: from_json(
+                    {
+                        "deployment_id": "d",
+                        "model_id": MODEL,
+                        "tokens": 800,
+                        "source": "verified",
+                        "verified_safe_context": 800,
+                    }
+                ),
+                "leaky-model": from_json(
+                    {
+                        "deployment_id": "d",
+                        "model_id": "leaky-model",
+                        "tokens": 0,
+                        "source": "failed-verification",
+                        "warning": "a leak",
+                    }
+                ),
+            }
+        )
         text, after = scrape(url)
 
     assert requests_of(after, MODEL, "forwarded") == 3  # the unnamed one is the upstream's

@@ -605,7 +605,7 @@ def test_the_label_values_the_panels_name_are_the_servers(prometheus: Prometheus
     publish, as Prometheus scraped them; and the traffic the fixture drove is where the
     panels would show it (the refused prompt under context_length_exceeded, the limit in
     force the collector's verification)."""
-    from kvwatch.gateway.limits import Source
+    from policies.limits import LimitSource
     from kvwatch.gateway.metrics import OUTCOMES, REASONS
 
     def values(label: str, series: str) -> set[str]:
@@ -621,7 +621,7 @@ def test_the_label_values_the_panels_name_are_the_servers(prometheus: Prometheus
     )
     # the limit's sources: only those in force are published; the code's own list for all
     assert values("source", "kvwatch_gateway_limit_tokens") <= set(generate.GATEWAY_LIMIT_SOURCES)
-    assert set(generate.GATEWAY_LIMIT_SOURCES) == set(get_args(Source))
+    assert set(generate.GATEWAY_LIMIT_SOURCES) == set(get_args(LimitSource))
     assert (set(OUTCOMES), set(REASONS)) == (
         set(generate.GATEWAY_OUTCOMES),
         set(generate.GATEWAY_REFUSAL_REASONS),

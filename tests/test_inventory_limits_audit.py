@@ -219,7 +219,12 @@ def test_limits_card_from_config_and_verification(collector: Collector, tmp_path
         assert md.status_code == 200 and md.headers["content-type"].startswith("text/markdown")
         assert "# Limits card: glm-prod" in md.text
         assert "**600,000 tokens**" in md.text and "0.5.21" in md.text
-        assert "**stale**" in md.text and "pool_capacity_tokens 681280 → 500000" in md.text
+        assert "**stale**" in md.text
+        assert "pool_capacity_tokens: 681280 -> 500000 on prefill-0" in md.text
+        assert "prefill pool 500,000 tokens < verified safe context 600,000" in md.text
+        # the limit in force: the failed verification holds every prompt (nothing passed
+        # since the pool shrank, and the passing one is stale)
+        assert "Limit in force: **" in md.text
         assert "| prefill-0 | prefill | 500,000 |" in md.text
 
         r = h.get("/v1/deployments/nope/limits-card")

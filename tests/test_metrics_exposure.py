@@ -124,12 +124,14 @@ def test_safe_context_and_leaks_of_the_hour_are_published(collector: Collector) 
     glm, model = ("deployment", "glm-prod"), ("model", "glm-5.3")
     safe = "kvwatch_deployment_safe_context_tokens"
     yes, no = ("verified", "true"), ("verified", "false")
+    pool, verified_src = ("source", "pool"), ("source", "verified")
+    fresh, stale_ = ("stale", "false"), ("stale", "true")
 
     def glm_safe(text: str) -> dict[tuple[tuple[str, str], ...], float]:
         return {k: v for k, v in _samples(text, safe).items() if glm in k}
 
     # unverified: min(advertised, prefill pool), and no verified series
-    assert glm_safe(text) == {(glm, model, no): 681_280}
+    assert glm_safe(text) == {(glm, model, pool, fresh, no): 681_280}
     assert _samples(text, "kvwatch_deployment_verified_safe_context_tokens") == {}
     # stale reads and canary hits, as the stale_page_read rule counts them (a canary's owner
     # is unknown: foreign, so cross-tenant); canary hits also on their own
@@ -156,7 +158,7 @@ def test_safe_context_and_leaks_of_the_hour_are_published(collector: Collector) 
         )
         assert r.status_code == 201, r.text
     text = httpx.get(f"{collector.url}/metrics").text
-    assert glm_safe(text) == {(glm, model, yes): 600_000}
+    assert glm_safe(text) == {(glm, model, verified_src, fresh, yes): 600_000}
     verified = "kvwatch_deployment_verified_safe_context_tokens"
     assert _samples(text, verified) == {(glm, model): 600_000}
     passed = "kvwatch_deployment_last_passed_verification_timestamp_seconds"
@@ -166,7 +168,7 @@ def test_safe_context_and_leaks_of_the_hour_are_published(collector: Collector) 
     # uses (verified="false"); the verification's own figure and time stay published
     _post(collector.url, collector.ingest, [f.config(6, pool_tokens=500_000, ts=now)])
     text = httpx.get(f"{collector.url}/metrics").text
-    assert glm_safe(text) == {(glm, model, no): 500_000}
+    assert glm_safe(text) == {(glm, model, pool, stale_, no): 500_000}
     assert _samples(text, verified) == {(glm, model): 600_000}
     assert (glm, model) in _samples(text, passed)
 

@@ -43,6 +43,7 @@ from policies.evaluate import RuleHealth
 from policies.facts import index_by_type
 from policies.kinds.prefix import needs_prefix_history
 from policies.kinds.telemetry import probe_evidence_after
+from policies.limits import verification_max_age_s
 
 _TIMER_LOCK = 0x6B7677_0002  # pg advisory lock: one timer pass at a time across replicas
 
@@ -78,6 +79,8 @@ class Evaluator:
     def __init__(self, db: Database, rules: RuleSet, facts: FactsCache, notifier: Notifier):
         self.db = db
         self.rules = rules
+        # the pack's, fixed with it: every limit in force this evaluator decides applies it
+        self.max_verification_age_s = verification_max_age_s(rules.enabled())
         self.facts = facts
         self.notifier = notifier
 
@@ -111,7 +114,9 @@ class Evaluator:
         facts = BatchFacts(
             by_type=by_type,
             events=events,
-            deployments=F.deployment_facts(configs, self.facts.verifications(deps), tenants, deps),
+            deployments=F.deployment_facts(
+                configs, self.facts.verifications(deps), tenants, deps, self.max_verification_age_s
+            ),
             prior_configs=prior,
             seq_gaps=gaps,
             prefix_history=history,
@@ -139,7 +144,12 @@ class Evaluator:
                 ).scalar()
             ):
                 return None
-            facts = F.timer_facts(conn, now, probe_evidence_after(self.rules.enabled()))
+            facts = F.timer_facts(
+                conn,
+                now,
+                probe_evidence_after(self.rules.enabled()),
+                self.max_verification_age_s,
+            )
             evaluation = evaluate_timer(self.rules, facts, now)
             result = self._apply(conn, evaluation.signals, now)
             repo.record_health(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from sqlalchemy import Connection
 
@@ -31,10 +30,7 @@ class FactsCache:
     def __init__(self, ttl_s: float = FACTS_TTL_S):
         self.ttl_s = ttl_s
         # deployment -> (loaded at, its node configs, its verifications)
-        self._facts: dict[
-            str,
-            tuple[float, dict[tuple[str, str], NodeConfig], dict[tuple[str, str], Any]],
-        ] = {}
+        self._facts: dict[str, tuple[float, dict[tuple[str, str], NodeConfig], F.Verdicts]] = {}
         self._known_tenants: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
@@ -57,22 +53,22 @@ class FactsCache:
                     out.update(hit[1])
         if stale:
             loaded = F.node_configs(conn, stale)
-            verified = F.verifications(conn, stale)
+            verified = F.verdicts(conn, stale)
             with self._lock:
                 for d in stale:
                     mine = {k: v for k, v in loaded.items() if k[0] == d}
-                    self._facts[d] = (now, mine, {k: v for k, v in verified.items() if k[0] == d})
+                    self._facts[d] = (now, mine, verified.of(d))
             out.update(loaded)
         return out
 
-    def verifications(self, deps: set[str]) -> dict[tuple[str, str], Any]:
+    def verifications(self, deps: set[str]) -> F.Verdicts:
         """The cached verifications of these deployments."""
         with self._lock:
-            out: dict[tuple[str, str], Any] = {}
+            out = F.Verdicts()
             for d in deps:
                 hit = self._facts.get(d)
                 if hit is not None:
-                    out.update(hit[2])
+                    out.merge(hit[2])
             return out
 
     def new_tenants(self, pairs: set[tuple[str, str]]) -> set[tuple[str, str]]:

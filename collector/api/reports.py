@@ -13,12 +13,15 @@ from fastapi.responses import PlainTextResponse, Response
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
+from collector.errors import Forbidden
+from collector.limits import Limits
 from collector.reports.audit import AuditLog
 from collector.reports.inventory import InventoryQuery, InventoryService
 from collector.reports.limits import LimitsService, to_markdown
 from collector.reports.limits_pdf import render_pdf as render_limits_pdf
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
+from collector.timefmt import iso
 
 _ERRORS = params.errors(401, 403, 404, 422, 503)
 
@@ -27,9 +30,36 @@ _aware = params.aware
 
 
 def build_router(
-    inventory: InventoryService, limits: LimitsService, review: ReviewService, audit_log: AuditLog
+    inventory: InventoryService,
+    limits: LimitsService,
+    review: ReviewService,
+    audit_log: AuditLog,
+    in_force: Limits,
 ) -> APIRouter:
     r = caller.router()
+
+    @r.get(
+        "/v1/limits",
+        responses=_ERRORS,
+        summary="The limit in force per deployment and model",
+        description="The one decision every part of kvwatch measures prompts against and "
+        "the gateway enforces (policies.limits): tokens (0: every prompt refused; null: none "
+        "known), source (verified, configured, pool, failed-verification, none), whether it "
+        "is stale and why, the verification it rests on, the verdict and the warning to "
+        "show, and the same in words (text). An ingest token reads its own deployment's "
+        "(the gateway's read); a deployment not known yet has none.",
+    )
+    async def get_limits(who: Caller, deployment_id: str | None = None) -> dict[str, Any]:
+        who.require("admin", "read", "ingest")
+        if who.kind == "ingest" and who.deployment_id is not None:
+            if deployment_id not in (None, who.deployment_id):
+                raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
+            deployment_id = who.deployment_id
+        now = datetime.now(UTC)
+        found = await in_thread(
+            in_force.of, None if deployment_id is None else {deployment_id}, now
+        )
+        return {"generated_at": iso(now), "limits": [lim.as_json() for lim in found]}
 
     @r.get(
         "/v1/inventory",

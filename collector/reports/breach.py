@@ -36,6 +36,7 @@ from sqlalchemy import BigInteger, Connection, select, type_coerce
 from collector import models as m
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
+from collector.limits import Limits
 from collector.reports import breach_rows as rows_sql
 from collector.reports.breach_rows import CSV_COLUMNS, RowFilter, csv_row
 from collector.reports.stored import ReportStore, canonical
@@ -254,9 +255,10 @@ def _chunks(conn: Connection, stmt: Any) -> Iterator[pd.DataFrame]:
 
 
 class BreachService:
-    def __init__(self, db: Database, settings: Settings):
+    def __init__(self, db: Database, settings: Settings, limits: Limits | None = None):
         self.db = db
         self.settings = settings
+        self.limits = limits or Limits.for_settings(db, settings)
 
     def _data_map(self) -> DataMap:
         """``KVWATCH_DATA_MAP``, read at each report (a fix to it takes effect at once)."""
@@ -428,6 +430,7 @@ class BreachService:
             series=series,
             mode="incident",
             window_us=(lo, hi),
+            now=now,
         )
 
     def _window(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
@@ -456,6 +459,7 @@ class BreachService:
             series=series,
             mode="window",
             window_us=(lo, hi),
+            now=now,
         )
 
     # ------------------------------------------------------------------ sections
@@ -599,8 +603,9 @@ class BreachService:
         return steps
 
     def _deployments(
-        self, conn: Connection, deps: list[str], model_ids: list[str]
+        self, conn: Connection, deps: list[str], model_ids: list[str], now: datetime
     ) -> list[dict[str, Any]]:
+        decided = self.limits.in_conn(conn, deps, now)
         out = []
         for dep in deps:
             c = m.DeploymentConfig
@@ -669,28 +674,28 @@ class BreachService:
                     .order_by(v.verified_at, v.id)
                 )
             ]
-            passed = [
-                x
-                for x in verifications
-                if x["passed"] and x["verified_safe_context"] and x["model_id"] in model_ids
-            ]
             pools = [x["pool_capacity_tokens"] for x in configs if x["role"] in ("prefill", "both")]
-            if passed:
-                safe, source = passed[-1]["verified_safe_context"], "verification"
-            elif pools:
-                safe, source = min(pools), "smallest prefill pool (no passed verification)"
-            else:
-                safe, source = None, None
+            # The limit in force of each of the report's models here (policies.limits, as the
+            # rule, the card and the gateway have it); the deployment's is the strictest.
+            limits = [
+                lim
+                for (d, model), lim in sorted(decided.items())
+                if d == dep and (model in model_ids or not model_ids)
+            ]
+            known = [lim for lim in limits if lim.tokens is not None]
+            strictest = min(known, key=lambda lim: lim.tokens or 0) if known else None
             out.append(
                 {
                     "deployment_id": dep,
                     "configs": configs,
                     "verifications": verifications,
-                    "safe_context": safe,
-                    "safe_context_source": source,
-                    "advertised_context": max(
-                        (x["advertised_context"] for x in configs), default=None
-                    ),
+                    "safe_context": None if strictest is None else strictest.tokens,
+                    "safe_context_source": None if strictest is None else strictest.source,
+                    "limit": None if strictest is None else strictest.text,
+                    "limits_in_force": [lim.as_json() for lim in limits],
+                    "advertised_context": None
+                    if strictest is None
+                    else strictest.advertised_context,
                     "min_pool_capacity_tokens": min(pools) if pools else None,
                 }
             )
@@ -711,6 +716,7 @@ class BreachService:
         series: dict[str, Any],
         mode: str,
         window_us: tuple[int, int],
+        now: datetime,
     ) -> dict[str, Any]:
         cross = [s for s in reads if s["cross_tenant"]]
         exposed: dict[str, dict[str, Any]] = {}
@@ -834,7 +840,7 @@ class BreachService:
                 "pages": sum(s["page_count"] for s in reads),
                 "items": reads,
             },
-            "deployments": (deployments := self._deployments(conn, deps, model_ids)),
+            "deployments": (deployments := self._deployments(conn, deps, model_ids, now)),
             "cause": self._cause(conn, deps, window_us, agg, reads, deployments),
             "timeline": timeline,
             "series": series,

@@ -435,8 +435,8 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     for d in report["deployments"]:
         pdf.para(
             f"{d['deployment_id']}: advertised context {_n(d['advertised_context'])} tokens, "
-            f"smallest prefill pool {_n(d['min_pool_capacity_tokens'])}, safe context "
-            f"{_n(d['safe_context'])} ({d['safe_context_source'] or 'unknown'})"
+            f"smallest prefill pool {_n(d['min_pool_capacity_tokens'])}, limit in force "
+            + (d.get("limit") or "unknown")
         )
         pdf.grid(
             ["since", "node", "role", "engine", "pool", "advertised", "quant", "tp"],

@@ -1,8 +1,9 @@
-"""The limits card of a deployment, ready to publish: per model, the verdict in plain words
-(verified safe context and when, ``UNSAFE: cross-tenant leak at ≥ N tokens …``, or not
-verified), the advertised context, the pool capacity of each node, the verified safe context
-with its date and engine version (the latest passing verification), and whether that
-verification is stale against the config the nodes run now. JSON and Markdown here; the PDF
+"""The limits card of a deployment, ready to publish: per model, the limit in force
+(:mod:`policies.limits`, its source and staleness, as every other view shows it), the verdict
+in plain words (verified safe context and when, ``UNSAFE: cross-tenant leak at ≥ N tokens
+…``, or not verified), the advertised context, the pool capacity of each node, the verified
+safe context with its date and engine version (the latest passing verification), and why
+that verification is stale, if it is. JSON and Markdown here; the PDF
 in :mod:`collector.reports.limits_pdf`."""
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from collector import deployment_facts as F
 from collector import models as m
 from collector.db import Database
 from collector.errors import NotFound
+from collector.limits import Limits
 from collector.timefmt import iso
-from policies.facts import VerificationFact, verified_nodes
-from policies.verdict import verdict
+from policies.facts import VerificationFact
 
 
 def deployment_exists(conn: Connection, deployment_id: str) -> bool:
@@ -29,8 +29,9 @@ def deployment_exists(conn: Connection, deployment_id: str) -> bool:
 
 
 class LimitsService:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, limits: Limits):
         self.db = db
+        self.limits = limits
 
     def card(
         self, deployment_id: str, now: datetime, *, name_tenants: bool = True
@@ -50,31 +51,31 @@ class LimitsService:
         with self.db.read() as conn:
             if not deployment_exists(conn, deployment_id):
                 raise NotFound(f"no deployment {deployment_id!r}", {"deployment_id": deployment_id})
-            configs = F.node_configs(conn, {deployment_id})
-            passing = F.verifications(conn, {deployment_id}, passed_only=True)
-            latest = F.verifications(conn, {deployment_id})
-        nodes = sorted(configs.values(), key=lambda c: (c.model_id, c.role, c.node))
-        models = sorted({c.model_id for c in nodes} | {mod for _, mod in latest})
+            facts, limits = self.limits.facts_and_limits(conn, {deployment_id}, now)
+        d = facts[deployment_id]
+        nodes = sorted(d.configs.values(), key=lambda c: (c.model_id, c.role, c.node))
         out_models = []
-        for model in models:
+        for (_, model), lim in sorted(limits.items()):
             mine = [c for c in nodes if c.model_id == model]
-            v = passing.get((deployment_id, model))
-            last = latest.get((deployment_id, model))
-            compared = verified_nodes(mine, model)
-            stale = {c.node: v.stale_against(c) for c in compared} if v is not None else {}
-            stale = {node: diff for node, diff in stale.items() if diff}
-            prefill = [c.pool_capacity_tokens for c in mine if c.role != "decode"]
+            v = d.passing.get(model) or _if_passed(d.verifications.get(model))
+            last = d.verifications.get(model)
+            stale_settings: dict[str, dict[str, Any]] = {}
+            for reason in lim.stale:
+                for ch in reason.changes:
+                    stale_settings.setdefault(ch.node, {})[ch.setting] = {
+                        "verified": ch.verified,
+                        "now": ch.now,
+                    }
             out_models.append(
                 {
                     "model_id": model,
-                    "advertised_context": (
-                        min(c.advertised_context for c in mine) if mine else None
-                    ),
+                    "advertised_context": lim.advertised_context if mine else None,
                     "pool_capacity_per_node": {
                         c.node: {"role": c.role, "capacity_tokens": c.pool_capacity_tokens}
                         for c in mine
                     },
-                    "prefill_pool_tokens": min(prefill) if prefill else None,
+                    "prefill_pool_tokens": lim.prefill_pool_tokens if mine else None,
+                    "limit_in_force": lim.as_json(),
                     "verified": None
                     if v is None
                     else {
@@ -86,14 +87,16 @@ class LimitsService:
                         "tp_size": v.tp_size,
                         "cuda_graphs": v.cuda_graphs,
                     },
-                    "stale": None if v is None or not mine else bool(stale),
-                    "stale_settings": {
-                        node: {k: {"verified": a, "now": b} for k, (a, b) in diff.items()}
-                        for node, diff in stale.items()
-                    },
+                    "stale": None if v is None or not mine else bool(lim.stale),
+                    "stale_reasons": [r.text for r in lim.stale],
+                    "stale_settings": stale_settings,
                     "latest_verification_failed": bool(last is not None and not last.passed),
                     "latest_verification": _latest(last),
-                    "verdict": _verdict(last, v, bool(stale)),
+                    "verdict": {
+                        "status": lim.verdict.status,
+                        "text": lim.verdict.text,
+                        "verification_id": lim.verdict.verification_id,
+                    },
                 }
             )
         return {
@@ -116,6 +119,10 @@ class LimitsService:
         }
 
 
+def _if_passed(v: VerificationFact | None) -> VerificationFact | None:
+    return v if v is not None and v.verdict == "pass" else None
+
+
 def _latest(v: VerificationFact | None) -> dict[str, Any] | None:
     if v is None:
         return None
@@ -129,13 +136,6 @@ def _latest(v: VerificationFact | None) -> dict[str, Any] | None:
         "findings_by_kind": dict(v.findings_by_kind),
         "last_passed_at": iso(v.last_passed_at),
     }
-
-
-def _verdict(
-    last: VerificationFact | None, passing: VerificationFact | None, stale: bool
-) -> dict[str, Any]:
-    said = verdict(last, passing, stale=stale)
-    return {"status": said.status, "text": said.text, "verification_id": said.verification_id}
 
 
 def _n(value: int | None) -> str:
@@ -153,6 +153,7 @@ def to_markdown(card: dict[str, Any]) -> str:
         v = mod["verified"]
         lines += [f"## Model `{mod['model_id']}`", ""]
         lines.append(f"- **{mod['verdict']['text']}**")
+        lines.append(f"- Limit in force: **{mod['limit_in_force']['text']}**")
         last = mod["latest_verification"]
         if last is not None and last["leak_pairs"]:
             lines.append(
@@ -167,12 +168,7 @@ def to_markdown(card: dict[str, Any]) -> str:
                 f"{v['verified_at']} on engine version {v['engine_version'] or '—'}"
             )
         if mod["stale"]:
-            changed = "; ".join(
-                f"{node}: "
-                + ", ".join(f"{k} {d['verified']} → {d['now']}" for k, d in diff.items())
-                for node, diff in mod["stale_settings"].items()
-            )
-            lines.append(f"- Verification status: **stale** (config changed since: {changed})")
+            lines.append(f"- Verification status: **stale** ({'; '.join(mod['stale_reasons'])})")
         elif mod["stale"] is False:
             lines.append("- Verification status: current")
         if mod["latest_verification_failed"] and mod["verdict"]["status"] not in (

@@ -39,6 +39,7 @@ def render_pdf(card: dict[str, Any]) -> bytes:
         pdf.set_text_color(0, 0, 0)
         v, last = mod["verified"], mod["latest_verification"]
         rows: list[tuple[str, Any]] = [
+            ("Limit in force", mod["limit_in_force"]["text"]),
             ("Advertised context", f"{_n(mod['advertised_context'])} tokens"),
             ("Prefill pool", f"{_n(mod['prefill_pool_tokens'])} tokens"),
             (
@@ -50,7 +51,7 @@ def render_pdf(card: dict[str, Any]) -> bytes:
             ),
         ]
         if mod["stale"]:
-            rows.append(("Verification status", "stale: engine settings changed since"))
+            rows.append(("Verification status", "stale: " + "; ".join(mod["stale_reasons"])))
         if last is not None:
             rows.append(
                 ("Latest verification", f"{last['id']}: {last['result']}, {last['verified_at']}")

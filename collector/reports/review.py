@@ -1,9 +1,8 @@
 """The quarterly review: per deployment, route and model, over a window (default the last 90
 days), the request count, the largest and the p99 prompt, and the weekly trend (max and p99
 per week, and the least-squares slope of each in tokens per week), against the safe threshold
-of the deployment and model: the latest passing verification whose settings still match the
-nodes, else min(advertised context, prefill pool), labelled unverified
-(:func:`policies.safe_context.safe_context` over :mod:`collector.deployment_facts`). A route
+of the deployment and model: the limit in force (:mod:`policies.limits`, served by
+:mod:`collector.limits`), with its source and whether it is stale, as of the review. A route
 whose max or p99 reaches ``HIGHLIGHT_RATIO`` of its threshold is highlighted.
 
 Bounded memory whatever the window holds: counts and maxima are SQL ``GROUP BY``s, and each
@@ -25,13 +24,12 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Connection, Table, func, select, type_coerce
 
-from collector import deployment_facts as F
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput
+from collector.limits import Limits
 from collector.reports.stored import ReportStore, canonical
 from collector.timefmt import iso, to_micros
-from policies.safe_context import safe_context
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
 DEFAULT_DAYS = 90
@@ -47,6 +45,8 @@ CSV_COLUMNS = (
     "p99_prompt_tokens",
     "safe_context",
     "verified",
+    "limit_source",
+    "limit_stale",
     "max_ratio",
     "p99_ratio",
     "highlighted",
@@ -94,8 +94,9 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 
 class ReviewService:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, limits: Limits):
         self.db = db
+        self.limits = limits
 
     def build(self, scope: ReviewScope, *, now: datetime | None = None) -> dict[str, Any]:
         now = now or datetime.now(UTC)
@@ -106,12 +107,7 @@ class ReviewService:
             groups = self._groups(conn, lo, hi, scope.deployment_id)
             weekly = self._weekly(conn, lo, hi, scope.deployment_id)
             deps = sorted({g[0] for g in groups})
-            facts = F.deployment_facts(
-                F.node_configs(conn, deps),
-                F.verifications(conn, deps, passed_only=True),
-                {},
-                deps,
-            )
+            limits = self.limits.in_conn(conn, deps, now)
             rows = []
             for (dep, route, model), (count, n_tokens, mx) in sorted(
                 groups.items(), key=lambda kv: tuple(x or "" for x in kv[0])
@@ -130,10 +126,8 @@ class ReviewService:
                             "p99": self._quantile(conn, w_lo, w_hi, dep, route, model, w_n),
                         }
                     )
-                d = facts.get(dep)
-                safe, verified = (
-                    safe_context(d, model) if d is not None and model else (None, False)
-                )
+                lim = limits.get((dep, model)) if model else None
+                safe = lim.tokens if lim is not None and lim.tokens else None
                 max_ratio = round(mx / safe, 4) if safe and mx is not None else None
                 p99_ratio = round(p99 / safe, 4) if safe and p99 is not None else None
                 rows.append(
@@ -145,7 +139,10 @@ class ReviewService:
                         "max_prompt_tokens": mx,
                         "p99_prompt_tokens": p99,
                         "safe_context": safe,
-                        "verified": verified,
+                        "verified": lim is not None and lim.verified,
+                        "limit_source": None if lim is None else lim.source,
+                        "limit_stale": lim is not None and bool(lim.stale),
+                        "limit": None if lim is None else lim.text,
                         "max_ratio": max_ratio,
                         "p99_ratio": p99_ratio,
                         "highlighted": any(

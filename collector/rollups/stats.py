@@ -20,14 +20,16 @@ which are microseconds since the epoch, as ``/v1/pool-samples``' ``bucket_start_
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
-from collector import deployment_facts as F
 from collector import models as m
+from collector.limits import Limits
 from collector.rollups.buckets import (
     ALL_TENANTS,
     HOUR_US,
@@ -38,7 +40,7 @@ from collector.rollups.buckets import (
     floor_to,
 )
 from collector.timefmt import iso
-from policies.safe_context import safe_context
+from policies.limits import LimitInForce
 
 WARN_RATIO, CRITICAL_RATIO = 0.8, 1.0
 
@@ -64,25 +66,26 @@ class Scope:
     tenant: str | None = None
 
 
-def thresholds(conn: Connection, pairs: set[tuple[str, str]]) -> dict[str, dict[str, Any]]:
-    """Per model: the smallest safe context among the deployments serving it (``pairs`` of
-    (deployment, model)), and whether every one of them is verified."""
-    deps = {d for d, _ in pairs}
-    if not deps:
-        return {}
-    configs = F.node_configs(conn, deps)
-    facts = F.deployment_facts(configs, F.verifications(conn, deps), {}, deps)
+def thresholds(
+    limits: Mapping[tuple[str, str], LimitInForce], pairs: set[tuple[str, str]]
+) -> dict[str, dict[str, Any]]:
+    """Per model: the smallest limit in force among the deployments serving it (``pairs``
+    of (deployment, model)), and whether it is verified, its source and staleness."""
     out: dict[str, dict[str, Any]] = {}
     for dep, model in sorted(pairs):
-        safe, verified = safe_context(facts[dep], model)
-        if safe is None:
+        lim = limits.get((dep, model))
+        if lim is None or not lim.tokens:
             continue
+        safe = lim.tokens
         cur = out.get(model)
         if cur is None or safe < cur["safe_context"]:
             out[model] = {
                 "model_id": model,
                 "safe_context": safe,
-                "verified": verified,
+                "verified": lim.verified,
+                "source": lim.source,
+                "stale": bool(lim.stale),
+                "limit": lim.text,
                 "deployment_id": dep,
                 "warn_line": int(safe * WARN_RATIO),
                 "critical_line": int(safe * CRITICAL_RATIO),
@@ -164,8 +167,16 @@ class _Dist:
 
 
 class StatsService:
-    def __init__(self, db: Any):
+    def __init__(self, db: Any, limits: Limits):
         self.db = db
+        self.limits = limits
+
+    def _limits(
+        self, conn: Connection, pairs: set[tuple[str, str]]
+    ) -> dict[tuple[str, str], LimitInForce]:
+        if not pairs:
+            return {}
+        return self.limits.in_conn(conn, {d for d, _ in pairs}, datetime.now(UTC))
 
     def prompt_tokens(self, scope: Scope, window: Window) -> dict[str, Any]:
         """Per model and route: the window's totals, histogram, and per-bucket series.
@@ -212,7 +223,7 @@ class StatsService:
                     hist[(model, int(pbin))] += int(n)
                 if model is not None:
                     pairs.add((dep, model))
-            lines = thresholds(conn, pairs)
+            lines = thresholds(self._limits(conn, pairs), pairs)
             series = self._series(conn, rr, scope, in_window, lo, width, lines)
         return {
             "since": iso(window.since_us),
@@ -363,11 +374,12 @@ class StatsService:
         q = _filter(q, r, scope)
         with self.db.read() as conn:
             rows = conn.execute(q).all()
-            lines = thresholds(conn, {(x.deployment_id, x.model_id) for x in rows if x.model_id})
+            limits = self._limits(conn, {(x.deployment_id, x.model_id) for x in rows if x.model_id})
         items = []
         for x in rows:
-            line = lines.get(x.model_id) if x.model_id else None
-            safe = line["safe_context"] if line else None
+            # each request against its own deployment's limit
+            lim = limits.get((x.deployment_id, x.model_id)) if x.model_id else None
+            safe = lim.tokens if lim is not None and lim.tokens else None
             items.append(
                 {
                     "deployment_id": x.deployment_id,

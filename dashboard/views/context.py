@@ -107,11 +107,10 @@ def model_section(
         warn = crit = None
     else:
         warn, crit = line["warn_line"], line["critical_line"]
-        basis = "verified" if line["verified"] else "not verified: min(advertised, pool)"
+        # the collector's words for the limit in force (policies.limits): never re-worded
         st.caption(
-            f"Safe context **{ui.tokens(line['safe_context'])}** tokens ({basis}, on "
-            f"{line['deployment_id']}) · 80% line **{ui.tokens(warn)}** · "
-            f"100% line **{ui.tokens(crit)}**"
+            f"Limit in force on {line['deployment_id']}: **{line['limit']}** · "
+            f"80% line **{ui.tokens(warn)}** · 100% line **{ui.tokens(crit)}**"
         )
     left, right = st.columns([3, 2])
     with left:

@@ -46,6 +46,9 @@ def limits_frame(deps: list[JSON]) -> pd.DataFrame:
             ):
                 if mod.get(key) is not None:
                     rows.append({"target": target, "measure": measure, "tokens": mod[key]})
+            limit = (mod.get("limit_in_force") or {}).get("tokens")
+            if limit is not None:
+                rows.append({"target": target, "measure": "Limit in force", "tokens": limit})
     return pd.DataFrame(rows, columns=["target", "measure", "tokens"])
 
 
@@ -69,6 +72,7 @@ def models_frame(models: list[JSON]) -> pd.DataFrame:
                     if m["pool_capacity_tokens"] and m["advertised_context"]
                     else None
                 ),
+                "limit in force": (m.get("limit_in_force") or {}).get("text", "—"),
                 "verified safe context": m["verified_safe_context"],
                 "verified at": ui.when(m["verified_at"]) if m["verified_at"] else "—",
                 "age (days)": m["verification_age_days"],

@@ -50,7 +50,7 @@ WARN_RATIO = 0.8  # the default pack's context_pressure warn_ratio (policies/pac
 # contract's reject reasons, engine_probe.events.RejectReason).
 VLLM_FINISHED_REASONS = ("stop", "length", "abort")
 GATEWAY_OUTCOMES = ("forwarded", "refused", "error")
-GATEWAY_LIMIT_SOURCES = ("verified", "configured", "failed-verification")
+GATEWAY_LIMIT_SOURCES = ("verified", "configured", "pool", "failed-verification", "none")
 GATEWAY_REFUSAL_REASONS = (
     "context_length_exceeded",
     "pool_exhausted",
@@ -827,12 +827,15 @@ def engines() -> db.Dashboard:
     d = d.with_panel(
         series(
             "Gateway limit in force vs the safe context",
-            "The prompt limit the gateway enforces, by its source: "
-            f"{GATEWAY_LIMIT_SOURCES[0]} (the deployment's latest passing verification, read "
-            f"from the collector), {GATEWAY_LIMIT_SOURCES[1]} (--safe-context; model * is the "
-            f"default for every model) or {GATEWAY_LIMIT_SOURCES[2]} (the latest verification "
-            "failed: below the smallest prompt that leaked, or 0, every prompt refused). "
-            "Beside it, kvwatch's safe context for the model.",
+            "The prompt limit the gateway enforces: the collector's limit in force (read from "
+            "GET /v1/limits), by its source: "
+            f"{GATEWAY_LIMIT_SOURCES[0]} (a current passing verification), "
+            f"{GATEWAY_LIMIT_SOURCES[1]} (--safe-context, smaller; model * is the default for "
+            f"every model), {GATEWAY_LIMIT_SOURCES[2]} (no current verification: "
+            f"min(advertised context, prefill pool)), {GATEWAY_LIMIT_SOURCES[3]} (the latest "
+            "verification failed: below the smallest prompt that leaked, or 0, every prompt "
+            f"refused) or {GATEWAY_LIMIT_SOURCES[4]} (the collector could not be read for too "
+            "long: 0, every prompt refused). Beside it, kvwatch's limit for the model.",
             [
                 Q(
                     f"max by (model, source) (kvwatch_gateway_limit_tokens{{{GATEWAY}}})",

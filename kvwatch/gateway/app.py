@@ -25,7 +25,7 @@ from kvwatch.gateway.auth import TenantKeys
 from kvwatch.gateway.counting import PromptCounter
 from kvwatch.gateway.errors import BodyTooLarge, GatewayError, InvalidRequest, NotFound
 from kvwatch.gateway.isolation import Isolation
-from kvwatch.gateway.limits import SafeContexts, VerificationSource
+from kvwatch.gateway.limits import LimitsSource, SafeContexts
 from kvwatch.gateway.metrics import GatewayMetrics
 from kvwatch.gateway.records import Recorder
 from kvwatch.gateway.service import ProxyService
@@ -44,7 +44,12 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
     see :func:`engine_probe.configure_probe`). Connections to the upstream and the reading of
     verifications start and stop with the app's lifespan."""
     keys = TenantKeys(settings.gateway_tenant_keys)
-    limits = SafeContexts(settings.gateway_safe_contexts, settings.gateway_on_failed_verification)
+    limits = SafeContexts(
+        settings.gateway_safe_contexts,
+        settings.gateway_on_failed_verification,
+        deployment_id=settings.deployment_id or "",
+        keep_s=settings.gateway_limits_keep_s if settings.reads_verifications else None,
+    )
     upstream = Upstream(settings)
     metrics = GatewayMetrics(limits)
     secret = settings.gateway_salt_secret
@@ -68,7 +73,7 @@ def create_app(settings: GatewaySettings, *, probe: BaseProbe | None = None) -> 
         warn_ratio=settings.gateway_warn_ratio,
         isolation=isolation,
     )
-    source = VerificationSource(settings, limits) if settings.reads_verifications else None
+    source = LimitsSource(settings, limits) if settings.reads_verifications else None
     max_body = settings.gateway_max_body_bytes
 
     @asynccontextmanager

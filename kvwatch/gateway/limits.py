@@ -1,17 +1,26 @@
-"""The safe context of each model: configured, and read from the collector's verifications.
+"""The limit the guard enforces: the collector's decision, obeyed, never re-derived.
 
-A model's limit is the smaller of its configured safe context (``MODEL=N``, or ``*=N`` for
-every model) and its latest passing verification for the deployment, and says which of the
-two it is (``verified`` / ``configured``). When the model's latest verification failed, every
-prompt is refused where no limit is known, and prompts are otherwise held below the shortest
-one that leaked too (``on_failed_verification=refuse``, the default; source
-``failed-verification``), or the failure is only warned about (``warn``). Once any limit is
-known, a request whose model has none (an alias, an unverified model, no ``model`` at all)
-gets the smallest known one: the guard is never bypassed by naming another model or none.
+The collector decides the limit in force for each model of the deployment
+(:mod:`policies.limits`: the verified safe context while it holds, else min(advertised
+context, prefill pool), tightened by a failed verification) and serves it at
+``GET /v1/limits?deployment_id=D``; the gateway reads it with its ingest token at start and
+every ``gateway_verification_refresh_s``. Its own configured limits (``MODEL=N``, ``*=N`` for
+every model) join that decision through :func:`policies.limits.with_configured`, the same
+rule: a configured limit only ever tightens.
 
-Verifications are read with the ingest token from ``GET /v1/verifications?deployment_id=D``
-at start and then every ``gateway_verification_refresh_s``; while the collector cannot be
-read the last known values stay in force, and the log says so.
+What each setting does:
+
+- ``on_failed_verification=refuse`` (the default) enforces the decision as served: under a
+  failed verification, prompts are held below the shortest that leaked, and every prompt is
+  refused where nothing was measured clean or configured. ``warn`` enforces what would hold
+  without the failure (``without_failure``) and passes the failure on as a warning.
+- While the collector cannot be read, the last decision read stays in force for
+  ``gateway_limits_keep_s``; past that it is no longer trusted: ``refuse`` refuses every
+  prompt (source ``none``) and ``warn`` keeps the last decision with a warning. Before any
+  decision was read, only the configured limits hold, for the same time.
+- A request whose model has no limit (an alias, an unverified model, no ``model`` at all)
+  gets the smallest known one, once any is known: the guard is never bypassed by naming
+  another model, or none.
 """
 
 from __future__ import annotations
@@ -20,160 +29,142 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
+import msgspec
 
 from kvwatch.gateway.settings import GatewaySettings, OnFailed
+from policies.limits import (
+    LimitInForce,
+    LimitSource,
+    configured_only,
+    from_json,
+    strictest,
+    with_configured,
+)
 
 log = logging.getLogger("engine_probe.gateway")  # its name before the move: log filters use it
 
 
-Source = Literal["verified", "configured", "failed-verification"]
-
-
 @dataclass(frozen=True, slots=True)
 class Limit:
-    """The limit in force for one request: ``tokens`` (0: every prompt is refused), where it
-    comes from, and a warning to pass on (a failed verification the gateway only warns
-    about, or refuses above a value measured before it)."""
+    """The limit applied to one request: ``tokens`` (0: every prompt is refused), its source
+    (:data:`policies.limits.LimitSource`), and a warning to pass on (a failed verification
+    the gateway only warns about, a stale verification, a decision it could not refresh)."""
 
     tokens: int
-    source: Source
+    source: LimitSource
     warning: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Verdicts:
-    """What the collector's verifications say, per model: the newest passing verification's
-    safe context, and the failure of those whose newest verdict is a failure (a run that
-    could not reach a verdict changes neither)."""
-
-    passing: Mapping[str, int]
-    failed: Mapping[str, str]
-    leaked_at: Mapping[str, int] = field(default_factory=dict)  # smallest leaking prompt
-
-
-def read_verdicts(records: list[Any]) -> Verdicts:
-    """``records`` newest first, as the collector lists them."""
-    passing: dict[str, int] = {}
-    failed: dict[str, str] = {}
-    leaked_at: dict[str, int] = {}
-    decided: set[str] = set()
-    for r in records:
-        if not isinstance(r, dict) or not isinstance(model := r.get("model_id"), str):
-            continue
-        result = r.get("result")
-        if result is None:  # a collector from before results were named
-            result = "pass" if r.get("passed") is True else "fail"
-        if model not in decided and result in ("pass", "fail"):
-            decided.add(model)
-            if result == "fail":
-                text = r.get("verdict")
-                failed[model] = text if isinstance(text, str) else f"verification {r.get('id')}"
-                at = r.get("smallest_leaking_prompt_tokens")
-                evidence = r.get("evidence")  # a collector from before lists carried summaries
-                if at is None and isinstance(evidence, dict):
-                    at = evidence.get("smallest_leaking_prompt_tokens")
-                if isinstance(at, int) and not isinstance(at, bool) and at > 0:
-                    leaked_at[model] = at
-        safe = r.get("verified_safe_context")
-        if (
-            model not in passing
-            and r.get("passed") is True
-            and isinstance(safe, int)
-            and not isinstance(safe, bool)
-            and safe > 0
-        ):
-            passing[model] = safe
-    return Verdicts(passing, failed, leaked_at)
-
-
-def latest_passing(records: list[Any]) -> dict[str, int]:
-    """model id -> safe context of its newest passing verification."""
-    return dict(read_verdicts(records).passing)
+def _iso(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 class SafeContexts:
-    """The limits the guard applies. Replaced whole on refresh (no partial state).
+    """The limits the guard applies: the collector's decisions (replaced whole on each
+    refresh, never partly) and the configured limits.
 
-    A model's limit is the smaller of its configured and its newest passing verified safe
-    context. When its newest verdict is a failure, ``on_failed`` decides: ``refuse`` refuses
-    every prompt when neither is known, and otherwise also holds prompts below the shortest
-    one that leaked; ``warn`` keeps the limit as it was and only warns. Once any limit is
-    known, a model without one gets the smallest known one."""
+    ``keep_s``: how long a decision stays in force after the last successful read (and how
+    long only the configured limits hold before any read), ``clock``: seconds, for tests."""
 
-    def __init__(self, configured: Mapping[str, int], on_failed: OnFailed = "refuse") -> None:
+    def __init__(
+        self,
+        configured: Mapping[str, int],
+        on_failed: OnFailed = "refuse",
+        *,
+        deployment_id: str = "",
+        keep_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._configured = dict(configured)
         self.on_failed = on_failed
-        self._verdicts = Verdicts({}, {})
-        self.verified_loaded_at: float | None = None
+        self.deployment_id = deployment_id
+        self.keep_s = keep_s
+        self._clock = clock
+        self._served: dict[str, LimitInForce] = {}
+        self.started_at = clock()
+        self.loaded_at: float | None = None
 
-    def set_verified(self, verified: Mapping[str, int]) -> None:
-        self.set_verdicts(Verdicts(dict(verified), {}))
+    def set_served(self, limits: Mapping[str, LimitInForce]) -> None:
+        """The collector's decisions, model id -> limit in force: replace what was held."""
+        self._served = dict(limits)
+        self.loaded_at = self._clock()
 
-    def set_verdicts(self, verdicts: Verdicts) -> None:
-        self._verdicts = verdicts
-        self.verified_loaded_at = time.time()
+    def served(self) -> dict[str, LimitInForce]:
+        return dict(self._served)
 
-    def _own(self, model: str | None) -> Limit | None:
-        """The model's own limit (``*`` counts as every model's, a missing model's too)."""
-        configured = self._configured.get(model or "*", self._configured.get("*"))
-        verified = self._verdicts.passing.get(model) if model is not None else None
-        failure = self._verdicts.failed.get(model) if model is not None else None
-        known = [
-            (n, src)
-            for n, src in ((verified, "verified"), (configured, "configured"))
-            if n is not None
-        ]
-        warning = None
-        if failure is not None:
-            warning = f"the latest verification of {model} failed: {failure}"
-            if self.on_failed == "refuse":
-                # Nothing measured clean or configured: nothing is known safe (the sweep
-                # tries a few lengths, so its shortest leak only bounds where leaks start).
-                if not known:
-                    return Limit(0, "failed-verification", warning)
-                leaked = self._verdicts.leaked_at.get(model) if model is not None else None
-                if leaked is not None:
-                    known.append((leaked - 1, "failed-verification"))
-        if not known:
-            return None
-        tokens, source = min(known, key=lambda k: k[0])
-        return Limit(tokens, cast(Source, source), warning)
+    def _configured_for(self, model: str | None) -> int | None:
+        return self._configured.get(model or "*", self._configured.get("*"))
 
-    def limit(self, model: str | None) -> Limit | None:
+    def _own(self, model: str | None) -> LimitInForce | None:
+        """The model's own decision, with its configured limit (``*`` counts as every
+        model's, a missing model's too)."""
+        configured = self._configured_for(model)
+        served = self._served.get(model) if model is not None else None
+        if served is not None:
+            return with_configured(served, configured)
+        return configured_only(self.deployment_id, model or "*", configured)
+
+    def _decision(self, model: str | None) -> LimitInForce | None:
         if (own := self._own(model)) is not None:
             return own
-        # No limit of its own (or no model named): the smallest known one, if any is known.
-        limits = [lim for m in self.models() if (lim := self._own(m)) is not None]
-        return min(limits, key=lambda lim: lim.tokens) if limits else None
+        return strictest(lim for m in self.models() if (lim := self._own(m)) is not None)
+
+    def _expired(self) -> str | None:
+        """Why the decisions can no longer be trusted (None: they can)."""
+        if self.keep_s is None:
+            return None
+        since = self.loaded_at if self.loaded_at is not None else self.started_at
+        if self._clock() - since <= self.keep_s:
+            return None
+        if self.loaded_at is None:
+            return f"the collector's limits could not be read since {_iso(self.started_at)}"
+        return f"the collector's limits could not be read since {_iso(self.loaded_at)}"
+
+    def limit(self, model: str | None) -> Limit | None:
+        """The limit for a request naming ``model`` (None: nothing is known; unguarded)."""
+        expired = self._expired()
+        if expired is not None and self.on_failed == "refuse":
+            return Limit(0, "none", f"{expired}: every prompt is refused")
+        lim = self._decision(model)
+        if lim is None or lim.tokens is None:
+            return None
+        tokens, source = lim.tokens, lim.source
+        if (
+            source == "failed-verification"
+            and self.on_failed == "warn"
+            and lim.without_failure is not None
+        ):
+            if lim.without_failure.tokens is None:
+                return None
+            tokens, source = lim.without_failure.tokens, lim.without_failure.source
+        warning = "; ".join(w for w in (lim.warning, expired) if w) or None
+        return Limit(tokens, source, warning)
 
     def models(self) -> set[str]:
-        """Every model a limit or a verdict names (``*`` included when configured)."""
-        v = self._verdicts
-        return {*self._configured, *v.passing, *v.failed}
+        """Every model a limit names (``*`` included when configured)."""
+        return {*self._configured, *self._served}
 
     def in_force(self) -> dict[str, Limit]:
         """Each named model's own limit (see :meth:`models`): what /metrics publishes."""
-        return {m: lim for m in sorted(self.models()) if (lim := self._own(m)) is not None}
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "configured": dict(self._configured),
-            "verified": dict(self._verdicts.passing),
-            "failed": dict(self._verdicts.failed),
-        }
+        out = {}
+        for m in sorted(self.models()):
+            if self._own(m) is not None and (lim := self.limit(m)) is not None:
+                out[m] = lim
+        return out
 
 
-class VerificationSource:
-    """Keeps :class:`SafeContexts` in step with the collector's verifications."""
+class LimitsSource:
+    """Keeps :class:`SafeContexts` in step with the collector's decisions
+    (``GET /v1/limits``)."""
 
     def __init__(self, settings: GatewaySettings, limits: SafeContexts) -> None:
         assert settings.collector_url and settings.ingest_token and settings.deployment_id
-        self.url = f"{settings.collector_url}/v1/verifications"
+        self.url = f"{settings.collector_url}/v1/limits"
         self.deployment_id = settings.deployment_id
         self.interval_s = settings.gateway_verification_refresh_s
         self._limits = limits
@@ -182,28 +173,32 @@ class VerificationSource:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self, client: httpx.AsyncClient) -> bool:
-        """Read the verifications once; True when they were read (and applied)."""
+        """Read the decisions once; True when they were read (and applied)."""
         try:
             r = await client.get(
                 self.url,
-                params={"deployment_id": self.deployment_id, "limit": 1000},
+                params={"deployment_id": self.deployment_id},
                 headers={"Authorization": f"Bearer {self._token}"},
             )
             if r.status_code != 200:
                 raise ValueError(f"HTTP {r.status_code}")
-            records = r.json()
-            if not isinstance(records, list):
-                raise ValueError("the answer is not a list")
-        except (httpx.HTTPError, ValueError) as exc:
-            since = self._limits.verified_loaded_at
+            doc: Any = r.json()
+            if not isinstance(doc, dict) or not isinstance(doc.get("limits"), list):
+                raise ValueError("the answer has no list of limits")
+            decided = {
+                lim.model_id: lim
+                for lim in (from_json(x) for x in doc["limits"])
+                if lim.deployment_id == self.deployment_id
+            }
+        except (httpx.HTTPError, ValueError, msgspec.ValidationError) as exc:
+            since = self._limits.loaded_at
             kept = (
-                f"keeping the verified safe contexts read at "
-                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(since))}"
+                f"keeping the limits read at {_iso(since)}"
                 if since is not None
-                else "no verified safe context is known yet (configured ones still apply)"
+                else "no limit from the collector is known yet (configured ones still apply)"
             )
             log.warning(
-                "cannot read verifications of %s from %s (%s: %s); %s",
+                "cannot read the limits in force of %s from %s (%s: %s); %s",
                 self.deployment_id,
                 self.url,
                 type(exc).__name__,
@@ -212,25 +207,25 @@ class VerificationSource:
             )
             self._healthy = False
             return False
-        verdicts = read_verdicts(records)
-        before = self._limits.snapshot()
-        if self._healthy is not True or dict(verdicts.passing) != before["verified"]:
+        before = self._limits.served()
+        if self._healthy is not True or {m: x.text for m, x in decided.items()} != {
+            m: x.text for m, x in before.items()
+        }:
             log.info(
-                "verified safe contexts of %s: %s", self.deployment_id, verdicts.passing or "none"
+                "limits in force of %s: %s",
+                self.deployment_id,
+                {m: x.text for m, x in sorted(decided.items())} or "none",
             )
-        for model, failure in verdicts.failed.items():
-            if before["failed"].get(model) != failure:
+        for model, lim in decided.items():
+            was = before.get(model)
+            if lim.source == "failed-verification" and (was is None or was.warning != lim.warning):
                 log.warning(
-                    "the latest verification of %s on %s failed (%s): %s",
+                    "%s on %s: %s",
                     model,
                     self.deployment_id,
-                    failure,
-                    "refusing prompts from the shortest that leaked up, and every prompt "
-                    "where no limit is known"
-                    if self._limits.on_failed == "refuse"
-                    else "warning only (on_failed_verification=warn)",
+                    lim.warning,
                 )
-        self._limits.set_verdicts(verdicts)
+        self._limits.set_served(decided)
         self._healthy = True
         return True
 
@@ -242,7 +237,7 @@ class VerificationSource:
     async def start(self, client: httpx.AsyncClient) -> None:
         """Read once now (the guard is in force from the first request), then keep reading."""
         await self.refresh(client)
-        self._task = asyncio.create_task(self._loop(client), name="kvwatch-verifications")
+        self._task = asyncio.create_task(self._loop(client), name="kvwatch-limits")
 
     async def stop(self) -> None:
         if self._task is not None:

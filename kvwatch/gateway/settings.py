@@ -88,15 +88,24 @@ class GatewaySettings(BaseSettings):
     )
     gateway_safe_contexts: Annotated[dict[str, int], NoDecode] = Field(
         default_factory=dict,
-        description="MODEL -> verified safe context in tokens ('*' for every model). Prompts "
-        "above it are refused before the upstream sees them. With the collector's "
-        "verifications too, the smaller of the two applies.",
+        description="MODEL -> safe context in tokens ('*' for every model). Prompts above it "
+        "are refused before the upstream sees them. With the collector's limit in force "
+        "(GET /v1/limits) too, the smaller of the two applies.",
     )
     gateway_on_failed_verification: OnFailed = Field(
         default="refuse",
         description="When a model's latest verification failed: 'refuse' prompts above the "
         "last value measured clean (every prompt, when none was) or only 'warn' (a response "
-        "header and the log).",
+        "header and the log). Also what happens once the collector's limits could not be "
+        "read for gateway_limits_keep_s: 'refuse' every prompt, or 'warn' and keep the last.",
+    )
+    gateway_limits_keep_s: float = Field(
+        default=900.0,
+        gt=0,
+        le=7 * 86400,
+        description="How long the last limits read from the collector stay in force while it "
+        "cannot be read (and how long only the configured limits hold before the first "
+        "read); past it, gateway_on_failed_verification decides.",
     )
     gateway_warn_ratio: float = Field(
         default=0.8,
@@ -135,7 +144,10 @@ class GatewaySettings(BaseSettings):
         description="Largest client request body, in bytes; over it: 413.",
     )
     gateway_verification_refresh_s: float = Field(
-        default=60.0, gt=0, le=86400, description="How often verifications are read again."
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="How often the collector's limits in force (GET /v1/limits) are read again.",
     )
     gateway_tag_tenants: bool = Field(
         default=True,

@@ -12,8 +12,8 @@ import msgspec
 from engine_probe import events as ev
 from policies.facts import BatchFacts
 from policies.kinds.base import RuleKind
+from policies.limits import LimitInForce, configured_only, limit_in_force, with_configured
 from policies.rule import Rule
-from policies.safe_context import safe_context
 from policies.signals import Severity, Signal
 
 Ratio = Annotated[float, msgspec.Meta(gt=0, le=10)]
@@ -34,9 +34,10 @@ class ContextPressure(RuleKind):
     mode = "event"
     default_resolve_after_s = 3600.0
     description = (
-        "Prompt tokens >= warn_ratio of the verified safe context per model and route "
-        "(critical at >= critical_ratio); unverified deployments are measured against "
-        "min(advertised context, pool capacity) and labelled verified=false."
+        "Prompt tokens >= warn_ratio of the limit in force per model and route (critical "
+        "at >= critical_ratio): the verified safe context, or for deployments without a "
+        "current one min(advertised context, pool capacity), labelled verified=false "
+        "(policies.limits decides it for every part of kvwatch)."
     )
 
     def check(self, params: ContextPressureParams) -> None:
@@ -47,8 +48,8 @@ class ContextPressure(RuleKind):
         p: ContextPressureParams = rule.params
         # Most prompts are far below any bound: compare each with its (deployment, model)'s
         # threshold, worked out once, before doing anything else with it.
-        bounds: dict[tuple[str, str], tuple[float, int, bool]] = {}
-        worst: dict[tuple[str, str], tuple[int, str, str | None, int, bool, datetime]] = {}
+        bounds: dict[tuple[str, str], tuple[float, LimitInForce | None]] = {}
+        worst: dict[tuple[str, str], tuple[int, str, str | None, LimitInForce, datetime]] = {}
         for e in cast(list[RequestEvent], facts.of(*_REQUEST_EVENTS)):
             tokens, model = e.prompt_tokens, e.model_id
             if tokens is None or not model:
@@ -57,35 +58,41 @@ class ContextPressure(RuleKind):
             b = bounds.get(key)
             if b is None:
                 d = facts.deployments.get(e.deployment_id)
-                safe, verified = safe_context(d, model) if d is not None else (None, False)
-                b = bounds[key] = (p.warn_ratio * safe, safe, verified) if safe else (inf, 0, False)
+                lim = limit_in_force(d, model, now) if d is not None else None
+                # A limit of 0 (a failed verification left nothing known safe) measures
+                # nothing: verification_failed is the alert that says so.
+                b = bounds[key] = (
+                    (p.warn_ratio * lim.tokens, lim) if lim and lim.tokens else (inf, lim)
+                )
             held = getattr(e, "limit_tokens", None)
-            if held and not b[2] and (not b[1] or held < b[1]):
-                # A guard in front of the deployment held the prompt to a smaller limit than
-                # any the collector knows: measure against the guard's (unverified).
-                b = (p.warn_ratio * held, held, False)
-            if tokens < b[0]:
+            if held and b[1] is not None:
+                # A guard in front of the deployment held the prompt to its own configured
+                # limit: the same decision, with that limit among its inputs.
+                lim = with_configured(b[1], held)
+                if lim.tokens:
+                    b = (p.warn_ratio * lim.tokens, lim)
+            elif held and b[1] is None:
+                lim = configured_only(e.deployment_id, model, held)
+                b = (p.warn_ratio * held, lim)
+            if tokens < b[0] or b[1] is None:
                 continue
             rid = (e.deployment_id, e.request_id)  # a request counts once, at its largest
             seen = worst.get(rid)
             if seen is None or tokens > seen[0]:
-                worst[rid] = (tokens, model, e.route, b[1], b[2], e.ts)
-        groups: dict[tuple[str, str, str, str, Severity], list[tuple[int, int, datetime]]] = {}
-        for (dep, _request), (tokens, model, route, safe, verified, at) in worst.items():
+                worst[rid] = (tokens, model, e.route, b[1], e.ts)
+        groups: dict[
+            tuple[str, str, str, str, Severity], list[tuple[int, LimitInForce, datetime]]
+        ] = {}
+        for (dep, _request), (tokens, model, route, lim, at) in worst.items():
+            safe = lim.tokens or 0
             severity: Severity = "critical" if tokens >= p.critical_ratio * safe else rule.severity
-            key5 = (dep, model, route or "none", "true" if verified else "false", severity)
-            groups.setdefault(key5, []).append((tokens, safe, at))
+            key5 = (dep, model, route or "none", "true" if lim.verified else "false", severity)
+            groups.setdefault(key5, []).append((tokens, lim, at))
         for group, sized in groups.items():
             dep, model, route_label, verified_label, severity = group
-            verified = verified_label == "true"
-            top, safe, _ = max(sized, key=lambda ts: ts[0] / ts[1])
+            top, lim, _ = max(sized, key=lambda t: t[0] / (t[1].tokens or 1))
+            safe = lim.tokens or 1
             sizes = [t for t, _, _ in sized]
-            what = (
-                "verified safe context"
-                if verified
-                else "unverified bound (min of advertised context and pool, or the gateway's "
-                "configured safe context)"
-            )
             yield rule.signal(
                 "event",
                 {
@@ -102,10 +109,12 @@ class ContextPressure(RuleKind):
                     "summary": (
                         f"{len(sizes)} prompt(s) to {model}"
                         + (f" on route {route_label}" if route_label != "none" else "")
-                        + f" reached {top / safe:.0%} of the {what} of {safe:,} tokens "
+                        + f" reached {top / safe:.0%} of the limit in force, {lim.text} "
                         f"(largest {top:,} tokens)"
                     ),
                     "safe_context_tokens": str(safe),
+                    "limit_source": lim.source,
+                    "limit": lim.text,
                     "max_prompt_tokens": str(top),
                 },
             )

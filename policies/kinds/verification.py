@@ -5,19 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from datetime import datetime
+from typing import Any
 
 import msgspec
 
 from engine_probe import events as ev
+from policies.durations import parse_duration
 from policies.facts import (
     VERIFIED_SETTINGS,
     BatchFacts,
     DeploymentFacts,
     NodeConfig,
     TimerFacts,
-    verified_nodes,
 )
 from policies.kinds.base import RuleKind
+from policies.limits import limit_in_force
 from policies.rule import Rule
 from policies.signals import Signal
 from policies.verdict import failure_text
@@ -37,47 +39,73 @@ def _changes(changed: dict[str, tuple[object, object]]) -> str:
     return ", ".join(f"{k}: {a} -> {b}" for k, a, b in ((k, *v) for k, v in changed.items()))
 
 
+class StaleParams(msgspec.Struct, forbid_unknown_fields=True):
+    #: a passing verification older than this no longer holds (a duration such as 90d;
+    #: None: no maximum): the limit in force (policies.limits) falls back as for drift
+    max_age: Any = None
+    max_age_s: float | None = None
+
+
 class VerificationMissingOrStale(RuleKind):
     name = "verification_missing_or_stale"
+    params = StaleParams
     default_severity = "warning"
     mode = "state"
     description = (
-        "A model a deployment serves has no passing verification, or the engine version, "
-        "pool capacity, quantization, TP size or CUDA-graph setting changed since it."
+        "A model a deployment serves has no passing verification, or it is stale: the "
+        "engine version, pool capacity, quantization, TP size or CUDA-graph setting changed "
+        "since it, the prefill pool is now smaller than the context it verified, or it is "
+        "older than max_age (the limit in force says so too)."
     )
 
-    def _eval(self, rule: Rule, deployments: Iterable[DeploymentFacts]) -> Iterator[Signal]:
+    def check(self, params: StaleParams) -> None:
+        if params.max_age is not None:
+            try:
+                if parse_duration(params.max_age) <= 0:
+                    raise ValueError("must be longer than 0s")
+            except ValueError as exc:
+                raise ValueError(f"max_age: {exc}") from None
+
+    def prepare(self, params: StaleParams, base_dir: Any) -> StaleParams:
+        if params.max_age is None:
+            return params
+        return msgspec.structs.replace(params, max_age_s=parse_duration(params.max_age))
+
+    def _eval(
+        self, rule: Rule, deployments: Iterable[DeploymentFacts], now: datetime
+    ) -> Iterator[Signal]:
         for d in deployments:
             models = sorted({c.model_id for c in d.configs.values()})
             for model in models:
                 v = d.verifications.get(model)
+                limit = limit_in_force(d, model, now)
                 if v is None:
                     problem = "no verification"
                 elif not v.passed:
                     problem = "the latest verification did not pass"
+                elif limit.stale:
+                    problem = f"stale: {limit.stale_text}"
                 else:
-                    changed: dict[str, tuple[object, object]] = {}
-                    for c in verified_nodes(d.configs.values(), model):
-                        changed.update(v.stale_against(c))
-                    problem = f"changed since verification ({_changes(changed)})" if changed else ""
+                    problem = ""
                 yield rule.signal(
                     "state",
                     {"deployment_id": d.deployment_id, "model_id": model},
                     firing=bool(problem),
                     annotations={
                         "summary": f"{model} on {d.deployment_id}: "
-                        + (problem or "verified, and nothing changed since")
+                        + (problem or "verified, and nothing changed since"),
+                        "limit": limit.text,
                     },
                 )
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         touched = {e.deployment_id for e in facts.of(ev.EngineConfig)}
         return self._eval(
-            rule, (facts.deployments[d] for d in sorted(touched) if d in facts.deployments)
+            rule, (facts.deployments[d] for d in sorted(touched) if d in facts.deployments), now
         )
 
     def on_timer(self, rule: Rule, facts: TimerFacts, now: datetime) -> Iterable[Signal]:
-        return self._eval(rule, facts.deployments.values())
+        return self._eval(rule, facts.deployments.values(), now)
 
 
 class DriftParams(msgspec.Struct, forbid_unknown_fields=True):
