@@ -605,8 +605,8 @@ def test_the_label_values_the_panels_name_are_the_servers(prometheus: Prometheus
     publish, as Prometheus scraped them; and the traffic the fixture drove is where the
     panels would show it (the refused prompt under context_length_exceeded, the limit in
     force the collector's verification)."""
-    from policies.limits import LimitSource
     from kvwatch.gateway.metrics import OUTCOMES, REASONS
+    from policies.limits import LimitSource
 
     def values(label: str, series: str) -> set[str]:
         return set(prometheus.label_values(label, series))
