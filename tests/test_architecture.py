@@ -262,7 +262,7 @@ EXCEPTION_ROOTS = {
     "engine_probe": {"engine_probe/errors.py:ProbeError"},
     "policies": {"policies/errors.py:PolicyError"},
     # APIError is the HTTP answer (see RefEngineError's docstring)
-    "refengine": {"refengine/errors.py:RefEngineError", "refengine/server.py:APIError"},
+    "refengine": {"refengine/errors.py:RefEngineError", "refengine/server/errors.py:APIError"},
     "dashboard": {"dashboard/errors.py:DashboardError"},
     "kvwatch": {"kvwatch/errors.py:KvwatchError"},
 }
