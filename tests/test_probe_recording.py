@@ -3,8 +3,10 @@ a real Probe would have sent, refuses what it refuses, and keeps order across th
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -142,3 +144,12 @@ def test_decoded_names_what_the_collector_would_refuse() -> None:
 def test_it_is_part_of_the_lazy_top_level() -> None:
     assert engine_probe.RecordingProbe is RecordingProbe
     assert RecordingProbe.enabled is True and issubclass(RecordingProbe, BaseProbe)
+
+
+def test_the_documented_example_runs_as_written() -> None:
+    """docs/using.md, "A probe in your own code": the RecordingProbe example."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "using.md").read_text()
+    after = page.split("In your tests, hand the code that emits a `RecordingProbe`", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", after, re.S)
+    assert snippet is not None
+    exec(compile(snippet.group(1), "docs/using.md", "exec"), {})
