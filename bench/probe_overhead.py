@@ -11,11 +11,11 @@ For each (pool size, batch size) it builds engines with one and the same ``Engin
 * **canary**: ``attach(..., ledger=False, canary=True)``;
 * **zeroize**: ``EngineConfig(zeroize_on_free=True)``, no observer.
 
-The adapter emits into a *counting* probe: a ``BaseProbe`` that is ``enabled`` (so the
-adapter builds every event it would send) but only counts ``emit`` calls by event type. What
-is measured is the ledger/canary bookkeeping and the adapter's hooks, not event encoding or
-HTTP export (the real probe's hot path is a buffer append; export runs on its own thread).
-The counts double as a check: the workload is clean, so any ``page.stale_read`` or
+The adapter emits into a *recording* probe (``engine_probe.recording.RecordingProbe``): the
+real probe's ``emit`` (its checks, the event built with its seq, a buffer append) without the
+export. What is measured is the ledger/canary bookkeeping and the adapter's hooks with that
+hot path, not event encoding or HTTP export (those run on the real probe's own thread). The
+recorded events double as a check: the workload is clean, so any ``page.stale_read`` or
 ``canary.hit`` fails the run, as do engines whose outputs differ.
 
 Workload, identical for every variant: ``batch`` requests from 4 tenants whose prompts
@@ -74,16 +74,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import torch
 
 from bench.common import BenchError, bench_main
 from engine_probe.adapters.refengine import attach
-from engine_probe.events import CanaryHit, Event, PageStaleRead
+from engine_probe.events import CanaryHit, PageStaleRead
 from engine_probe.ledger import NOBODY, Extent, PageIds, PageLedger
-from engine_probe.probe import BaseProbe
+from engine_probe.recording import RecordingProbe
 from refengine.config import EngineConfig
 from refengine.engine import Engine
 from refengine.hooks import EngineObserver
@@ -130,36 +129,6 @@ HOOKS = tuple(n for n in vars(EngineObserver) if n.startswith("on_") and n != "o
 #: What a steady decode step calls (in this order).
 DECODE_HOOKS = ("on_kv_write_batch", "on_kv_read", "on_step")
 REWOUND_HOOKS = ("on_kv_write_batch",)  # see _rewinder
-
-
-class CountingProbe(BaseProbe):
-    """An enabled probe that only counts what the adapter emits (no encoding, no export)."""
-
-    enabled = True
-
-    def __init__(self) -> None:
-        self.counts: Counter[type[Event]] = Counter()
-
-    def emit(
-        self,
-        event_type: type[Event],
-        /,
-        *,
-        ts: datetime | None = None,
-        deployment_id: str | None = None,
-        **fields: Any,
-    ) -> bool:
-        self.counts[event_type] += 1
-        return True
-
-    def force_flush(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def shutdown(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        return {"enabled": True, "counts": {t.__name__: n for t, n in self.counts.items()}}
 
 
 class HookTimer:
@@ -220,7 +189,7 @@ class Built:
     variant: Variant
     engine: Engine
     adapter: Any = None
-    probe: CountingProbe | None = None
+    probe: RecordingProbe | None = None
     reqs: list[Request] = field(default_factory=list)
     # per round: this variant's step times (s)
     rounds: list[list[float]] = field(default_factory=list)
@@ -408,7 +377,7 @@ def _build(variant: Variant, cfg: EngineConfig) -> Built:
     engine = Engine(dataclasses.replace(cfg, zeroize_on_free=variant.zeroize))
     b = Built(variant, engine)
     if variant.observed:
-        b.probe = CountingProbe()
+        b.probe = RecordingProbe()
         b.adapter = attach(
             engine,
             b.probe,
@@ -520,7 +489,7 @@ def run_config(pool: int, batch: int, args: argparse.Namespace) -> dict[str, Any
 
     for b in built:
         if b.probe is not None:
-            bad = b.probe.counts[PageStaleRead] + b.probe.counts[CanaryHit]
+            bad = len(b.probe.of(PageStaleRead)) + len(b.probe.of(CanaryHit))
             if bad:
                 raise BenchError(
                     f"{b.variant.name}: {bad} stale-read/canary events on a clean workload"
@@ -872,7 +841,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         + (f"{args.rounds}" if args.rounds else f"~{args.seconds:g} s (>= {args.min_rounds})")
         + f" of rounds x {args.block} timed step(s) per variant and config over "
         f"{args.lifetimes} lifetime(s), {args.breakdown} breakdown steps; probe: "
-        "counting BaseProbe (enabled, no export)",
+        "RecordingProbe (Probe's emit, no export)",
         flush=True,
     )
     if args.compile:
@@ -915,7 +884,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "quick": args.quick,
         "device": args.device,
         "threads": torch.get_num_threads(),
-        "probe": "counting BaseProbe (enabled, counts emits; no encoding, no export)",
+        "probe": "RecordingProbe (Probe's emit: checks, builds, buffers; no encoding, no export)",
         "ceiling": "probe off: same engine config, no observer, same run, paired per round",
         "ledger_ratio": by("ledger"),
         "canary_ratio": by("canary"),

@@ -112,7 +112,7 @@ class UnexportedProbe(Probe):
         self._started = True
 
     def events(self) -> list[Any]:
-        return list(self._buffer._items)
+        return self._buffer.snapshot()
 
 
 def new_probe(capacity: int) -> UnexportedProbe:

@@ -1,7 +1,8 @@
 """kvwatch's in-engine probe: typed events, a never-blocking buffer, an exporter with a spool.
 
 Public API: :func:`get_probe`, :func:`configure_probe`, :func:`shutdown_probe`,
-:class:`Probe`, :class:`NoopProbe`, :class:`BaseProbe`, :class:`ProbeSettings`.
+:class:`Probe`, :class:`NoopProbe`, :class:`BaseProbe`, :class:`ProbeSettings`, and for tests
+and benchmarks :class:`RecordingProbe` (keeps the events in memory; ``engine_probe.recording``).
 
 The top level is lazy (PEP 562): ``import engine_probe.events`` — the wire contract that
 ``policies`` and the collector share — must not load the exporter, httpx, pydantic-settings
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         get_probe,
         shutdown_probe,
     )
+    from engine_probe.recording import RecordingProbe
     from engine_probe.settings import ProbeSettings
 
 _LAZY = {
@@ -33,6 +35,7 @@ _LAZY = {
     "get_probe": "engine_probe.probe",
     "shutdown_probe": "engine_probe.probe",
     "ProbeSettings": "engine_probe.settings",
+    "RecordingProbe": "engine_probe.recording",
 }
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "NoopProbe",
     "Probe",
     "ProbeSettings",
+    "RecordingProbe",
     "configure_probe",
     "get_probe",
     "shutdown_probe",

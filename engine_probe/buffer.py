@@ -187,6 +187,12 @@ class EventBuffer:
                     )
             return Taken(items, self._seq)
 
+    def snapshot(self) -> list[Event]:
+        """A copy of the buffered events, in seq order; nothing is taken (a recording probe's
+        reader, and benchmarks that look at what a probe holds)."""
+        with self._lock:
+            return list(self._items)
+
     def close(self) -> None:
         """Refuse further appends (counted as "shutdown" drops); ``take`` still works."""
         with self._lock:

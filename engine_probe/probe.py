@@ -103,7 +103,56 @@ class NoopProbe(BaseProbe):
         return {"enabled": False, "probe_id": None}
 
 
-class Probe(BaseProbe):
+class _BufferingProbe(BaseProbe):
+    """The hot path ``Probe`` shares with ``engine_probe.recording.RecordingProbe``, so that
+    an adapter cannot tell one from the other: ``emit`` checks the call, stamps it, and
+    hands it to the probe's :class:`EventBuffer`, which builds the event with the next seq.
+
+    A subclass sets ``_buffer`` and ``_deployment_id``, and ``_started`` (False: the first
+    ``emit`` calls ``_start_exporter``).
+    """
+
+    enabled = True
+    _buffer: EventBuffer
+    _deployment_id: str
+    _started: bool
+
+    def _start_exporter(self) -> None:
+        """Start whatever takes the events out of the buffer (nothing, here)."""
+        self._started = True
+
+    def emit(
+        self,
+        event_type: type[Event],
+        /,
+        *,
+        ts: datetime | None = None,
+        deployment_id: str | None = None,
+        **fields: Any,
+    ) -> bool:
+        """Stamp and buffer one event; never blocks on I/O.
+
+        The probe sets ``schema_version``, ``probe_id`` and ``seq``; ``ts`` defaults to now
+        (UTC) and ``deployment_id`` to the configured one. Returns False when the event was
+        dropped (buffer full, probe shut down), which is counted.
+
+        Raises :class:`InvalidEventError` for caller bugs (an event type that is not one of
+        ``events.EVENT_TYPES``, unknown or missing fields, a naive ``ts``), before any seq
+        is consumed. Field values are not range-checked here (that would cost the hot path);
+        the collector refuses bad ones and they are counted as "rejected_by_collector".
+        """
+        if event_type not in _EMITTABLE:
+            raise InvalidEventError(f"{event_type!r} is not an event type a probe can emit")
+        if not self._started:
+            self._start_exporter()
+        if ts is None:
+            ts = utcnow()
+        elif ts.tzinfo is None:
+            raise InvalidEventError("ts must be timezone-aware")
+        return self._buffer.append(event_type, ts, deployment_id or self._deployment_id, fields)
+
+
+class Probe(_BufferingProbe):
     """A live probe exporting to ``settings.collector_url``.
 
     Invariants: seqs are strictly increasing from 1 per probe id and handed out before the
@@ -111,8 +160,6 @@ class Probe(BaseProbe):
     drops (and reported in a ``ProbeDrops`` event, itself part of the seq stream), so the
     collector can account for every gap.
     """
-
-    enabled = True
 
     def __init__(self, settings: ProbeSettings) -> None:
         if settings.collector_url is None:
@@ -158,38 +205,6 @@ class Probe(BaseProbe):
             self._started = True
             if self._shutdown_result is None:
                 self._exporter.start()
-
-    # -- hot path ------------------------------------------------------------------------
-
-    def emit(
-        self,
-        event_type: type[Event],
-        /,
-        *,
-        ts: datetime | None = None,
-        deployment_id: str | None = None,
-        **fields: Any,
-    ) -> bool:
-        """Stamp and buffer one event; never blocks on I/O.
-
-        The probe sets ``schema_version``, ``probe_id`` and ``seq``; ``ts`` defaults to now
-        (UTC) and ``deployment_id`` to the configured one. Returns False when the event was
-        dropped (buffer full, probe shut down), which is counted.
-
-        Raises :class:`InvalidEventError` for caller bugs (an event type that is not one of
-        ``events.EVENT_TYPES``, unknown or missing fields, a naive ``ts``), before any seq
-        is consumed. Field values are not range-checked here (that would cost the hot path);
-        the collector refuses bad ones and they are counted as "rejected_by_collector".
-        """
-        if event_type not in _EMITTABLE:
-            raise InvalidEventError(f"{event_type!r} is not an event type a probe can emit")
-        if not self._started:
-            self._start_exporter()
-        if ts is None:
-            ts = utcnow()
-        elif ts.tzinfo is None:
-            raise InvalidEventError("ts must be timezone-aware")
-        return self._buffer.append(event_type, ts, deployment_id or self._deployment_id, fields)
 
     # -- control -------------------------------------------------------------------------
 

@@ -12,7 +12,6 @@ import inspect
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import pytest
@@ -21,7 +20,8 @@ import torch
 from engine_probe import events as ev
 from engine_probe.adapters.refengine import RefengineAdapter, attach
 from engine_probe.canary import SENTINEL
-from engine_probe.probe import BaseProbe, Probe
+from engine_probe.probe import Probe
+from engine_probe.recording import RecordingProbe
 from engine_probe.settings import ProbeSettings
 from refengine import ContextLengthExceeded, Engine, EngineConfig, EngineObserver, KVPool, Request
 from tests.conftest import Collector
@@ -30,46 +30,6 @@ TENANTS = ("acme", "globex", "initech", "umbrella", "hooli")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class RecordingProbe(BaseProbe):
-    """Keeps every emitted event as (event type, fields); validates nothing beyond that."""
-
-    enabled = True
-
-    def __init__(self) -> None:
-        self.events: list[tuple[type[ev.Event], dict[str, Any]]] = []
-
-    def emit(
-        self,
-        event_type: type[ev.Event],
-        /,
-        *,
-        ts: datetime | None = None,
-        deployment_id: str | None = None,
-        **fields: Any,
-    ) -> bool:
-        self.events.append((event_type, fields))
-        return True
-
-    def force_flush(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def shutdown(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def of(self, event_type: type[ev.Event]) -> list[dict[str, Any]]:
-        return [f for t, f in self.events if t is event_type]
-
-    def validate(self) -> None:
-        """Every recorded event passes the wire contract, as the collector would decode it."""
-        stamp: dict[str, Any] = {"schema_version": 1, "probe_id": "p", "deployment_id": "d"}
-        stamp["ts"] = ev.utcnow()
-        built = [t(seq=i + 1, **stamp, **f) for i, (t, f) in enumerate(self.events)]
-        assert ev.decode_json_batch(ev.encode_batch(built))
 
 
 def make(**kw: Any) -> Engine:
@@ -262,37 +222,37 @@ def test_ordinary_traffic_no_stale_reads_exact_reuse_and_token_counts(
     assert adapter.counters["stale_reads"] == adapter.counters["canary_hits"] == 0
 
     # engine.config: one per pool, with its role and capacity next to the advertised context
-    configs = {c["node"]: c for c in probe.of(ev.EngineConfig)}
+    configs = {c.node: c for c in probe.of(ev.EngineConfig)}
     expected = {p.name: (p.role, p.capacity_tokens) for p in eng.pools.values()}
-    assert {n: (c["role"], c["pool_capacity_tokens"]) for n, c in configs.items()} == expected
+    assert {n: (c.role, c.pool_capacity_tokens) for n, c in configs.items()} == expected
     for c in configs.values():
-        assert c["advertised_context"] == 4096 and c["page_size"] == 16
-        assert c["disaggregated"] is (topology == "disaggregated")
-        assert c["engine"] == "refengine" and c["dtype"] == "float32"
+        assert c.advertised_context == 4096 and c.page_size == 16
+        assert c.disaggregated is (topology == "disaggregated")
+        assert c.engine == "refengine" and c.dtype == "float32"
 
     # request events: token counts, never text
-    admitted = {f["request_id"]: f for f in probe.of(ev.RequestAdmitted)}
-    finished = {f["request_id"]: f for f in probe.of(ev.RequestFinished)}
+    admitted = {f.request_id: f for f in probe.of(ev.RequestAdmitted)}
+    finished = {f.request_id: f for f in probe.of(ev.RequestFinished)}
     assert set(admitted) == set(finished) == {r.request_id for r in reqs}
     for r in reqs:
         a, f = admitted[r.request_id], finished[r.request_id]
-        assert (a["tenant"], a["prompt_tokens"], a["model_id"]) == (
+        assert (a.tenant, a.prompt_tokens, a.model_id) == (
             r.tenant,
             r.prompt_tokens,
             "refengine-lab",
         )
-        assert (f["prompt_tokens"], f["completion_tokens"], f["status"]) == (
+        assert (f.prompt_tokens, f.completion_tokens, f.status) == (
             r.prompt_tokens,
             r.completion_tokens,
             "completed",
         )
         assert r.completion_tokens == r.prompt_tokens + 1
     texts = {r.prompt.decode()[:20] for r in reqs}
-    assert not any(t in repr(fields) for _, fields in probe.events for t in texts)
+    assert not any(t in repr(e) for e in probe.events for t in texts)
 
     # page.reuse: exactly the oracle's counts, step by step and pool by pool
     got = {
-        (f["step"], f["node"]): (f["reused_pages"], f["cross_tenant_pages"], f["zeroized_pages"])
+        (f.step, f.node): (f.reused_pages, f.cross_tenant_pages, f.zeroized_pages)
         for f in probe.of(ev.PageReuse)
     }
     assert got == oracle.nonzero_reuse()
@@ -305,12 +265,12 @@ def test_ordinary_traffic_no_stale_reads_exact_reuse_and_token_counts(
     # pool samples: per pool, consistent, the last one taken with everything freed
     samples = probe.of(ev.PoolSample)
     assert len(samples) >= 2 * len(eng.pools) + 2
-    assert any(s["used_tokens"] > 0 for s in samples)
+    assert any(s.used_tokens > 0 for s in samples)
     for pool in eng.pools.values():
-        last = [s for s in samples if s["node"] == pool.name][-1]
-        assert (last["used_tokens"], last["free_tokens"]) == (0, pool.capacity_tokens)
-        assert last["role"] == pool.role
-    probe.validate()
+        last = [s for s in samples if s.node == pool.name][-1]
+        assert (last.used_tokens, last.free_tokens) == (0, pool.capacity_tokens)
+        assert last.role == pool.role
+    assert probe.decoded()  # the collector would take every event
     eng.check_invariants()
 
 
@@ -319,12 +279,12 @@ def test_kv_transfers_are_reported_per_request() -> None:
     probe = RecordingProbe()
     attach(eng, probe)
     reqs = run_waves(eng, waves=1, per_wave=4)
-    transfers = {f["request_id"]: f for f in probe.of(ev.KvTransfer)}
+    transfers = {f.request_id: f for f in probe.of(ev.KvTransfer)}
     for r in reqs:
         t = transfers[r.request_id]
-        assert (t["from_node"], t["to_node"], t["prefill_rejected"]) == ("prefill", "decode", False)
-        assert (t["pages"], t["tokens"]) == (-(-r.prompt_tokens // 16), r.prompt_tokens)
-        assert t["tenant"] == r.tenant
+        assert (t.from_node, t.to_node, t.prefill_rejected) == ("prefill", "decode", False)
+        assert (t.pages, t.tokens) == (-(-r.prompt_tokens // 16), r.prompt_tokens)
+        assert t.tenant == r.tenant
 
 
 def test_at_most_one_device_sync_per_step() -> None:
@@ -358,44 +318,42 @@ def test_incident_stale_reads_match_the_oracle_page_for_page(canary: bool) -> No
     eng.run_until_idle()
 
     stale = probe.of(ev.PageStaleRead)
-    reported = [(f["reader_request_id"], "decode", p) for f in stale for p in f["page_ids"]]
+    reported = [(f.reader_request_id, "decode", p) for f in stale for p in f.page_ids]
     assert len(reported) == len(set(reported))  # each stale page reported once per reader
     names = {r.handle: r.request_id for r in [*normal, over]}
     assert set(reported) == {(names[r], pool, p) for r, pool, p in oracle.stale}
-    assert {f["reader_tenant"] for f in stale} == {"mallory"}
-    victims = {f["previous_tenant"] for f in stale} - {None}
+    assert {f.reader_tenant for f in stale} == {"mallory"}
+    victims = {f.previous_tenant for f in stale} - {None}
     assert victims and victims <= set(TENANTS[:4])
-    assert all(f["previous_request_id"] in names.values() for f in stale if f["previous_tenant"])
-    assert all(f["read_kind"] == "decode" and f["node"] == "decode" for f in stale)
+    assert all(f.previous_request_id in names.values() for f in stale if f.previous_tenant)
+    assert all(f.read_kind == "decode" and f.node == "decode" for f in stale)
     # Each report names a tenant whose KV sat in the slots read that the reader never wrote
     # (None: slots never written since the pool was created).
     handles = {name: h for h, name in names.items()}
     for f in stale:
-        for p in f["page_ids"]:
-            exposed = oracle.exposed[(handles[f["reader_request_id"]], "decode", p)]
-            assert f["previous_tenant"] in {
-                None if t is None else eng.tenant_name(t) for t in exposed
-            }
+        for p in f.page_ids:
+            exposed = oracle.exposed[(handles[f.reader_request_id], "decode", p)]
+            assert f.previous_tenant in {None if t is None else eng.tenant_name(t) for t in exposed}
 
-    (tr,) = [f for f in probe.of(ev.KvTransfer) if f["request_id"] == over.request_id]
-    assert (tr["prefill_rejected"], tr["pages"], tr["tokens"]) == (True, 1, 1)
+    (tr,) = [f for f in probe.of(ev.KvTransfer) if f.request_id == over.request_id]
+    assert (tr.prefill_rejected, tr.pages, tr.tokens) == (True, 1, 1)
     # The transferred placeholder page: one token written into slot 0, read as 16 positions,
     # slots 1..15 holding another tenant's prompt from the prefill pool. Stale, naming them.
     (placeholder,) = oracle.transfers[over.handle]
-    (named,) = [f["previous_tenant"] for f in stale if placeholder in f["page_ids"]]
+    (named,) = [f.previous_tenant for f in stale if placeholder in f.page_ids]
     assert named in TENANTS[:4]
     if canary:
         # The canary sees exactly the pages the ledger reports, the placeholder page included
         # (its tail holds paint copied from the prefill pool).
         hits = probe.of(ev.CanaryHit)
-        assert {h["reader_request_id"] for h in hits} == {over.request_id}
-        painted = {p for h in hits for p in h["page_ids"]}
+        assert {h.reader_request_id for h in hits} == {over.request_id}
+        painted = {p for h in hits for p in h.page_ids}
         assert painted == {p for _, _, p in reported}
     rejected = probe.of(ev.RequestRejected)
-    assert [(f["reason"], f["prompt_tokens"], f["limit_tokens"]) for f in rejected] == [
+    assert [(f.reason, f.prompt_tokens, f.limit_tokens) for f in rejected] == [
         ("pool_exhausted", 1000, 512)
     ]
-    probe.validate()
+    assert probe.decoded()  # the collector would take every event
 
 
 def test_hole_write_keeps_a_stale_page_stale_and_the_placeholder_page_is_caught() -> None:
@@ -419,14 +377,14 @@ def test_hole_write_keeps_a_stale_page_stale_and_the_placeholder_page_is_caught(
     eng.generate("y" * 1000, "mallory", max_tokens=3)
     table = seen[0].tolist()
     stale = probe.of(ev.PageStaleRead)
-    stale_pages = {p for f in stale for p in f["page_ids"]}
+    stale_pages = {p for f in stale for p in f.page_ids}
     assert table[62] in stale_pages
-    (placeholder,) = [f for f in stale if table[0] in f["page_ids"]]
-    assert (placeholder["previous_tenant"], placeholder["previous_request_id"]) == (
+    (placeholder,) = [f for f in stale if table[0] in f.page_ids]
+    assert (placeholder.previous_tenant, placeholder.previous_request_id) == (
         "acme",
         acme.request_id,
     )
-    assert (placeholder["reader_tenant"], placeholder["zeroized"]) == ("mallory", False)
+    assert (placeholder.reader_tenant, placeholder.zeroized) == ("mallory", False)
 
 
 # -- clean rejections, aborts, ids ----------------------------------------------------------
@@ -445,17 +403,17 @@ def test_clean_rejection_and_abort() -> None:
     eng.step()
     assert eng.abort(r.request_id)
     got = {
-        f["request_id"]: (f["reason"], f["prompt_tokens"], f["limit_tokens"])
+        f.request_id: (f.reason, f.prompt_tokens, f.limit_tokens)
         for f in probe.of(ev.RequestRejected)
     }
     assert got == {
         "too-long": ("context_length_exceeded", 5000, 4096),
         "over-pool": ("pool_exhausted", 600, 512),
     }
-    assert [f["request_id"] for f in probe.of(ev.RequestAdmitted)] == [r.request_id]
+    assert [f.request_id for f in probe.of(ev.RequestAdmitted)] == [r.request_id]
     (fin,) = probe.of(ev.RequestFinished)
-    assert (fin["status"], fin["completion_tokens"]) == ("aborted", r.completion_tokens)
-    probe.validate()
+    assert (fin.status, fin.completion_tokens) == ("aborted", r.completion_tokens)
+    assert probe.decoded()  # the collector would take every event
 
 
 def test_ids_that_are_not_wire_ids_are_hashed_not_dropped() -> None:
@@ -464,11 +422,11 @@ def test_ids_that_are_not_wire_ids_are_hashed_not_dropped() -> None:
     attach(eng, probe)
     eng.generate("hello there", "Tenant With Spaces", request_id="my id\n1")
     (adm,) = probe.of(ev.RequestAdmitted)
-    assert ev.is_valid_id(adm["request_id"]) and ev.is_valid_id(adm["tenant"])
-    assert adm["tenant"].startswith("tenant-") and adm["request_id"].startswith("req-")
+    assert ev.is_valid_id(adm.request_id) and ev.is_valid_id(adm.tenant)
+    assert adm.tenant.startswith("tenant-") and adm.request_id.startswith("req-")
     (fin,) = probe.of(ev.RequestFinished)
-    assert (fin["request_id"], fin["tenant"]) == (adm["request_id"], adm["tenant"])
-    probe.validate()
+    assert (fin.request_id, fin.tenant) == (adm.request_id, adm.tenant)
+    assert probe.decoded()  # the collector would take every event
 
 
 def test_attached_mid_flight_reports_nothing_false() -> None:
@@ -483,7 +441,7 @@ def test_attached_mid_flight_reports_nothing_false() -> None:
     eng.run_until_idle()
     assert all(r.text == r.prompt.decode() for r in early + late)
     assert probe.of(ev.PageStaleRead) == [] and probe.of(ev.CanaryHit) == []
-    assert {f["request_id"] for f in probe.of(ev.RequestFinished)} == {
+    assert {f.request_id for f in probe.of(ev.RequestFinished)} == {
         r.request_id for r in early + late
     }
 
@@ -514,14 +472,14 @@ def test_canary_alone_catches_the_incident_and_the_engine_survives_painted_reads
     for c in normal:
         assert c.text[:30] not in answer.text
     hits = probe.of(ev.CanaryHit)
-    assert hits and {h["reader_tenant"] for h in hits} == {"mallory"}
-    assert {h["canary_tenant"] for h in hits} <= set(TENANTS[:3]) and all(
-        h["detector"] == "paint" for h in hits
+    assert hits and {h.reader_tenant for h in hits} == {"mallory"}
+    assert {h.canary_tenant for h in hits} <= set(TENANTS[:3]) and all(
+        h.detector == "paint" for h in hits
     )
-    pages = [p for h in hits for p in h["page_ids"]]
+    pages = [p for h in hits for p in h.page_ids]
     assert len(pages) == len(set(pages))  # once per page, not once per decode step
-    assert Counter(t for t, _ in probe.events)[ev.PageStaleRead] == 0
-    probe.validate()
+    assert Counter(type(e) for e in probe.events)[ev.PageStaleRead] == 0
+    assert probe.decoded()  # the collector would take every event
 
 
 # -- through the real collector ----------------------------------------------------------------

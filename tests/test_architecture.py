@@ -7,6 +7,7 @@ import ast
 import builtins
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,36 @@ def test_nothing_imports_the_front_door() -> None:
         for pkg in ALLOWED
         for p in (ROOT / pkg).rglob("*.py")
         if any(n == "kvwatch" or n.startswith("kvwatch.") for n in _imports(p))
+    ]
+    assert bad == []
+
+
+# What `pip install kvwatch` puts into site-packages: the product, nothing of the checkout's
+# own (bench/ runs from the checkout, tests/, deploy/'s generators). A top-level `bench` or
+# `tests` there would shadow another project's.
+SHIPPED = OURS - {"deploy"}
+CHECKOUT_ONLY = {"bench", "tests", "deploy"}
+
+
+def test_the_package_ships_the_product_only() -> None:
+    """pyproject's package list, resolved as setuptools resolves it when it builds the wheel
+    (namespace packages included: policies/packs and policies/data hold no __init__.py)."""
+    from setuptools import find_namespace_packages
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = find_namespace_packages(str(ROOT), include=config["packages"]["find"]["include"])
+    assert {name.split(".")[0] for name in found} == SHIPPED
+    assert set(config["package-data"]) <= set(found)
+
+
+def test_the_product_never_imports_what_is_not_shipped() -> None:
+    """It would work in the checkout and fail in every installation."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for pkg in SHIPPED
+        for path in (ROOT / pkg).rglob("*.py")
+        for name in _imports(path)
+        if name.split(".")[0] in CHECKOUT_ONLY
     ]
     assert bad == []
 

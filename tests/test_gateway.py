@@ -25,6 +25,7 @@ from sqlalchemy import create_engine, inspect, text
 from typer.testing import CliRunner
 
 from engine_probe import events as ev
+from engine_probe import recording
 from engine_probe.probe import BaseProbe, Probe
 from engine_probe.settings import ProbeSettings
 from kvwatch.embedded import free_port, serve_in_thread
@@ -117,38 +118,15 @@ def tap(upstream: Upstream) -> Iterator[Tap]:
 # -- the gateway ------------------------------------------------------------------------------
 
 
-class RecordingProbe(BaseProbe):
-    """Keeps every event, checked against the wire contract as the collector would."""
+class RecordingProbe(recording.RecordingProbe):
+    """Reads its events back as the collector decodes them: the gateway builds its records
+    from what clients send (model names, token counts), so every test here also checks that
+    the collector would take them (a value it would refuse raises DecodeError here, in the
+    test, where inside the gateway it would only be logged)."""
 
-    enabled = True
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []  # decoded events (typed loosely: tests read their fields)
-
-    def emit(self, event_type: type[ev.Event], /, *, ts: Any = None, **fields: Any) -> bool:
-        event = event_type(
-            schema_version=1,
-            probe_id="test",
-            seq=len(self.events) + 1,
-            ts=ev.utcnow(),
-            deployment_id="test",
-            **fields,
-        )
-        self.events.append(ev.decode_event(ev.encode_event(event)))
-        return True
-
-    def force_flush(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def shutdown(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def one(self) -> Any:
-        (event,) = self.events
-        return event
+    @property
+    def events(self) -> list[Any]:  # typed loosely: tests read each kind's own fields
+        return self.decoded()
 
 
 @contextmanager

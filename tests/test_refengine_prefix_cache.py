@@ -17,12 +17,12 @@ import torch
 
 from engine_probe import events as ev
 from engine_probe.adapters.refengine import RefengineAdapter, attach
+from engine_probe.recording import RecordingProbe
 from kvwatch.embedded import serve_in_thread
 from refengine import EOS, Engine, EngineConfig, Request
 from refengine.prefix_cache import PrefixCache
 from refengine.server import create_app
 from tests.metrics_text import samples
-from tests.test_adapter import RecordingProbe
 from tests.test_refengine import Recorder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -213,35 +213,33 @@ def test_the_probe_reports_every_hit_with_owner_and_reader_and_no_stale_read() -
     b = run(eng, prompt, "acme")  # same tenant
     c = run(eng, prompt, "globex")  # across tenants: no salt, like acme's
     hits = probe.of(ev.PrefixCacheHit)
-    assert [(h["reader_request_id"], h["owner_request_id"]) for h in hits] == [
+    assert [(h.reader_request_id, h.owner_request_id) for h in hits] == [
         (b.request_id, a.request_id),
         # c's pages: page 0..7 were a's (b hit them, cached nothing new)
         (c.request_id, a.request_id),
     ]
-    assert [(h["reader_tenant"], h["owner_tenant"], h["pages"], h["tokens"]) for h in hits] == [
+    assert [(h.reader_tenant, h.owner_tenant, h.pages, h.tokens) for h in hits] == [
         ("acme", "acme", 8, 128),
         ("globex", "acme", 8, 128),
     ]
-    assert all(h["salted"] is False for h in hits)
-    built = [ev.PrefixCacheHit(schema_version=1, probe_id="p", seq=1, ts=ev.utcnow(),
-                               deployment_id="d", **h) for h in hits]  # fmt: skip
-    assert [h.cross_tenant for h in built] == [False, True]
+    assert all(h.salted is False for h in hits)
+    assert [h.cross_tenant for h in hits] == [False, True]
     assert adapter.counters["prefix_hits_same_tenant"] == 1
     assert adapter.counters["prefix_hits_cross_tenant"] == 1
     assert probe.of(ev.PageStaleRead) == [] and adapter.counters["stale_reads"] == 0
-    finished = {f["request_id"]: f["cached_tokens"] for f in probe.of(ev.RequestFinished)}
+    finished = {f.request_id: f.cached_tokens for f in probe.of(ev.RequestFinished)}
     assert finished == {a.request_id: 0, b.request_id: 128, c.request_id: 128}
     (config,) = probe.of(ev.EngineConfig)
-    assert config["prefix_caching"] is True and config["prefix_cache_salting"] is False
+    assert config.prefix_caching is True and config.prefix_cache_salting is False
     # Idle cached pages are evictable: a pool sample counts them free, as vLLM does.
     assert eng.prefill_pool.used_pages == 8 and eng.prefill_pool.cached_idle_pages == 8
     adapter.sample_pools()
     sample = probe.of(ev.PoolSample)[-1]
-    assert sample["used_tokens"] == 0 and sample["free_tokens"] == sample["capacity_tokens"]
+    assert sample.used_tokens == 0 and sample.free_tokens == sample.capacity_tokens
     for ledger in adapter.ledgers.values():
         assert ledger.check_invariants() == []
         assert ledger.granted(b.handle) == 0  # revoked when the reader finished
-    probe.validate()
+    assert probe.decoded()  # the collector would take every event
 
 
 def test_the_probe_says_salting_by_tenant_and_marks_salted_hits() -> None:
@@ -252,16 +250,16 @@ def test_the_probe_says_salting_by_tenant_and_marks_salted_hits() -> None:
     run(eng, SYSTEM, "globex")  # misses: another tenant
     run(eng, SYSTEM, "acme")
     (config,) = probe.of(ev.EngineConfig)
-    assert config["prefix_caching"] is True and config["prefix_cache_salting"] is True
+    assert config.prefix_caching is True and config.prefix_cache_salting is True
     (hit,) = probe.of(ev.PrefixCacheHit)
-    assert hit["salted"] is True and hit["reader_tenant"] == hit["owner_tenant"] == "acme"
+    assert hit.salted is True and hit.reader_tenant == hit.owner_tenant == "acme"
     off = make("off")
     probe_off = RecordingProbe()
     attach(off, probe_off)
     run(off, SYSTEM, "acme")
     (config,) = probe_off.of(ev.EngineConfig)
-    assert config["prefix_caching"] is False
-    assert [f["cached_tokens"] for f in probe_off.of(ev.RequestFinished)] == [None]
+    assert config.prefix_caching is False
+    assert [f.cached_tokens for f in probe_off.of(ev.RequestFinished)] == [None]
 
 
 class EvictsPagesInUse(PrefixCache):
@@ -306,9 +304,9 @@ def test_stale_reads_are_still_caught_with_the_cache_on() -> None:
     assert intruder.status == "finished"
     stale = probe.of(ev.PageStaleRead)
     assert stale and adapter.counters["stale_reads"] >= 1
-    assert {s["reader_request_id"] for s in stale} == {reader.request_id}
-    assert {s["previous_request_id"] for s in stale} == {intruder.request_id}
-    assert all(s["reader_tenant"] == "acme" and s["previous_tenant"] == "globex" for s in stale)
+    assert {s.reader_request_id for s in stale} == {reader.request_id}
+    assert {s.previous_request_id for s in stale} == {intruder.request_id}
+    assert all(s.reader_tenant == "acme" and s.previous_tenant == "globex" for s in stale)
     assert b"I" in bytes(reader.output_tokens)  # the wrong KV really came out
 
 
@@ -353,7 +351,7 @@ def test_stale_reads_of_the_incident_are_unchanged() -> None:
     eng.generate("secret of acme " * 10, "acme", 8)
     eng.generate("x" * 1000, "globex", 40)  # over the prefill pool: the placeholder path
     stale = probe.of(ev.PageStaleRead)
-    assert stale and "acme" in {s["previous_tenant"] for s in stale}
+    assert stale and "acme" in {s.previous_tenant for s in stale}
 
 
 def test_a_hit_on_pages_computed_before_the_attach_is_taken_on_trust() -> None:
@@ -365,7 +363,7 @@ def test_a_hit_on_pages_computed_before_the_attach_is_taken_on_trust() -> None:
     r = run(eng, SYSTEM + "two", "globex")
     assert r.cached_tokens == 128 and reads_back(r, SYSTEM + "two")
     (hit,) = probe.of(ev.PrefixCacheHit)
-    assert hit["owner_request_id"] is None and hit["owner_tenant"] is None
+    assert hit.owner_request_id is None and hit.owner_tenant is None
     assert adapter.counters["prefix_hits_unknown_owner"] == 1
     assert probe.of(ev.PageStaleRead) == []
 

@@ -173,7 +173,7 @@ def test_random_workloads_with_the_prefix_cache(
     stale read."""
     from engine_probe import events as ev
     from engine_probe.adapters.refengine import attach
-    from tests.test_adapter import RecordingProbe
+    from engine_probe.recording import RecordingProbe
 
     prefix_cache = cache
     eng = Engine(
@@ -225,9 +225,9 @@ def test_random_workloads_with_the_prefix_cache(
             event("prefix-cache hit")
             assert not r.truncated
     for hit in probe.of(ev.PrefixCacheHit):
-        reader, reader_salt = by_id[hit["reader_request_id"]]
-        owner, owner_salt = by_id[hit["owner_request_id"]]
-        assert reader.prompt[: hit["tokens"]] == owner.prompt[: hit["tokens"]]
+        reader, reader_salt = by_id[hit.reader_request_id]
+        owner, owner_salt = by_id[hit.owner_request_id]
+        assert reader.prompt[: hit.tokens] == owner.prompt[: hit.tokens]
         assert reader_salt == owner_salt  # both modes key by the request's salt
         if prefix_cache == "salted":
             assert reader.tenant == owner.tenant

@@ -3,16 +3,14 @@
 ``make_scheduler`` builds a real v1 ``Scheduler`` (with its real ``KVCacheManager`` and
 ``BlockPool``, and optionally vLLM's real ``ExampleConnector`` on the scheduler side) for a
 tiny local Llama config; a test plays the model runner's part by handing the scheduler a
-``ModelRunnerOutput`` per step, as vLLM's own scheduler tests do. ``RecordingProbe`` is
-kvwatch's probe interface keeping events in memory (kvwatch's own code, not an imitation of
-vLLM).
+``ModelRunnerOutput`` per step, as vLLM's own scheduler tests do. The ``probe`` fixture is
+``engine_probe.recording.RecordingProbe``: kvwatch's probe keeping the events in memory.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,52 +19,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from engine_probe.events import SCHEMA_VERSION, Event, utcnow
-from engine_probe.probe import BaseProbe
+from engine_probe.recording import RecordingProbe
 
 BLOCK = 16
-
-
-class RecordingProbe(BaseProbe):
-    """A probe that keeps the events it is given, built and validated like the real one."""
-
-    enabled = True
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def emit(
-        self,
-        event_type: type[Event],
-        /,
-        *,
-        ts: datetime | None = None,
-        deployment_id: str | None = None,
-        **fields: Any,
-    ) -> bool:
-        self.events.append(
-            event_type(
-                schema_version=SCHEMA_VERSION,
-                probe_id="test",
-                seq=len(self.events) + 1,
-                ts=ts or utcnow(),
-                deployment_id=deployment_id or "default",
-                **fields,
-            )
-        )
-        return True
-
-    def force_flush(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def shutdown(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        return {"enabled": True, "emitted": len(self.events)}
-
-    def of(self, kind: type[Event]) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BLOCK, RecordingProbe
+from conftest import BLOCK
 
 from engine_probe.adapters.vllm.adapter import VllmAdapter, attach
 from engine_probe.events import (
@@ -25,6 +25,7 @@ from engine_probe.events import (
     RequestAdmitted,
     RequestFinished,
 )
+from engine_probe.recording import RecordingProbe
 
 DRIVERS: list[Driver] = []
 
