@@ -97,7 +97,7 @@ class LimitInForce(msgspec.Struct, frozen=True, kw_only=True):
     model_id: str
     tokens: int | None
     source: LimitSource
-    stale: tuple[Stale, ...] = ()
+    stale_reasons: tuple[Stale, ...] = ()
     verification_id: int | None = None
     verified_safe_context: int | None = None
     verified_at: datetime | None = None
@@ -111,13 +111,18 @@ class LimitInForce(msgspec.Struct, frozen=True, kw_only=True):
     configured: int | None = None
 
     @property
+    def stale(self) -> bool:
+        """A passing verification exists and no longer holds (``stale_reasons`` say why)."""
+        return bool(self.stale_reasons)
+
+    @property
     def verified(self) -> bool:
         """Measured clean, and still holding."""
         return self.source == "verified" and not self.stale
 
     @property
     def stale_text(self) -> str | None:
-        return "; ".join(s.text for s in self.stale) or None
+        return "; ".join(s.text for s in self.stale_reasons) or None
 
     @property
     def text(self) -> str:
@@ -134,6 +139,7 @@ class LimitInForce(msgspec.Struct, frozen=True, kw_only=True):
     def as_json(self) -> dict[str, Any]:
         """The served form: the fields, plus ``verified`` and ``text`` for readers."""
         doc = msgspec.to_builtins(self)
+        doc["stale"] = self.stale
         doc["verified"] = self.verified
         doc["text"] = self.text
         return cast(dict[str, Any], doc)
@@ -198,11 +204,13 @@ def _decide(
     candidates: list[tuple[int, LimitSource]] = []
     if verified:
         candidates.append((verified, "verified"))
-    if configured:
-        candidates.append((configured, "configured"))
     if (not verified or stale) and structural is not None:
         candidates.append((structural, "pool"))
-    # Ties go to the earlier candidate: verified before configured before pool.
+    if configured:
+        candidates.append((configured, "configured"))
+    # Ties go to the earlier candidate: a configured limit is the source only where it is
+    # strictly smaller (a guard that holds prompts to the served limit reports it as its
+    # configured one, and changes nothing).
     best: tuple[int | None, LimitSource] = (None, "none")
     for n, s in candidates:
         if best[0] is None or n < best[0]:
@@ -250,7 +258,7 @@ def limit_in_force(
         model_id=model_id,
         tokens=tokens,
         source=source,
-        stale=stale,
+        stale_reasons=stale,
         verification_id=None if passing is None else passing.verification_id,
         verified_safe_context=vsc,
         verified_at=None if passing is None else passing.verified_at,

@@ -60,7 +60,7 @@ class LimitsService:
             v = d.passing.get(model) or _if_passed(d.verifications.get(model))
             last = d.verifications.get(model)
             stale_settings: dict[str, dict[str, Any]] = {}
-            for reason in lim.stale:
+            for reason in lim.stale_reasons:
                 for ch in reason.changes:
                     stale_settings.setdefault(ch.node, {})[ch.setting] = {
                         "verified": ch.verified,
@@ -88,7 +88,7 @@ class LimitsService:
                         "cuda_graphs": v.cuda_graphs,
                     },
                     "stale": None if v is None or not mine else bool(lim.stale),
-                    "stale_reasons": [r.text for r in lim.stale],
+                    "stale_reasons": [r.text for r in lim.stale_reasons],
                     "stale_settings": stale_settings,
                     "latest_verification_failed": bool(last is not None and not last.passed),
                     "latest_verification": _latest(last),
