@@ -87,7 +87,7 @@ def gateway(
         str | None,
         typer.Option(
             help="Deployment id: records are filed under it, and with KVWATCH_COLLECTOR_URL and "
-            "KVWATCH_INGEST_TOKEN its verified safe contexts guard too [KVWATCH_DEPLOYMENT_ID]."
+            "KVWATCH_INGEST_TOKEN the collector's limits in force guard too [KVWATCH_DEPLOYMENT_ID]."
         ),
     ] = None,
     tokenizer: Annotated[
@@ -121,8 +121,9 @@ def gateway(
         OnFailedVerification | None,
         typer.Option(
             help="When a model's latest verification failed: refuse prompts above the last "
-            "value measured clean (all, when none was), or only warn "
-            "[KVWATCH_GATEWAY_ON_FAILED_VERIFICATION; refuse].",
+            "value measured clean (all, when none was), or only warn; also, once the "
+            "collector's limits are older than KVWATCH_GATEWAY_LIMITS_KEEP_S (900 s), refuse "
+            "every prompt or warn [KVWATCH_GATEWAY_ON_FAILED_VERIFICATION; refuse].",
         ),
     ] = None,
     tag_tenants: Annotated[
@@ -147,7 +148,7 @@ def gateway(
         float | None,
         typer.Option(
             min=0.001,
-            help="Seconds between readings of the collector's verifications "
+            help="Seconds between readings of the collector's limits in force "
             "[KVWATCH_GATEWAY_VERIFICATION_REFRESH_S; 60].",
         ),
     ] = None,

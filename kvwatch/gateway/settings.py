@@ -2,7 +2,7 @@
 
 ``KVWATCH_COLLECTOR_URL``, ``KVWATCH_INGEST_TOKEN`` and ``KVWATCH_DEPLOYMENT_ID`` are the names
 every producer shares (see :mod:`engine_probe.settings`); the gateway reads the deployment's
-verified safe contexts with them. Everything else is ``KVWATCH_GATEWAY_*``.
+limits in force (GET /v1/limits) with them. Everything else is ``KVWATCH_GATEWAY_*``.
 
 Maps (tenant keys, safe contexts) come from the environment as space-separated ``NAME=VALUE``
 pairs (``KVWATCH_GATEWAY_TENANT_KEYS="acme=sk-1 globex=sk-2"``) or as a JSON object.
@@ -172,8 +172,8 @@ class GatewaySettings(BaseSettings):
     )
     collector_url: str | None = Field(
         default=None,
-        description="The collector the gateway reads the deployment's verifications from and "
-        "sends its records to.",
+        description="The collector the gateway reads the deployment's limits in force from "
+        "(GET /v1/limits) and sends its records to.",
     )
     ingest_token: str | None = Field(
         default=None, repr=False, description="The ingest token it reads and sends with."
@@ -279,8 +279,8 @@ class GatewaySettings(BaseSettings):
             "tenants": sorted(self.gateway_tenant_keys) or "one per bearer key",
             "upstream_key": "set" if self.gateway_upstream_key else "client keys pass through",
             "safe_contexts": dict(self.gateway_safe_contexts),
-            "verifications": (
-                f"{self.collector_url} deployment {self.deployment_id}"
+            "limits_in_force": (
+                f"{self.collector_url}/v1/limits deployment {self.deployment_id}"
                 if self.reads_verifications
                 else "off"
             ),
