@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collector.scrape import ScrapeFailed
 from collector.settings import ScrapeTarget
-from engine_probe.scrape import (
+from kvwatch.scrape import (
     NodeFigures,
     NotThatEngine,
     ScrapeError,

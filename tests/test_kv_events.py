@@ -18,7 +18,9 @@ import msgspec
 import pytest
 from typer.testing import CliRunner
 
-from engine_probe.kv_events import (
+from kvwatch.cli import app
+from kvwatch.embedded import free_port
+from kvwatch.kv_events import (
     AllBlocksCleared,
     BadEndpoint,
     BlockRemoved,
@@ -30,8 +32,6 @@ from engine_probe.kv_events import (
     check_endpoint,
     decode_batch,
 )
-from kvwatch.cli import app
-from kvwatch.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

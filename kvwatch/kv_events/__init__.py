@@ -11,10 +11,10 @@ Like :mod:`engine_probe.scrape`, this package imports of ours only the contract 
 :mod:`engine_probe.errors` (never torch, never the probe's machinery), plus msgspec and pyzmq.
 """
 
-from engine_probe.kv_events.errors import BadEndpoint, KvEventsError, MalformedBatch
-from engine_probe.kv_events.mirror import Interval, Mirror, Totals, salt_digest
-from engine_probe.kv_events.stream import Restarted, Stream, StreamStats, check_endpoint
-from engine_probe.kv_events.wire import (
+from kvwatch.kv_events.errors import BadEndpoint, KvEventsError, MalformedBatch
+from kvwatch.kv_events.mirror import Interval, Mirror, Totals, salt_digest
+from kvwatch.kv_events.stream import Restarted, Stream, StreamStats, check_endpoint
+from kvwatch.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -20,8 +20,8 @@ from typing import Final
 
 import zmq
 
-from engine_probe.kv_events.errors import BadEndpoint, MalformedBatch
-from engine_probe.kv_events.wire import END_SEQ, Decoded, decode_batch, decode_seq
+from kvwatch.kv_events.errors import BadEndpoint, MalformedBatch
+from kvwatch.kv_events.wire import END_SEQ, Decoded, decode_batch, decode_seq
 
 log = logging.getLogger("engine_probe.kv_events")
 

@@ -11,16 +11,16 @@ only the standard library, prometheus-client and ``engine_probe.events`` (never 
 never the probe's machinery).
 """
 
-from engine_probe.scrape.errors import (
+from kvwatch.scrape.errors import (
     BadTarget,
     MalformedMetrics,
     NotThatEngine,
     ScrapeError,
     TargetUnreachable,
 )
-from engine_probe.scrape.exposition import parse
-from engine_probe.scrape.fetch import Target, TargetScraper, make_target, redact, translate
-from engine_probe.scrape.figures import ENGINES, ROLES, NodeFigures, PromptFigures, Scrape
+from kvwatch.scrape.exposition import parse
+from kvwatch.scrape.fetch import Target, TargetScraper, make_target, redact, translate
+from kvwatch.scrape.figures import ENGINES, ROLES, NodeFigures, PromptFigures, Scrape
 
 __all__ = [
     "ENGINES",
