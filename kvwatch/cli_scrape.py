@@ -1,5 +1,5 @@
 """``kvwatch scrape``: an engine's Prometheus ``/metrics`` → ``engine.config`` and
-``pool.sample`` events (``engine_probe.scrape``), sent through the probe's exporter (retries,
+``pool.sample`` events (``kvwatch.scrape``), sent through the probe's exporter (retries,
 spool). Exit 0 sent, 2 could not run (bad target, target down, not that engine's metrics,
 collector settings missing, events not delivered)."""
 

@@ -1,4 +1,4 @@
-"""``engine_probe.kv_events`` against vLLM's own publisher: its ``ZmqEventPublisher`` (PUB
+"""``kvwatch.kv_events`` against vLLM's own publisher: its ``ZmqEventPublisher`` (PUB
 socket, ROUTER replay socket, replay buffer, sequence numbers) and its event classes, run in
 .venv-vllm by ``tests/engines/vllm/kv_events_publisher.py`` on 127.0.0.1. Gaps are real: a
 subscriber that stops reading while big batches go out fills the socket buffers, and ZMQ's

@@ -1,5 +1,5 @@
-"""Reading a target over HTTP (the standard library's client: this package must stay
-importable by the collector with nothing but prometheus-client beside it).
+"""Reading a target over HTTP (the standard library's client: this package needs nothing but
+prometheus-client beside it, wherever it runs, the collector's process included).
 
 A :class:`TargetScraper` remembers the last good answer of each side endpoint (``/v1/models``,
 ``/version``, ``/server_info``): when one fails for a moment the figures it gave stay as
