@@ -47,7 +47,7 @@ from collector.reports.review import ReviewService
 from collector.reports.stored import ReportStore
 from collector.rollups.refresh import RollupRefresher
 from collector.rollups.stats import StatsService
-from collector.scrape import ScheduledScraper
+from collector.scrape import ScheduledScraper, Scraper
 from collector.settings import Settings
 from collector.tokens import Authenticator, TokenService
 from collector.verify_schedules import Verifier, VerifyScheduleService
@@ -58,10 +58,14 @@ def create_app(
     settings: Settings | None = None,
     *,
     verifier: Verifier | None = None,
+    scraper: Scraper | None = None,
     freeze_heap: bool = False,
 ) -> FastAPI:
     """``verifier`` runs scheduled verifications (``kvwatch serve`` hands in
-    ``kvwatch.verify``'s); without one, schedules are kept but not run. ``freeze_heap``: the
+    ``kvwatch.verify``'s); without one, schedules are kept but not run. ``scraper`` reads the
+    ``KVWATCH_SCRAPE_TARGETS`` (``kvwatch serve`` hands in ``kvwatch.scrape``'s); without
+    one, targets set are refused here (:class:`collector.scrape.UnusableScrapeTargets`), as
+    is a target it cannot read, rather than left unscraped in silence. ``freeze_heap``: the
     app owns its process (``kvwatch serve``), so what its startup built is moved out of the
     collector of cycles once it has started (a process that builds many apps, as the tests
     do, would keep each one's cycles forever)."""
@@ -86,15 +90,15 @@ def create_app(
     reviews = ReviewService(db, limits)
     cards = LimitsService(db, limits)
 
-    scraper = (
-        ScheduledScraper(db, settings, ingester, metrics.registry)
+    scheduled = (
+        ScheduledScraper(db, settings, ingester, metrics.registry, scraper)
         if settings.scrape_targets
         else None
     )
     scrapes = (
         None
-        if scraper is None
-        else Periodic("scrape", scraper.tick_s, scraper.run_due, at_start=scraper.start)
+        if scheduled is None
+        else Periodic("scrape", scheduled.tick_s, scheduled.run_due, at_start=scheduled.start)
     )
     timer = (
         Periodic("policy", settings.policy_timer_s, lambda: alerting.tick(datetime.now(UTC)))

@@ -24,6 +24,14 @@ for any producer that lost events. ``engine.config`` events go out only when a t
 figures changed: the hash of the figures last stored is kept in the row (so replicas
 agree), written only once the batch carrying them is stored. Two replicas may therefore
 both send a changed config (the collector stores identical configs once); none is lost.
+
+How a target is read is not the collector's: whoever builds the app hands in a
+:class:`Scraper` (``create_app(settings, scraper=...)``; ``kvwatch serve`` hands in
+:mod:`kvwatch.scheduled_scrape`, which drives ``kvwatch scrape``'s translation). The
+collector owns the schedule, the storage and this module's protocol: what a scrape returns,
+in the wire contract's terms, and how it fails. A target's URL and node are the scraper's to
+read: :func:`open_targets` asks it about every target at startup, so a target it cannot use
+stops the collector from starting, as a bad setting does.
 """
 
 from __future__ import annotations
@@ -34,10 +42,10 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Final
+from typing import Any, Final, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy import BigInteger, ColumnElement, Connection, cast, extract, func, select, update
@@ -45,26 +53,69 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from collector import models as m
 from collector.db import Database
-from collector.errors import CollectorError, Unavailable
+from collector.errors import CollectorError, InvalidInput, Unavailable
 from collector.ingest import IngestService
 from collector.settings import ScrapeTarget, Settings
 from collector.timefmt import from_micros, to_micros
 from collector.tokens import Principal, create_token
 from engine_probe import events as ev
-from engine_probe.scrape import (
-    NotThatEngine,
-    Scrape,
-    ScrapeError,
-    TargetScraper,
-    TargetUnreachable,
-    make_target,
-)
 
 log = logging.getLogger("kvwatch.scrape")
 
 _ACTOR: Final = "collector.scraper"
 _INGEST_ATTEMPTS: Final = 4
 _RESULTS: Final = ("ok", "target_down", "not_that_engine", "malformed", "not_stored")
+Failure = Literal["target_down", "not_that_engine", "malformed"]
+
+
+class ScrapedNode(Protocol):
+    """One engine node as one scrape found it, in the wire contract's terms."""
+
+    def config_fields(self) -> dict[str, Any]:
+        """The keyword arguments of ``events.EngineConfig`` but those the collector stamps
+        (``schema_version``, ``probe_id``, ``seq``, ``ts``, ``deployment_id``)."""
+        ...
+
+    def pool_fields(self) -> dict[str, Any]:
+        """The keyword arguments of ``events.PoolSample``, stamped fields apart likewise."""
+        ...
+
+
+class TargetScrape(Protocol):
+    """One target's scraper: made once per target at startup, then called once per interval
+    this replica claims, by one thread at a time (it may keep state between calls)."""
+
+    @property
+    def shown(self) -> str:
+        """The URL it reads, without credentials: the target's row and log lines name it."""
+        ...
+
+    def __call__(self) -> Sequence[ScrapedNode]:
+        """Every node the target serves; raises :class:`ScrapeFailed` when it cannot say."""
+        ...
+
+
+class Scraper(Protocol):
+    def __call__(self, target: ScrapeTarget, timeout_s: float) -> TargetScrape:
+        """``target``'s scraper, each request bounded by ``timeout_s``; ``ValueError`` (its
+        message naming the target without credentials) for a target it cannot read."""
+        ...
+
+
+class ScrapeFailed(CollectorError):
+    """A scrape that found nothing to store: the target is down (``target_down``), is not
+    the engine it was said to be (``not_that_engine``), or answered what that engine does
+    not write (``malformed``). Raised by a :class:`TargetScrape`; counted and recorded as the
+    target's last error, never the pass's."""
+
+    def __init__(self, failure: Failure, message: str) -> None:
+        super().__init__(message)
+        self.failure: Failure = failure
+
+
+class UnusableScrapeTargets(InvalidInput):
+    """``KVWATCH_SCRAPE_TARGETS`` cannot be scraped as set: a target its scraper cannot
+    read, or no scraper at all. Raised at startup, before anything is served."""
 
 
 @dataclass(slots=True)
@@ -73,7 +124,31 @@ class _Target:
     key: str
     probe_id: str
     interval_us: int
-    scraper: TargetScraper
+    scrape: TargetScrape
+
+
+def open_targets(settings: Settings, scraper: Scraper | None) -> list[TargetScrape]:
+    """Each of ``settings.scrape_targets``' scrapers, made by ``scraper``; raises
+    :class:`UnusableScrapeTargets` naming the first it cannot read, or saying targets are
+    set but nothing would scrape them (silence would look like engines that are down)."""
+    if not settings.scrape_targets:
+        return []
+    if scraper is None:
+        n = len(settings.scrape_targets)
+        raise UnusableScrapeTargets(
+            f"KVWATCH_SCRAPE_TARGETS lists {n} target{'s' * (n != 1)}, but this collector "
+            "has no scraper to read them: build it with create_app(settings, scraper=...) "
+            "(kvwatch serve hands in kvwatch's), or unset KVWATCH_SCRAPE_TARGETS"
+        )
+    opened = []
+    for i, t in enumerate(settings.scrape_targets):
+        try:
+            opened.append(scraper(t, settings.scrape_timeout_s))
+        except ValueError as exc:
+            raise UnusableScrapeTargets(
+                f"KVWATCH_SCRAPE_TARGETS: entry {i} (deployment {t.deployment_id}): {exc}"
+            ) from None
+    return opened
 
 
 def target_key(t: ScrapeTarget) -> str:
@@ -88,8 +163,8 @@ def probe_id_of(t: ScrapeTarget, key: str) -> str:
     return f"scrape-{t.deployment_id}"[: ev.ID_MAX - 9] + f"-{key[:8]}"
 
 
-def config_hash(result: Scrape) -> str:
-    payload = json.dumps([n.config_fields() for n in result.nodes], sort_keys=True)
+def config_hash(nodes: Sequence[ScrapedNode]) -> str:
+    payload = json.dumps([n.config_fields() for n in nodes], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -102,6 +177,7 @@ class ScheduledScraper:
         settings: Settings,
         ingest: IngestService,
         registry: CollectorRegistry,
+        scraper: Scraper | None,
         *,
         replica: str | None = None,
         clock: Callable[[], datetime] = ev.utcnow,
@@ -112,20 +188,12 @@ class ScheduledScraper:
         # this replica's clock: claims on SQLite (PostgreSQL claims use the database's)
         self._clock = clock
         self.targets: list[_Target] = []
-        for t in settings.scrape_targets:
+        opened = open_targets(settings, scraper)
+        for t, scrape in zip(settings.scrape_targets, opened, strict=True):
             key = target_key(t)
             interval = t.interval_s or settings.scrape_interval_s
             self.targets.append(
-                _Target(
-                    t,
-                    key,
-                    probe_id_of(t, key),
-                    round(interval * 1_000_000),
-                    TargetScraper(
-                        make_target(t.url, t.engine, node=t.node, role=t.role, api_key=t.api_key),
-                        timeout_s=settings.scrape_timeout_s,
-                    ),
-                )
+                _Target(t, key, probe_id_of(t, key), round(interval * 1_000_000), scrape)
             )
         shortest = min((t.interval_us for t in self.targets), default=1_000_000) / 1e6
         # Due targets are noticed within half their interval (at most a second late).
@@ -159,7 +227,7 @@ class ScheduledScraper:
                 probe_id=t.probe_id,
                 deployment_id=t.config.deployment_id,
                 engine=t.config.engine,
-                url=t.scraper.target.shown,
+                url=t.scrape.shown,
                 next_at=0,
                 seq=0,
                 failures=0,
@@ -239,24 +307,17 @@ class ScheduledScraper:
 
     def _scrape(self, t: _Target, principal: Principal, now: datetime) -> None:
         try:
-            result = t.scraper.scrape()
-        except ScrapeError as exc:
-            reason = (
-                "target_down"
-                if isinstance(exc, TargetUnreachable)
-                else "not_that_engine"
-                if isinstance(exc, NotThatEngine)
-                else "malformed"
-            )
-            self._failed(t, reason, str(exc), record=True)
+            nodes = t.scrape()
+        except ScrapeFailed as exc:
+            self._failed(t, exc.failure, exc.message, record=True)
             return
-        digest = config_hash(result)
+        digest = config_hash(nodes)
         with self.db.write() as conn:
             previous = conn.execute(
                 select(m.ScrapeTarget.config_hash).where(m.ScrapeTarget.target_key == t.key)
             ).scalar_one()
             with_config = previous != digest
-            n = len(result.nodes) * (2 if with_config else 1)
+            n = len(nodes) * (2 if with_config else 1)
             # One statement: the row lock makes the reservation atomic across replicas.
             last = conn.execute(
                 update(m.ScrapeTarget)
@@ -264,7 +325,7 @@ class ScheduledScraper:
                 .values(seq=m.ScrapeTarget.seq + n)
                 .returning(m.ScrapeTarget.seq)
             ).scalar_one()
-        events = self._events(t, result, now, first_seq=last - n + 1, with_config=with_config)
+        events = self._events(t, nodes, now, first_seq=last - n + 1, with_config=with_config)
         body = ev.encode_batch(events)
         try:
             for attempt in range(_INGEST_ATTEMPTS):
@@ -296,7 +357,13 @@ class ScheduledScraper:
         self.scrapes.labels(t.config.deployment_id, "ok").inc()
 
     def _events(
-        self, t: _Target, result: Scrape, now: datetime, *, first_seq: int, with_config: bool
+        self,
+        t: _Target,
+        nodes: Sequence[ScrapedNode],
+        now: datetime,
+        *,
+        first_seq: int,
+        with_config: bool,
     ) -> list[ev.Event]:
         common: dict[str, Any] = {
             "schema_version": ev.SCHEMA_VERSION,
@@ -306,7 +373,7 @@ class ScheduledScraper:
         }
         out: list[ev.Event] = []
         seq = first_seq
-        for node in result.nodes:
+        for node in nodes:
             if with_config:
                 out.append(ev.EngineConfig(**common, seq=seq, **node.config_fields()))
                 seq += 1
@@ -323,7 +390,7 @@ class ScheduledScraper:
         record: bool = False,
     ) -> None:
         self.scrapes.labels(t.config.deployment_id, result).inc()
-        log.warning("scrape of %s (%s) failed: %s", t.scraper.target.shown, t.probe_id, why)
+        log.warning("scrape of %s (%s) failed: %s", t.scrape.shown, t.probe_id, why)
         if not record:
             return
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -18,7 +19,6 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine_probe.events import is_valid_id
-from engine_probe.scrape import ScrapeError, make_target, redact
 
 
 class ScrapeTarget(BaseModel):
@@ -27,6 +27,13 @@ class ScrapeTarget(BaseModel):
     ``token``: the ingest token its events are stored under (as if POSTed with it; a
     deployment-scoped token must match); unset, the collector makes one for the target.
     ``api_key``: a bearer key for the engine's own API (vLLM's ``/v1/models``).
+
+    This model is the setting's syntax: the list, each entry's fields and the values the
+    collector itself uses (deployment, interval, token). ``url``, ``node`` and ``role`` say
+    where and how to read the engine, which is the scraper's to know (its ``make_target``
+    is the one reading of them, for ``kvwatch scrape`` too); the collector hands each target
+    to the scraper it was built with at startup, which refuses what it cannot read
+    (:func:`collector.scrape.open_targets`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -47,25 +54,18 @@ class ScrapeTarget(BaseModel):
             raise ValueError(f"{v!r} is not a valid id")
         return v
 
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, v: str) -> str:
-        return _target_check(v)
 
-    @field_validator("node")
-    @classmethod
-    def _check_node(cls, v: str | None) -> str | None:
-        if v is not None:
-            _target_check("http://node-check", node=v)
-        return v
-
-
-def _target_check(url: str, node: str | None = None) -> str:
+def _entry(index: object, url: object) -> str:
+    """How a message names an entry of the setting: its index and the server it points at,
+    as scheme, host and port only (credentials, a path or a query may hold secrets)."""
+    name = f"entry {index}"
     try:
-        make_target(url, "vllm", node=node)
-    except ScrapeError as exc:
-        raise ValueError(str(exc)) from None
-    return url
+        parts = urlsplit(url) if isinstance(url, str) else None
+    except ValueError:
+        parts = None
+    if parts is None or not parts.netloc:
+        return name
+    return f"{name} ({parts.scheme}://{parts.netloc.rpartition('@')[2]})"
 
 
 _TARGETS = TypeAdapter(list[ScrapeTarget])
@@ -294,8 +294,7 @@ class Settings(BaseSettings):
             e = exc.errors()[0]
             index, *where = e["loc"] or ("?",)
             entry = v[index] if isinstance(index, int) and index < len(v) else None
-            url = entry.get("url") if isinstance(entry, dict) else None
-            name = f"entry {index}" + (f" ({redact(url)})" if isinstance(url, str) else "")
+            name = _entry(index, entry.get("url") if isinstance(entry, dict) else None)
             field = ".".join(str(p) for p in where) or "entry"
             msg = str(e["msg"]).removeprefix("Value error, ")
             raise ValueError(f"{name}, field {field}: {msg}") from None
@@ -303,7 +302,7 @@ class Settings(BaseSettings):
         for i, t in enumerate(targets):
             key = (t.engine, t.url, t.deployment_id)
             if key in seen:
-                raise ValueError(f"entry {i} ({redact(t.url)}) repeats entry {seen[key]}")
+                raise ValueError(f"{_entry(i, t.url)} repeats entry {seen[key]}")
             seen[key] = i
         return targets
 

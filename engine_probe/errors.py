@@ -5,8 +5,9 @@ for runtime conditions such as a full buffer or an unreachable collector: those 
 as drops, because an observability probe must not take the engine down with it.
 
 This module is plain classes and imports nothing, so the wire contract
-(:mod:`engine_probe.events`) and the scraper (:mod:`engine_probe.scrape`) hang their errors
-under :class:`ProbeError` without loading the probe's runtime.
+(:mod:`engine_probe.events`) and the producers that observe an engine from outside
+(:mod:`kvwatch.scrape`, :mod:`kvwatch.kv_events`) hang their errors under :class:`ProbeError`
+without loading the probe's runtime.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ class ProbeError(Exception):
     - :class:`engine_probe.events.DecodeError` and :class:`engine_probe.events.BatchTooLarge`:
       a batch the wire contract refuses; the collector's ingest route answers them as 422
       and 413;
-    - :class:`engine_probe.scrape.ScrapeError` and its subclasses: a ``/metrics`` target
-      that cannot be read; ``kvwatch scrape`` exits 2, the collector's scheduled scraper
-      records the failure on the target;
+    - outside engine_probe, :class:`kvwatch.scrape.ScrapeError` and its subclasses: a
+      ``/metrics`` target that cannot be read; ``kvwatch scrape`` exits 2, the collector's
+      scheduled scraper records the failure on the target; and
+      :class:`kvwatch.kv_events.KvEventsError`: KV events that cannot be consumed
+      (``kvwatch kv-events`` exits 2);
     - :class:`engine_probe.adapters.sglang.SGLangProbeError`: the SGLang adapter cannot
       attach to that SGLang version.
 

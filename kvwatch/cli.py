@@ -12,6 +12,7 @@ from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences
 from kvwatch.cli_breach import breach, report_notice, report_verify
 from kvwatch.cli_common import (
     DEBUG,
+    EXIT_COULD_NOT_RUN,
     DbUrl,
     KvwatchGroup,
     KvwatchTyper,
@@ -89,24 +90,29 @@ def serve(
     ] = None,
     database_url: DbUrl = None,
 ) -> None:
-    """Run the collector (HTTP API, ingest, /metrics, scheduled verifications)."""
+    """Run the collector (HTTP API, ingest, /metrics, scheduled verifications and scrapes)."""
     import os
 
     import uvicorn
+    from rich.markup import escape
 
-    from collector.app import create_app
-    from kvwatch.verify.scheduled import run_scheduled
+    from collector.scrape import UnusableScrapeTargets, open_targets
+    from kvwatch.embedded import collector_app
+    from kvwatch.scheduled_scrape import scrape_target
 
     settings = collector_settings(database_url)
+    try:
+        # Here, once, as a bad setting is: a worker process whose app cannot be built would
+        # be started again and again.
+        open_targets(settings, scrape_target)
+    except UnusableScrapeTargets as exc:
+        err.print(f"[red]error:[/] {escape(exc.message)}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN) from None
     n = workers or settings.workers
     if n == 1:
         # Migrated here, not in the app's startup: a database it cannot reach then ends the
         # command with the CLI's one line, not uvicorn's traceback after its banner.
-        collector = create_app(
-            settings.model_copy(update={"auto_migrate": False}),
-            verifier=run_scheduled,
-            freeze_heap=True,
-        )
+        collector = collector_app(settings.model_copy(update={"auto_migrate": False}))
         _database_ready(settings, collector.state.db)
         app_or_path: object = collector
     else:

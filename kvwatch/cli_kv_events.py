@@ -20,14 +20,14 @@ from kvwatch.cli_common import err
 from kvwatch.cli_scrape import EXIT_SENT, _fail, _probe_settings
 
 if TYPE_CHECKING:
-    from engine_probe.kv_events import Mirror, Stream
     from engine_probe.probe import BaseProbe
-    from engine_probe.scrape import NodeFigures
+    from kvwatch.kv_events import Mirror, Stream
+    from kvwatch.scrape import NodeFigures
 
 
 def _node_from(endpoint: str) -> str:
     """The default node id: the publisher's host:port (``ipc://`` paths: ``kv-events``)."""
-    from engine_probe.scrape.figures import id_from
+    from kvwatch.scrape.figures import id_from
 
     if endpoint.startswith("tcp://"):
         return id_from(endpoint.removeprefix("tcp://").strip("[]"), "kv-events")
@@ -120,13 +120,13 @@ def kv_events(
     prefix caching on and unsalted (so prefix_cache_unsalted fires when the deployment
     serves 2+ tenants). The events carry no tenant: see docs/vllm.md."""
     from engine_probe.events import is_valid_id
-    from engine_probe.kv_events import KvEventsError, Mirror, Stream
+    from kvwatch.kv_events import KvEventsError, Mirror, Stream
 
     if backfill and not replay_endpoint:
         raise _fail("--backfill needs --replay-endpoint (the publisher's buffer is read there)")
     figures: NodeFigures | None = None
     if target is not None:
-        from engine_probe.scrape import ScrapeError, TargetScraper, make_target
+        from kvwatch.scrape import ScrapeError, TargetScraper, make_target
 
         try:
             scraped = TargetScraper(
@@ -224,7 +224,7 @@ class _Loop:
         self._stop = threading.Event()
 
     def run(self, interval: float, duration: float | None) -> None:
-        from engine_probe.kv_events import Restarted
+        from kvwatch.kv_events import Restarted
 
         def stop(signum: int, frame: object) -> None:
             self._stop.set()

@@ -1,5 +1,5 @@
 """``kvwatch scrape``: an engine's Prometheus ``/metrics`` → ``engine.config`` and
-``pool.sample`` events (``engine_probe.scrape``), sent through the probe's exporter (retries,
+``pool.sample`` events (``kvwatch.scrape``), sent through the probe's exporter (retries,
 spool). Exit 0 sent, 2 could not run (bad target, target down, not that engine's metrics,
 collector settings missing, events not delivered)."""
 
@@ -18,8 +18,8 @@ from kvwatch.cli_common import err
 
 if TYPE_CHECKING:
     from engine_probe.probe import Probe
-    from engine_probe.scrape import Scrape
     from engine_probe.settings import ProbeSettings
+    from kvwatch.scrape import Scrape
 
 EXIT_SENT, EXIT_COULD_NOT_RUN = 0, 2
 
@@ -136,7 +136,7 @@ def scrape(
     """Scrape an engine's Prometheus /metrics into engine.config and pool.sample events:
     pool capacity, page size, advertised context and occupancy per node. Prompt-token
     counters are summarised on stdout (JSON), never turned into request events."""
-    from engine_probe.scrape import ScrapeError, TargetScraper, make_target
+    from kvwatch.scrape import ScrapeError, TargetScraper, make_target
 
     try:
         scraper = TargetScraper(
@@ -227,7 +227,7 @@ class _Loop:
             self.events += self.probe.emit(PoolSample, ts=ts, **n.pool_fields())
 
     def run(self, every: float) -> None:
-        from engine_probe.scrape import ScrapeError
+        from kvwatch.scrape import ScrapeError
 
         def stop(signum: int, frame: object) -> None:
             self._stop.set()

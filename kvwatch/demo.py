@@ -39,6 +39,7 @@ from collector.tokens import create_token
 from engine_probe import Probe, ProbeSettings
 from kvwatch import synthetic
 from kvwatch.embedded import serve_in_thread
+from kvwatch.scheduled_scrape import scrape_target
 
 console = Console()
 
@@ -96,7 +97,7 @@ def run_demo(out_dir: Path | None) -> int:
     # A fast policy timer: the synthetic day's context-pressure alert resolves (its prompts
     # are hours old) before the demo reads the alerts back.
     settings = Settings(database_url=db_url, auto_migrate=False, policy_timer_s=1.0)
-    with serve_in_thread(create_app(settings)) as url:
+    with serve_in_thread(create_app(settings, scraper=scrape_target)) as url:
         console.print(f"collector: {url} (embedded)")
         day = _synthetic_day(url, ingest_token, out)
         probe = Probe(

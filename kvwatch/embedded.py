@@ -8,7 +8,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collector.settings import Settings
 
 
 def free_port() -> int:
@@ -41,10 +44,12 @@ def serve_in_thread(app: Any, *, port: int | None = None, timeout_s: float = 30)
         thread.join(timeout=10)
 
 
-def collector_app() -> Any:
-    """The collector as ``kvwatch serve`` runs it, built from the environment: the factory
-    each of its worker processes calls (scheduled verifications run with kvwatch's verifier)."""
+def collector_app(settings: Settings | None = None) -> Any:
+    """The collector as ``kvwatch serve`` runs it: scheduled verifications run with
+    kvwatch's verifier, scheduled scrapes with kvwatch's scraper. Without ``settings``, built
+    from the environment: the factory each of its worker processes calls."""
     from collector.app import create_app
+    from kvwatch.scheduled_scrape import scrape_target
     from kvwatch.verify.scheduled import run_scheduled
 
-    return create_app(verifier=run_scheduled, freeze_heap=True)
+    return create_app(settings, verifier=run_scheduled, scraper=scrape_target, freeze_heap=True)

@@ -3,7 +3,9 @@
 Errors of the parts kvwatch drives (the collector, the probe, the policies) keep their own
 trees (:class:`collector.errors.CollectorError`, :class:`engine_probe.errors.ProbeError`,
 :class:`policies.errors.PolicyError`); the CLI translates those into exit codes where it
-calls them. A database a command cannot use (the driver's, SQLAlchemy's or Alembic's error)
+calls them. :mod:`kvwatch.scrape` and :mod:`kvwatch.kv_events` keep theirs under
+``ProbeError``, where they were before they moved here: they stand alone, importing nothing
+of kvwatch's. A database a command cannot use (the driver's, SQLAlchemy's or Alembic's error)
 is translated once for every command, by :class:`kvwatch.cli_common.KvwatchGroup`: one line
 naming the database with its password hidden, and exit 2.
 """

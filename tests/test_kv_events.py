@@ -1,4 +1,4 @@
-"""``engine_probe.kv_events`` against vLLM's own publisher: its ``ZmqEventPublisher`` (PUB
+"""``kvwatch.kv_events`` against vLLM's own publisher: its ``ZmqEventPublisher`` (PUB
 socket, ROUTER replay socket, replay buffer, sequence numbers) and its event classes, run in
 .venv-vllm by ``tests/engines/vllm/kv_events_publisher.py`` on 127.0.0.1. Gaps are real: a
 subscriber that stops reading while big batches go out fills the socket buffers, and ZMQ's
@@ -18,7 +18,9 @@ import msgspec
 import pytest
 from typer.testing import CliRunner
 
-from engine_probe.kv_events import (
+from kvwatch.cli import app
+from kvwatch.embedded import free_port
+from kvwatch.kv_events import (
     AllBlocksCleared,
     BadEndpoint,
     BlockRemoved,
@@ -30,8 +32,6 @@ from engine_probe.kv_events import (
     check_endpoint,
     decode_batch,
 )
-from kvwatch.cli import app
-from kvwatch.embedded import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine_probe.kv_events import BlockStored, Decoded, Stream
+from kvwatch.kv_events import BlockStored, Decoded, Stream
 from tests import engine_servers
 from tests.engine_servers import KV_EVENTS_NODE as NODE
 from tests.engine_servers import KV_EVENTS_TOPIC, VllmServer, tokens, wait_for

@@ -55,7 +55,7 @@ def test_the_rules_read_series_that_exist() -> None:
     rules make, or an engine's own (checked against the names the scraper and refengine
     use)."""
     from collector import metrics as collector_metrics
-    from engine_probe.scrape import sglang, vllm
+    from kvwatch.scrape import sglang, vllm
     from refengine import metrics as refengine_metrics
 
     published = "\n".join(

@@ -27,6 +27,7 @@ from collector import models as m
 from collector.db import Database
 from engine_probe import events as ev
 from kvwatch.embedded import serve_in_thread
+from kvwatch.scheduled_scrape import scrape_target
 from tests.conftest import Collector, free_port, make_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -365,6 +366,7 @@ class Replica:
             settings,
             IngestService(self.db, settings, metrics, auth),
             metrics.registry,
+            scrape_target,
             replica=name,
             **({"clock": clock} if clock else {}),
         )
@@ -513,7 +515,9 @@ def test_two_replicas_scrape_each_interval_exactly_once(pg_url: str, engine: Fak
     targets = _targets(
         {"url": engine.url, "engine": "sglang", "deployment_id": "glm-pg", "interval_s": interval}
     )
-    apps = [create_app(_collector_settings(pg_url, targets)) for _ in range(2)]
+    apps = [
+        create_app(_collector_settings(pg_url, targets), scraper=scrape_target) for _ in range(2)
+    ]
     with serve_in_thread(apps[0]), serve_in_thread(apps[1]):
         _wait("eight scrapes", lambda: engine.metrics_hits >= 8)
     # Both collectors have stopped, each after finishing the pass it was in.
@@ -577,7 +581,9 @@ def test_a_target_that_is_down_is_counted_and_nothing_else_stops(
         # an engine that is not SGLang at all
         {"url": engine.url, "engine": "vllm", "deployment_id": "wrong", "interval_s": 0.1},
     )
-    with serve_in_thread(create_app(_collector_settings(db_url, targets))) as url:
+    with serve_in_thread(
+        create_app(_collector_settings(db_url, targets), scraper=scrape_target)
+    ) as url:
         _wait(
             "failures counted",
             lambda: _counter(httpx.get(f"{url}/metrics").text, 'result="target_down"', "down") >= 2,
@@ -620,7 +626,7 @@ def test_a_target_with_its_own_token_is_stored_as_that_token_would_post(
         {"url": engine.url, "engine": "sglang", "deployment_id": "tok", "token": mine},
         {"url": engine.url, "engine": "sglang", "deployment_id": "scoped", "token": other},
     )
-    app = create_app(_collector_settings(db_url, targets))
+    app = create_app(_collector_settings(db_url, targets), scraper=scrape_target)
     with serve_in_thread(app):
         _wait("a sample", lambda: len(_pool_rows(db_url, "tok")) >= 1)
         _wait("a refusal", lambda: _counter(_exposition(app), 'result="not_stored"', "scoped") >= 1)
@@ -660,3 +666,38 @@ def test_bad_scrape_targets_setting_names_the_entry_and_field(tmp_path: Path) ->
     assert r.returncode == 2
     said = " ".join(r.stderr.split())
     assert "KVWATCH_SCRAPE_TARGETS" in said and "entry 1 (http://127.0.0.1:2), field engine" in said
+
+
+def test_a_target_the_scraper_cannot_read_stops_serve_naming_the_entry(tmp_path: Path) -> None:
+    """A target's URL is the scraper's to read; kvwatch serve asks it before serving, so a
+    URL it refuses ends the command like a bad setting (and before any worker starts)."""
+    bad = _targets(
+        {"url": "http://127.0.0.1:1", "engine": "sglang", "deployment_id": "ok"},
+        {"url": "ftp://user:secret@127.0.0.1/metrics", "engine": "vllm", "deployment_id": "d"},
+    )
+    for workers in ("1", "2"):
+        r = subprocess.run(
+            [*KVWATCH, "serve", "--workers", workers],
+            env=_env(
+                None, KVWATCH_SCRAPE_TARGETS=bad, KVWATCH_DATABASE_URL=f"sqlite:///{tmp_path}/k.db"
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, r.stderr
+        said = " ".join(r.stderr.split())
+        assert "KVWATCH_SCRAPE_TARGETS: entry 1 (deployment d)" in said, said
+        assert "must be an http:// or https:// URL" in said and "secret" not in said
+        assert "Traceback" not in said
+
+
+def test_an_app_with_targets_but_no_scraper_refuses_to_start(tmp_path: Path) -> None:
+    """Nothing would scrape them: said at once, not left to look like engines that are down."""
+    from collector.app import create_app
+    from collector.scrape import UnusableScrapeTargets
+
+    targets = _targets({"url": "http://127.0.0.1:1", "engine": "vllm", "deployment_id": "d"})
+    settings = _collector_settings(f"sqlite:///{tmp_path}/k.db", targets)
+    with pytest.raises(UnusableScrapeTargets, match="lists 1 target, but this collector has no"):
+        create_app(settings)

@@ -19,6 +19,7 @@ from sqlalchemy import select
 from collector import models as m
 from collector.db import Database
 from kvwatch.embedded import serve_in_thread
+from kvwatch.scheduled_scrape import scrape_target
 from tests import engine_servers
 from tests.engine_servers import VllmServer, wait_for
 
@@ -123,7 +124,7 @@ def test_the_collector_scrapes_the_live_server_on_schedule(
     )
     db = Database(db_url)
     try:
-        with serve_in_thread(create_app(settings)):
+        with serve_in_thread(create_app(settings, scraper=scrape_target)):
 
             def samples() -> list[Any]:
                 with db.read() as conn:

@@ -11,7 +11,7 @@ import pytest
 from sglang_exposition import render, server_info
 
 from engine_probe import events as ev
-from engine_probe.scrape import NotThatEngine, translate
+from kvwatch.scrape import NotThatEngine, translate
 
 # The incident's figures: a 681,280-token pool under a 1,048,576-token context.
 INCIDENT: dict[str, Any] = {

@@ -1,8 +1,9 @@
 """What a scrape raises. Every message names the target and what was missing or wrong.
 
-The scrape package stands alone (the collector imports it; see ``engine_probe.scrape``): of
-the probe it imports only the contract and :mod:`engine_probe.errors`, a module of plain
-classes, so its errors still hang under the package's :class:`ProbeError`.
+The scrape package stands alone (see :mod:`kvwatch.scrape`): of ours it imports only the
+contract and :mod:`engine_probe.errors`, a module of plain classes, so its errors keep
+hanging under :class:`ProbeError`, as they did in engine_probe and as the KV-events
+consumer's do (whoever catches a ProbeError still catches them).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from engine_probe.errors import ProbeError
 
 class ScrapeError(ProbeError):
     """Base class: the target could not be turned into events. ``kvwatch scrape`` exits 2 on
-    it; the collector's scheduled scraper records it as the target's last error."""
+    it; the collector's scheduled scraper records it as the target's last error (translated by
+    :mod:`kvwatch.scheduled_scrape`)."""
 
 
 class BadTarget(ScrapeError, ValueError):

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from engine_probe.events import Role
-from engine_probe.scrape.errors import MalformedMetrics, NotThatEngine
-from engine_probe.scrape.exposition import (
+from kvwatch.scrape.errors import MalformedMetrics, NotThatEngine
+from kvwatch.scrape.exposition import (
     Exposition,
     Series,
     as_bool,
@@ -29,7 +29,7 @@ from engine_probe.scrape.exposition import (
     as_tokens,
     histogram,
 )
-from engine_probe.scrape.figures import (
+from kvwatch.scrape.figures import (
     UNKNOWN,
     NodeFigures,
     PromptFigures,

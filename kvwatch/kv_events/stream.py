@@ -20,10 +20,10 @@ from typing import Final
 
 import zmq
 
-from engine_probe.kv_events.errors import BadEndpoint, MalformedBatch
-from engine_probe.kv_events.wire import END_SEQ, Decoded, decode_batch, decode_seq
+from kvwatch.kv_events.errors import BadEndpoint, MalformedBatch
+from kvwatch.kv_events.wire import END_SEQ, Decoded, decode_batch, decode_seq
 
-log = logging.getLogger("engine_probe.kv_events")
+log = logging.getLogger("kvwatch.kv_events")
 
 _ENDPOINT: Final = re.compile(
     r"^(?:tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}|ipc://.+)$"

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from engine_probe.kv_events.wire import (
+from kvwatch.kv_events.wire import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,

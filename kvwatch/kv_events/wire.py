@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import msgspec
 
-from engine_probe.kv_events.errors import MalformedBatch
+from kvwatch.kv_events.errors import MalformedBatch
 
 BlockHash = bytes | int
 END_SEQ: Final = -1  # the replay socket's end marker, as a signed 8-byte integer

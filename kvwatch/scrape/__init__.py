@@ -6,21 +6,24 @@ occupancy per node, enough for the pool-versus-advertised checks and the occupan
 Prompt-token counters and histograms carry no request ids, so they become no request events;
 they are in :meth:`Scrape.summary`.
 
-Used by ``kvwatch scrape`` and by the collector's scheduled scraper, so this package imports
-only the standard library, prometheus-client and ``engine_probe.events`` (never torch,
-never the probe's machinery).
+Used by ``kvwatch scrape``, by ``kvwatch kv-events`` (the engine's figures beside its
+events) and by the collector's scheduled scraper, which ``kvwatch serve`` hands it
+(:mod:`kvwatch.scheduled_scrape`). It observes an engine from outside, so it lives in
+kvwatch/, and stands alone there: of ours it imports only the contract and
+:mod:`engine_probe.errors` (never torch, the probe's machinery or the collector), beside the
+standard library and prometheus-client.
 """
 
-from engine_probe.scrape.errors import (
+from kvwatch.scrape.errors import (
     BadTarget,
     MalformedMetrics,
     NotThatEngine,
     ScrapeError,
     TargetUnreachable,
 )
-from engine_probe.scrape.exposition import parse
-from engine_probe.scrape.fetch import Target, TargetScraper, make_target, redact, translate
-from engine_probe.scrape.figures import ENGINES, ROLES, NodeFigures, PromptFigures, Scrape
+from kvwatch.scrape.exposition import parse
+from kvwatch.scrape.fetch import Target, TargetScraper, make_target, redact, translate
+from kvwatch.scrape.figures import ENGINES, ROLES, NodeFigures, PromptFigures, Scrape
 
 __all__ = [
     "ENGINES",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_probe.events import MAX_TOKENS
-from engine_probe.scrape.errors import MalformedMetrics
+from kvwatch.scrape.errors import MalformedMetrics
 
 Labels = Mapping[str, str]
 

@@ -1,5 +1,5 @@
-"""What the KV-events consumer raises. Like :mod:`engine_probe.scrape`'s errors, they hang
-under the package's :class:`ProbeError` and import nothing but :mod:`engine_probe.errors`."""
+"""What the KV-events consumer raises. Like :mod:`kvwatch.scrape`'s errors, they hang under
+engine_probe's :class:`ProbeError` and import nothing but :mod:`engine_probe.errors`."""
 
 from __future__ import annotations
 

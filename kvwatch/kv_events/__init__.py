@@ -7,14 +7,15 @@ events describe it, and what each interval proves). ``kvwatch kv-events`` turns 
 into ``kv.turnover`` events and, with the engine's ``/metrics`` beside, an ``engine.config``
 saying prefix caching is on and unsalted once unsalted blocks are seen.
 
-Like :mod:`engine_probe.scrape`, this package imports of ours only the contract and
-:mod:`engine_probe.errors` (never torch, never the probe's machinery), plus msgspec and pyzmq.
+Like :mod:`kvwatch.scrape`, it observes an engine from outside, so it lives in kvwatch/, and
+stands alone there: of ours it imports only the contract and :mod:`engine_probe.errors`
+(never torch, the probe's machinery or the collector), plus msgspec and pyzmq.
 """
 
-from engine_probe.kv_events.errors import BadEndpoint, KvEventsError, MalformedBatch
-from engine_probe.kv_events.mirror import Interval, Mirror, Totals, salt_digest
-from engine_probe.kv_events.stream import Restarted, Stream, StreamStats, check_endpoint
-from engine_probe.kv_events.wire import (
+from kvwatch.kv_events.errors import BadEndpoint, KvEventsError, MalformedBatch
+from kvwatch.kv_events.mirror import Interval, Mirror, Totals, salt_digest
+from kvwatch.kv_events.stream import Restarted, Stream, StreamStats, check_endpoint
+from kvwatch.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -1,5 +1,5 @@
-"""Reading a target over HTTP (the standard library's client: this package must stay
-importable by the collector with nothing but prometheus-client beside it).
+"""Reading a target over HTTP (the standard library's client: this package needs nothing but
+prometheus-client beside it, wherever it runs, the collector's process included).
 
 A :class:`TargetScraper` remembers the last good answer of each side endpoint (``/v1/models``,
 ``/version``, ``/server_info``): when one fails for a moment the figures it gave stay as
@@ -16,10 +16,10 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from engine_probe.events import Role
-from engine_probe.scrape import sglang, vllm
-from engine_probe.scrape.errors import BadTarget, MalformedMetrics, TargetUnreachable
-from engine_probe.scrape.exposition import Exposition, parse
-from engine_probe.scrape.figures import ENGINES, ROLES, Scrape, id_from
+from kvwatch.scrape import sglang, vllm
+from kvwatch.scrape.errors import BadTarget, MalformedMetrics, TargetUnreachable
+from kvwatch.scrape.exposition import Exposition, parse
+from kvwatch.scrape.figures import ENGINES, ROLES, Scrape, id_from
 
 MAX_BODY_BYTES: Final = 64 << 20
 _ACCEPT: Final = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"

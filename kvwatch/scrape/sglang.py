@@ -18,15 +18,15 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from engine_probe.events import Role
-from engine_probe.scrape.errors import MalformedMetrics, NotThatEngine
-from engine_probe.scrape.exposition import (
+from kvwatch.scrape.errors import MalformedMetrics, NotThatEngine
+from kvwatch.scrape.exposition import (
     Exposition,
     Series,
     as_ratio,
     as_tokens,
     histogram,
 )
-from engine_probe.scrape.figures import (
+from kvwatch.scrape.figures import (
     UNKNOWN,
     NodeFigures,
     PromptFigures,

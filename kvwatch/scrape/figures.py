@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from engine_probe.events import NAME_MAX, Role, is_valid_id
-from engine_probe.scrape.errors import BadTarget, MalformedMetrics
-from engine_probe.scrape.exposition import Histogram
+from kvwatch.scrape.errors import BadTarget, MalformedMetrics
+from kvwatch.scrape.exposition import Histogram
 
 ENGINES: Final = ("vllm", "sglang")
 ROLES: Final = ("prefill", "decode", "both")
