@@ -87,7 +87,8 @@ def gateway(
         str | None,
         typer.Option(
             help="Deployment id: records are filed under it, and with KVWATCH_COLLECTOR_URL and "
-            "KVWATCH_INGEST_TOKEN the collector's limits in force guard too [KVWATCH_DEPLOYMENT_ID]."
+            "KVWATCH_INGEST_TOKEN the collector's limits in force guard too "
+            "[KVWATCH_DEPLOYMENT_ID]."
         ),
     ] = None,
     tokenizer: Annotated[
