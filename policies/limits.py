@@ -38,7 +38,7 @@ from typing import Any, Literal, cast
 import msgspec
 
 from policies.durations import human_duration
-from policies.facts import DeploymentFacts, VerificationFact, verified_nodes
+from policies.facts import DeploymentFacts, NodeConfig, VerificationFact, verified_nodes
 from policies.verdict import Verdict, limit_text, verdict
 
 LimitSource = Literal["verified", "configured", "pool", "failed-verification", "none"]
@@ -322,6 +322,19 @@ def configured_only(
         source="configured",
         configured=configured,
     )
+
+
+def recordable_safe_context(
+    measured: int | None, configs: Iterable[NodeConfig]
+) -> tuple[int | None, int | None]:
+    """(the safe context a verification is recorded with, the pool it was clamped to or
+    None): a prompt longer than the smallest prefill pool serving the model is never safe,
+    whatever a sweep saw, so a measurement above it is recorded as the pool (the evidence
+    keeps what was measured). ``configs``: the nodes serving the verified model."""
+    pools = [c.pool_capacity_tokens for c in configs if c.role != "decode"]
+    if measured is None or not pools or measured <= min(pools):
+        return measured, None
+    return min(pools), min(pools)
 
 
 def verification_max_age_s(rules: Iterable[Any]) -> float | None:

@@ -384,8 +384,15 @@ _LIMIT_INPUTS = {
 _DECIDES = {"stale_against", "verified_nodes", "limit_in_force", "with_configured"}
 _THE_DECISION = {"policies/limits.py", "policies/facts.py"}
 _CONSUMERS = ("collector", "kvwatch", "dashboard", "policies")
-# Inside kvwatch, what translates an engine's own figures measures it, like the probe.
-_MEASURE_AN_ENGINE = ("kvwatch/scrape/", "kvwatch/kv_events/")
+# Inside kvwatch, what translates an engine's own figures measures it, like the probe; the
+# verifier measures the verified safe context the decision takes as an input, and the demo's
+# synthetic day generates prompts against a bound of its own making.
+_MEASURE_AN_ENGINE = (
+    "kvwatch/scrape/",
+    "kvwatch/kv_events/",
+    "kvwatch/verify/",
+    "kvwatch/synthetic.py",
+)
 
 
 def _names_in(node: ast.AST) -> set[str]:
@@ -412,6 +419,14 @@ def limit_deciders(root: Path = ROOT) -> list[str]:
             if rel in _THE_DECISION or rel.startswith(_MEASURE_AN_ENGINE):
                 continue
             tree = ast.parse(path.read_text(), filename=rel)
+            # A name bound to an expression over a limit's inputs carries them (``pools =
+            # [c.pool_capacity_tokens ...]``, then ``min(pools)``): a pass in source order.
+            carried: set[str] = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign) and _names_in(node.value) & (
+                    _LIMIT_INPUTS | carried
+                ):
+                    carried |= {t.id for t in node.targets if isinstance(t, ast.Name)}
             for node in ast.walk(tree):
                 if not isinstance(node, ast.Call):
                     continue
@@ -419,10 +434,9 @@ def limit_deciders(root: Path = ROOT) -> list[str]:
                 name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", None)
                 if name in ("min", "max") and isinstance(fn, ast.Name):
                     used = set().union(*(_names_in(a) for a in node.args)) if node.args else set()
-                    if used & _LIMIT_INPUTS:
-                        found.append(
-                            f"{rel}:{node.lineno}: {name}() over {sorted(used & _LIMIT_INPUTS)}"
-                        )
+                    inputs = used & (_LIMIT_INPUTS | carried)
+                    if inputs:
+                        found.append(f"{rel}:{node.lineno}: {name}() over {sorted(inputs)}")
                 elif name in _DECIDES - {"limit_in_force", "with_configured"}:
                     found.append(f"{rel}:{node.lineno}: {name}()")
     return found
@@ -445,10 +459,16 @@ def test_the_limit_check_sees_a_second_rule(tmp_path: Path) -> None:
         "    pools = [c.pool_capacity_tokens for c in cfgs]\n"
         "    return min([v.verified_safe_context, *pools])\n"
     )
+    (tmp_path / "collector" / "record.py").write_text(
+        "def clamp(cfgs, safe):\n"
+        "    pools = [c.pool_capacity_tokens for c in cfgs]\n"
+        "    return min(pools) if safe > min(pools) else safe\n"
+    )
     (tmp_path / "kvwatch" / "guard.py").write_text(
         "def stale(v, c):\n    return bool(v.stale_against(c))\n"
     )
-    assert [f.split(":")[0] for f in limit_deciders(tmp_path)] == [
+    assert sorted({f.split(":")[0] for f in limit_deciders(tmp_path)}) == [
+        "collector/record.py",
         "collector/report.py",
         "kvwatch/guard.py",
     ]

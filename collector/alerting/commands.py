@@ -22,6 +22,7 @@ from collector.errors import Conflict, InvalidInput, NotFound
 from collector.store import deployment_upsert_sql
 from collector.timefmt import iso, to_micros
 from policies.facts import VERIFIED_SETTINGS
+from policies.limits import recordable_safe_context
 
 LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
@@ -191,11 +192,11 @@ class OperatorCommands:
                 for k in VERIFIED_SETTINGS:
                     row[k] = getattr(first, k)
                 evidence["settings_from"] = f"engine.config of node {first.node} at {iso(first.ts)}"
-            pools = [c.pool_capacity_tokens for c in configs if c.role != "decode"]
-            safe = row.get("verified_safe_context")
-            if safe is not None and pools and safe > min(pools):
-                evidence["clamped_to_pool"] = {"measured": safe, "pool_capacity_tokens": min(pools)}
-                row["verified_safe_context"] = min(pools)
+            measured = row.get("verified_safe_context")
+            safe, pool = recordable_safe_context(measured, configs)
+            if pool is not None:
+                evidence["clamped_to_pool"] = {"measured": measured, "pool_capacity_tokens": pool}
+                row["verified_safe_context"] = safe
             row["evidence"] = json.dumps(evidence, sort_keys=True)
             # An endpoint watched only from outside (verify + gateway) has no probe: its
             # verification makes it a deployment the fleet, the card and the rules know.

@@ -674,7 +674,6 @@ class BreachService:
                     .order_by(v.verified_at, v.id)
                 )
             ]
-            pools = [x["pool_capacity_tokens"] for x in configs if x["role"] in ("prefill", "both")]
             # The limit in force of each of the report's models here (policies.limits, as the
             # rule, the card and the gateway have it); the deployment's is the strictest.
             limits = [
@@ -696,7 +695,9 @@ class BreachService:
                     "advertised_context": None
                     if strictest is None
                     else strictest.advertised_context,
-                    "min_pool_capacity_tokens": min(pools) if pools else None,
+                    "min_pool_capacity_tokens": None
+                    if strictest is None
+                    else strictest.prefill_pool_tokens,
                 }
             )
         return out

@@ -20,6 +20,7 @@ from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, StrMethodFo
 from collector.reports.breach import EVIDENCE_KEYS
 from collector.reports.pdf import ReportPdf, short_time
 from collector.timefmt import parse_iso
+from policies.limits import from_json, strictest
 
 MAX_TABLE_ROWS = 200
 WARN, CRIT = "#e67e22", "#c0392b"  # the 80% line and the 100% line (as on the dashboard)
@@ -265,12 +266,15 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     # ---- charts
     pdf.add_page()
     pdf.h1("Charts")
-    safe = [d["safe_context"] for d in report["deployments"] if d["safe_context"]]
+    # the strictest limit in force of the report's deployments (policies.limits decided each)
+    held = strictest(
+        from_json(x) for d in report["deployments"] for x in d.get("limits_in_force") or ()
+    )
     lines = []
-    if safe:
+    if held is not None and held.tokens:
         lines = [
-            (0.8 * min(safe), f"80% of safe context ({int(0.8 * min(safe)):,})", WARN),
-            (float(min(safe)), f"safe context ({min(safe):,})", CRIT),
+            (0.8 * held.tokens, f"80% of the limit in force ({int(0.8 * held.tokens):,})", WARN),
+            (float(held.tokens), f"limit in force ({held.tokens:,}, {held.source})", CRIT),
         ]
     series = report["series"]
     win = series.get("window")

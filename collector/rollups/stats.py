@@ -74,8 +74,8 @@ def thresholds(
     out: dict[str, dict[str, Any]] = {}
     for dep, model in sorted(pairs):
         lim = limits.get((dep, model))
-        if lim is None or not lim.tokens:
-            continue
+        if lim is None or lim.tokens is None:
+            continue  # nothing known: no line (0, every prompt refused, is a line too)
         safe = lim.tokens
         cur = out.get(model)
         if cur is None or safe < cur["safe_context"]:

@@ -106,7 +106,10 @@ def model_section(
         )
         warn = crit = None
     else:
-        warn, crit = line["warn_line"], line["critical_line"]
+        # 0: a failed verification refuses every prompt; there is no line to draw
+        warn, crit = (
+            (line["warn_line"], line["critical_line"]) if line["safe_context"] else (None, None)
+        )
         # the collector's words for the limit in force (policies.limits): never re-worded
         st.caption(
             f"Limit in force on {line['deployment_id']}: **{line['limit']}** · "
