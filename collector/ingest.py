@@ -27,6 +27,7 @@ from collector.errors import (
 from collector.metrics import CollectorMetrics
 from collector.settings import Settings
 from collector.store import IngestStore, Rows, WriteResult, micros, shape_rows
+from collector.timefmt import iso
 from collector.tokens import Authenticator, Principal
 from engine_probe import events as ev
 from policies import NodeConfig, SeqGapFact
@@ -256,10 +257,10 @@ class IngestService:
                     )
                 )
             if e.ts < _EARLIEST:
-                errors.append(ev.FieldError(i, "ts", f"{e.ts.isoformat()} is before 2000"))
+                errors.append(ev.FieldError(i, "ts", f"{iso(e.ts)} is before 2000"))
             elif e.ts > latest:
                 errors.append(
-                    ev.FieldError(i, "ts", f"{e.ts.isoformat()} is in the future (now {now})")
+                    ev.FieldError(i, "ts", f"{iso(e.ts)} is in the future (now {iso(now)})")
                 )
             if scope is not None and e.deployment_id != scope:
                 raise Forbidden(

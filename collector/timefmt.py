@@ -104,7 +104,7 @@ def bounded(dt: datetime) -> datetime:
     at = utc(dt)
     if not EARLIEST <= at < LATEST:
         raise ValueError(
-            f"{at.isoformat()} is outside the range kvwatch accepts "
+            f"{iso(at)} is outside the range kvwatch accepts "
             f"({EARLIEST:%Y-%m-%d} to {LATEST:%Y-%m-%d} UTC)"
         )
     return at

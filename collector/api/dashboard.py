@@ -14,7 +14,7 @@ from collector.api.caller import Caller, in_thread
 from collector.errors import InvalidInput
 from collector.fleet import FleetService
 from collector.rollups.stats import Scope, StatsService, Window
-from collector.timefmt import to_micros
+from collector.timefmt import iso, to_micros
 
 _ERRORS = params.errors(401, 403, 422, 503)
 Label = Annotated[str | None, Query(min_length=1, max_length=256)]
@@ -30,7 +30,7 @@ def _window(since: datetime | None, until: datetime | None, points: int) -> Wind
         raise InvalidInput("until is too early for a 24-hour window", {"field": "until"}) from None
     if lo >= hi:
         raise InvalidInput(
-            f"inverted window: since ({lo.isoformat()}) must be before until ({hi.isoformat()})",
+            f"inverted window: since ({iso(lo)}) must be before until ({iso(hi)})",
             {"field": "since"},
         )
     return Window(to_micros(lo), to_micros(hi), points)

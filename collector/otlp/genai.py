@@ -38,6 +38,7 @@ import msgspec
 
 from collector.errors import InvalidInput
 from collector.otlp.wire import Span
+from collector.timefmt import iso
 from engine_probe import events as ev
 
 PROMPT: Final = ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens")
@@ -217,9 +218,9 @@ class Mapper:
     def _time(self, ns: int, name: str) -> datetime:
         ts = _EPOCH + timedelta(microseconds=ns // 1000)
         if ts < _EARLIEST:
-            raise SpanRefused(f"{name} {ns} is before 2000 (a span needs its times)")
+            raise SpanRefused(f"{name} {iso(ts)} ({ns} ns) is before 2000 (a span needs its times)")
         if ts > self.now + self.max_clock_skew:
-            raise SpanRefused(f"{name} {ts.isoformat()} is in the future (now {self.now})")
+            raise SpanRefused(f"{name} {iso(ts)} is in the future (now {iso(self.now)})")
         return ts
 
 

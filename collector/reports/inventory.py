@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Table, case, func, select
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput
-from collector.timefmt import as_datetime
+from collector.timefmt import as_datetime, iso
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
 
@@ -40,7 +40,7 @@ class InventoryQuery:
                 raise InvalidInput(f"{name} must carry a time zone", {"field": name})
         if self.since >= self.until:
             raise InvalidInput(
-                f"since ({self.since.isoformat()}) must be before until ({self.until.isoformat()})",
+                f"since ({iso(self.since)}) must be before until ({iso(self.until)})",
                 {"field": "since"},
             )
         if self.min_prompt_tokens is not None and self.min_prompt_tokens < 0:
