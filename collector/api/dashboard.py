@@ -63,9 +63,10 @@ def build_router(fleet: FleetService, stats: StatsService) -> APIRouter:
         "that several requests share, as parallel-sampling children do, counts once), "
         "rejected, max (exact), mean, p50 and p99 "
         "(upper bounds of 9%-wide bins, clipped to the max) and how many reached 80% and 100% "
-        "of the model's safe context (whole bins whose largest prompt reached the line: an "
+        "of the model's limit in force (whole bins whose largest prompt reached the line: an "
         "upper bound); the same per route over the window; a histogram per model; and the "
-        "lines (the smallest safe context among the deployments serving the model).",
+        "lines (the smallest limit in force among the deployments serving the model, with its "
+        "source, staleness and words).",
     )
     async def get_prompt_tokens(
         who: Caller,

@@ -324,7 +324,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
                 "Prompt tokens",
                 "the largest prompt (in tokens) among the requests of the models in scope "
                 "that started in each bucket; the dashed lines are 80% and 100% of the "
-                "smallest safe context of the deployments in scope.",
+                "strictest limit in force of the deployments in scope.",
             ),
             (
                 "Pool occupancy",
