@@ -235,6 +235,6 @@ def render(c: CollectorClient) -> None:
 
 ui.page_header(
     "Context pressure",
-    "Prompt tokens per model and route against 80% and 100% of the verified safe context.",
+    "Prompt tokens per model and route against 80% and 100% of the limit in force (the verified safe context while one holds).",
 )
 ui.live(render)

@@ -167,7 +167,9 @@ def render(c: CollectorClient) -> None:
     col4.metric("Open incidents", sum(d["open_incidents"] for d in deps))
     limits = limits_frame(deps)
     if not limits.empty:
-        st.markdown("**Advertised context, prefill pool and verified safe context**")
+        st.markdown(
+            "**Advertised context, prefill pool, verified safe context and the limit in force**"
+        )
         st.altair_chart(charts.fleet_limits(limits), width="stretch")
     for dep in deps:
         deployment_alerts = None if alerts is None else alerts.get(dep["deployment_id"], [])
