@@ -235,6 +235,7 @@ def render(c: CollectorClient) -> None:
 
 ui.page_header(
     "Context pressure",
-    "Prompt tokens per model and route against 80% and 100% of the limit in force (the verified safe context while one holds).",
+    "Prompt tokens per model and route against 80% and 100% of the limit in force (the "
+    "verified safe context while one holds).",
 )
 ui.live(render)
