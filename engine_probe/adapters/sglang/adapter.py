@@ -59,8 +59,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
@@ -68,6 +67,7 @@ import torch
 from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
+from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.sglang.errors import NotAttachableError
 from engine_probe.canary import SENTINEL
 from engine_probe.events import (
@@ -226,6 +226,8 @@ class SGLangAdapter:
             "pages_not_arrived": 0,
             "arrivals_unchecked": 0,
         }
+        # a hook's failure never reaches SGLang: logged, counted in counters["hook_errors"]
+        self._guard = HookGuard(self.counters, "hook_errors", log, "kvwatch SGLang hook %s failed")
         self._stale = StaleReadEmitter(
             self._emit, self.counters, self._request_names, self._tenant_names.get
         )
@@ -341,7 +343,7 @@ class SGLangAdapter:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            with adapter._guard(name):
+            with adapter._guard.at(name):
                 after(result, *args, **kwargs)
             return result
 
@@ -384,11 +386,11 @@ class SGLangAdapter:
 
         def wrapper_body(obj: Any, *args: Any, **kwargs: Any) -> Any:
             if before is not None:
-                with adapter._guard(name):
+                with adapter._guard.at(name):
                     before(obj, *args, **kwargs)
             result = original(obj, *args, **kwargs)
             if after is not None:
-                with adapter._guard(name):
+                with adapter._guard.at(name):
                     after(obj, result, *args, **kwargs)
             return result
 
@@ -397,15 +399,6 @@ class SGLangAdapter:
         wrapper.__doc__ = getattr(original, "__doc__", None)
         setattr(cls, name, wrapper)
         self._restore.append(lambda: setattr(cls, name, original))
-
-    @contextmanager
-    def _guard(self, where: str) -> Iterator[None]:
-        """A hook's failure must never reach SGLang: log it, count it, go on."""
-        try:
-            yield
-        except Exception:
-            self.counters["hook_errors"] += 1
-            log.exception("kvwatch SGLang hook %s failed", where)
 
     def _hook_node(self, st: _Node) -> None:
         r2t, allocator = st.r2t, st.allocator
@@ -483,7 +476,7 @@ class SGLangAdapter:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if before is not None:
-                with adapter._guard(name):
+                with adapter._guard.at(name):
                     before(*args, **kwargs)
             result = None
             try:
@@ -491,7 +484,7 @@ class SGLangAdapter:
                 return result
             finally:
                 if after is not None:
-                    with adapter._guard(name):
+                    with adapter._guard.at(name):
                         after(result, *args, **kwargs)
 
         setattr(wrapper, _MARK, True)

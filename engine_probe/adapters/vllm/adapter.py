@@ -130,6 +130,7 @@ from typing import Any, Final
 import torch
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
+from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.ledger_ops import PendingLedgerOps, longs
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.events import (
@@ -351,6 +352,11 @@ class VllmAdapter:
             "read_checks": 0,
             "ledger_flushes": 0,
         }
+        # an exception of the adapter's own in a hook is logged and counted, never raised
+        # into vLLM (counters["errors"], created at the first)
+        self._guard = HookGuard(
+            self.counters, "errors", log, "kvwatch: the vLLM adapter failed in %s"
+        )
         # vLLM knows no tenant handle's name apart from its requests: the recorded tenant
         self._stale = StaleReadEmitter(
             self._emit, self.counters, self._request_names, lambda _handle: None
@@ -408,39 +414,39 @@ class VllmAdapter:
         update_session = getattr(sch, "_update_request_as_session", None)
 
         def update_session_hook(session: Any, update: Any) -> Any:
-            self._guard(self._on_next_chunk, session, update)
+            self._guard.call(self._on_next_chunk, session, update)
             assert update_session is not None  # installed only where vLLM has it
             return update_session(session, update)
 
         def add_request_hook(request: Any) -> None:
             # vLLM takes an id it already holds as the next chunk (or the end) of a
             # streaming-input session: the same request, not a new one.
-            known = self._guard(self._session_state, request)
+            known = self._guard.call(self._session_state, request)
             self._closing = request.request_id if known == "closing" else None
             try:
                 add_request(request)
             finally:
                 self._closing = None
             if known is None:
-                self._guard(self._on_add, request)
+                self._guard.call(self._on_add, request)
 
         # The hooks pass vLLM's arguments through untouched and call the original whatever
         # the adapter does: everything of the adapter's own runs inside _guard.
         def schedule_hook(*args: Any, **kwargs: Any) -> Any:
             out = schedule(*args, **kwargs)
-            self._guard(self._on_scheduled, out)
+            self._guard.call(self._on_scheduled, out)
             return out
 
         def finish_requests_hook(request_ids: Any, *args: Any, **kwargs: Any) -> Any:
             reqs: list[Any] = []
-            self._guard(self._snapshot_finishing, request_ids, reqs)
-            self._guard(self._keep_in_flight, reqs)
-            self._guard(self._read_stop_marks, request_ids)
+            self._guard.call(self._snapshot_finishing, request_ids, reqs)
+            self._guard.call(self._keep_in_flight, reqs)
+            self._guard.call(self._read_stop_marks, request_ids)
             out = finish_requests(request_ids, *args, **kwargs)
-            self._guard(self._on_finished, reqs)
+            self._guard.call(self._on_finished, reqs)
             self._stop_finishes.clear()
             if request_ids is None:  # vLLM's shutdown: nothing gathered may stay unsent
-                self._guard(self._after_step, True)
+                self._guard.call(self._after_step, True)
             return out
 
         def update_from_output_hook(scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -450,15 +456,15 @@ class VllmAdapter:
             finished = getattr(sch, "finished_req_ids", None)
             before = len(finished) if isinstance(finished, set) else -1
             reqs: list[Any] | None = [] if before < 0 else None
-            self._guard(self._landed, scheduler_output)
-            self._guard(self._on_step, scheduler_output, model_runner_output, reqs)
-            self._guard(self._drop_finished_in_flight)
+            self._guard.call(self._landed, scheduler_output)
+            self._guard.call(self._on_step, scheduler_output, model_runner_output, reqs)
+            self._guard.call(self._drop_finished_in_flight)
             out = update_from_output(scheduler_output, model_runner_output)
             if reqs is not None:
-                self._guard(self._on_finished, reqs)
+                self._guard.call(self._on_finished, reqs)
             elif len(sch.finished_req_ids) != before:
-                self._guard(self._on_finished_ids, sch.finished_req_ids)
-            self._guard(self._after_step, False)
+                self._guard.call(self._on_finished_ids, sch.finished_req_ids)
+            self._guard.call(self._after_step, False)
             return out
 
         live, tables = self._reqs, self._tables
@@ -489,7 +495,7 @@ class VllmAdapter:
                     computed = int(request.num_computed_tokens)
             except Exception:
                 held = -1
-                self._failed("allocate_slots (before)")
+                self._guard.failed("allocate_slots (before)")
             out = allocate_slots(
                 request,
                 num_new_tokens,
@@ -515,7 +521,7 @@ class VllmAdapter:
                             num_external_computed_tokens,
                         )
                 except Exception:
-                    self._failed("_on_allocated")
+                    self._guard.failed("_on_allocated")
             return out
 
         sch.add_request = add_request_hook
@@ -533,20 +539,6 @@ class VllmAdapter:
             self.hooked.append(f"{type(sch).__name__}._update_request_as_session")
         self.hooked.append(f"{type(mgr).__name__}.allocate_slots")
         setattr(sch, _ATTACHED, self)
-
-    def _guard(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, or None when it raised."""
-        # An observability probe must never take the engine down: log and count instead.
-        try:
-            return fn(*args)
-        except Exception:
-            self._failed(fn.__name__)
-            return None
-
-    def _failed(self, where: str) -> None:
-        """Count and log the exception being handled (call from an ``except`` block)."""
-        self.counters["errors"] = self.counters.get("errors", 0) + 1
-        log.exception("kvwatch: the vLLM adapter failed in %s", where)
 
     # -- hooks ---------------------------------------------------------------------------
 
