@@ -88,7 +88,6 @@ ledger records it as written by its computing request before the grant.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -97,6 +96,7 @@ import torch
 from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, chunks, safe_id
+from engine_probe.adapters.registry import Bounded
 from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
     CanaryHit,
@@ -219,13 +219,12 @@ class RefengineAdapter:
         self.engine_name = engine_name
         self.engine_version = engine_version
         self._nodes = dict(nodes or {})
-        self._request_capacity = request_capacity
         self._engine: Any = None
         self._pools: dict[str, _PoolState] = {}
         self._prefill_node = self._decode_node = "node-0"
         self._model_id: str | None = None
         # handle -> (request id, tenant handle), for naming previous writers of stale pages
-        self._requests: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._requests: Bounded[int, tuple[str, int]] = Bounded(request_capacity)
         self._tenant_ids: dict[int, str] = {}
         # canary findings reported, per reader handle: (pool, page, painting tenant)
         self._seen_canary: dict[int, set[tuple[str, int, int]]] = {}
@@ -612,11 +611,7 @@ class RefengineAdapter:
         """Keep the request's names; ``new``: it was submitted after the attach."""
         if new and self._first_handle is None:
             self._first_handle = req.handle
-        reqs = self._requests
-        reqs[req.handle] = (safe_id(req.request_id, "req"), req.tenant_handle)
-        reqs.move_to_end(req.handle)
-        if len(reqs) > self._request_capacity:
-            reqs.popitem(last=False)
+        self._requests[req.handle] = (safe_id(req.request_id, "req"), req.tenant_handle)
         self._tenant_id(req.tenant_handle, req.tenant)
 
     def _unchecked(self, handle: int) -> bool:

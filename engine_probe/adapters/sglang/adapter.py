@@ -58,16 +58,16 @@ import logging
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal
 
 import torch
 from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.guard import HookGuard
+from engine_probe.adapters.registry import Bounded, RequestRegistry
 from engine_probe.adapters.sglang.errors import NotAttachableError
 from engine_probe.canary import SENTINEL
 from engine_probe.events import (
@@ -81,7 +81,7 @@ from engine_probe.events import (
     RequestFinished,
     RequestRejected,
 )
-from engine_probe.ledger import UNKNOWN_TENANT, PageLedger
+from engine_probe.ledger import PageLedger
 from engine_probe.probe import BaseProbe, get_probe
 
 __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
@@ -100,8 +100,6 @@ _ARRIVALS: Final = "_kvwatch_arrivals"
 #: ``KVPoll.Success`` and ``KVPoll.Failed`` (``sglang.srt.disaggregation.base.conn``: plain ints)
 _POLL_SUCCESS: Final = 4
 _POLL_FAILED: Final = 0
-_K = TypeVar("_K")
-_V = TypeVar("_V")
 
 
 def default_tenant_of(req: Any) -> str | None:
@@ -179,11 +177,14 @@ class SGLangAdapter:
         # a prefill server runs few, long forwards: the interval keeps its samples coming
         self.pool_sample_interval_s = pool_sample_interval_s
         self._probe = probe
-        # TEST ONLY (the plugin's KVWATCH_TEST_FAULT_INJECTION, engine_probe.adapters.
-        # common): the first request of this tenant gets its KV writes left out of the
-        # ledger, a stale read to be caught (the positive control of the live tests)
-        self._lose_write_of = test_lose_kv_write_of_tenant
-        self._lost: int | None = None
+        # Request handles (never reused: two requests never look like one to a ledger), the
+        # names a stale read may still report after the request finished, and the tenants
+        # (clients' strings, SGLang's extra_key may be a random salt per request: an evicted
+        # tenant is interned again under a new handle); bounded, oldest out first. TEST ONLY
+        # (the plugin's KVWATCH_TEST_FAULT_INJECTION, engine_probe.adapters.common): the
+        # first request of test_lose_kv_write_of_tenant gets its KV writes left out of the
+        # ledger, a stale read to be caught (the positive control of the live tests).
+        self._registry = RequestRegistry(request_capacity, test_lose_kv_write_of_tenant)
         self.deployment_id = deployment_id
         self.model_id = model_id
         self.tenant_of = tenant_of
@@ -191,27 +192,17 @@ class SGLangAdapter:
         self._request_capacity = request_capacity
         self._lock = threading.RLock()
         self._nodes: dict[int, _Node] = {}  # id(req_to_token_pool) -> node
-        # Handles are never reused (a counter): two requests never look like one to a
-        # ledger. `_handles` holds the requests not finished yet (dropped when the last
-        # node here finishes one); `_names` also the finished ones a stale read may still
-        # name as the previous writer; both bounded, oldest out first.
-        self._next_handle = 0
-        self._handles: _Bounded[str, int] = _Bounded(request_capacity)  # request id -> handle
-        # handle -> (wire id, tenant handle, tenant name)
-        self._names: _Bounded[int, tuple[str, int, str]] = _Bounded(request_capacity)
-        # Tenant names come from clients (SGLang's extra_key may be a random salt per
-        # request): bounded too; an evicted tenant is interned again under a new handle.
-        self._next_tenant = 0
-        self._tenant_handles: _Bounded[str, int] = _Bounded(request_capacity)
-        self._tenant_names: _Bounded[int, str] = _Bounded(request_capacity)
+        # request id -> handle, of the requests not finished yet (dropped when the last node
+        # here finishes one)
+        self._handles: Bounded[str, int] = Bounded(request_capacity)
         # Bounded: a request that never finishes here (its decode node is another process)
         # must not grow them forever; the oldest entries go first.
-        self._by_room: _Bounded[int, int] = _Bounded(request_capacity)  # room -> handle
-        self._rejected: _Bounded[int, None] = _Bounded(request_capacity)  # aborted at intake
-        self._health_checks: _Bounded[int, None] = _Bounded(request_capacity)
+        self._by_room: Bounded[int, int] = Bounded(request_capacity)  # room -> handle
+        self._rejected: Bounded[int, None] = Bounded(request_capacity)  # aborted at intake
+        self._health_checks: Bounded[int, None] = Bounded(request_capacity)
         # the requests that carried a cache_salt (SGLang keys its radix cache by it)
-        self._salted: _Bounded[int, None] = _Bounded(request_capacity)
-        self._rooms: _Bounded[int, _Room] = _Bounded(request_capacity)
+        self._salted: Bounded[int, None] = Bounded(request_capacity)
+        self._rooms: Bounded[int, _Room] = Bounded(request_capacity)
         self._restore: list[Callable[[], None]] = []
         self._calls = threading.local()  # per thread: the outermost wrapped calls running
         self._class_hooks = False
@@ -229,7 +220,7 @@ class SGLangAdapter:
         # a hook's failure never reaches SGLang: logged, counted in counters["hook_errors"]
         self._guard = HookGuard(self.counters, "hook_errors", log, "kvwatch SGLang hook %s failed")
         self._stale = StaleReadEmitter(
-            self._emit, self.counters, self._request_names, self._tenant_names.get
+            self._emit, self.counters, self._registry.names, self._registry.tenants.name
         )
 
     # -- public ----------------------------------------------------------------------------
@@ -537,19 +528,15 @@ class SGLangAdapter:
         with self._lock:
             handle = self._handles.get(rid)
             if handle is None:
-                handle = self._next_handle
-                self._next_handle += 1
-                self._handles[rid] = handle
                 tenant = self.tenant_of(req)
-                th = self._tenant_handle(tenant)
-                tname = UNKNOWN if tenant is None else self._tenant_names[th]
-                self._names[handle] = (self._wire_id(req, rid), th, tname)
+                handle = self._registry.add(
+                    self._wire_id(req, rid), None if tenant is None else safe_id(tenant, "tenant")
+                )
+                self._handles[rid] = handle
                 if rid.startswith(HEALTH_CHECK_PREFIX) or _fake_transfer(req):
                     self._health_checks[handle] = None
                 if getattr(req, "cache_salt", None):
                     self._salted[handle] = None
-                if self._lose_write_of is not None and tname == self._lose_write_of:
-                    self._lost, self._lose_write_of = handle, None  # TEST ONLY, once
             room = getattr(req, "bootstrap_room", None)
             if isinstance(room, int):
                 self._by_room[room] = handle
@@ -576,26 +563,12 @@ class SGLangAdapter:
         ``FAKE_BOOTSTRAP_HOST``); their pages are still tracked in the ledger."""
         return handle is None or handle not in self._health_checks
 
-    def _tenant_handle(self, tenant: str | None) -> int:
-        if tenant is None:
-            return UNKNOWN_TENANT
-        h = self._tenant_handles.get(tenant)
-        if h is None:
-            h = self._next_tenant
-            self._next_tenant += 1
-        self._tenant_handles[tenant] = h  # (re)inserted: the most recently used goes last
-        self._tenant_names[h] = safe_id(tenant, "tenant")
-        return h
-
     def _request_names(self, handle: int | None) -> tuple[str, str]:
-        if handle is None:
-            return UNKNOWN, UNKNOWN
-        rid, _, tenant = self._names.get(handle, (f"handle-{handle}", UNKNOWN_TENANT, UNKNOWN))
-        return rid, tenant
+        return (UNKNOWN, UNKNOWN) if handle is None else self._registry.names(handle)
 
     def _tenant_of_handle(self, handle: int) -> int:
         """The ledger tenant of a request handle (unknown tenants share ``_NO_TENANT``)."""
-        _, tenant, _ = self._names.get(handle, ("", UNKNOWN_TENANT, UNKNOWN))
+        tenant = self._registry.tenant_handle(handle)
         return tenant if tenant >= 0 else _NO_TENANT
 
     def _on_rows(self, st: _Node, rows: list[int] | None, reqs: list[Any]) -> None:
@@ -813,16 +786,16 @@ class SGLangAdapter:
         reader = st.rows.get(row)
         if reader is None:
             return
-        reader_id, _, reader_tenant = self._names.get(reader, (f"handle-{reader}", 0, UNKNOWN))
+        reader_id, reader_tenant = self._registry.names(reader)
         page_list = pages.cpu().tolist()
         by_owner: dict[int, list[int]] = {}
         for owner, page in zip(owners.tolist(), page_list, strict=True):
             by_owner.setdefault(owner, []).append(page)
         for owner, owned in by_owner.items():
-            named = self._names.get(owner)
+            named = self._registry.known(owner)
             if named is None:
                 continue  # its writer long forgotten: not known to be another tenant's
-            owner_id, _, owner_tenant = named
+            owner_id, owner_tenant = named
             if owner_tenant == reader_tenant:
                 self.counters["prefix_hits_same_tenant"] += 1
                 continue
@@ -891,8 +864,9 @@ class SGLangAdapter:
         end = torch.zeros_like(pages).scatter_reduce(0, inverse, offsets + 1, "amax")
         owners = st.ledger.owner_of(pages)
         owned = owners >= 0  # writes into free pages (padding slots) validate nothing
-        if self._lost is not None:
-            owned &= owners != self._lost  # TEST ONLY: its writes are left out
+        lost = self._registry.lost
+        if lost is not None:
+            owned &= owners != lost  # TEST ONLY: its writes are left out
         if not bool(owned.all()):
             pages, owners, start, end = pages[owned], owners[owned], start[owned], end[owned]
         if pages.numel():
@@ -1058,7 +1032,8 @@ class SGLangAdapter:
             pages = pages[~missing]
         pages = pages.to(dst.ledger.device)
         pages = pages[dst.ledger.owner_of(pages) == handle]
-        if pages.numel() and self._lost != handle:  # TEST ONLY: the control's writes are lost
+        # TEST ONLY: the control's writes are lost
+        if pages.numel() and self._registry.lost != handle:
             dst.ledger.write(pages, handle)
 
     def _on_send(self, sender: Any, kv_indices: Any, *args: Any, **kwargs: Any) -> None:
@@ -1113,20 +1088,6 @@ class SGLangAdapter:
 # The ledger's tenant handles are non-negative: requests of an unknown tenant share this one,
 # whose name is "unknown" (never a real tenant's index: tenant names are numbered from 0).
 _NO_TENANT: Final = 1 << 40
-
-
-class _Bounded(OrderedDict[_K, _V]):
-    """A dict that forgets its oldest entries beyond ``capacity``."""
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-
-    def __setitem__(self, key: _K, value: _V) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        while len(self) > self.capacity:
-            self.popitem(last=False)
 
 
 def _capturing() -> bool:

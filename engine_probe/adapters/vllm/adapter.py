@@ -122,7 +122,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -132,6 +131,7 @@ import torch
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.ledger_ops import PendingLedgerOps, longs
+from engine_probe.adapters.registry import Bounded, RequestRegistry
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.events import (
     EngineConfig,
@@ -269,10 +269,12 @@ class VllmAdapter:
         self.deployment_id = deployment_id
         self.node = safe_id(node, "node")
         self.pool_sample_every = pool_sample_every
-        self._handle_capacity = handle_capacity
-        # TEST ONLY (the plugin's KVWATCH_TEST_FAULT_INJECTION): the first request of this
-        # tenant gets its KV writes left out of the ledger, a stale read to be caught
-        self._lose_write_of: str | None = test_lose_kv_write_of_tenant
+        # request handles and names, tenant handles (the tenants are the clients' strings:
+        # bounded, least recently admitted first out; a tenant back after its eviction gets
+        # a fresh handle, never another tenant's). TEST ONLY (the plugin's
+        # KVWATCH_TEST_FAULT_INJECTION): the first request of test_lose_kv_write_of_tenant
+        # gets its KV writes left out of the ledger, a stale read to be caught
+        self._registry = RequestRegistry(handle_capacity, test_lose_kv_write_of_tenant)
         #: what attach() wrapped (for the plugin's log line)
         self.hooked: list[str] = []
         self.scheduler = scheduler
@@ -315,16 +317,8 @@ class VllmAdapter:
         self._foreign_this_step: set[int] = set()
         # raw request id -> (recorded id, tenant, prompt tokens) of recent admissions, to
         # find parallel-sampling siblings (vLLM's children of one n>1 request)
-        self._recent: OrderedDict[str, tuple[str, str, int]] = OrderedDict()
+        self._recent: Bounded[str, tuple[str, str, int]] = Bounded(_RECENT_FIRST_CHILDREN)
         self._reqs: dict[str, _Req] = {}
-        # handle → (request id, tenant), for naming previous writers after they finished
-        self._names: OrderedDict[int, tuple[str, str]] = OrderedDict()
-        # tenant → its ledger handle, least recently admitted first out (tenants are the
-        # clients' strings: a bounded map); a tenant back after its eviction gets a fresh
-        # handle, never another tenant's
-        self._tenant_handles: OrderedDict[str, int] = OrderedDict()
-        self._next_tenant_handle = 0
-        self._next_handle = 0
         # the id of the streaming-input session an add_request is closing, during that call
         self._closing: str | None = None
         self._computed_by: dict[int, int] = {}
@@ -359,7 +353,7 @@ class VllmAdapter:
         )
         # vLLM knows no tenant handle's name apart from its requests: the recorded tenant
         self._stale = StaleReadEmitter(
-            self._emit, self.counters, self._request_names, lambda _handle: None
+            self._emit, self.counters, self._registry.names, lambda _handle: None
         )
         self._wrap()
         self._emit_config()
@@ -626,25 +620,21 @@ class VllmAdapter:
         tenant = safe_id(str(tenant_raw), "tenant") if tenant_raw else UNKNOWN
         route_raw = extra.get(ROUTE_KEY)
         route = str(route_raw)[:256] if route_raw else None
-        handle = self._new_handle()
         rid = safe_id(str(request.request_id), "req")
-        th = self._tenant_handle(tenant)
+        handle = self._registry.add(rid, tenant)
         req = _Req(
             handle=handle,
             request_id=rid,
             tenant=tenant,
-            tenant_handle=th,
+            tenant_handle=self._registry.tenant_handle(handle),
             route=route,
             model_id=self._model_id,
             salted=getattr(request, "cache_salt", None) is not None,
             prompt_tokens=int(request.num_prompt_tokens),
             request=request,
+            lose_writes=self._registry.lost == handle,  # TEST ONLY
         )
-        if self._lose_write_of is not None and tenant == self._lose_write_of:
-            req.lose_writes = True  # TEST ONLY, once
-            self._lose_write_of = None
         self._reqs[request.request_id] = req
-        self._remember(handle, rid, tenant)
         max_tokens = getattr(params, "max_tokens", None) if params is not None else None
         self._emit(
             RequestAdmitted,
@@ -670,8 +660,6 @@ class VllmAdapter:
         recent = self._recent
         if m.group(1) == "0":
             recent[m.group(2)] = (rid, req.tenant, req.prompt_tokens)
-            if len(recent) > _RECENT_FIRST_CHILDREN:
-                recent.popitem(last=False)
             return None
         first = recent.get(m.group(2))
         if first is None or first[1:] != (req.tenant, req.prompt_tokens) or first[0] == rid:
@@ -725,15 +713,13 @@ class VllmAdapter:
         for owner, pages in by_owner.items():
             if owner == req.handle:
                 continue
-            owner_id: str | None = None
-            owner_tenant: str | None = None
-            if owner is not None:
-                owner_id, owner_tenant = self._names.get(owner, (None, None))
-            if owner_tenant is None:
+            known = self._registry.known(owner) if owner is not None else None
+            if known is None:
                 # computed before the attach (or its name long forgotten): not known to be
                 # another tenant's, so no cross-tenant hit (PrefixCacheHit.cross_tenant)
                 self.counters["prefix_hits_unknown_owner"] += 1
                 continue
+            owner_id, owner_tenant = known
             if owner_tenant == req.tenant:
                 self.counters["prefix_hits_same_tenant"] += 1
                 continue
@@ -1134,32 +1120,6 @@ class VllmAdapter:
         any more (invariant 4)."""
         for req, index in list(self._holders.get(block, {}).values()):
             self._cut(req, index)
-
-    def _new_handle(self) -> int:
-        h = self._next_handle
-        self._next_handle += 1
-        return h
-
-    def _tenant_handle(self, tenant: str) -> int:
-        handles = self._tenant_handles
-        th = handles.get(tenant)
-        if th is not None:
-            handles.move_to_end(tenant)
-            return th
-        th = handles[tenant] = self._next_tenant_handle
-        self._next_tenant_handle += 1
-        if len(handles) > self._handle_capacity:
-            handles.popitem(last=False)
-        return th
-
-    def _request_names(self, handle: int) -> tuple[str, str]:
-        return self._names.get(handle, (f"handle-{handle}", UNKNOWN))
-
-    def _remember(self, handle: int, request_id: str, tenant: str) -> None:
-        names = self._names
-        names[handle] = (request_id, tenant)
-        if len(names) > self._handle_capacity:
-            names.popitem(last=False)
 
     def _emit(self, event_type: type[Event], **fields: Any) -> None:
         self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
