@@ -1,17 +1,23 @@
 """The pieces every engine adapter shares (``engine_probe/adapters/``): the bounded maps and
-the request registry, the hook guard. The adapters' own tests run them inside the engines
-(``tests/engines/``); these pin down the rules each adapter relies on, without an engine."""
+the request registry, the hook guard, the reporter. The adapters' own tests run them inside
+the engines (``tests/engines/``); these pin down the rules each adapter relies on, without
+an engine."""
 
 from __future__ import annotations
 
 import logging
+from datetime import datetime
+from typing import Any
 
 import pytest
 
 from engine_probe.adapters.common import UNKNOWN
 from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.registry import Bounded, RequestRegistry, TenantHandles
+from engine_probe.adapters.reporting import Reporter, RequestIds
+from engine_probe.events import Event, PageReuse, PrefixCacheHit, RequestFinished
 from engine_probe.ledger import UNKNOWN_TENANT
+from engine_probe.probe import NoopProbe
 
 
 def test_bounded_forgets_the_least_recently_set() -> None:
@@ -76,3 +82,57 @@ def test_hook_guard_lets_the_engine_see_what_is_not_an_exception() -> None:
     with pytest.raises(KeyboardInterrupt), guard.at("stop"):
         raise KeyboardInterrupt
     assert counters == {"errors": 0}
+
+
+class _Recording(NoopProbe):
+    def __init__(self) -> None:
+        self.sent: list[tuple[type[Event], str | None, dict[str, Any]]] = []
+
+    def emit(
+        self,
+        event_type: type[Event],
+        /,
+        *,
+        ts: datetime | None = None,
+        deployment_id: str | None = None,
+        **fields: Any,
+    ) -> bool:
+        self.sent.append((event_type, deployment_id, fields))
+        return True
+
+
+def test_reporter_builds_request_events_from_the_identity() -> None:
+    probe = _Recording()
+    reporter = Reporter(probe, "dep", {})
+    reporter.finished(
+        RequestIds("r-1", "t-a", "m", route="chat"),
+        prompt_tokens=5,
+        completion_tokens=2,
+        status="completed",
+        node="n",
+    )
+    ((kind, deployment, fields),) = probe.sent
+    assert kind is RequestFinished and deployment == "dep"
+    assert fields["request_id"] == "r-1" and fields["tenant"] == "t-a"
+    assert fields["route"] == "chat" and fields["model_id"] == "m"
+
+
+def test_reporter_sends_reuse_only_when_pages_were_reused() -> None:
+    probe = _Recording()
+    reporter = Reporter(probe, None, {})
+    assert not reporter.page_reuse(node="n", role="both", step=1, counts=[0, 0, 0])
+    assert reporter.page_reuse(node="n", role="both", step=2, counts=[0, 0, 3])  # zeroized
+    assert [(k, f["step"]) for k, _, f in probe.sent] == [(PageReuse, 2)]
+
+
+def test_reporter_counts_every_prefix_hit_and_sends_the_cross_tenant_ones() -> None:
+    probe = _Recording()
+    counters = {"prefix_hits_same_tenant": 0, "prefix_hits_cross_tenant": 0}
+    reporter = Reporter(probe, None, counters)
+    for owner in (("o-1", "t-a"), ("o-2", "t-b")):
+        reporter.prefix_hit(
+            node="n", role="both", reader=("r", "t-a"), owner=owner, pages=1, tokens=16,
+            salted=False,
+        )  # fmt: skip
+    assert counters == {"prefix_hits_same_tenant": 1, "prefix_hits_cross_tenant": 1}
+    assert [(k, f["owner_request_id"]) for k, _, f in probe.sent] == [(PrefixCacheHit, "o-2")]

@@ -68,21 +68,16 @@ from torch import Tensor
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.registry import Bounded, RequestRegistry
+from engine_probe.adapters.reporting import Reporter, RequestIds
 from engine_probe.adapters.sglang.errors import NotAttachableError
 from engine_probe.canary import SENTINEL
 from engine_probe.events import (
     EngineConfig,
-    Event,
     KvTransfer,
-    PageReuse,
     PoolSample,
-    PrefixCacheHit,
-    RequestAdmitted,
-    RequestFinished,
-    RequestRejected,
 )
 from engine_probe.ledger import PageLedger
-from engine_probe.probe import BaseProbe, get_probe
+from engine_probe.probe import BaseProbe
 
 __all__ = ["SGLangAdapter", "attach", "default_tenant_of"]
 
@@ -176,7 +171,6 @@ class SGLangAdapter:
         self.pool_sample_every = pool_sample_every
         # a prefill server runs few, long forwards: the interval keeps its samples coming
         self.pool_sample_interval_s = pool_sample_interval_s
-        self._probe = probe
         # Request handles (never reused: two requests never look like one to a ledger), the
         # names a stale read may still report after the request finished, and the tenants
         # (clients' strings, SGLang's extra_key may be a random salt per request: an evicted
@@ -185,7 +179,6 @@ class SGLangAdapter:
         # first request of test_lose_kv_write_of_tenant gets its KV writes left out of the
         # ledger, a stale read to be caught (the positive control of the live tests).
         self._registry = RequestRegistry(request_capacity, test_lose_kv_write_of_tenant)
-        self.deployment_id = deployment_id
         self.model_id = model_id
         self.tenant_of = tenant_of
         self.zeroize_on_free = zeroize_on_free
@@ -217,17 +210,22 @@ class SGLangAdapter:
             "pages_not_arrived": 0,
             "arrivals_unchecked": 0,
         }
+        self._reporter = Reporter(probe, deployment_id, self.counters)
         # a hook's failure never reaches SGLang: logged, counted in counters["hook_errors"]
         self._guard = HookGuard(self.counters, "hook_errors", log, "kvwatch SGLang hook %s failed")
         self._stale = StaleReadEmitter(
-            self._emit, self.counters, self._registry.names, self._registry.tenants.name
+            self._reporter.emit, self.counters, self._registry.names, self._registry.tenants.name
         )
 
     # -- public ----------------------------------------------------------------------------
 
     @property
     def probe(self) -> BaseProbe:
-        return self._probe if self._probe is not None else get_probe()
+        return self._reporter.probe
+
+    @property
+    def deployment_id(self) -> str | None:
+        return self._reporter.deployment_id
 
     @property
     def ledgers(self) -> dict[str, PageLedger]:
@@ -283,7 +281,7 @@ class SGLangAdapter:
             self._hook_node(st)
             self._install_class_hooks()
         context = advertised_context or int(req_to_token_pool.req_to_token.shape[1])
-        self._emit(
+        self._reporter.emit(
             EngineConfig,
             engine="sglang",
             engine_version=_sglang_version(),
@@ -309,7 +307,7 @@ class SGLangAdapter:
         st.sampled_at = time.monotonic() if now is None else now
         cap = int(st.allocator.size)
         free = min(cap, int(st.allocator.available_size()))
-        self._emit(
+        self._reporter.emit(
             PoolSample,
             node=st.name,
             role=st.role,
@@ -580,13 +578,9 @@ class SGLangAdapter:
             st.rows[int(row)] = handle
             st.grants.pop(int(row), None)
             if new and st.role != "decode" and self._reported(handle):
-                rid, tenant = self._request_names(handle)
                 sp = getattr(req, "sampling_params", None)
-                self._emit(
-                    RequestAdmitted,
-                    request_id=rid,
-                    tenant=tenant,
-                    model_id=self.model_id,
+                self._reporter.admitted(
+                    self._ids(handle),
                     prompt_tokens=_prompt_tokens(req),
                     max_tokens=getattr(sp, "max_new_tokens", None),
                     node=st.name,
@@ -598,13 +592,9 @@ class SGLangAdapter:
         self._rejected[handle] = None
         if not self._reported(handle):
             return
-        rid, tenant = self._request_names(handle)
         too_long = "exceeds" in error_msg or "longer" in error_msg
-        self._emit(
-            RequestRejected,
-            request_id=rid,
-            tenant=tenant,
-            model_id=self.model_id,
+        self._reporter.rejected(
+            self._ids(handle),
             reason="pool_exhausted" if too_long else "other",
             prompt_tokens=_prompt_tokens(req),
             limit_tokens=_limit_from(error_msg),
@@ -633,7 +623,6 @@ class SGLangAdapter:
             del self._handles[rid]
         if st.role == "prefill" or health_check:
             return  # the request finishes on its decode node (another process)
-        rid, tenant = self._request_names(handle)
         reason = type(done).__name__
         status = (
             "aborted"
@@ -642,11 +631,8 @@ class SGLangAdapter:
             if "LENGTH" in reason
             else "completed"
         )
-        self._emit(
-            RequestFinished,
-            request_id=rid,
-            tenant=tenant,
-            model_id=self.model_id,
+        self._reporter.finished(
+            self._ids(handle),
             prompt_tokens=_prompt_tokens(req),
             completion_tokens=len(getattr(req, "output_ids", ())),
             status=status,
@@ -786,7 +772,7 @@ class SGLangAdapter:
         reader = st.rows.get(row)
         if reader is None:
             return
-        reader_id, reader_tenant = self._registry.names(reader)
+        reader_names = self._registry.names(reader)
         page_list = pages.cpu().tolist()
         by_owner: dict[int, list[int]] = {}
         for owner, page in zip(owners.tolist(), page_list, strict=True):
@@ -795,19 +781,11 @@ class SGLangAdapter:
             named = self._registry.known(owner)
             if named is None:
                 continue  # its writer long forgotten: not known to be another tenant's
-            owner_id, owner_tenant = named
-            if owner_tenant == reader_tenant:
-                self.counters["prefix_hits_same_tenant"] += 1
-                continue
-            self.counters["prefix_hits_cross_tenant"] += 1
-            self._emit(
-                PrefixCacheHit,
+            self._reporter.prefix_hit(
                 node=st.name,
                 role=st.role,
-                reader_request_id=reader_id,
-                reader_tenant=reader_tenant,
-                owner_request_id=owner_id,
-                owner_tenant=owner_tenant,
+                reader=reader_names,
+                owner=named,
                 pages=len(set(owned)),
                 tokens=len(owned),
                 # the reader carried a cache_salt, so the owner had the same one: the two
@@ -958,17 +936,8 @@ class SGLangAdapter:
             )
 
     def _flush_reuse(self, st: _Node) -> None:
-        reused, cross, zeroized = st.reuse
-        if reused or zeroized:
-            self._emit(
-                PageReuse,
-                node=st.name,
-                role=st.role,
-                step=self.counters["reads_checked"],
-                reused_pages=reused,
-                cross_tenant_pages=cross,
-                zeroized_pages=zeroized,
-            )
+        step = self.counters["reads_checked"]
+        if self._reporter.page_reuse(node=st.name, role=st.role, step=step, counts=st.reuse):
             st.reuse = [0, 0, 0]
 
     # -- hooks: disaggregation ---------------------------------------------------------------
@@ -1051,7 +1020,7 @@ class SGLangAdapter:
         ps = src.page_size if src is not None else 1
         self.counters["transfers"] += 1
         if self._reported(handle):
-            self._emit(
+            self._reporter.emit(
                 KvTransfer,
                 request_id=rid,
                 tenant=tenant,
@@ -1081,8 +1050,10 @@ class SGLangAdapter:
         st = self._node_by_role(role) or self._node_by_role("both")
         return st.name if st is not None else None
 
-    def _emit(self, event_type: type[Event], **fields: Any) -> None:
-        self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
+    def _ids(self, handle: int) -> RequestIds:
+        """What the request events of ``handle`` name."""
+        rid, tenant = self._request_names(handle)
+        return RequestIds(rid, tenant, self.model_id)
 
 
 # The ledger's tenant handles are non-negative: requests of an unknown tenant share this one,

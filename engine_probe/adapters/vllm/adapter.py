@@ -132,18 +132,14 @@ from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.ledger_ops import PendingLedgerOps, longs
 from engine_probe.adapters.registry import Bounded, RequestRegistry
+from engine_probe.adapters.reporting import Reporter
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.events import (
     EngineConfig,
-    Event,
-    PageReuse,
     PoolSample,
-    PrefixCacheHit,
-    RequestAdmitted,
-    RequestFinished,
 )
 from engine_probe.ledger import PageLedger
-from engine_probe.probe import BaseProbe, get_probe
+from engine_probe.probe import BaseProbe
 
 __all__ = ["VllmAdapter", "attach"]
 
@@ -265,8 +261,6 @@ class VllmAdapter:
         if flush_every < 1:
             raise ValueError("flush_every must be >= 1")
         self.flush_every = flush_every
-        self._probe = probe
-        self.deployment_id = deployment_id
         self.node = safe_id(node, "node")
         self.pool_sample_every = pool_sample_every
         # request handles and names, tenant handles (the tenants are the clients' strings:
@@ -346,6 +340,7 @@ class VllmAdapter:
             "read_checks": 0,
             "ledger_flushes": 0,
         }
+        self._reporter = Reporter(probe, deployment_id, self.counters)
         # an exception of the adapter's own in a hook is logged and counted, never raised
         # into vLLM (counters["errors"], created at the first)
         self._guard = HookGuard(
@@ -353,7 +348,7 @@ class VllmAdapter:
         )
         # vLLM knows no tenant handle's name apart from its requests: the recorded tenant
         self._stale = StaleReadEmitter(
-            self._emit, self.counters, self._registry.names, lambda _handle: None
+            self._reporter.emit, self.counters, self._registry.names, lambda _handle: None
         )
         self._wrap()
         self._emit_config()
@@ -363,7 +358,11 @@ class VllmAdapter:
 
     @property
     def probe(self) -> BaseProbe:
-        return self._probe if self._probe is not None else get_probe()
+        return self._reporter.probe
+
+    @property
+    def deployment_id(self) -> str | None:
+        return self._reporter.deployment_id
 
     def sample_pool(self) -> None:
         """Emit one ``pool.sample`` now (host counters only)."""
@@ -371,7 +370,7 @@ class VllmAdapter:
         usable = self.num_blocks - 1  # vLLM keeps one null block out of the pool
         free = min(int(pool.get_num_free_blocks()), usable)
         bs = self.block_size
-        self._emit(
+        self._reporter.emit(
             PoolSample,
             node=self.node,
             role=self.role,
@@ -636,12 +635,8 @@ class VllmAdapter:
         )
         self._reqs[request.request_id] = req
         max_tokens = getattr(params, "max_tokens", None) if params is not None else None
-        self._emit(
-            RequestAdmitted,
-            request_id=rid,
-            tenant=tenant,
-            route=route,
-            model_id=self._model_id,
+        self._reporter.admitted(
+            req,
             prompt_tokens=req.prompt_tokens,
             max_tokens=max_tokens,
             node=self.node,
@@ -719,19 +714,11 @@ class VllmAdapter:
                 # another tenant's, so no cross-tenant hit (PrefixCacheHit.cross_tenant)
                 self.counters["prefix_hits_unknown_owner"] += 1
                 continue
-            owner_id, owner_tenant = known
-            if owner_tenant == req.tenant:
-                self.counters["prefix_hits_same_tenant"] += 1
-                continue
-            self.counters["prefix_hits_cross_tenant"] += 1
-            self._emit(
-                PrefixCacheHit,
+            self._reporter.prefix_hit(
                 node=self.node,
                 role=self.role,
-                reader_request_id=req.request_id,
-                reader_tenant=req.tenant,
-                owner_request_id=owner_id,
-                owner_tenant=owner_tenant,
+                reader=(req.request_id, req.tenant),
+                owner=known,
                 pages=pages,
                 tokens=min(pages * self.block_size, num_hit_tokens),
                 salted=req.salted,
@@ -912,17 +899,9 @@ class VllmAdapter:
         pending = self._pending_reuse
         if pending is not None:
             self._pending_reuse = None
-            reused, cross, zeroized = pending.tolist()
-            if reused or zeroized:
-                self._emit(
-                    PageReuse,
-                    node=self.node,
-                    role=self.role,
-                    step=self._steps,
-                    reused_pages=reused,
-                    cross_tenant_pages=cross,
-                    zeroized_pages=zeroized,
-                )
+            self._reporter.page_reuse(
+                node=self.node, role=self.role, step=self._steps, counts=pending.tolist()
+            )
         if not flush and self.counters["steps"] % self.pool_sample_every == 0:
             self.sample_pool()
 
@@ -946,12 +925,8 @@ class VllmAdapter:
             # output tokens it kept (the engine core may have generated more meanwhile)
             stopped = self._stop_finishes.get(request.request_id)
             output = int(request.num_output_tokens) if stopped is None else stopped
-            self._emit(
-                RequestFinished,
-                request_id=req.request_id,
-                tenant=req.tenant,
-                route=req.route,
-                model_id=req.model_id,
+            self._reporter.finished(
+                req,
                 prompt_tokens=req.prompt_tokens,
                 completion_tokens=req.earlier_completion_tokens + output,
                 status=(
@@ -1121,16 +1096,13 @@ class VllmAdapter:
         for req, index in list(self._holders.get(block, {}).values()):
             self._cut(req, index)
 
-    def _emit(self, event_type: type[Event], **fields: Any) -> None:
-        self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
-
     def _emit_config(self) -> None:
         cfg = self.scheduler.vllm_config
         mc, cc, pc = cfg.model_config, cfg.cache_config, cfg.parallel_config
         import vllm  # the engine is running: importing it costs nothing
 
         quant = getattr(mc, "quantization", None)
-        self._emit(
+        self._reporter.emit(
             EngineConfig,
             engine="vllm",
             engine_version=str(vllm.__version__)[:64],
