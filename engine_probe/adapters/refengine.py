@@ -97,7 +97,7 @@ from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, chunks, safe_id
 from engine_probe.adapters.registry import Bounded
-from engine_probe.adapters.reporting import Reporter, RequestIds
+from engine_probe.adapters.reporting import Reporter, Reporting, RequestIds
 from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
     CanaryHit,
@@ -179,7 +179,7 @@ class _PoolState:
     reuse: list[int] = field(default_factory=lambda: [0, 0, 0])
 
 
-class RefengineAdapter:
+class RefengineAdapter(Reporting):
     """Observer of one refengine ``Engine`` (see the module docstring).
 
     ``ledger``: keep a :class:`PageLedger` per pool and report reuse and stale reads.
@@ -243,14 +243,6 @@ class RefengineAdapter:
         )
 
     # -- public helpers ------------------------------------------------------------------
-
-    @property
-    def probe(self) -> BaseProbe:
-        return self._reporter.probe
-
-    @property
-    def deployment_id(self) -> str | None:
-        return self._reporter.deployment_id
 
     @property
     def ledgers(self) -> dict[str, PageLedger]:

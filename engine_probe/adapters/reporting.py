@@ -22,7 +22,7 @@ from engine_probe.events import (
 )
 from engine_probe.probe import BaseProbe, get_probe
 
-__all__ = ["Reporter", "RequestIdentity", "RequestIds"]
+__all__ = ["Reporter", "Reporting", "RequestIdentity", "RequestIds"]
 
 
 class RequestIdentity(Protocol):
@@ -47,6 +47,16 @@ class RequestIds:
     tenant: str
     model_id: str | None
     route: str | None = None
+
+
+def _identity(who: RequestIdentity) -> dict[str, Any]:
+    """The fields every request event names ``who`` by."""
+    return {
+        "request_id": who.request_id,
+        "tenant": who.tenant,
+        "route": who.route,
+        "model_id": who.model_id,
+    }
 
 
 class Reporter:
@@ -85,10 +95,7 @@ class Reporter:
     ) -> None:
         self.emit(
             RequestAdmitted,
-            request_id=who.request_id,
-            tenant=who.tenant,
-            route=who.route,
-            model_id=who.model_id,
+            **_identity(who),
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             node=node,
@@ -106,10 +113,7 @@ class Reporter:
     ) -> None:
         self.emit(
             RequestRejected,
-            request_id=who.request_id,
-            tenant=who.tenant,
-            route=who.route,
-            model_id=who.model_id,
+            **_identity(who),
             reason=reason,
             prompt_tokens=prompt_tokens,
             limit_tokens=limit_tokens,
@@ -128,10 +132,7 @@ class Reporter:
     ) -> None:
         self.emit(
             RequestFinished,
-            request_id=who.request_id,
-            tenant=who.tenant,
-            route=who.route,
-            model_id=who.model_id,
+            **_identity(who),
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             status=status,
@@ -187,3 +188,18 @@ class Reporter:
             tokens=tokens,
             salted=salted,
         )
+
+
+class Reporting:
+    """Base of an adapter whose events go through its :class:`Reporter`: its ``probe`` and
+    ``deployment_id``, read-only."""
+
+    _reporter: Reporter
+
+    @property
+    def probe(self) -> BaseProbe:
+        return self._reporter.probe
+
+    @property
+    def deployment_id(self) -> str | None:
+        return self._reporter.deployment_id

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, safe_id
 from engine_probe.adapters.registry import Bounded, RequestRegistry
-from engine_probe.adapters.reporting import Reporter, RequestIds
+from engine_probe.adapters.reporting import Reporter, Reporting, RequestIds
 from engine_probe.events import KvTransfer, PoolSample
 from engine_probe.ledger import PageLedger
 from engine_probe.probe import BaseProbe
@@ -92,7 +92,7 @@ class NewRequest:
     salted: bool
 
 
-class PoolTracker:
+class PoolTracker(Reporting):
     """Feeds SGLang's KV bookkeeping, as the hooks read it, into one ledger per watched
     pool and emits kvwatch events through ``probe`` (default: the process's probe).
 
@@ -152,14 +152,6 @@ class PoolTracker:
         )
 
     # -- public ----------------------------------------------------------------------------
-
-    @property
-    def probe(self) -> BaseProbe:
-        return self._reporter.probe
-
-    @property
-    def deployment_id(self) -> str | None:
-        return self._reporter.deployment_id
 
     @property
     def ledgers(self) -> dict[str, PageLedger]:

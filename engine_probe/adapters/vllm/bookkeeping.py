@@ -70,7 +70,7 @@ import torch
 from engine_probe.adapters.common import StaleReadEmitter, safe_id
 from engine_probe.adapters.ledger_ops import PendingLedgerOps, longs
 from engine_probe.adapters.registry import Bounded, RequestRegistry
-from engine_probe.adapters.reporting import Reporter
+from engine_probe.adapters.reporting import Reporter, Reporting
 from engine_probe.events import PoolSample
 from engine_probe.ledger import PageLedger
 from engine_probe.probe import BaseProbe
@@ -146,7 +146,7 @@ class _Req:
     covered: list[int] = field(default_factory=list)
 
 
-class BlockTracker:
+class BlockTracker(Reporting):
     """The requests of one vLLM scheduler, their blocks and the page ledger (see the module
     docstring); the hooks tell it what the scheduler did, in plain values.
 
@@ -278,14 +278,6 @@ class BlockTracker:
         )
 
     # -- public helpers ------------------------------------------------------------------
-
-    @property
-    def probe(self) -> BaseProbe:
-        return self._reporter.probe
-
-    @property
-    def deployment_id(self) -> str | None:
-        return self._reporter.deployment_id
 
     def sample_pool(self) -> None:
         """Emit one ``pool.sample`` now (host counters only)."""
