@@ -166,6 +166,20 @@ def test_engine_translators_stand_alone(package: str) -> None:
     assert bad == []
 
 
+def test_adapter_bookkeeping_imports_no_engine() -> None:
+    """An engine adapter's bookkeeping works on plain values: only its hooks (and plugin)
+    import or read the engine (docs/architecture.md, adding an engine adapter)."""
+    paths = sorted((ROOT / "engine_probe" / "adapters").glob("*/bookkeeping.py"))
+    assert [p.parent.name for p in paths] == ["sglang", "vllm"]
+    bad = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in paths
+        for name in _imports(path)
+        if name.split(".")[0] in {"vllm", "sglang"}
+    ]
+    assert bad == []
+
+
 def test_probe_errors_are_a_leaf() -> None:
     """engine_probe.errors is what the contract, kvwatch.scrape and kvwatch.kv_events import
     beside the events: it must stay plain classes that import nothing (no runtime, no

@@ -88,7 +88,6 @@ ledger records it as written by its computing request before the grant.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -97,21 +96,18 @@ import torch
 from torch import Tensor
 
 from engine_probe.adapters.common import UNKNOWN, StaleReadEmitter, chunks, safe_id
+from engine_probe.adapters.registry import Bounded
+from engine_probe.adapters.reporting import Reporter, Reporting, RequestIds
 from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
     CanaryHit,
     EngineConfig,
-    Event,
     KvTransfer,
-    PageReuse,
     PoolSample,
     PrefixCacheHit,
-    RequestAdmitted,
-    RequestFinished,
-    RequestRejected,
 )
 from engine_probe.ledger import PageLedger
-from engine_probe.probe import BaseProbe, get_probe
+from engine_probe.probe import BaseProbe
 
 __all__ = ["REJECT_REASONS", "RefengineAdapter", "attach"]
 
@@ -183,7 +179,7 @@ class _PoolState:
     reuse: list[int] = field(default_factory=lambda: [0, 0, 0])
 
 
-class RefengineAdapter:
+class RefengineAdapter(Reporting):
     """Observer of one refengine ``Engine`` (see the module docstring).
 
     ``ledger``: keep a :class:`PageLedger` per pool and report reuse and stale reads.
@@ -211,21 +207,18 @@ class RefengineAdapter:
     ) -> None:
         if pool_sample_every < 1:
             raise ValueError("pool_sample_every must be >= 1")
-        self._probe = probe
-        self.deployment_id = deployment_id
         self.use_ledger = ledger
         self.use_canary = canary
         self.pool_sample_every = pool_sample_every
         self.engine_name = engine_name
         self.engine_version = engine_version
         self._nodes = dict(nodes or {})
-        self._request_capacity = request_capacity
         self._engine: Any = None
         self._pools: dict[str, _PoolState] = {}
         self._prefill_node = self._decode_node = "node-0"
         self._model_id: str | None = None
         # handle -> (request id, tenant handle), for naming previous writers of stale pages
-        self._requests: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._requests: Bounded[int, tuple[str, int]] = Bounded(request_capacity)
         self._tenant_ids: dict[int, str] = {}
         # canary findings reported, per reader handle: (pool, page, painting tenant)
         self._seen_canary: dict[int, set[tuple[str, int, int]]] = {}
@@ -242,15 +235,14 @@ class RefengineAdapter:
             "prefix_hits_cross_tenant": 0,
             "prefix_hits_unknown_owner": 0,
         }
+        self._reporter = Reporter(probe, deployment_id, self.counters)
         self._prefix_caching = False
         self._salt_mode = "off"
-        self._stale = StaleReadEmitter(self._emit, self.counters, self._names, self._tenant_name)
+        self._stale = StaleReadEmitter(
+            self._reporter.emit, self.counters, self._names, self._tenant_name
+        )
 
     # -- public helpers ------------------------------------------------------------------
-
-    @property
-    def probe(self) -> BaseProbe:
-        return self._probe if self._probe is not None else get_probe()
 
     @property
     def ledgers(self) -> dict[str, PageLedger]:
@@ -270,7 +262,7 @@ class RefengineAdapter:
             return
         for pool in self._engine.pools.values():
             st = self._pools[pool.name]
-            self._emit(
+            self._reporter.emit(
                 PoolSample,
                 node=st.node,
                 role=st.role,
@@ -310,7 +302,7 @@ class RefengineAdapter:
             )
             if pool.used_tokens:
                 self._pre_attach_pages = True
-            self._emit(
+            self._reporter.emit(
                 EngineConfig,
                 engine=self.engine_name,
                 engine_version=version,
@@ -333,12 +325,8 @@ class RefengineAdapter:
 
     def on_request_admitted(self, req: _Request) -> None:
         self._remember(req)
-        self._emit(
-            RequestAdmitted,
-            request_id=self._request_id(req.handle),
-            tenant=self._tenant_id(req.tenant_handle, req.tenant),
-            route=req.route,
-            model_id=req.model,
+        self._reporter.admitted(
+            self._ids(req),
             prompt_tokens=req.prompt_tokens,
             max_tokens=req.max_tokens,
             node=self._prefill_node,
@@ -348,12 +336,8 @@ class RefengineAdapter:
         self, req: _Request, reason: str, limit_tokens: int, prompt_tokens: int
     ) -> None:
         self._remember(req)
-        self._emit(
-            RequestRejected,
-            request_id=self._request_id(req.handle),
-            tenant=self._tenant_id(req.tenant_handle, req.tenant),
-            route=req.route,
-            model_id=req.model,
+        self._reporter.rejected(
+            self._ids(req),
             reason=REJECT_REASONS.get(reason, "other"),
             prompt_tokens=prompt_tokens,
             limit_tokens=limit_tokens,
@@ -374,12 +358,8 @@ class RefengineAdapter:
             status = "aborted"
         else:
             status = _FINISH_STATUS.get(req.finish_reason or "", "error")
-        self._emit(
-            RequestFinished,
-            request_id=self._request_id(req.handle, req.request_id),
-            tenant=self._tenant_id(req.tenant_handle, req.tenant),
-            route=req.route,
-            model_id=req.model,
+        self._reporter.finished(
+            self._ids(req),
             prompt_tokens=req.prompt_tokens,
             completion_tokens=req.completion_tokens,
             status=status,
@@ -430,7 +410,7 @@ class RefengineAdapter:
                 same = owner_tenant == reader_tenant
                 kind = "same_tenant" if same else "cross_tenant"
                 self.counters[f"prefix_hits_{kind}"] += 1
-            self._emit(
+            self._reporter.emit(
                 PrefixCacheHit,
                 node=st.node,
                 role=st.role,
@@ -506,7 +486,7 @@ class RefengineAdapter:
     ) -> None:
         src, dst = self._pools[src_pool.name], self._pools[dst_pool.name]
         n = src_pages.shape[0]
-        self._emit(
+        self._reporter.emit(
             KvTransfer,
             request_id=self._request_id(req.handle, req.request_id),
             tenant=self._tenant_id(req.tenant_handle, req.tenant),
@@ -580,27 +560,24 @@ class RefengineAdapter:
             values = torch.cat([s.pending for s in pending if s.pending is not None]).tolist()
             self.counters["syncs"] += 1
             self._absorb(pending, values)
+        step = int(engine.steps)
         for st in self._pools.values():
-            reused, cross, zeroized = st.reuse
-            if reused or zeroized:
+            if self._reporter.page_reuse(node=st.node, role=st.role, step=step, counts=st.reuse):
                 self.counters["reuse_events"] += 1
-                self._emit(
-                    PageReuse,
-                    node=st.node,
-                    role=st.role,
-                    step=int(engine.steps),
-                    reused_pages=reused,
-                    cross_tenant_pages=cross,
-                    zeroized_pages=zeroized,
-                )
                 st.reuse = [0, 0, 0]
         if self.counters["steps"] % self.pool_sample_every == 0:
             self.sample_pools()
 
     # -- internals -------------------------------------------------------------------------
 
-    def _emit(self, event_type: type[Event], **fields: Any) -> None:
-        self.probe.emit(event_type, deployment_id=self.deployment_id, **fields)
+    def _ids(self, req: _Request) -> RequestIds:
+        """What the request events of ``req`` name."""
+        return RequestIds(
+            self._request_id(req.handle, req.request_id),
+            self._tenant_id(req.tenant_handle, req.tenant),
+            req.model,
+            req.route,
+        )
 
     def _absorb(self, states: list[_PoolState], values: list[int]) -> None:
         for j, st in enumerate(states):
@@ -612,11 +589,7 @@ class RefengineAdapter:
         """Keep the request's names; ``new``: it was submitted after the attach."""
         if new and self._first_handle is None:
             self._first_handle = req.handle
-        reqs = self._requests
-        reqs[req.handle] = (safe_id(req.request_id, "req"), req.tenant_handle)
-        reqs.move_to_end(req.handle)
-        if len(reqs) > self._request_capacity:
-            reqs.popitem(last=False)
+        self._requests[req.handle] = (safe_id(req.request_id, "req"), req.tenant_handle)
         self._tenant_id(req.tenant_handle, req.tenant)
 
     def _unchecked(self, handle: int) -> bool:
@@ -664,7 +637,7 @@ class RefengineAdapter:
             reader_id, reader_tenant = self._names(f.reader)
             canary_tenant = None if f.canary_tenant < 0 else self._tenant_id(f.canary_tenant)
             for chunk in chunks(pages):
-                self._emit(
+                self._reporter.emit(
                     CanaryHit,
                     node=st.node,
                     detector="paint",

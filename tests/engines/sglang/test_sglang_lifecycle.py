@@ -235,7 +235,7 @@ def test_tenant_names_are_bounded(probe: Any, tp_rank0: None) -> None:
             finish(n, r, row, PAGE)
     finally:
         adapter.detach()
-    assert len(adapter._tenant_handles) <= 2 and len(adapter._tenant_names) <= 2
+    assert len(adapter._registry.tenants) <= 2
     assert [(a.request_id, a.tenant) for a in probe.of(RequestAdmitted)] == [
         (f"r-{i}", f"salt-{i}") for i in range(6)
     ]

@@ -333,7 +333,7 @@ def test_tenant_handles_stay_bounded_and_distinct(make_scheduler: Any) -> None:
     for i, tenant in enumerate(tenants):
         d.add(f"r-{i}", prompt(100 + i, 3 * BLOCK), tenant, max_tokens=2)
         d.run_until_done()
-    assert len(d.adapter._tenant_handles) <= 2
+    assert len(d.adapter._registry.tenants) <= 2
     reuse = probe.of(PageReuse)
     assert sum(e.reused_pages for e in reuse) >= len(tenants) - 1
     assert all(e.cross_tenant_pages == e.reused_pages for e in reuse)

@@ -176,5 +176,5 @@ def test_fault_injection_needs_its_exact_test_flag(
     monkeypatch.setenv(common.TEST_FAULTS_VAR, common.TEST_FAULTS_ON)
     _load_plugins()
     adapter = make_scheduler()._kvwatch_adapter
-    assert adapter._lose_write_of == "t-x"
+    assert adapter._registry.lose_writes_of == "t-x"
     assert any("TEST FAULT INJECTION ON" in w for w in vllm_log.at(logging.WARNING))
