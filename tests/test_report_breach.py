@@ -140,10 +140,10 @@ def test_incident_report_through_the_api(env: Env) -> None:
     }
     assert ar["max_prompt_tokens"] == 700_000
     t = report["tenants"]
-    assert [(x["tenant"], x["stale_reads"], x["readers"]) for x in t["exposed"]] == [
+    assert [(x["tenant"], x["stale_reads"], x["receiving_tenants"]) for x in t["exposed"]] == [
         ("acme", 1, ["globex"])
     ]
-    assert [(x["tenant"], x["requests"], x["sources"]) for x in t["victims"]] == [
+    assert [(x["tenant"], x["requests"], x["exposed_tenants"]) for x in t["receiving"]] == [
         ("globex", 1, ["acme"])
     ]
     assert report["data_categories"] == {
@@ -744,34 +744,46 @@ SCHEMA_2 = Path(__file__).parent / "data" / "breach-rpt_schema2window.json"
 SCHEMA_2_EARLY = SCHEMA_2.with_name("breach-rpt_schema2early.json")
 
 
+def _renamed(row: dict[str, Any], **names: str) -> dict[str, Any]:
+    return {names.get(k, k): v for k, v in row.items()}
+
+
 def _store(env: Env, doc: dict[str, Any]) -> None:
     ReportStore(env.db).save(doc, created_by="an earlier kvwatch", now=datetime.now(UTC))
 
 
 @pytest.mark.parametrize("path", [SCHEMA_2, SCHEMA_2_EARLY], ids=["last", "early"])
 def test_a_schema_2_report_still_verifies_and_renders(env: Env, tmp_path: Path, path: Path) -> None:
-    """A report an earlier version wrote (its report was a dict), over this environment's
-    events: its JSON and CSV verify, and stored, it is served as stored and renders its PDF
-    and CSV."""
+    """A report an earlier version wrote (schema 2: ``victims`` beside ``receiving_*``, rows'
+    ``readers``/``sources``), over this environment's events: its JSON and CSV verify, and
+    stored, it is served as stored and renders its PDF and CSV in today's words."""
     for p in (path, path.with_suffix(".csv")):
         (tmp_path / p.name).write_bytes(p.read_bytes())
         ok = CliRunner().invoke(cli, ["report", "verify", str(tmp_path / p.name)])
         assert ok.exit_code == 0 and "intact" in ok.output, ok.output
     doc = json.loads(path.read_text())
+    assert doc["schema_version"] == 2 and "victims" in doc["tenants"]
     report = from_document(doc)
     assert report.schema_version == 2
-    assert [(x.tenant, x.sources) for x in report.tenants.victims] == [("globex", ("acme",))]
-    assert [(x.tenant, x.readers) for x in report.tenants.exposed] == [("acme", ("globex",))]
+    assert [(x.tenant, x.exposed_tenants) for x in report.tenants.receiving] == [
+        ("globex", ("acme",))
+    ]
+    assert [(x.tenant, x.receiving_tenants) for x in report.tenants.exposed] == [
+        ("acme", ("globex",))
+    ]
     (dep,) = report.deployments
     assert dep.safe_context == 681_280
     if path == SCHEMA_2:
-        # the same evidence, assessed today, hashes the same
+        # the same evidence, assessed today, is the same evidence in today's words
         service = BreachService(env.db, Settings(database_url=env.c.db_url))
         scope = BreachScope(
             model_id=MODEL, since=T0, until=T0 + timedelta(hours=1), min_prompt_tokens=4000
         )
-        today = service.build(scope, now=datetime.now(UTC))
-        assert today.evidence_sha256 == doc["evidence_sha256"]
+        today = to_document(service.build(scope, now=datetime.now(UTC)))
+        t = dict(today["tenants"], victim_count=today["tenants"]["receiving_count"])
+        t["exposed"] = [_renamed(x, receiving_tenants="readers") for x in t["exposed"]]
+        t["victims"] = [_renamed(x, exposed_tenants="sources") for x in t.pop("receiving")]
+        assert evidence_digest(dict(today, tenants=t)) == doc["evidence_sha256"]
         assert dep.limit is not None and dep.limits_in_force[0].source == "pool"
     else:  # before the limits in force: the rule it had then, in its own words
         assert (dep.safe_context_source, dep.limit, dep.limits_in_force) == (
@@ -792,7 +804,7 @@ def test_a_schema_2_report_still_verifies_and_renders(env: Env, tmp_path: Path, 
     assert re.search(r"Receiving tenants\s*1\b", text) and "receiving tenant" in text
 
 
-@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("version", [1, 4])
 def test_a_report_of_a_schema_not_read_is_a_clear_error(
     env: Env, tmp_path: Path, version: int
 ) -> None:
@@ -816,8 +828,8 @@ def test_a_report_of_a_schema_not_read_is_a_clear_error(
         r = env.admin.get(f"/v1/reports/{rid}", params={"format": fmt})
         assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
         message = r.json()["error"]["message"]
-        assert f"schema-{version} breach report" in message and "reads schema 2" in message
-        assert r.json()["error"]["details"] == {"schema_version": version, "reads": [2]}
+        assert f"schema-{version} breach report" in message and "reads schema 2, 3" in message
+        assert r.json()["error"]["details"] == {"schema_version": version, "reads": [2, 3]}
 
 
 def test_the_document_reads_back_as_the_report(env: Env) -> None:
@@ -830,10 +842,10 @@ def test_the_document_reads_back_as_the_report(env: Env) -> None:
     ):
         report = service.build(scope, now=datetime.now(UTC))
         doc = to_document(report)
-        assert doc["schema_version"] == 2
+        assert doc["schema_version"] == 3 and "victims" not in doc["tenants"]
         assert from_document(json.loads(json.dumps(doc))) == report
         assert evidence_digest(doc) == report.evidence_sha256
     broken = dict(doc, affected_requests=dict(doc["affected_requests"], count="two"))
     with pytest.raises(UnreadableReport) as exc:
         from_document(broken)
-    assert "schema-2" in exc.value.message and "$.affected_requests.count" in exc.value.message
+    assert "schema-3" in exc.value.message and "$.affected_requests.count" in exc.value.message

@@ -876,16 +876,16 @@ def _tenants(cross: Sequence[StaleRead]) -> Tenants:
                 tenant=t,
                 stale_reads=x.stale_reads,
                 requests=len(x.request_ids()),
-                readers=x.other_tenants(),
+                receiving_tenants=x.other_tenants(),
             )
             for t, x in sorted(exposed.items())
         ),
-        victims=tuple(
+        receiving=tuple(
             ReceivingTenant(
                 tenant=t,
                 stale_reads=x.stale_reads,
                 requests=len(x.request_ids()),
-                sources=x.other_tenants(),
+                exposed_tenants=x.other_tenants(),
             )
             for t, x in sorted(receiving.items())
         ),
@@ -893,7 +893,6 @@ def _tenants(cross: Sequence[StaleRead]) -> Tenants:
         exposed_requests=len({r for x in exposed.values() for r in x.request_ids()}),
         receiving_count=len(receiving),
         receiving_requests=len({r for x in receiving.values() for r in x.request_ids()}),
-        victim_count=len(receiving),
         involved_count=len(set(exposed) | set(receiving)),
     )
 
@@ -1069,7 +1068,7 @@ def implied_notices(report: BreachReport) -> tuple[Notice, ...]:
     if report.incident is None:
         return ()
     exposed = {x.tenant for x in report.tenants.exposed}
-    receiving = {x.tenant for x in report.tenants.victims}
+    receiving = {x.tenant for x in report.tenants.receiving}
     return tuple(
         Notice(
             tenant=tenant,
@@ -1094,7 +1093,7 @@ def plain_account(report: BreachReport) -> str:
     steps = {x.step for x in report.cause}
     parts: list[str] = []
     if sr.cross_tenant:
-        receiving = ", ".join(x.tenant for x in t.victims) or "unknown tenants"
+        receiving = ", ".join(x.tenant for x in t.receiving) or "unknown tenants"
         exposed = ", ".join(x.tenant for x in t.exposed) or "unknown tenants"
         tl = report.timeline
         parts.append(

@@ -10,9 +10,12 @@ is wrong.
 
 Times are ISO 8601 UTC text (:func:`collector.timefmt.iso`), as the document carries them.
 
-Versions: 2 lists a sample of the affected requests and the figures a CSV is recounted
-against. 1 listed every affected request in the JSON and had no figures to recount its CSV
-against: it is not read (its JSON still verifies, :func:`evidence_digest` needs no types).
+Versions: 3 names tenants by one vocabulary, exposed (whose KV was read) and receiving (who
+read it), in ``tenants`` and its rows. 2 also had ``victims``/``victim_count`` (the receiving
+tenants) and rows' ``readers``/``sources``; :func:`from_document` reads a schema-2 document as
+a schema-3 report (its ``schema_version`` stays 2). 1 listed every affected request in the
+JSON and had no figures to recount its CSV against: it is not read (its JSON still verifies,
+:func:`evidence_digest` needs no types).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from collector.reports.breach_rows import AffectedRequest
 from collector.reports.stored import canonical
 from policies.limits import LimitInForce
 
-SCHEMA_VERSION = 2
-READS = (2,)  # the schema versions from_document reads
+SCHEMA_VERSION = 3
+READS = (2, 3)  # the schema versions from_document reads
 # The evidence set: the document's sections hashed into evidence_sha256.
 EVIDENCE_KEYS = (
     "scope",
@@ -84,7 +87,7 @@ class ExposedTenant(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     stale_reads: int
     requests: int
-    readers: tuple[str, ...]  # the receiving tenants that read it
+    receiving_tenants: tuple[str, ...]  # who read it
 
 
 class ReceivingTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,20 +96,18 @@ class ReceivingTenant(msgspec.Struct, frozen=True, kw_only=True):
     tenant: str
     stale_reads: int
     requests: int
-    sources: tuple[str, ...]  # the exposed tenants whose KV it read
+    exposed_tenants: tuple[str, ...]  # whose KV it read
 
 
 class Tenants(msgspec.Struct, frozen=True, kw_only=True):
-    """Tenants are customers (controllers), not data subjects. Exposed: whose KV was read;
-    receiving: who read it (``victims``, ``victim_count``: the same, older names)."""
+    """Tenants are customers (controllers), not data subjects."""
 
     exposed: tuple[ExposedTenant, ...]
-    victims: tuple[ReceivingTenant, ...]
+    receiving: tuple[ReceivingTenant, ...]
     exposed_count: int
     exposed_requests: int
     receiving_count: int
     receiving_requests: int
-    victim_count: int
     involved_count: int
 
 
@@ -318,7 +319,7 @@ def evidence_digest(doc: Mapping[str, Any]) -> str:
 
 def from_document(doc: Mapping[str, Any]) -> BreachReport:
     """A report's JSON document (as stored, or as ``kvwatch report breach`` wrote it) as a
-    report (schema 2). Raises :class:`UnreadableReport` naming the
+    report: schema 3, or schema 2 read as 3. Raises :class:`UnreadableReport` naming the
     schema version, or the field that is wrong."""
     rid = doc.get("report_id", "?")
     version = doc.get("schema_version", 1)
@@ -333,7 +334,8 @@ def from_document(doc: Mapping[str, Any]) -> BreachReport:
         )
     try:
         body = dict(doc)
-        if version == 2:  # written before the limits in force, or after
+        if version == 2:  # in schema 3's words; written before the limits in force, or after
+            body["tenants"] = _tenants_from_v2(doc["tenants"])
             body["deployments"] = [
                 {"limit": None, "limits_in_force": [], **d} for d in doc["deployments"]
             ]
@@ -344,3 +346,27 @@ def from_document(doc: Mapping[str, Any]) -> BreachReport:
             f"report {rid} is not a readable schema-{version} breach report: {what}",
             {"schema_version": version},
         ) from None
+
+
+def _tenants_from_v2(t: Mapping[str, Any]) -> dict[str, Any]:
+    """Schema 2's tenants in schema 3's words: ``victims`` are the receiving tenants, a row's
+    ``readers`` its receiving tenants and ``sources`` its exposed ones; ``victim_count`` was
+    ``receiving_count`` twice."""
+    return {
+        "exposed": [{**_row(x), "receiving_tenants": x["readers"]} for x in t["exposed"]],
+        "receiving": [{**_row(x), "exposed_tenants": x["sources"]} for x in t["victims"]],
+        **{
+            k: t[k]
+            for k in (
+                "exposed_count",
+                "exposed_requests",
+                "receiving_count",
+                "receiving_requests",
+                "involved_count",
+            )
+        },
+    }
+
+
+def _row(x: Mapping[str, Any]) -> dict[str, Any]:
+    return {"tenant": x["tenant"], "stale_reads": x["stale_reads"], "requests": x["requests"]}

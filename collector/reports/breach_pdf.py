@@ -335,13 +335,13 @@ def render_pdf(report: BreachReport) -> bytes:
     pdf.add_page()
     pdf.h1("Tenants")
     pdf.grid(
-        ["exposed tenant", "stale reads", "requests", "read by"],
-        [[t.tenant, t.stale_reads, t.requests, ", ".join(t.readers)] for t in tn.exposed],
+        ["exposed tenant", "stale reads", "requests", "receiving tenants"],
+        [[t.tenant, t.stale_reads, t.requests, ", ".join(t.receiving_tenants)] for t in tn.exposed],
         [40, 25, 25, 90],
     )
     pdf.grid(
-        ["receiving tenant", "stale reads", "requests", "received data of"],
-        [[t.tenant, t.stale_reads, t.requests, ", ".join(t.sources)] for t in tn.victims],
+        ["receiving tenant", "stale reads", "requests", "exposed tenants"],
+        [[t.tenant, t.stale_reads, t.requests, ", ".join(t.exposed_tenants)] for t in tn.receiving],
         [40, 25, 25, 90],
     )
     pdf.h1("Data categories")
