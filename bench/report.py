@@ -136,8 +136,8 @@ def _build(url: str, n: int, traced: bool, q: Any) -> None:
             "tracemalloc_peak_mb": None if peak is None else round(peak / 2**20, 1),
             "rss_before_mb": round(rss0 / 1024, 1),
             "rss_peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "count": report["affected_requests"]["count"],
-            "listed": report["affected_requests"]["listed"],
+            "count": report.affected_requests.count,
+            "listed": report.affected_requests.listed,
         }
     )
 

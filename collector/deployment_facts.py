@@ -1,7 +1,8 @@
 """What is known of each deployment, from the database (repository layer): its nodes' latest
 configs, its verifications, the tenants it served and its probes. The policy engine evaluates
 over these facts (:mod:`collector.alerting`); the limits card, the quarterly review and the
-dashboard's safe-context lines read them too.
+dashboard's safe-context lines read them too, and breach reports read the configs' and
+verifications' whole history (:func:`config_history`, :func:`verification_history`).
 
 Per batch, the cost is a few indexed queries for the deployments the batch touches: never a
 scan of history.
@@ -79,6 +80,27 @@ def node_configs(
         for r in rows:
             out.setdefault((r.deployment_id, r.node), _node_config(r))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigRecord:
+    """One stored config of a node: the :class:`NodeConfig` the rules see, and what only the
+    store keeps of it (the page size, the KV dtype, the hash that tells configs apart)."""
+
+    config: NodeConfig
+    page_size: int
+    dtype: str
+    config_hash: str
+
+
+def config_history(conn: Connection, deployment_id: str) -> list[ConfigRecord]:
+    """Every config the deployment's nodes have reported, oldest first. Configs are stored
+    only when they change, so this grows with changes, not with time."""
+    t = m.DeploymentConfig.__table__
+    rows = conn.execute(
+        select(t).where(t.c.deployment_id == deployment_id).order_by(t.c.ts, t.c.id)
+    )
+    return [ConfigRecord(_node_config(r), int(r.page_size), r.dtype, r.config_hash) for r in rows]
 
 
 def _evidence(raw: str | None) -> dict[str, Any]:
@@ -236,6 +258,34 @@ def verdicts(conn: Connection, deployments: Iterable[str] | None) -> Verdicts:
             found = next(decided, None)
             if found is not None:
                 out.decided[(dep, model)] = found
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class VerificationRecord:
+    """One stored verification: the :class:`VerificationFact` the rules see, and who
+    recorded it."""
+
+    fact: VerificationFact
+    created_by: str
+
+
+def verification_history(conn: Connection, deployment_id: str) -> list[VerificationRecord]:
+    """Every verification of the deployment, of any model, oldest first. Each fact's
+    ``last_passed_at`` is the latest pass of its model up to and including it: what the rules
+    would have seen had it been the latest."""
+    t = m.Verification.__table__
+    rows = conn.execute(
+        select(t).where(t.c.deployment_id == deployment_id).order_by(t.c.verified_at, t.c.id)
+    )
+    out = []
+    passed_at: dict[str, datetime] = {}
+    for r in rows:
+        if r.passed:
+            passed_at[r.model_id] = as_datetime(r.verified_at)
+        out.append(
+            VerificationRecord(verification_fact(r, passed_at.get(r.model_id)), r.created_by)
+        )
     return out
 
 

@@ -48,6 +48,7 @@ def breach(
     import json
 
     from collector.reports.breach import BreachScope, BreachService
+    from collector.reports.breach_model import to_document
     from collector.reports.breach_pdf import render_pdf
 
     if incident is not None and model is not None:
@@ -65,7 +66,7 @@ def breach(
         service = BreachService(db, s)
         report = service.create(scope, created_by=by, late_reason=late_reason)
         out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"breach-{report['report_id']}"
+        stem = out / f"breach-{report.report_id}"
         paths = [stem.with_suffix(".json"), stem.with_suffix(".csv"), stem.with_suffix(".pdf")]
         # Every affected request, streamed from the database into a .part file that becomes
         # the CSV only once its rows are the ones the report counted.
@@ -76,7 +77,8 @@ def breach(
             part.replace(paths[1])
         finally:
             part.unlink(missing_ok=True)
-    paths[0].write_text(json.dumps(report, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    doc = to_document(report)
+    paths[0].write_text(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     paths[2].write_bytes(render_pdf(report))
     for p in paths:
         typer.echo(str(p))
@@ -88,10 +90,17 @@ def report_verify(
     """Recompute a breach report's evidence hash. A .json is checked against the hash it
     records; a .csv against the .json beside it (same name): its first line must name that
     hash, and its rows must be that report's (recounted against the report's figures, and
-    holding every request the JSON lists). Exit 0 intact, 1 altered, 2 unreadable."""
+    holding every request the JSON lists). Exit 0 intact, 1 altered, 2 unreadable (a CSV of a
+    report of a schema this kvwatch does not read is unreadable; its JSON is not)."""
     import json
 
-    from collector.reports.breach import check_csv, evidence_digest
+    from collector.reports.breach import check_csv
+    from collector.reports.breach_model import (
+        EVIDENCE_KEYS,
+        UnreadableReport,
+        evidence_digest,
+        from_document,
+    )
 
     json_path = path.with_suffix(".json")
     try:
@@ -99,6 +108,9 @@ def report_verify(
         recorded, report_id = report["evidence_sha256"], report["report_id"]
         if report.get("kind") != "breach":
             raise KeyError("kind")
+        missing = [k for k in EVIDENCE_KEYS if k not in report]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} section")
     except FileNotFoundError:
         err.print(f"[red]error:[/] {json_path}: no such file (a .csv is checked with its .json)")
         raise typer.Exit(2) from None
@@ -111,9 +123,17 @@ def report_verify(
         problems.append(f"the evidence hashes to {recomputed}, the report records {recorded}")
     if path.suffix == ".csv":
         try:
+            typed = from_document(report)
+        except UnreadableReport as exc:
+            if not problems:  # intact, of a schema this kvwatch cannot recount a CSV against
+                err.print(f"[red]error:[/] {json_path}: {exc.message}")
+                raise typer.Exit(2) from None
+            err.print(f"[red]ALTERED:[/] {path} ({report_id}): {problems[0]}; {exc.message}")
+            raise typer.Exit(1) from None
+        try:
             # Streamed: a report's CSV can list millions of requests.
             with path.open(encoding="utf-8", newline="") as fh:
-                wrong = check_csv(report, fh)
+                wrong = check_csv(typed, fh)
         except (OSError, UnicodeDecodeError) as exc:
             err.print(f"[red]error:[/] {path}: {getattr(exc, 'strerror', None) or exc}")
             raise typer.Exit(2) from None

@@ -126,7 +126,7 @@ def _the_demos_incident_as_a_dpo_reads_it(out: Path, incident_id: int, tmp: Path
     tenants = first["tenants"]
     assert [t["tenant"] for t in tenants["exposed"]] == ["hooli"]
     assert tenants["exposed_count"] == 1 and tenants["exposed_requests"] == 1
-    assert [t["tenant"] for t in tenants["victims"]] == ["massive-dynamic"]
+    assert [t["tenant"] for t in tenants["receiving"]] == ["massive-dynamic"]
     assert tenants["receiving_count"] == 1
     assert first["data_categories"]["data_subjects"] is None
     assert first["art34"]["verdict"] == "undetermined"

@@ -30,7 +30,9 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput
 from collector.reports.breach import BreachScope, BreachService, evidence_digest
+from collector.reports.breach_model import UnreadableReport, from_document, to_document
 from collector.reports.breach_pdf import render_pdf
+from collector.reports.stored import ReportStore
 from collector.settings import Settings
 from engine_probe import events as ev
 from kvwatch.cli import app as cli
@@ -138,10 +140,10 @@ def test_incident_report_through_the_api(env: Env) -> None:
     }
     assert ar["max_prompt_tokens"] == 700_000
     t = report["tenants"]
-    assert [(x["tenant"], x["stale_reads"], x["readers"]) for x in t["exposed"]] == [
+    assert [(x["tenant"], x["stale_reads"], x["receiving_tenants"]) for x in t["exposed"]] == [
         ("acme", 1, ["globex"])
     ]
-    assert [(x["tenant"], x["requests"], x["sources"]) for x in t["victims"]] == [
+    assert [(x["tenant"], x["requests"], x["exposed_tenants"]) for x in t["receiving"]] == [
         ("globex", 1, ["acme"])
     ]
     assert report["data_categories"] == {
@@ -328,8 +330,10 @@ def test_two_generations_of_an_incident_give_one_evidence_hash(env: Env) -> None
     the same evidence hashes the same, and new evidence changes the hash."""
     later = datetime.now(UTC) + timedelta(minutes=5)
     service = BreachService(env.db, Settings(database_url=env.c.db_url))
-    first = service.build(BreachScope(incident_id=env.incident_id), now=datetime.now(UTC))
-    second = service.build(BreachScope(incident_id=env.incident_id), now=later)
+    first = to_document(
+        service.build(BreachScope(incident_id=env.incident_id), now=datetime.now(UTC))
+    )
+    second = to_document(service.build(BreachScope(incident_id=env.incident_id), now=later))
     assert first["report_id"] != second["report_id"]
     assert first["generated_at"] != second["generated_at"]
     assert first["evidence_sha256"] == second["evidence_sha256"]
@@ -338,7 +342,7 @@ def test_two_generations_of_an_incident_give_one_evidence_hash(env: Env) -> None
     with env.c.client(env.c.ingest) as ingest:
         r = ingest.post("/v1/events", json=[f.as_json(f.stale_read(12, reader_request_id="r-x"))])
         assert r.status_code == 200, r.text
-    third = service.build(BreachScope(incident_id=env.incident_id), now=later)
+    third = to_document(service.build(BreachScope(incident_id=env.incident_id), now=later))
     assert third["evidence_sha256"] != first["evidence_sha256"]
 
 
@@ -393,7 +397,8 @@ def test_a_data_map_declares_what_tags_do_not(collector: Collector, tmp_path: Pa
         with db.read() as conn:
             (incident_id,) = conn.execute(select(m.Incident.id)).scalars().all()
         service = BreachService(db, Settings(database_url=collector.db_url, data_map=datamap))
-        report = service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+        built = service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+        report = to_document(built)
         cats = report["data_categories"]
         assert cats["special"] == ["health"] and cats["exposed_undeclared"] == 0
         assert cats["exposed"] == {"health": 1, "hr_records": 1}
@@ -401,7 +406,7 @@ def test_a_data_map_declares_what_tags_do_not(collector: Collector, tmp_path: Pa
         assert report["art34"]["verdict"] == "yes" and "health" in report["art34"]["reasons"][0]
         subjects = {x["key"]: x for x in report["checklist"]}["subjects"]["value"]
         assert subjects.startswith("1,200 (declared in the data map")
-        text = _pdf_checks(render_pdf(report), report)
+        text = _pdf_checks(render_pdf(built), report)
         assert re.search(r"Data subjects\s*1,200 \(declared in the data map", text), text[:3000]
         assert re.search(r"Art. 34 high risk\s*yes", text)
 
@@ -427,9 +432,11 @@ def test_a_window_names_only_the_deployments_where_data_crossed(env: Env) -> Non
     with env.c.client(env.c.ingest) as ingest:
         r = ingest.post("/v1/events", json=[f.as_json(e) for e in hardened])
         assert r.status_code == 200, r.text
-    report = BreachService(env.db, Settings(database_url=env.c.db_url)).build(
-        BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(hours=1)),
-        now=datetime.now(UTC),
+    report = to_document(
+        BreachService(env.db, Settings(database_url=env.c.db_url)).build(
+            BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(hours=1)),
+            now=datetime.now(UTC),
+        )
     )
     assert {d["deployment_id"] for d in report["deployments"]} == {"glm-prod", "lab-hardened"}
     assert report["involved_deployments"] == ["glm-prod"]
@@ -442,15 +449,19 @@ def test_late_report_asks_for_a_reason(env: Env) -> None:
     svc = BreachService(env.db, Settings(database_url=env.c.db_url, dpo_contact="dpo@x.example"))
     with env.db.read() as conn:
         deadline = conn.execute(select(m.Incident.deadline_at)).scalar_one()
-    late = svc.build(BreachScope(incident_id=env.incident_id), now=deadline + timedelta(hours=1))
+    late = to_document(
+        svc.build(BreachScope(incident_id=env.incident_id), now=deadline + timedelta(hours=1))
+    )
     assert late["timeline"]["late"] is True
     assert "needs a person" in late["timeline"]["late_reason"]
     contact = {x["key"]: x for x in late["checklist"]}["contact"]
     assert (contact["value"], contact["needs_person"]) == ("dpo@x.example", False)
-    given = svc.build(
-        BreachScope(incident_id=env.incident_id),
-        now=deadline + timedelta(hours=1),
-        late_reason="forensics took 80 hours",
+    given = to_document(
+        svc.build(
+            BreachScope(incident_id=env.incident_id),
+            now=deadline + timedelta(hours=1),
+            late_reason="forensics took 80 hours",
+        )
     )
     assert given["timeline"]["late_reason"] == "forensics took 80 hours"
     # the generation time is not evidence: the hash depends on the data only
@@ -652,7 +663,8 @@ def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> 
             conn.execute(m.Request.__table__.insert(), rows)
         service = BreachService(db, Settings(database_url=collector.db_url))
         scope = BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(days=1))
-        report = service.create(scope, created_by="test")
+        created = service.create(scope, created_by="test")
+        report = to_document(created)
         ar = report["affected_requests"]
         assert (ar["count"], ar["listed"], ar["truncated"]) == (n, SAMPLE_ROWS, True)
         assert sum(ar["by_tenant"].values()) == sum(ar["by_route"].values()) == n
@@ -663,7 +675,7 @@ def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> 
             "hr": len(range(2, n, 3)),
         }
         chunks: list[bytes] = []
-        assert service.write_csv(report, chunks.append) == n
+        assert service.write_csv(created, chunks.append) == n
         text = b"".join(chunks).decode()
         head, body = text.split("\n", 1)
         assert head == (
@@ -672,7 +684,8 @@ def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> 
         )
         # the sample is the CSV's first rows, byte for byte as the JSON's items would be
         buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows(csv_row(x) for x in ar["items"])
+        items = created.affected_requests.items
+        csv.writer(buf, lineterminator="\n").writerows(csv_row(x) for x in items)
         lines = body.splitlines(keepends=True)
         assert "".join(lines[1 : SAMPLE_ROWS + 1]) == buf.getvalue()
         listed = list(csv.DictReader(io.StringIO(body)))
@@ -681,7 +694,7 @@ def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> 
         i = n - 1
         assert last["first_ts"].endswith("Z") and "." in last["first_ts"]
         assert last["data_categories"] == ["contact;health", "", "hr"][i % 3]
-        assert check_csv(report, text.splitlines(keepends=True)) == []
+        assert check_csv(created, text.splitlines(keepends=True)) == []
 
         with collector.client(collector.admin) as admin:
             got = admin.get(f"/v1/reports/{report['report_id']}", params={"format": "csv"})
@@ -693,7 +706,7 @@ def test_the_csv_lists_every_request_beyond_the_sample(collector: Collector) -> 
         assert gone.json()["error"]["code"] == "conflict"
         assert "generate a new report" in gone.json()["error"]["message"]
         edited = text.replace("bulk-7,", "bulk-x,")
-        assert check_csv(report, edited.splitlines(keepends=True)) != []
+        assert check_csv(created, edited.splitlines(keepends=True)) != []
     finally:
         db.dispose()
 
@@ -723,3 +736,116 @@ def test_postgresql_writes_times_as_iso_does(collector: Collector) -> None:
     finally:
         db.dispose()
     assert got == [iso(v) for v in values]
+
+
+# Schema-2 reports of this module's window, as the versions before this one wrote them: the
+# last one, and one from before the deployments section had the limits in force.
+SCHEMA_2 = Path(__file__).parent / "data" / "breach-rpt_schema2window.json"
+SCHEMA_2_EARLY = SCHEMA_2.with_name("breach-rpt_schema2early.json")
+
+
+def _renamed(row: dict[str, Any], **names: str) -> dict[str, Any]:
+    return {names.get(k, k): v for k, v in row.items()}
+
+
+def _store(env: Env, doc: dict[str, Any]) -> None:
+    ReportStore(env.db).save(doc, created_by="an earlier kvwatch", now=datetime.now(UTC))
+
+
+@pytest.mark.parametrize("path", [SCHEMA_2, SCHEMA_2_EARLY], ids=["last", "early"])
+def test_a_schema_2_report_still_verifies_and_renders(env: Env, tmp_path: Path, path: Path) -> None:
+    """A report an earlier version wrote (schema 2: ``victims`` beside ``receiving_*``, rows'
+    ``readers``/``sources``), over this environment's events: its JSON and CSV verify, and
+    stored, it is served as stored and renders its PDF and CSV in today's words."""
+    for p in (path, path.with_suffix(".csv")):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+        ok = CliRunner().invoke(cli, ["report", "verify", str(tmp_path / p.name)])
+        assert ok.exit_code == 0 and "intact" in ok.output, ok.output
+    doc = json.loads(path.read_text())
+    assert doc["schema_version"] == 2 and "victims" in doc["tenants"]
+    report = from_document(doc)
+    assert report.schema_version == 2
+    assert [(x.tenant, x.exposed_tenants) for x in report.tenants.receiving] == [
+        ("globex", ("acme",))
+    ]
+    assert [(x.tenant, x.receiving_tenants) for x in report.tenants.exposed] == [
+        ("acme", ("globex",))
+    ]
+    (dep,) = report.deployments
+    assert dep.safe_context == 681_280
+    if path == SCHEMA_2:
+        # the same evidence, assessed today, is the same evidence in today's words
+        service = BreachService(env.db, Settings(database_url=env.c.db_url))
+        scope = BreachScope(
+            model_id=MODEL, since=T0, until=T0 + timedelta(hours=1), min_prompt_tokens=4000
+        )
+        today = to_document(service.build(scope, now=datetime.now(UTC)))
+        t = dict(today["tenants"], victim_count=today["tenants"]["receiving_count"])
+        t["exposed"] = [_renamed(x, receiving_tenants="readers") for x in t["exposed"]]
+        t["victims"] = [_renamed(x, exposed_tenants="sources") for x in t.pop("receiving")]
+        assert evidence_digest(dict(today, tenants=t)) == doc["evidence_sha256"]
+        assert dep.limit is not None and dep.limits_in_force[0].source == "pool"
+    else:  # before the limits in force: the rule it had then, in its own words
+        assert (dep.safe_context_source, dep.limit, dep.limits_in_force) == (
+            "smallest prefill pool (no passed verification)",
+            None,
+            (),
+        )
+
+    _store(env, doc)
+    rid = doc["report_id"]
+    assert env.admin.get(f"/v1/reports/{rid}").json() == doc  # its hash was taken over it
+    c = env.admin.get(f"/v1/reports/{rid}", params={"format": "csv"})
+    assert c.status_code == 200, c.text
+    assert c.text == path.with_suffix(".csv").read_text()
+    p = env.admin.get(f"/v1/reports/{rid}", params={"format": "pdf"})
+    assert p.status_code == 200, p.text
+    text = _pdf_checks(p.content, doc)
+    assert re.search(r"Receiving tenants\s*1\b", text) and "receiving tenant" in text
+
+
+@pytest.mark.parametrize("version", [1, 4])
+def test_a_report_of_a_schema_not_read_is_a_clear_error(
+    env: Env, tmp_path: Path, version: int
+) -> None:
+    """Schema 1 (every request in the JSON, no figures to recount a CSV against) and any
+    schema newer than this kvwatch: served as stored, verified by hash, and its PDF or CSV a
+    409 naming the schema (exit 2 for its CSV's check), never a 500."""
+    doc = json.loads(SCHEMA_2.read_text())
+    doc["schema_version"] = version  # outside the evidence: the hash still holds
+    path = tmp_path / SCHEMA_2.name
+    path.write_text(json.dumps(doc))
+    path.with_suffix(".csv").write_bytes(SCHEMA_2.with_suffix(".csv").read_bytes())
+    ok = CliRunner().invoke(cli, ["report", "verify", str(path)])
+    assert ok.exit_code == 0 and "intact" in ok.output, ok.output
+    bad = CliRunner().invoke(cli, ["report", "verify", str(path.with_suffix(".csv"))])
+    assert bad.exit_code == 2 and f"schema-{version} breach report" in bad.output, bad.output
+
+    _store(env, doc)
+    rid = doc["report_id"]
+    assert env.admin.get(f"/v1/reports/{rid}").json() == doc
+    for fmt in ("pdf", "csv"):
+        r = env.admin.get(f"/v1/reports/{rid}", params={"format": fmt})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
+        message = r.json()["error"]["message"]
+        assert f"schema-{version} breach report" in message and "reads schema 2, 3" in message
+        assert r.json()["error"]["details"] == {"schema_version": version, "reads": [2, 3]}
+
+
+def test_the_document_reads_back_as_the_report(env: Env) -> None:
+    """A schema-3 document is the report, field for field; one whose field has the wrong type
+    is refused naming the field."""
+    service = BreachService(env.db, Settings(database_url=env.c.db_url))
+    for scope in (
+        BreachScope(incident_id=env.incident_id),
+        BreachScope(model_id=MODEL, since=T0, until=T0 + timedelta(hours=1)),
+    ):
+        report = service.build(scope, now=datetime.now(UTC))
+        doc = to_document(report)
+        assert doc["schema_version"] == 3 and "victims" not in doc["tenants"]
+        assert from_document(json.loads(json.dumps(doc))) == report
+        assert evidence_digest(doc) == report.evidence_sha256
+    broken = dict(doc, affected_requests=dict(doc["affected_requests"], count="two"))
+    with pytest.raises(UnreadableReport) as exc:
+        from_document(broken)
+    assert "schema-3" in exc.value.message and "$.affected_requests.count" in exc.value.message

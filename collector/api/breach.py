@@ -18,6 +18,7 @@ from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment, attachment_file
 from collector.errors import Forbidden, InvalidInput
 from collector.reports.breach import BreachScope, BreachService
+from collector.reports.breach_model import from_document, to_document
 from collector.reports.notice import NoticeService
 from collector.reports.notice import render_pdf as notice_pdf
 from collector.reports.notice import to_markdown as notice_md
@@ -107,7 +108,9 @@ def build_router(
         who.require("admin")
         if body.kind == "review":
             doc = await in_thread(_review, body, who.label)
-            return _created(doc)
+            return _created(
+                doc["report_id"], doc["kind"], doc["evidence_sha256"], doc["generated_at"]
+            )
         scope = BreachScope(
             incident_id=body.incident_id,
             model_id=body.model_id,
@@ -119,7 +122,7 @@ def build_router(
         report = await in_thread(
             service.create, scope, created_by=who.label, late_reason=body.late_reason
         )
-        return _created(report)
+        return _created(report.report_id, report.kind, report.evidence_sha256, report.generated_at)
 
     @r.get("/v1/reports", responses=_ERRORS, summary="Stored reports, newest first")
     async def list_reports(
@@ -135,7 +138,9 @@ def build_router(
         responses={
             **_ERRORS,
             **params.errors(
-                409, e409="The breach report's affected requests changed since it was generated"
+                409,
+                e409="The breach report's affected requests changed since it was generated, "
+                "or it is of a schema this kvwatch does not read",
             ),
             200: {"content": {"text/csv": {}, "application/pdf": {}}},
         },
@@ -148,22 +153,27 @@ def build_router(
         format: Annotated[Literal["json", "csv", "pdf"], Query()] = "json",
     ) -> Response:
         who.require("admin")
-        report = await in_thread(store.get, report_id)
-        kind = report.get("kind", "breach")
+        doc = await in_thread(store.get, report_id)
+        kind = doc.get("kind", "breach")
         name = f"{kind}-{report_id}"
+        if format == "json":
+            # As stored: its evidence hash was taken over this document, whatever its schema.
+            return JSONResponse(doc)
+        if kind == "review":
+            from collector.reports.review_pdf import render_pdf as review_pdf
+
+            if format == "csv":
+                return attachment(review_csv(doc), name, "csv")
+            return attachment(await in_thread(review_pdf, doc), name, "pdf")
+        # A schema this kvwatch does not read is a 409 naming it, never a 500.
+        report = await in_thread(from_document, doc)
         if format == "csv":
-            if kind == "review":
-                return attachment(review_csv(report), name, "csv")
             # Every affected request, from the database; counted before the first byte, so a
             # report whose rows changed since is a 409, never a short file.
             return attachment_file(await in_thread(service.csv_file, report), name, "csv")
-        if format == "pdf":
-            from collector.reports.breach_pdf import render_pdf as breach_pdf
-            from collector.reports.review_pdf import render_pdf as review_pdf
+        from collector.reports.breach_pdf import render_pdf as breach_pdf
 
-            render = review_pdf if kind == "review" else breach_pdf
-            return attachment(await in_thread(render, report), name, "pdf")
-        return JSONResponse(report)
+        return attachment(await in_thread(breach_pdf, report), name, "pdf")
 
     @r.get(
         "/v1/incidents/{incident_id}/assessment",
@@ -178,7 +188,8 @@ def build_router(
             raise Forbidden("a tenant-scoped read token cannot read incidents")
         who.require("admin", "read")
         scope = BreachScope(incident_id=incident_id)
-        return await in_thread(lambda: service.build(scope, now=datetime.now(UTC)))
+        report = await in_thread(lambda: service.build(scope, now=datetime.now(UTC)))
+        return to_document(report)
 
     @r.get(
         "/v1/incidents/{incident_id}/notice",
@@ -205,12 +216,11 @@ def build_router(
     return r
 
 
-def _created(report: dict[str, Any]) -> dict[str, Any]:
-    rid = report["report_id"]
+def _created(rid: str, kind: str, evidence_sha256: str, generated_at: str) -> dict[str, Any]:
     return {
         "report_id": rid,
-        "kind": report["kind"],
-        "evidence_sha256": report["evidence_sha256"],
-        "generated_at": report["generated_at"],
+        "kind": kind,
+        "evidence_sha256": evidence_sha256,
+        "generated_at": generated_at,
         "links": {f: f"/v1/reports/{rid}?format={f}" for f in ("json", "csv", "pdf")},
     }

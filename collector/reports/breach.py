@@ -11,44 +11,73 @@ all. The CSV lists every one of them, streamed from the database when it is writ
 (:meth:`BreachService.write_csv`: ``COPY … TO STDOUT`` on PostgreSQL), and it must hold
 exactly ``affected_requests.count`` rows.
 
-The evidence set (the sections named in ``EVIDENCE_KEYS``) is serialised canonically (sorted
-keys, compact separators, UTF-8) and hashed with SHA-256: ``evidence_sha256``.
+The report is typed (:mod:`collector.reports.breach_model`); its JSON document is
+``to_document(report)``. The evidence set (the sections named in ``EVIDENCE_KEYS``) of that
+document is serialised canonically (sorted keys, compact separators, UTF-8) and hashed with
+SHA-256: ``evidence_sha256``. Configs and verifications come from
+:mod:`collector.deployment_facts`, as the rules, the limits card and the review read them.
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
-import io
 import json
 import secrets
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, BinaryIO, cast
 
 import pandas as pd
 import sqlalchemy as sa
+from msgspec.structs import replace
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
+from collector import deployment_facts
 from collector import models as m
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
 from collector.limits import Limits
 from collector.reports import breach_rows as rows_sql
-from collector.reports.breach_rows import CSV_COLUMNS, RowFilter, csv_row
-from collector.reports.stored import ReportStore, canonical
+from collector.reports.breach_model import (
+    SCHEMA_VERSION,
+    AffectedRequests,
+    Art34,
+    BreachReport,
+    CauseStep,
+    ChartWindow,
+    ChecklistItem,
+    ConfigEntry,
+    DataCategories,
+    Deployment,
+    ExposedTenant,
+    FilledBy,
+    Incident,
+    Notice,
+    Point,
+    ReceivingTenant,
+    Scope,
+    Series,
+    StaleRead,
+    StaleReads,
+    Tenants,
+    Timeline,
+    VerificationEntry,
+    evidence_digest,
+    to_document,
+)
+from collector.reports.breach_rows import CSV_COLUMNS, AffectedRequest, RowFilter, csv_row
+from collector.reports.stored import ReportStore
 from collector.settings import Settings
 from collector.timefmt import iso, parse_iso, to_micros
-from policies.datamap import DataMap
+from policies import VerificationFact
+from policies.datamap import SELECTORS, DataMap
 from policies.errors import PackError
+from policies.limits import strictest
 
 CHUNK_ROWS = 50_000
-# 2: "items" is a sample (SAMPLE_ROWS), the CSV is streamed from the database and lists every
-# affected request. 1: "items" listed up to 100,000 requests and the CSV was made from them.
-SCHEMA_VERSION = 2
 # A CSV served over HTTP is spooled (and counted) before its first byte goes out: in memory up
 # to this size, then in a temporary file.
 _SPOOL_BYTES = 8 << 20
@@ -73,15 +102,6 @@ SPECIAL_CATEGORIES = frozenset(
         "sexual_orientation",
         "criminal",
     }
-)
-EVIDENCE_KEYS = (
-    "scope",
-    "affected_requests",
-    "tenants",
-    "data_categories",
-    "stale_reads",
-    "deployments",
-    "cause",
 )
 NEEDS_PERSON = "needs a person"
 
@@ -117,20 +137,10 @@ class BreachScope:
         if self.min_prompt_tokens is not None and self.min_prompt_tokens < 0:
             raise InvalidInput("min_prompt_tokens must be >= 0")
 
-    def as_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["since"] = iso(self.since)
-        d["until"] = iso(self.until)
-        return d
-
-
-def evidence_digest(report: dict[str, Any]) -> str:
-    """SHA-256 of the report's evidence set (recomputable from a stored report)."""
-    return hashlib.sha256(canonical({k: report[k] for k in EVIDENCE_KEYS})).hexdigest()
-
-
-def _int(v: Any) -> int | None:
-    return None if v is None or pd.isna(v) else int(v)
+    def section(self) -> Scope:
+        """The report's scope section, as asked (an incident's replaces since and until with
+        its own window)."""
+        return Scope(**{**asdict(self), "since": iso(self.since), "until": iso(self.until)})
 
 
 class _Buckets:
@@ -160,13 +170,13 @@ class _Buckets:
             cur, fv = self.vals[i], float(v)
             self.vals[i] = fv if cur is None else max(cur, fv) if self.how == "max" else cur + fv
 
-    def points(self) -> list[dict[str, Any]]:
+    def points(self) -> tuple[Point, ...]:
         width = (self.hi - self.lo) / BUCKETS
-        return [
-            {"ts": iso(int(self.lo + i * width)), "value": v}
+        return tuple(
+            Point(ts=iso(int(self.lo + i * width)), value=v)
             for i, v in enumerate(self.vals)
             if v is not None
-        ]
+        )
 
 
 @dataclass(slots=True)
@@ -174,7 +184,7 @@ class _Affected:
     """The affected requests as a report states them: exact figures from SQL, a sample."""
 
     count: int
-    listed: list[dict[str, Any]]
+    listed: list[AffectedRequest]
     tenants: dict[str, int]
     routes: dict[str, int]
     deployments: dict[str, int]
@@ -183,6 +193,20 @@ class _Affected:
     max_prompt: int | None
     first_ts: int | None
     last_ts: int | None
+
+    def section(self) -> AffectedRequests:
+        return AffectedRequests(
+            count=self.count,
+            listed=len(self.listed),
+            truncated=self.count > len(self.listed),
+            max_prompt_tokens=self.max_prompt,
+            by_tenant=dict(sorted(self.tenants.items())),
+            by_route=dict(sorted(self.routes.items())),
+            by_deployment=dict(sorted(self.deployments.items())),
+            sample=f"the first {SAMPLE_ROWS:,} by first event, and every request a stale read "
+            "names",
+            items=tuple(self.listed),
+        )
 
 
 def _affected(
@@ -223,26 +247,26 @@ def _window_filter(scope: BreachScope) -> RowFilter:
     )
 
 
-def _roles(reads: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+def _roles(reads: Iterable[StaleRead]) -> dict[tuple[str, str], str]:
     """Each request the stale reads name, by (deployment, request id): reader, previous
     writer, or both."""
     roles: dict[tuple[str, str], str] = {}
     for s in reads:
-        if s["reader_request_id"]:
-            key = (s["deployment_id"], s["reader_request_id"])
+        if s.reader_request_id:
+            key = (s.deployment_id, s.reader_request_id)
             roles[key] = "both" if roles.get(key) in ("previous_writer", "both") else "reader"
-        if s["previous_request_id"]:
-            key = (s["deployment_id"], s["previous_request_id"])
+        if s.previous_request_id:
+            key = (s.deployment_id, s.previous_request_id)
             roles[key] = "both" if roles.get(key) in ("reader", "both") else "previous_writer"
     return roles
 
 
-def _named(reads: list[dict[str, Any]]) -> set[tuple[str, str]]:
+def _named(reads: Iterable[StaleRead]) -> set[tuple[str, str]]:
     """The requests stale reads name, on either side."""
     return {
-        (s["deployment_id"], rid)
+        (s.deployment_id, rid)
         for s in reads
-        for rid in (s["reader_request_id"], s["previous_request_id"])
+        for rid in (s.reader_request_id, s.previous_request_id)
         if rid
     }
 
@@ -252,6 +276,18 @@ def _chunks(conn: Connection, stmt: Any) -> Iterator[pd.DataFrame]:
     # before the first chunk (SQLite's cursor already streams).
     streaming = conn.execution_options(stream_results=True, max_row_buffer=CHUNK_ROWS)
     yield from pd.read_sql(stmt, streaming, chunksize=CHUNK_ROWS)
+
+
+def _new_report_id() -> str:
+    return "rpt_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
+
+
+@dataclass(frozen=True, slots=True)
+class _Stamp:
+    """When a report is generated, and why late when it is."""
+
+    now: datetime
+    late_reason: str | None
 
 
 class BreachService:
@@ -279,14 +315,14 @@ class BreachService:
         created_by: str,
         now: datetime | None = None,
         late_reason: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> BreachReport:
         """Build the report, store it and record it in the audit log; returns the report."""
         now = now or datetime.now(UTC)
         report = self.build(scope, now=now, late_reason=late_reason)
-        ReportStore(self.db).save(report, created_by=created_by, now=now)
+        ReportStore(self.db).save(to_document(report), created_by=created_by, now=now)
         return report
 
-    def write_csv(self, report: dict[str, Any], sink: Callable[[bytes], Any]) -> int:
+    def write_csv(self, report: BreachReport, sink: Callable[[bytes], Any]) -> int:
         """The report's CSV, handed to ``sink`` block by block: its first line names the
         report and its evidence hash, then every affected request, streamed from the database
         (``COPY`` on PostgreSQL). Returns the rows written.
@@ -294,26 +330,21 @@ class BreachService:
         The rows are read again, so they must still be the ones the report counted: when
         their number differs (rows erased or expired since), raises :class:`Conflict` after
         the last block; a caller that must not hand out such a file writes to a temporary
-        one first. A report stored before the CSV was streamed (schema 1) gives the requests
-        it listed, as it always did."""
+        one first."""
         sink(_csv_head(report).encode())
-        if report.get("schema_version", 1) < 2:
-            body = to_csv(report).split("\n", 1)[1]
-            sink(body.encode())
-            return len(report["affected_requests"]["items"])
         with self.db.read() as conn:
             n = rows_sql.write_listing(conn, _report_filter(report), sink)
-        expected = report["affected_requests"]["count"]
+        expected = report.affected_requests.count
         if n != expected:
             raise Conflict(
-                f"report {report['report_id']} counted {expected} affected requests; the "
+                f"report {report.report_id} counted {expected} affected requests; the "
                 f"database now holds {n} of them (erased, expired or changed since): generate "
                 "a new report",
                 {"counted": expected, "found": n},
             )
         return n
 
-    def csv_file(self, report: dict[str, Any]) -> BinaryIO:
+    def csv_file(self, report: BreachReport) -> BinaryIO:
         """The report's CSV (:meth:`write_csv`) in a temporary file, at its start: checked
         whole before anyone reads a byte, in memory while small and on disk beyond."""
         out = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)  # noqa: SIM115 - returned
@@ -327,43 +358,26 @@ class BreachService:
 
     def build(
         self, scope: BreachScope, *, now: datetime, late_reason: str | None = None
-    ) -> dict[str, Any]:
+    ) -> BreachReport:
+        """The report of ``scope`` as of ``now``, every field filled (``account``, ``notices``
+        and ``evidence_sha256`` from the report's own sections)."""
         scope.validate()
+        stamp = _Stamp(now, late_reason)
         with self.db.read() as conn:
             if self.db.dialect == "postgresql":
                 # One snapshot for every statement: the counts, the sample and the figures
                 # agree with each other (and with a CSV written from an unchanged database).
                 conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             if scope.incident_id is not None:
-                body = self._incident(conn, scope, now)
+                report = self._incident(conn, scope, stamp)
             else:
-                body = self._window(conn, scope, now)
-        body["report_id"] = "rpt_" + secrets.token_urlsafe(12).replace("-", "x").replace("_", "y")
-        body["kind"] = "breach"
-        body["generated_at"] = iso(now)
-        body["schema_version"] = SCHEMA_VERSION
-        tl = body["timeline"]
-        if tl["deadline_at"] is not None and to_micros(now) > tl["deadline_us"]:
-            tl["late"] = True
-            tl["late_reason"] = late_reason or (
-                f"{NEEDS_PERSON}: generated after the 72-hour deadline; Art. 33(1) requires "
-                "the reasons for the delay"
-            )
-        else:
-            tl["late"] = False
-            tl["late_reason"] = None
-        del tl["deadline_us"]
-        body["checklist"] = self._checklist(body)
-        body["art34"] = _art34(body)
-        body["account"] = plain_account(body)
-        body["notices"] = implied_notices(body)
-        body["involved_deployments"] = crossed_deployments(body)
-        body["evidence_sha256"] = evidence_digest(body)
-        return body
+                report = self._window(conn, scope, stamp)
+        report = replace(report, account=plain_account(report), notices=implied_notices(report))
+        return replace(report, evidence_sha256=evidence_digest(to_document(report)))
 
     # ------------------------------------------------------------------ scopes
 
-    def _incident(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
+    def _incident(self, conn: Connection, scope: BreachScope, stamp: _Stamp) -> BreachReport:
         inc = conn.execute(
             select(
                 m.Incident.id,
@@ -381,31 +395,31 @@ class BreachService:
             raise NotFound(f"no incident {scope.incident_id}")
         prev_close = previous_close(conn, inc.deployment_id, inc.id)
         lo = to_micros(scope.since) if scope.since else (prev_close or 0)
-        hi = to_micros(scope.until) if scope.until else (inc.closed_at or to_micros(now) + 1)
+        hi = to_micros(scope.until) if scope.until else (inc.closed_at or to_micros(stamp.now) + 1)
         deps = [inc.deployment_id]
         reads = self._stale_reads(conn, deps, lo, hi)
         roles = _roles(reads)
         # The incident's affected requests are exactly those its stale reads name: all listed.
         agg = _affected(conn, RowFilter.named(roles), set(roles))
         model_ids = sorted(k for k in agg.models if k)
-        incident = {
-            "id": inc.id,
-            "deployment_id": inc.deployment_id,
-            "title": inc.title,
-            "state": inc.state,
-            "cause_rule": inc.cause_rule,
-            "opened_at": iso(inc.opened_at),
-            "closed_at": iso(inc.closed_at),
-        }
+        incident = Incident(
+            id=inc.id,
+            deployment_id=inc.deployment_id,
+            title=inc.title,
+            state=inc.state,
+            cause_rule=inc.cause_rule,
+            opened_at=iso(inc.opened_at),
+            closed_at=iso(inc.closed_at),
+        )
         # Charts at the incident's own scale: from the first event of its requests to the
         # last stale read, with a margin of a tenth of that span (at least 10 s) each side,
         # so minute-long incidents are not one dot on a day's axis.
-        series_lo, series_hi = lo, min(hi, to_micros(now) + 1)
+        series_lo, series_hi = lo, min(hi, to_micros(stamp.now) + 1)
         if reads:
-            first = to_micros(parse_iso(reads[0]["ts"]))
+            first = to_micros(parse_iso(reads[0].ts))
             if agg.first_ts is not None:
                 first = min(first, agg.first_ts)
-            last = to_micros(parse_iso(reads[-1]["ts"]))
+            last = to_micros(parse_iso(reads[-1].ts))
             margin = max((last - first) // 10, 10 * 10**6)
             series_lo = max(lo, first - margin)
             series_hi = min(hi, last + margin)
@@ -413,13 +427,14 @@ class BreachService:
         # The hashed scope names the incident's own window, never the generation time: two
         # generations of the same evidence give the same hash. Open-ended sides stay None
         # (since: no earlier incident closed there; until: the incident is still open).
-        window = {
-            "since": iso(scope.since) if scope.since else iso(prev_close),
-            "until": iso(scope.until) if scope.until else iso(inc.closed_at),
-        }
+        section = replace(
+            scope.section(),
+            since=iso(scope.since) if scope.since else iso(prev_close),
+            until=iso(scope.until) if scope.until else iso(inc.closed_at),
+        )
         return self._assemble(
             conn,
-            scope_json={**scope.as_json(), **window},
+            scope=section,
             agg=agg,
             reads=reads,
             deps=deps,
@@ -428,12 +443,11 @@ class BreachService:
             awareness_us=inc.awareness_at,
             deadline_us=inc.deadline_at,
             series=series,
-            mode="incident",
             window_us=(lo, hi),
-            now=now,
+            stamp=stamp,
         )
 
-    def _window(self, conn: Connection, scope: BreachScope, now: datetime) -> dict[str, Any]:
+    def _window(self, conn: Connection, scope: BreachScope, stamp: _Stamp) -> BreachReport:
         assert scope.since is not None and scope.until is not None and scope.model_id
         lo, hi = to_micros(scope.since), to_micros(scope.until)
         f = _window_filter(scope)
@@ -448,7 +462,7 @@ class BreachService:
         series = self._series(conn, deps, [scope.model_id], lo, hi, prompt=prompt)
         return self._assemble(
             conn,
-            scope_json=scope.as_json(),
+            scope=scope.section(),
             agg=agg,
             reads=reads,
             deps=deps,
@@ -457,36 +471,32 @@ class BreachService:
             awareness_us=None,
             deadline_us=None,
             series=series,
-            mode="window",
             window_us=(lo, hi),
-            now=now,
+            stamp=stamp,
         )
 
     # ------------------------------------------------------------------ sections
 
-    def _stale_reads(
-        self, conn: Connection, deps: list[str], lo: int, hi: int
-    ) -> list[dict[str, Any]]:
+    def _stale_reads(self, conn: Connection, deps: list[str], lo: int, hi: int) -> list[StaleRead]:
         if not deps:
             return []
-        rows = _page_events(conn, "page.stale_read", deps, lo, hi)
         out = []
-        for row in rows:
+        for row in _page_events(conn, "page.stale_read", deps, lo, hi):
             detail = json.loads(row.detail or "{}")
             out.append(
-                {
-                    "ts": iso(row.ts),
-                    "deployment_id": row.deployment_id,
-                    "node": row.node,
-                    "reader_request_id": row.request_id,
-                    "reader_tenant": row.tenant,
-                    "previous_request_id": row.other_request_id,
-                    "previous_tenant": row.other_tenant,
-                    "page_count": int(row.page_count),
-                    "pages": detail.get("page_ids", []),
-                    "read_kind": detail.get("read_kind"),
-                    "cross_tenant": bool(row.cross_tenant),
-                }
+                StaleRead(
+                    ts=iso(row.ts),
+                    deployment_id=row.deployment_id,
+                    node=row.node,
+                    reader_request_id=row.request_id,
+                    reader_tenant=row.tenant,
+                    previous_request_id=row.other_request_id,
+                    previous_tenant=row.other_tenant,
+                    page_count=int(row.page_count),
+                    pages=tuple(detail.get("page_ids", ())),
+                    read_kind=detail.get("read_kind"),
+                    cross_tenant=bool(row.cross_tenant),
+                )
             )
         return out
 
@@ -498,7 +508,7 @@ class BreachService:
         lo: int,
         hi: int,
         prompt: _Buckets | None = None,
-    ) -> dict[str, Any]:
+    ) -> Series:
         if prompt is None:
             prompt = _Buckets(lo, hi, "max")
             if deps and model_ids:
@@ -524,15 +534,15 @@ class BreachService:
             )
             for df in _chunks(conn, stale_stmt):
                 stale.add(df["ts"].astype("int64"), pd.Series(1, index=df.index))
-        return {
-            "since": iso(lo),
-            "until": iso(hi),
-            "prompt_tokens_max": prompt.points(),
-            "pool_occupancy_max": pool.points(),
-            "stale_reads": stale.points(),
-            "window": {"from": iso(lo), "until": iso(hi)},  # the charts' time axis
-            "bucket_seconds": (max(hi, lo + 1) - lo) / BUCKETS / 1e6,
-        }
+        return Series(
+            since=iso(lo),
+            until=iso(hi),
+            prompt_tokens_max=prompt.points(),
+            pool_occupancy_max=pool.points(),
+            stale_reads=stale.points(),
+            window=ChartWindow(from_=iso(lo), until=iso(hi)),  # the charts' time axis
+            bucket_seconds=(max(hi, lo + 1) - lo) / BUCKETS / 1e6,
+        )
 
     def _cause(
         self,
@@ -540,219 +550,160 @@ class BreachService:
         deps: list[str],
         window_us: tuple[int, int],
         agg: _Affected,
-        reads: list[dict[str, Any]],
-        deployments: list[dict[str, Any]],
-    ) -> list[dict[str, Any]]:
+        reads: list[StaleRead],
+        deployments: Sequence[Deployment],
+    ) -> tuple[CauseStep, ...]:
         """The chain that led to the stale reads, in time order, each step from stored
         evidence: prefill pools smaller than the advertised context, rejected prefills, KV
         transferred for a rejected prefill, and the stale reads themselves."""
-        steps: list[dict[str, Any]] = []
+        steps: list[CauseStep] = []
         for d in deployments:
-            for c in d["configs"]:
-                if c["role"] != "decode" and c["pool_capacity_tokens"] < c["advertised_context"]:
+            for c in d.configs:
+                if c.role != "decode" and c.pool_capacity_tokens < c.advertised_context:
                     steps.append(
-                        {
-                            "at": c["ts"],
-                            "step": "pool_below_advertised",
-                            "text": f"{d['deployment_id']} node {c['node']} ({c['role']}): KV "
-                            f"pool {c['pool_capacity_tokens']:,} tokens, smaller than the "
-                            f"advertised context {c['advertised_context']:,}",
-                        }
+                        CauseStep(
+                            at=c.ts,
+                            step="pool_below_advertised",
+                            text=f"{d.deployment_id} node {c.node} ({c.role}): KV pool "
+                            f"{c.pool_capacity_tokens:,} tokens, smaller than the advertised "
+                            f"context {c.advertised_context:,}",
+                        )
                     )
-        readers = {s["reader_request_id"] for s in reads}
+        readers = {s.reader_request_id for s in reads}
         for r in agg.listed:
-            if r["reject_reason"] and r["request_id"] in readers:
-                tokens = r["prompt_tokens"]
+            if r.reject_reason and r.request_id in readers:
+                tokens = r.prompt_tokens
                 steps.append(
-                    {
-                        "at": r["first_ts"],
-                        "step": "prefill_rejected",
-                        "text": f"request {r['request_id']} of tenant {r['tenant']} "
+                    CauseStep(
+                        at=r.first_ts,
+                        step="prefill_rejected",
+                        text=f"request {r.request_id} of tenant {r.tenant} "
                         f"({'?' if tokens is None else f'{tokens:,}'} prompt tokens) rejected "
-                        f"by prefill: {r['reject_reason']}",
-                    }
+                        f"by prefill: {r.reject_reason}",
+                    )
                 )
         for row in _page_events(conn, "kv.transfer", deps, *window_us):
             detail = json.loads(row.detail or "{}")
             if detail.get("prefill_rejected"):
                 steps.append(
-                    {
-                        "at": iso(row.ts),
-                        "step": "rejected_kv_transfer",
-                        "text": f"KV of rejected request {row.request_id} (tenant {row.tenant}) "
+                    CauseStep(
+                        at=iso(row.ts),
+                        step="rejected_kv_transfer",
+                        text=f"KV of rejected request {row.request_id} (tenant {row.tenant}) "
                         f"transferred from {detail.get('from_node')} to {detail.get('to_node')} "
                         f"anyway: {row.page_count:,} pages prefill never wrote",
-                    }
+                    )
                 )
         for s in reads:
             prev = (
-                f"last written by request {s['previous_request_id']} of tenant "
-                f"{s['previous_tenant']}"
-                if s["previous_tenant"]
+                f"last written by request {s.previous_request_id} of tenant {s.previous_tenant}"
+                if s.previous_tenant
                 else "never written since the pool was made (no one's data)"
             )
             steps.append(
-                {
-                    "at": s["ts"],
-                    "step": "stale_read" + ("_cross_tenant" if s["cross_tenant"] else ""),
-                    "text": f"request {s['reader_request_id']} of tenant {s['reader_tenant']} "
-                    f"read {s['page_count']:,} pages on {s['node']} {prev}",
-                }
+                CauseStep(
+                    at=s.ts,
+                    step="stale_read" + ("_cross_tenant" if s.cross_tenant else ""),
+                    text=f"request {s.reader_request_id} of tenant {s.reader_tenant} "
+                    f"read {s.page_count:,} pages on {s.node} {prev}",
+                )
             )
-        steps.sort(key=lambda x: (x["at"] or "", x["step"]))
-        return steps
+        steps.sort(key=lambda x: (x.at or "", x.step))
+        return tuple(steps)
 
     def _deployments(
         self, conn: Connection, deps: list[str], model_ids: list[str], now: datetime
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[Deployment, ...]:
         decided = self.limits.in_conn(conn, deps, now)
         out = []
         for dep in deps:
-            c = m.DeploymentConfig
-            configs = [
-                {
-                    "ts": iso(row.ts),
-                    "node": row.node,
-                    "role": row.role,
-                    "engine": row.engine,
-                    "engine_version": row.engine_version,
-                    "model_id": row.model_id,
-                    "advertised_context": int(row.advertised_context),
-                    "pool_capacity_tokens": int(row.pool_capacity_tokens),
-                    "page_size": int(row.page_size),
-                    "dtype": row.dtype,
-                    "quantization": row.quantization,
-                    "tp_size": int(row.tp_size),
-                    "cuda_graphs": bool(row.cuda_graphs),
-                    "disaggregated": bool(row.disaggregated),
-                    "config_hash": row.config_hash,
-                }
-                for row in conn.execute(
-                    select(
-                        type_coerce(c.ts, BigInteger).label("ts"),
-                        c.node,
-                        c.role,
-                        c.engine,
-                        c.engine_version,
-                        c.model_id,
-                        c.advertised_context,
-                        c.pool_capacity_tokens,
-                        c.page_size,
-                        c.dtype,
-                        c.quantization,
-                        c.tp_size,
-                        c.cuda_graphs,
-                        c.disaggregated,
-                        c.config_hash,
-                    )
-                    .where(c.deployment_id == dep)
-                    .order_by(c.ts, c.id)
-                )
-            ]
-            v = m.Verification
-            verifications = [
-                {
-                    "model_id": row.model_id,
-                    "passed": bool(row.passed),
-                    "verified_safe_context": _int(row.verified_safe_context),
-                    "engine_version": row.engine_version,
-                    "pool_capacity_tokens": _int(row.pool_capacity_tokens),
-                    "verified_at": iso(row.verified_at),
-                    "created_by": row.created_by,
-                }
-                for row in conn.execute(
-                    select(
-                        v.model_id,
-                        v.passed,
-                        v.verified_safe_context,
-                        v.engine_version,
-                        v.pool_capacity_tokens,
-                        type_coerce(v.verified_at, BigInteger).label("verified_at"),
-                        v.created_by,
-                    )
-                    .where(v.deployment_id == dep)
-                    .order_by(v.verified_at, v.id)
-                )
-            ]
             # The limit in force of each of the report's models here (policies.limits, as the
             # rule, the card and the gateway have it); the deployment's is the strictest.
-            limits = [
+            limits = tuple(
                 lim
                 for (d, model), lim in sorted(decided.items())
                 if d == dep and (model in model_ids or not model_ids)
-            ]
-            known = [lim for lim in limits if lim.tokens is not None]
-            strictest = min(known, key=lambda lim: lim.tokens or 0) if known else None
-            out.append(
-                {
-                    "deployment_id": dep,
-                    "configs": configs,
-                    "verifications": verifications,
-                    "safe_context": None if strictest is None else strictest.tokens,
-                    "safe_context_source": None if strictest is None else strictest.source,
-                    "limit": None if strictest is None else strictest.text,
-                    "limits_in_force": [lim.as_json() for lim in limits],
-                    "advertised_context": None
-                    if strictest is None
-                    else strictest.advertised_context,
-                    "min_pool_capacity_tokens": None
-                    if strictest is None
-                    else strictest.prefill_pool_tokens,
-                }
             )
-        return out
+            held = strictest(limits)
+            verifications = deployment_facts.verification_history(conn, dep)
+            out.append(
+                Deployment(
+                    deployment_id=dep,
+                    configs=tuple(
+                        _config_entry(c) for c in deployment_facts.config_history(conn, dep)
+                    ),
+                    verifications=tuple(
+                        _verification_entry(v.fact, v.created_by) for v in verifications
+                    ),
+                    safe_context=None if held is None else held.tokens,
+                    safe_context_source=None if held is None else held.source,
+                    limit=None if held is None else held.text,
+                    limits_in_force=limits,
+                    advertised_context=None if held is None else held.advertised_context,
+                    min_pool_capacity_tokens=None if held is None else held.prefill_pool_tokens,
+                )
+            )
+        return tuple(out)
 
     def _assemble(
         self,
         conn: Connection,
         *,
-        scope_json: dict[str, Any],
+        scope: Scope,
         agg: _Affected,
-        reads: list[dict[str, Any]],
+        reads: list[StaleRead],
         deps: list[str],
         model_ids: list[str],
-        incident: dict[str, Any] | None,
+        incident: Incident | None,
         awareness_us: int | None,
         deadline_us: int | None,
-        series: dict[str, Any],
-        mode: str,
+        series: Series,
         window_us: tuple[int, int],
-        now: datetime,
-    ) -> dict[str, Any]:
-        cross = [s for s in reads if s["cross_tenant"]]
-        exposed: dict[str, dict[str, Any]] = {}
-        victims: dict[str, dict[str, Any]] = {}
-        for s in cross:
-            if s["previous_tenant"]:
-                e = exposed.setdefault(
-                    s["previous_tenant"], {"stale_reads": 0, "requests": set(), "readers": set()}
-                )
-                e["stale_reads"] += 1
-                e["requests"].add(s["previous_request_id"])
-                e["readers"].add(s["reader_tenant"])
-            if s["reader_tenant"]:
-                v = victims.setdefault(
-                    s["reader_tenant"], {"stale_reads": 0, "requests": set(), "sources": set()}
-                )
-                v["stale_reads"] += 1
-                v["requests"].add(s["reader_request_id"])
-                v["sources"].add(s["previous_tenant"])
+        stamp: _Stamp,
+    ) -> BreachReport:
+        """The report from its sections; ``account``, ``notices`` and ``evidence_sha256`` are
+        left empty for :meth:`build` to fill from the report itself."""
+        cross = [s for s in reads if s.cross_tenant]
+        tenants = _tenants(cross)
+        categories = self._categories(agg, cross)
+        stale_reads = StaleReads(
+            count=len(reads),
+            cross_tenant=len(cross),
+            pages=sum(s.page_count for s in reads),
+            items=tuple(reads),
+        )
+        affected = agg.section()
+        deployments = self._deployments(conn, deps, model_ids, stamp.now)
+        involved = crossed_deployments(stale_reads)
+        return BreachReport(
+            mode="incident" if incident is not None else "window",
+            scope=scope,
+            incident=incident,
+            model_ids=tuple(model_ids),
+            affected_requests=affected,
+            tenants=tenants,
+            data_categories=categories,
+            stale_reads=stale_reads,
+            deployments=deployments,
+            cause=self._cause(conn, deps, window_us, agg, reads, deployments),
+            timeline=_timeline(reads, agg, awareness_us, deadline_us, stamp),
+            series=series,
+            report_id=_new_report_id(),
+            kind="breach",
+            generated_at=iso(stamp.now),
+            schema_version=SCHEMA_VERSION,
+            checklist=self._checklist(tenants, stale_reads, affected, categories, involved),
+            art34=_art34(categories, stale_reads),
+            account="",
+            notices=(),
+            involved_deployments=involved,
+            evidence_sha256="",
+        )
 
-        def rows(d: dict[str, dict[str, Any]], other: str) -> list[dict[str, Any]]:
-            return [
-                {
-                    "tenant": t,
-                    "stale_reads": x["stale_reads"],
-                    "requests": len({r for r in x["requests"] if r}),
-                    other: sorted(o for o in x[other] if o),
-                }
-                for t, x in sorted(d.items())
-            ]
-
-        # What leaked: the categories of the exposed (previous-writer) requests.
-        exposed_keys = {(s["deployment_id"], s["previous_request_id"]) for s in cross}
-        # What leaked: the categories of the exposed (previous-writer) requests, from their
-        # tags and from the data map's declarations; never guessed.
+    def _categories(self, agg: _Affected, cross: list[StaleRead]) -> DataCategories:
+        """What leaked: the categories of the exposed (previous-writer) requests, from their
+        tags and from the data map's declarations; never guessed."""
+        exposed_keys = {(s.deployment_id, s.previous_request_id) for s in cross}
         dm = self._data_map()
         exposed_cats: Counter[str] = Counter()
         map_special: set[str] = set()
@@ -760,110 +711,57 @@ class BreachService:
         hit_entries: set[int] = set()
         subjects_known = bool(undeclared)
         for r in agg.listed:
-            key = (r["deployment_id"], r["request_id"])
+            key = (r.deployment_id, r.request_id)
             if key not in exposed_keys:
                 continue
-            said = dm.declared(r)
-            exposed_cats.update(set(r["data_categories"]) | said.categories | said.special)
+            labels = {s: getattr(r, s) for s in SELECTORS}
+            said = dm.declared(labels)
+            exposed_cats.update(set(r.data_categories) | said.categories | said.special)
             map_special |= said.special
-            if r["data_categories"] or said.any:
+            if r.data_categories or said.any:
                 undeclared.discard(key)
-            entries = [i for i, e in enumerate(dm.entries) if e.matches(r)]
+            entries = [i for i, e in enumerate(dm.entries) if e.matches(labels)]
             if not any(dm.entries[i].data_subjects is not None for i in entries):
                 subjects_known = False
             hit_entries.update(entries)
-        declared_subjects = (
-            sum(dm.entries[i].data_subjects or 0 for i in hit_entries) if subjects_known else None
-        )
-        times = [to_micros(parse_iso(s["ts"])) for s in reads]
-        if agg.first_ts is not None:
-            times += [agg.first_ts]
-        if agg.last_ts is not None:
-            times += [agg.last_ts]
-        timeline = {
-            "first_event_at": iso(min(times)) if times else None,
-            "last_event_at": iso(max(times)) if times else None,
-            "first_stale_read_at": reads[0]["ts"] if reads else None,
-            "last_stale_read_at": reads[-1]["ts"] if reads else None,
-            "awareness_at": iso(awareness_us),
-            "deadline_at": iso(deadline_us),
-            "deadline_us": deadline_us,
-            "deadline_rule": "GDPR Art. 33(1): 72 hours from awareness",
-        }
-        return {
-            "mode": mode,
-            "scope": scope_json,
-            "incident": incident,
-            "model_ids": model_ids,
-            "affected_requests": {
-                "count": agg.count,
-                "listed": len(agg.listed),
-                "truncated": agg.count > len(agg.listed),
-                "max_prompt_tokens": agg.max_prompt,
-                "by_tenant": dict(sorted(agg.tenants.items())),
-                "by_route": dict(sorted(agg.routes.items())),
-                "by_deployment": dict(sorted(agg.deployments.items())),
-                # What "items" holds; the CSV lists all "count" of them.
-                "sample": f"the first {SAMPLE_ROWS:,} by first event, and every request a "
-                "stale read names",
-                "items": agg.listed,
-            },
-            # Tenants are customers (controllers), not data subjects. Exposed: whose KV was
-            # read; receiving: who read it ("victims", "victim_count": the same, older names).
-            "tenants": {
-                "exposed": rows(exposed, "readers"),
-                "victims": rows(victims, "sources"),
-                "exposed_count": len(exposed),
-                "exposed_requests": len({r for x in exposed.values() for r in x["requests"] if r}),
-                "receiving_count": len(victims),
-                "receiving_requests": len(
-                    {r for x in victims.values() for r in x["requests"] if r}
-                ),
-                "victim_count": len(victims),
-                "involved_count": len(set(exposed) | set(victims)),
-            },
-            "data_categories": {
-                "affected": dict(sorted(agg.categories.items())),
-                "exposed": dict(sorted(exposed_cats.items())),
-                # exposed requests that declare no category: their data is unknown
-                "exposed_undeclared": len(undeclared),
-                "special": sorted(
+        return DataCategories(
+            affected=dict(sorted(agg.categories.items())),
+            exposed=dict(sorted(exposed_cats.items())),
+            exposed_undeclared=len(undeclared),
+            special=tuple(
+                sorted(
                     {c for c in set(agg.categories) | set(exposed_cats) if c in SPECIAL_CATEGORIES}
                     | map_special
-                ),
-                "data_map": dm.source,
-                # persons the exposed data concerns, only where the data map declares it
-                "data_subjects": declared_subjects,
-            },
-            "stale_reads": {
-                "count": len(reads),
-                "cross_tenant": len(cross),
-                "pages": sum(s["page_count"] for s in reads),
-                "items": reads,
-            },
-            "deployments": (deployments := self._deployments(conn, deps, model_ids, now)),
-            "cause": self._cause(conn, deps, window_us, agg, reads, deployments),
-            "timeline": timeline,
-            "series": series,
-        }
+                )
+            ),
+            data_map=dm.source,
+            data_subjects=(
+                sum(dm.entries[i].data_subjects or 0 for i in hit_entries)
+                if subjects_known
+                else None
+            ),
+        )
 
-    def _checklist(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        t = body["tenants"]
-        sr = body["stale_reads"]
-        ar = body["affected_requests"]
-        cats = body["data_categories"]
+    def _checklist(
+        self,
+        t: Tenants,
+        sr: StaleReads,
+        ar: AffectedRequests,
+        cats: DataCategories,
+        involved: Sequence[str],
+    ) -> tuple[ChecklistItem, ...]:
         dpo = self.settings.dpo_contact.strip()
         nature = (
-            f"Confidentiality breach: {sr['cross_tenant']} cross-tenant stale KV-cache page "
-            f"reads ({sr['count']} stale reads, {sr['pages']} pages) on "
-            f"{', '.join(crossed_deployments(body)) or 'no deployment'}: "
+            f"Confidentiality breach: {sr.cross_tenant} cross-tenant stale KV-cache page "
+            f"reads ({sr.count} stale reads, {sr.pages} pages) on "
+            f"{', '.join(involved) or 'no deployment'}: "
             "responses carried fragments of other tenants' prompts."
-            if sr["cross_tenant"]
-            else f"No cross-tenant stale read recorded; {ar['count']} requests in scope are at "
+            if sr.cross_tenant
+            else f"No cross-tenant stale read recorded; {ar.count} requests in scope are at "
             "risk (prompts in the scope's range)."
         )
-        cat_names = sorted(set(cats["affected"]) | set(cats["exposed"]))
-        items = [
+        cat_names = sorted(set(cats.affected) | set(cats.exposed))
+        return (
             _item(
                 "nature",
                 "33(3)(a)",
@@ -887,15 +785,15 @@ class BreachService:
                 "33(3)(a)",
                 "Approximate number of data subjects concerned",
                 (
-                    f"{cats['data_subjects']:,} (declared in the data map {cats['data_map']}). "
-                    if cats.get("data_subjects") is not None
+                    f"{cats.data_subjects:,} (declared in the data map {cats.data_map}). "
+                    if cats.data_subjects is not None
                     else "unknown: kvwatch cannot know how many persons a prompt concerns. "
                 )
                 + "Customers "
-                f"(controllers) involved: {t['exposed_count']} exposed tenant(s) "
-                f"({t['exposed_requests']} request(s) whose KV was read), "
-                f"{t['receiving_count']} receiving tenant(s) "
-                f"({t['receiving_requests']} request(s) that read it)",
+                f"(controllers) involved: {t.exposed_count} exposed tenant(s) "
+                f"({t.exposed_requests} request(s) whose KV was read), "
+                f"{t.receiving_count} receiving tenant(s) "
+                f"({t.receiving_requests} request(s) that read it)",
                 "person",
                 "the exposed tenants must say whom their exposed prompts concern",
             ),
@@ -903,7 +801,7 @@ class BreachService:
                 "records",
                 "33(3)(a)",
                 "Approximate number of personal data records concerned",
-                f"{ar['count']} requests",
+                f"{ar.count} requests",
                 "data",
             ),
             _item(
@@ -920,8 +818,8 @@ class BreachService:
                 "Likely consequences of the breach",
                 "Disclosure of prompt contents of the exposed tenants to the receiving tenants"
                 + (
-                    f"; special categories involved: {', '.join(cats['special'])}"
-                    if cats["special"]
+                    f"; special categories involved: {', '.join(cats.special)}"
+                    if cats.special
                     else ""
                 )
                 + ".",
@@ -938,33 +836,159 @@ class BreachService:
                 "partial",
                 "a person must record the measures actually taken",
             ),
-        ]
-        return items
+        )
+
+
+@dataclass(slots=True)
+class _Side:
+    """One tenant's side of the cross-tenant stale reads: how many, its requests in them, and
+    the tenants on the other side."""
+
+    stale_reads: int = 0
+    requests: set[str | None] = field(default_factory=set)
+    others: set[str | None] = field(default_factory=set)
+
+    def request_ids(self) -> set[str]:
+        return {r for r in self.requests if r}
+
+    def other_tenants(self) -> tuple[str, ...]:
+        return tuple(sorted(o for o in self.others if o))
+
+
+def _tenants(cross: Sequence[StaleRead]) -> Tenants:
+    """Exposed tenants (whose KV was read) and receiving tenants (whose requests read it)."""
+    exposed: dict[str, _Side] = {}
+    receiving: dict[str, _Side] = {}
+    for s in cross:
+        if s.previous_tenant:
+            e = exposed.setdefault(s.previous_tenant, _Side())
+            e.stale_reads += 1
+            e.requests.add(s.previous_request_id)
+            e.others.add(s.reader_tenant)
+        if s.reader_tenant:
+            v = receiving.setdefault(s.reader_tenant, _Side())
+            v.stale_reads += 1
+            v.requests.add(s.reader_request_id)
+            v.others.add(s.previous_tenant)
+    return Tenants(
+        exposed=tuple(
+            ExposedTenant(
+                tenant=t,
+                stale_reads=x.stale_reads,
+                requests=len(x.request_ids()),
+                receiving_tenants=x.other_tenants(),
+            )
+            for t, x in sorted(exposed.items())
+        ),
+        receiving=tuple(
+            ReceivingTenant(
+                tenant=t,
+                stale_reads=x.stale_reads,
+                requests=len(x.request_ids()),
+                exposed_tenants=x.other_tenants(),
+            )
+            for t, x in sorted(receiving.items())
+        ),
+        exposed_count=len(exposed),
+        exposed_requests=len({r for x in exposed.values() for r in x.request_ids()}),
+        receiving_count=len(receiving),
+        receiving_requests=len({r for x in receiving.values() for r in x.request_ids()}),
+        involved_count=len(set(exposed) | set(receiving)),
+    )
+
+
+def _timeline(
+    reads: list[StaleRead],
+    agg: _Affected,
+    awareness_us: int | None,
+    deadline_us: int | None,
+    stamp: _Stamp,
+) -> Timeline:
+    times = [to_micros(parse_iso(s.ts)) for s in reads]
+    if agg.first_ts is not None:
+        times += [agg.first_ts]
+    if agg.last_ts is not None:
+        times += [agg.last_ts]
+    late = deadline_us is not None and to_micros(stamp.now) > deadline_us
+    return Timeline(
+        first_event_at=iso(min(times)) if times else None,
+        last_event_at=iso(max(times)) if times else None,
+        first_stale_read_at=reads[0].ts if reads else None,
+        last_stale_read_at=reads[-1].ts if reads else None,
+        awareness_at=iso(awareness_us),
+        deadline_at=iso(deadline_us),
+        deadline_rule="GDPR Art. 33(1): 72 hours from awareness",
+        late=late,
+        late_reason=(
+            stamp.late_reason
+            or f"{NEEDS_PERSON}: generated after the 72-hour deadline; Art. 33(1) requires "
+            "the reasons for the delay"
+        )
+        if late
+        else None,
+    )
+
+
+def _config_entry(c: deployment_facts.ConfigRecord) -> ConfigEntry:
+    n = c.config
+    return ConfigEntry(
+        ts=iso(n.ts),
+        node=n.node,
+        role=n.role,
+        engine=n.engine,
+        engine_version=n.engine_version,
+        model_id=n.model_id,
+        advertised_context=int(n.advertised_context),
+        pool_capacity_tokens=int(n.pool_capacity_tokens),
+        page_size=c.page_size,
+        dtype=c.dtype,
+        quantization=n.quantization,
+        tp_size=int(n.tp_size),
+        cuda_graphs=n.cuda_graphs,
+        disaggregated=n.disaggregated,
+        config_hash=c.config_hash,
+    )
+
+
+def _verification_entry(v: VerificationFact, created_by: str) -> VerificationEntry:
+    return VerificationEntry(
+        model_id=v.model_id,
+        passed=v.passed,
+        verified_safe_context=v.verified_safe_context,
+        engine_version=v.engine_version,
+        pool_capacity_tokens=v.pool_capacity_tokens,
+        verified_at=iso(v.verified_at),
+        created_by=created_by,
+    )
 
 
 def _item(
-    key: str, article: str, title: str, value: str, source: str, note: str | None = None
-) -> dict[str, Any]:
-    return {
-        "key": key,
-        "article": f"Art. {article}",
-        "title": title,
-        "value": value,
-        "filled_by": source,  # data | partial | person
-        "needs_person": source != "data",
-        "note": note,
-    }
+    key: str,
+    article: str,
+    title: str,
+    value: str,
+    source: FilledBy,
+    note: str | None = None,
+) -> ChecklistItem:
+    return ChecklistItem(
+        key=key,
+        article=f"Art. {article}",
+        title=title,
+        value=value,
+        filled_by=source,
+        needs_person=source != "data",
+        note=note,
+    )
 
 
-def _art34(body: dict[str, Any]) -> dict[str, Any]:
+def _art34(cats: DataCategories, sr: StaleReads) -> Art34:
     """Decision support for Art. 34: ``high_risk`` True, False or None (undetermined).
 
     Absence of category tags is not absence of risk: when exposed requests declare no data
     categories, high risk is undetermined, never "no"."""
-    cats = body["data_categories"]
-    special = cats["special"]
-    undeclared = cats.get("exposed_undeclared", 0)
-    cross = body["stale_reads"]["cross_tenant"] > 0
+    special = cats.special
+    undeclared = cats.exposed_undeclared
+    cross = sr.cross_tenant > 0
     high: bool | None
     if cross and special:
         high = True
@@ -981,22 +1005,22 @@ def _art34(body: dict[str, Any]) -> dict[str, Any]:
         high = False
         reasons = [
             "the exposed requests declare only non-special categories "
-            f"({', '.join(sorted(cats['exposed'])) or 'none'}): not high risk by this rule; "
+            f"({', '.join(sorted(cats.exposed)) or 'none'}): not high risk by this rule; "
             "cross-tenant exposure did occur"
         ]
     else:
         high = False
         reasons = ["no cross-tenant exposure recorded in scope"]
-    return {
-        "high_risk": high,
-        "verdict": {True: "yes", False: "no", None: "undetermined"}[high],
-        "communicate_to_subjects": high,
-        "reasons": reasons,
-        "rule": "high risk if special-category data was exposed across tenants; undetermined "
+    return Art34(
+        high_risk=high,
+        verdict="undetermined" if high is None else "yes" if high else "no",
+        communicate_to_subjects=high,
+        reasons=tuple(reasons),
+        rule="high risk if special-category data was exposed across tenants; undetermined "
         "when exposed requests declare no categories",
-        "needs_person": True,
-        "note": "decision support only: a person decides under Art. 34(1) and (3)",
-    }
+        needs_person=True,
+        note="decision support only: a person decides under Art. 34(1) and (3)",
+    )
 
 
 def previous_close(conn: Connection, deployment_id: str, incident_id: int) -> int | None:
@@ -1032,57 +1056,51 @@ def _page_events(conn: Connection, kind: str, deps: list[str], lo: int, hi: int)
     )
 
 
-def crossed_deployments(body: dict[str, Any]) -> list[str]:
+def crossed_deployments(stale_reads: StaleReads) -> tuple[str, ...]:
     """The deployments where data crossed tenants: the ones a breach involves. A deployment
     in scope whose requests were refused cleanly is listed in ``deployments``, not here."""
-    return sorted({s["deployment_id"] for s in body["stale_reads"]["items"] if s["cross_tenant"]})
+    return tuple(sorted({s.deployment_id for s in stale_reads.items if s.cross_tenant}))
 
 
-def implied_notices(body: dict[str, Any]) -> list[dict[str, Any]]:
+def implied_notices(report: BreachReport) -> tuple[Notice, ...]:
     """The tenant notices an incident implies (Art. 33(2): each affected controller), one per
     exposed or receiving tenant, with the command that writes it."""
-    if body["mode"] != "incident" or body["incident"] is None:
-        return []
-    t = body["tenants"]
-    exposed = {x["tenant"] for x in t["exposed"]}
-    received = {x["tenant"] for x in t["victims"]}
-    out = []
-    for tenant in sorted(exposed | received):
-        kind = (
-            "both"
-            if tenant in exposed and tenant in received
+    if report.incident is None:
+        return ()
+    exposed = {x.tenant for x in report.tenants.exposed}
+    receiving = {x.tenant for x in report.tenants.receiving}
+    return tuple(
+        Notice(
+            tenant=tenant,
+            kind="both"
+            if tenant in exposed and tenant in receiving
             else "exposed"
             if tenant in exposed
-            else "received"
+            else "received",
+            command=f"kvwatch report notice --incident {report.incident.id} "
+            f"--tenant {tenant} --out notice-{tenant}.pdf",
         )
-        out.append(
-            {
-                "tenant": tenant,
-                "kind": kind,
-                "command": f"kvwatch report notice --incident {body['incident']['id']} "
-                f"--tenant {tenant} --out notice-{tenant}.pdf",
-            }
-        )
-    return out
+        for tenant in sorted(exposed | receiving)
+    )
 
 
-def plain_account(body: dict[str, Any]) -> str:
+def plain_account(report: BreachReport) -> str:
     """One paragraph in plain language, generated from the report's own figures (a template,
     no model): what happened, why, and what is not known."""
-    sr, t, cats = body["stale_reads"], body["tenants"], body["data_categories"]
-    deps = ", ".join(crossed_deployments(body) or [d["deployment_id"] for d in body["deployments"]])
+    sr, t, cats = report.stale_reads, report.tenants, report.data_categories
+    deps = ", ".join(report.involved_deployments or [d.deployment_id for d in report.deployments])
     deps = deps or "no deployment"
-    steps = {x["step"] for x in body.get("cause", [])}
+    steps = {x.step for x in report.cause}
     parts: list[str] = []
-    if sr["cross_tenant"]:
-        receivers = ", ".join(x["tenant"] for x in t["victims"]) or "unknown tenants"
-        exposed = ", ".join(x["tenant"] for x in t["exposed"]) or "unknown tenants"
-        tl = body["timeline"]
+    if sr.cross_tenant:
+        receiving = ", ".join(x.tenant for x in t.receiving) or "unknown tenants"
+        exposed = ", ".join(x.tenant for x in t.exposed) or "unknown tenants"
+        tl = report.timeline
         parts.append(
-            f"Between {tl['first_stale_read_at']} and {tl['last_stale_read_at']}, on {deps}, "
-            f"{t.get('receiving_requests', '?')} request(s) of {receivers} read KV-cache pages "
-            f"last written by {t.get('exposed_requests', '?')} request(s) of {exposed} "
-            f"({sr['cross_tenant']} cross-tenant stale read(s)): the answers they received may "
+            f"Between {tl.first_stale_read_at} and {tl.last_stale_read_at}, on {deps}, "
+            f"{t.receiving_requests} request(s) of {receiving} read KV-cache pages "
+            f"last written by {t.exposed_requests} request(s) of {exposed} "
+            f"({sr.cross_tenant} cross-tenant stale read(s)): the answers they received may "
             "contain fragments of the other tenant's prompts."
         )
         why = []
@@ -1098,60 +1116,54 @@ def plain_account(body: dict[str, Any]) -> str:
     else:
         parts.append(
             f"No cross-tenant stale read is recorded in scope on {deps}; "
-            f"{body['affected_requests']['count']} request(s) are in scope."
+            f"{report.affected_requests.count} request(s) are in scope."
         )
-    known = ", ".join(sorted(cats["exposed"])) or "none declared"
+    known = ", ".join(sorted(cats.exposed)) or "none declared"
     parts.append(
         "kvwatch stores no prompt text: what the pages held, and how many persons it concerns, "
         f"is not known to it. Declared data categories of the exposed requests: {known}. "
-        f"Art. 34 high risk: {body['art34']['verdict']}."
+        f"Art. 34 high risk: {report.art34.verdict}."
     )
     return " ".join(parts)
 
 
-def _csv_head(report: dict[str, Any]) -> str:
-    return (
-        f"# kvwatch breach report {report['report_id']} evidence_sha256="
-        f"{report['evidence_sha256']}\n"
-    )
+def _csv_head(report: BreachReport) -> str:
+    return f"# kvwatch breach report {report.report_id} evidence_sha256={report.evidence_sha256}\n"
 
 
-def _report_filter(report: dict[str, Any]) -> RowFilter:
+def _report_filter(report: BreachReport) -> RowFilter:
     """The rows a stored report covers, from the report alone: a window's scope, or the
     requests an incident's stale reads name."""
-    if report["mode"] == "incident":
-        roles = _roles(report["stale_reads"]["items"])
-        return RowFilter.named(roles)
-    sc = report["scope"]
+    if report.mode == "incident":
+        return RowFilter.named(_roles(report.stale_reads.items))
+    sc = report.scope
+    assert sc.since is not None and sc.until is not None and sc.model_id is not None
     return _window_filter(
         BreachScope(
-            model_id=sc["model_id"],
-            since=parse_iso(sc["since"]),
-            until=parse_iso(sc["until"]),
-            min_prompt_tokens=sc["min_prompt_tokens"],
-            deployment_id=sc["deployment_id"],
+            model_id=sc.model_id,
+            since=parse_iso(sc.since),
+            until=parse_iso(sc.until),
+            min_prompt_tokens=sc.min_prompt_tokens,
+            deployment_id=sc.deployment_id,
         )
     )
 
 
-def check_csv(report: dict[str, Any], lines: Iterable[str]) -> list[str]:
+def check_csv(report: BreachReport, lines: Iterable[str]) -> list[str]:
     """What is wrong with ``lines`` (a CSV's text, line by line) as this report's CSV; empty
-    when nothing. The first line must name the report and its hash; then, for a schema-2
-    report, the rows are recounted: their number, per tenant, route and deployment, the
-    largest prompt, and every request the JSON lists must be among them, as listed. A
-    schema-1 report's CSV must be exactly :func:`to_csv`'s."""
+    when nothing. The first line must name the report and its hash; then the rows are
+    recounted: their number, per tenant, route and deployment, the largest prompt, and every
+    request the JSON lists must be among them, as listed."""
     it = iter(lines)
     head = next(it, "")
-    if report.get("schema_version", 1) < 2:
-        return [] if head + "".join(it) == to_csv(report) else ["its rows differ"]
     problems = []
     if head != _csv_head(report):
         problems.append("its first line does not name this report and its evidence hash")
     reader = csv.reader(it)
     if next(reader, None) != list(CSV_COLUMNS):
         return [*problems, "its header row is not the breach CSV's"]
-    ar = report["affected_requests"]
-    listed = {tuple(str(x) for x in csv_row(r)) for r in ar["items"]}
+    ar = report.affected_requests
+    listed = {tuple(str(x) for x in csv_row(r)) for r in ar.items}
     count = 0
     tenants: Counter[str] = Counter()
     routes: Counter[str] = Counter()
@@ -1167,26 +1179,13 @@ def check_csv(report: dict[str, Any], lines: Iterable[str]) -> list[str]:
             max_prompt = max(max_prompt or 0, int(pt)) if pt.isdigit() else max_prompt
         listed.discard(tuple(row))
     expected = {
-        "rows": (count, ar["count"]),
-        "rows per tenant": (dict(tenants), ar["by_tenant"]),
-        "rows per route": (dict(routes), ar.get("by_route", dict(routes))),
-        "rows per deployment": (dict(deployments), ar.get("by_deployment", dict(deployments))),
-        "largest prompt": (max_prompt, ar["max_prompt_tokens"]),
+        "rows": (count, ar.count),
+        "rows per tenant": (dict(tenants), ar.by_tenant),
+        "rows per route": (dict(routes), ar.by_route),
+        "rows per deployment": (dict(deployments), ar.by_deployment),
+        "largest prompt": (max_prompt, ar.max_prompt_tokens),
     }
     problems += [f"{what} differ" for what, (got, want) in expected.items() if got != want]
     if listed:
         problems.append(f"{len(listed)} request(s) the report lists are missing or changed")
     return problems
-
-
-def to_csv(report: dict[str, Any]) -> str:
-    """The requests the report lists in its JSON ("items"), as CSV with the first comment line
-    that names the report and its evidence hash. The whole CSV of a schema-2 report comes from
-    :meth:`BreachService.write_csv`; this is the CSV of a schema-1 report."""
-    buf = io.StringIO()
-    buf.write(_csv_head(report))
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(CSV_COLUMNS)
-    for r in report["affected_requests"]["items"]:
-        w.writerow(csv_row(r))
-    return buf.getvalue()

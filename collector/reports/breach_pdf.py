@@ -5,6 +5,7 @@ checklist and Art. 34 decision support; every page's footer names the report and
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from datetime import timedelta
 from itertools import pairwise
 from typing import Any
@@ -15,12 +16,20 @@ matplotlib.use("Agg")
 
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
+import msgspec
 from matplotlib.ticker import Formatter, FuncFormatter, MaxNLocator, StrMethodFormatter
 
-from collector.reports.breach import EVIDENCE_KEYS
+from collector.reports.breach_model import (
+    EVIDENCE_KEYS,
+    Art34,
+    BreachReport,
+    ChartWindow,
+    DataCategories,
+    Point,
+)
 from collector.reports.pdf import ReportPdf, short_time
 from collector.timefmt import parse_iso
-from policies.limits import from_json, strictest
+from policies.limits import strictest
 
 MAX_TABLE_ROWS = 200
 WARN, CRIT = "#e67e22", "#c0392b"  # the 80% line and the 100% line (as on the dashboard)
@@ -62,35 +71,33 @@ SUMMARY_NOTES = [
 ]
 
 
-def _data_subjects(cats: dict[str, Any]) -> str:
-    declared = cats.get("data_subjects")
+def _data_subjects(cats: DataCategories) -> str:
+    declared = cats.data_subjects
     if declared is None:
         return "unknown (a prompt may concern any number of persons)"
-    return f"{declared:,} (declared in the data map {cats.get('data_map') or ''})".replace(
-        " )", ")"
-    )
+    return f"{declared:,} (declared in the data map {cats.data_map or ''})".replace(" )", ")")
 
 
 def _chart(
-    series: list[dict[str, Any]],
+    series: Sequence[Point],
     title: str,
     ylabel: str,
     lines: list[tuple[float, str, str]],
     kind: str = "line",
-    window: dict[str, str] | None = None,
+    window: ChartWindow | None = None,
     bucket_s: float | None = None,
 ) -> bytes | None:
     if not series:
         return None
-    x: Any = [parse_iso(p["ts"]) for p in series]
-    y = [p["value"] for p in series]
+    x: Any = [parse_iso(p.ts) for p in series]
+    y = [p.value for p in series]
     # The report's own window when it has one (an incident's minutes, not a day); otherwise
     # a window of one point still needs a readable axis: at least ten minutes around it.
     span = max(x) - min(x)
     pad = max(span * 0.05, (timedelta(minutes=10) - span) / 2, timedelta(seconds=30))
     lo, hi = min(x) - pad, max(x) + pad
-    if window and window.get("from") and window.get("until"):
-        lo, hi = parse_iso(window["from"]), parse_iso(window["until"])
+    if window is not None:
+        lo, hi = parse_iso(window.from_), parse_iso(window.until)
     fig, ax = plt.subplots(figsize=(7.5, 2.6), dpi=110)
     try:
         gaps = [b - a for a, b in pairwise(x) if b > a]
@@ -139,7 +146,7 @@ def _n(v: Any) -> str:
     return f"{v:,}" if isinstance(v, int) else "-" if v is None else str(v)
 
 
-def page_ranges(pages: list[int]) -> str:
+def page_ranges(pages: Sequence[int]) -> str:
     """``10-741, 800 (733 pages)``: runs of consecutive ids as ranges, never an ellipsis
     mid-list; past eight runs, the first ones and how many more."""
     ids = sorted(set(pages))
@@ -156,26 +163,27 @@ def page_ranges(pages: list[int]) -> str:
     return f"{', '.join(shown)} ({len(ids)} page{'s' if len(ids) != 1 else ''})"
 
 
-def _special(cats: dict[str, Any]) -> str:
-    if cats["special"]:
-        return ", ".join(cats["special"])
-    undeclared = cats.get("exposed_undeclared", 0)
-    if undeclared:
-        return f"unknown: {undeclared} exposed request(s) declare no categories"
+def _special(cats: DataCategories) -> str:
+    if cats.special:
+        return ", ".join(cats.special)
+    if cats.exposed_undeclared:
+        return f"unknown: {cats.exposed_undeclared} exposed request(s) declare no categories"
     return "none declared"
 
 
-def _art34_verdict(a34: dict[str, Any]) -> str:
-    if "verdict" in a34:  # reports stored before "undetermined" existed said yes or no only
-        return str(a34["verdict"])
-    return "yes" if a34["high_risk"] else "no"
+def _art34_page(pdf: ReportPdf, a34: Art34) -> None:
+    pdf.h1("Art. 34 decision support")
+    pdf.para(f"High risk: {a34.verdict}. Rule: {a34.rule}.")
+    for reason in a34.reasons:
+        pdf.para(f"- {reason}")
+    pdf.para(a34.note)
 
 
-def render_pdf(report: dict[str, Any]) -> bytes:
-    rid = report["report_id"]
+def render_pdf(report: BreachReport) -> bytes:
+    rid = report.report_id
     pdf = ReportPdf(rid, "breach assessment")
-    ar, tn, sr = report["affected_requests"], report["tenants"], report["stale_reads"]
-    tl, cats = report["timeline"], report["data_categories"]
+    ar, tn, sr = report.affected_requests, report.tenants, report.stale_reads
+    tl, cats, a34 = report.timeline, report.data_categories, report.art34
 
     # ---- cover
     pdf.add_page()
@@ -184,46 +192,39 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     pdf.set_font("DejaVu", "", 10)
     pdf.cell(0, 6, "GDPR Art. 33 / Art. 34 - kvwatch", new_x="LMARGIN", new_y="NEXT")
     pdf.ln(4)
-    scope = report["scope"]
+    scope = msgspec.structs.asdict(report.scope)
     scope_text = ", ".join(f"{k}={v}" for k, v in sorted(scope.items()) if v is not None)
     head: list[tuple[str, Any]] = [
         ("Report ID", rid),
-        ("Generated at", report["generated_at"]),
-        ("Mode", report["mode"]),
+        ("Generated at", report.generated_at),
+        ("Mode", report.mode),
         ("Scope", scope_text),
     ]
-    if report.get("incident"):
-        inc = report["incident"]
-        head.append(("Incident", f"#{inc['id']} {inc['title']} ({inc['state']})"))
-    head.append(("Evidence SHA-256", report["evidence_sha256"]))
+    if (inc := report.incident) is not None:
+        head.append(("Incident", f"#{inc.id} {inc.title} ({inc.state})"))
+    head.append(("Evidence SHA-256", report.evidence_sha256))
     pdf.kv(head, mono={"Evidence SHA-256"})
     pdf.ln(4)
     pdf.h1("Summary")
     pdf.kv(
         [
-            ("Affected requests", ar["count"]),
-            ("Largest prompt (tokens)", ar["max_prompt_tokens"]),
-            (
-                "Stale reads",
-                f"{sr['count']} ({sr['cross_tenant']} cross-tenant, {sr['pages']} pages)",
-            ),
-            (
-                "Where data crossed",
-                ", ".join(report.get("involved_deployments") or []) or "none",
-            ),
-            ("Exposed tenants", tn["exposed_count"]),
-            ("Exposed requests", tn.get("exposed_requests", "-")),
-            ("Receiving tenants", tn.get("receiving_count", tn["victim_count"])),
-            ("Receiving requests", tn.get("receiving_requests", "-")),
+            ("Affected requests", ar.count),
+            ("Largest prompt (tokens)", ar.max_prompt_tokens),
+            ("Stale reads", f"{sr.count} ({sr.cross_tenant} cross-tenant, {sr.pages} pages)"),
+            ("Where data crossed", ", ".join(report.involved_deployments) or "none"),
+            ("Exposed tenants", tn.exposed_count),
+            ("Exposed requests", tn.exposed_requests),
+            ("Receiving tenants", tn.receiving_count),
+            ("Receiving requests", tn.receiving_requests),
             ("Data subjects", _data_subjects(cats)),
             ("Special categories", _special(cats)),
-            ("First event", tl["first_event_at"]),
-            ("Last event", tl["last_event_at"]),
-            ("Awareness", tl["awareness_at"]),
-            ("Art. 33 deadline", tl["deadline_at"]),
-            ("Late", "yes" if tl["late"] else "no"),
-            ("Late reason", tl["late_reason"]),
-            ("Art. 34 high risk", _art34_verdict(report["art34"])),
+            ("First event", tl.first_event_at),
+            ("Last event", tl.last_event_at),
+            ("Awareness", tl.awareness_at),
+            ("Art. 33 deadline", tl.deadline_at),
+            ("Late", "yes" if tl.late else "no"),
+            ("Late reason", tl.late_reason),
+            ("Art. 34 high risk", a34.verdict),
         ]
     )
     pdf.ln(1)
@@ -235,31 +236,28 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         "hash.",
         8,
     )
-    if report.get("account"):
+    if report.account:
         pdf.ln(2)
         pdf.h1("What happened")
-        pdf.para(report["account"])
-    if report.get("notices"):
+        pdf.para(report.account)
+    if report.notices:
         pdf.ln(2)
         pdf.h1("Notices to tenants this implies (Art. 33(2))")
         pdf.grid(
             ["tenant", "its data was", "written by"],
             [
-                [n["tenant"], {"exposed": "read by another", "received": "sent another's",
-                               "both": "both"}[n["kind"]], n["command"]]
-                for n in report["notices"]
+                [n.tenant, {"exposed": "read by another", "received": "sent another's",
+                            "both": "both"}[n.kind], n.command]
+                for n in report.notices
             ],
             [34, 36, 120],
         )  # fmt: skip
-    if report.get("cause"):
+    if report.cause:
         pdf.ln(2)
         pdf.h1("Cause chain, in order")
         pdf.grid(
             ["when (UTC)", "step", "from the evidence"],
-            [
-                [short_time(x["at"]), x["step"].replace("_", " "), x["text"]]
-                for x in report["cause"]
-            ],
+            [[short_time(x.at), x.step.replace("_", " "), x.text] for x in report.cause],
             [36, 34, 120],
         )
 
@@ -267,22 +265,20 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     pdf.add_page()
     pdf.h1("Charts")
     # the strictest limit in force of the report's deployments (policies.limits decided each)
-    held = strictest(
-        from_json(x) for d in report["deployments"] for x in d.get("limits_in_force") or ()
-    )
+    held = strictest(lim for d in report.deployments for lim in d.limits_in_force)
     lines = []
     if held is not None and held.tokens:
         lines = [
             (0.8 * held.tokens, f"80% of the limit in force ({int(0.8 * held.tokens):,})", WARN),
             (float(held.tokens), f"limit in force ({held.tokens:,}, {held.source})", CRIT),
         ]
-    series = report["series"]
-    win = series.get("window")
-    bucket_s = series.get("bucket_seconds")
+    series = report.series
+    win = series.window
+    bucket_s = series.bucket_seconds
     width = f"{bucket_s:.3g}-second" if bucket_s else "equal"
     charts = [
         _chart(
-            series["prompt_tokens_max"],
+            series.prompt_tokens_max,
             f"Prompt tokens: the largest per {width} bucket",
             "tokens",
             lines,
@@ -290,7 +286,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             bucket_s=bucket_s,
         ),
         _chart(
-            series["pool_occupancy_max"],
+            series.pool_occupancy_max,
             f"Pool occupancy: the highest per {width} bucket",
             "used / capacity",
             [(1.0, "capacity (full)", CRIT)],
@@ -298,7 +294,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             bucket_s=bucket_s,
         ),
         _chart(
-            series["stale_reads"],
+            series.stale_reads,
             f"Stale reads per {width} bucket",
             "stale reads",
             [],
@@ -316,7 +312,7 @@ def render_pdf(report: dict[str, Any]) -> bytes:
         [
             (
                 "Time axis",
-                f"{win['from'] if win else 'the scope'} to {win['until'] if win else ''}: "
+                f"{win.from_} to {win.until}: "
                 "for an incident, from the first event of its requests to its last stale read, "
                 "with a margin (its own minutes, not a day).",
             ),
@@ -339,43 +335,37 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     pdf.add_page()
     pdf.h1("Tenants")
     pdf.grid(
-        ["exposed tenant", "stale reads", "requests", "read by"],
-        [
-            [t["tenant"], t["stale_reads"], t["requests"], ", ".join(t["readers"])]
-            for t in tn["exposed"]
-        ],
+        ["exposed tenant", "stale reads", "requests", "receiving tenants"],
+        [[t.tenant, t.stale_reads, t.requests, ", ".join(t.receiving_tenants)] for t in tn.exposed],
         [40, 25, 25, 90],
     )
     pdf.grid(
-        ["receiving tenant", "stale reads", "requests", "received data of"],
-        [
-            [t["tenant"], t["stale_reads"], t["requests"], ", ".join(t["sources"])]
-            for t in tn["victims"]
-        ],
+        ["receiving tenant", "stale reads", "requests", "exposed tenants"],
+        [[t.tenant, t.stale_reads, t.requests, ", ".join(t.exposed_tenants)] for t in tn.receiving],
         [40, 25, 25, 90],
     )
     pdf.h1("Data categories")
     pdf.grid(
         ["category", "affected requests", "exposed requests"],
         [
-            [c, cats["affected"].get(c, 0), cats["exposed"].get(c, 0)]
-            for c in sorted(set(cats["affected"]) | set(cats["exposed"]))
+            [c, cats.affected.get(c, 0), cats.exposed.get(c, 0)]
+            for c in sorted(set(cats.affected) | set(cats.exposed))
         ]
         or [["none", 0, 0]],
         [60, 60, 60],
     )
     pdf.h1("Stale-read evidence")
-    items = sr["items"][:MAX_TABLE_ROWS]
+    items = sr.items[:MAX_TABLE_ROWS]
     pdf.grid(
         ["when", "reader request", "reader tenant", "previous request", "previous tenant", "pages"],
         [
             [
-                short_time(s["ts"]),
-                s["reader_request_id"],
-                s["reader_tenant"],
-                s["previous_request_id"] or "never written",
-                s["previous_tenant"] or "no one",
-                page_ranges(s["pages"]),
+                short_time(s.ts),
+                s.reader_request_id,
+                s.reader_tenant,
+                s.previous_request_id or "never written",
+                s.previous_tenant or "no one",
+                page_ranges(s.pages),
             ]
             for s in items
         ]
@@ -398,21 +388,21 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ("pages", "the page ids read, as runs of consecutive ids, and how many pages."),
         ]
     )
-    if sr["count"] > len(items):
-        pdf.para(f"{len(items)} of {sr['count']} stale reads shown; all are in the JSON report.")
+    if sr.count > len(items):
+        pdf.para(f"{len(items)} of {sr.count} stale reads shown; all are in the JSON report.")
     pdf.h1("Affected requests")
-    reqs = ar["items"][:MAX_TABLE_ROWS]
+    reqs = ar.items[:MAX_TABLE_ROWS]
     pdf.grid(
         ["request", "tenant", "deployment", "prompt", "status", "role", "first seen"],
         [
             [
-                r["request_id"],
-                r["tenant"],
-                r["deployment_id"],
-                r["prompt_tokens"],
-                r["status"],
-                r["role"].replace("_", " "),
-                short_time(r["first_ts"]),
+                r.request_id,
+                r.tenant,
+                r.deployment_id,
+                r.prompt_tokens,
+                r.status,
+                r.role.replace("_", " "),
+                short_time(r.first_ts),
             ]
             for r in reqs
         ]
@@ -430,32 +420,31 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ("prompt", "the request's prompt length in tokens, as the engine counted it."),
         ]
     )
-    if ar["count"] > len(reqs):
+    if ar.count > len(reqs):
         pdf.para(
-            f"{len(reqs)} of {ar['count']} affected requests shown; the CSV export lists "
-            f"{ar['listed']}."
+            f"{len(reqs)} of {ar.count} affected requests shown; the CSV export lists {ar.listed}."
         )
     pdf.h1("Deployments")
-    for d in report["deployments"]:
+    for d in report.deployments:
         pdf.para(
-            f"{d['deployment_id']}: advertised context {_n(d['advertised_context'])} tokens, "
-            f"smallest prefill pool {_n(d['min_pool_capacity_tokens'])}, limit in force "
-            + (d.get("limit") or "unknown")
+            f"{d.deployment_id}: advertised context {_n(d.advertised_context)} tokens, "
+            f"smallest prefill pool {_n(d.min_pool_capacity_tokens)}, limit in force "
+            + (d.limit or "unknown")
         )
         pdf.grid(
             ["since", "node", "role", "engine", "pool", "advertised", "quant", "tp"],
             [
                 [
-                    short_time(c["ts"]),
-                    c["node"],
-                    c["role"],
-                    f"{c['engine']} {c['engine_version']}",
-                    c["pool_capacity_tokens"],
-                    c["advertised_context"],
-                    c["quantization"],
-                    c["tp_size"],
+                    short_time(c.ts),
+                    c.node,
+                    c.role,
+                    f"{c.engine} {c.engine_version}",
+                    c.pool_capacity_tokens,
+                    c.advertised_context,
+                    c.quantization,
+                    c.tp_size,
                 ]
-                for c in d["configs"]
+                for c in d.configs
             ]
             or [["no config recorded", "", "", "", "", "", "", ""]],
             [36, 22, 16, 30, 22, 22, 16, 10],
@@ -464,13 +453,13 @@ def render_pdf(report: dict[str, Any]) -> bytes:
             ["verified at", "model", "passed", "safe context", "engine"],
             [
                 [
-                    short_time(v["verified_at"]),
-                    v["model_id"],
-                    v["passed"],
-                    v["verified_safe_context"],
-                    v["engine_version"],
+                    short_time(v.verified_at),
+                    v.model_id,
+                    v.passed,
+                    v.verified_safe_context,
+                    v.engine_version,
                 ]
-                for v in d["verifications"]
+                for v in d.verifications
             ]
             or [["no verification recorded", "", "", "", ""]],
             [40, 50, 20, 30, 34],
@@ -479,20 +468,13 @@ def render_pdf(report: dict[str, Any]) -> bytes:
     # ---- checklist
     pdf.add_page()
     pdf.h1("GDPR Art. 33(3) checklist")
-    for it in report["checklist"]:
+    for it in report.checklist:
         pdf.set_font("DejaVu", "B", 9)
-        mark = "NEEDS A PERSON" if it["needs_person"] else "filled from data"
-        pdf.multi_cell(
-            0, 5, f"{it['article']} {it['title']} [{mark}]", new_x="LMARGIN", new_y="NEXT"
-        )
-        pdf.para(it["value"] + (f" (note: {it['note']})" if it["note"] else ""))
+        mark = "NEEDS A PERSON" if it.needs_person else "filled from data"
+        pdf.multi_cell(0, 5, f"{it.article} {it.title} [{mark}]", new_x="LMARGIN", new_y="NEXT")
+        pdf.para(it.value + (f" (note: {it.note})" if it.note else ""))
         pdf.ln(1)
-    a34 = report["art34"]
-    pdf.h1("Art. 34 decision support")
-    pdf.para(f"High risk: {_art34_verdict(a34)}. Rule: {a34['rule']}.")
-    for reason in a34["reasons"]:
-        pdf.para(f"- {reason}")
-    pdf.para(a34["note"])
+    _art34_page(pdf, a34)
     pdf.ln(10)
     pdf.para("Assessed by (name, role): ______________________________")
     pdf.ln(4)

@@ -19,27 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
 from collector import models as m
 from collector.timefmt import iso
 
-CSV_COLUMNS = (
-    "deployment_id",
-    "request_id",
-    "tenant",
-    "route",
-    "model_id",
-    "prompt_tokens",
-    "completion_tokens",
-    "status",
-    "reject_reason",
-    "data_categories",
-    "first_ts",
-    "last_ts",
-    "role",
-)
 IN_WINDOW = "in_window"
 # Bytes handed to the sink at a time on SQLite (PostgreSQL's COPY blocks are its own).
 _SQLITE_FLUSH = 1 << 20
@@ -225,27 +211,51 @@ def categories(raw: Any) -> list[str]:
     return [str(c) for c in v] if isinstance(v, list) else []
 
 
-def _as_item(row: Any, roles: dict[tuple[str, str], str]) -> dict[str, Any]:
-    return {
-        "deployment_id": row.deployment_id,
-        "request_id": row.request_id,
-        "tenant": row.tenant,
-        "route": row.route,
-        "model_id": row.model_id,
-        "prompt_tokens": None if row.prompt_tokens is None else int(row.prompt_tokens),
-        "completion_tokens": None if row.completion_tokens is None else int(row.completion_tokens),
-        "status": row.status,
-        "reject_reason": row.reject_reason,
-        "data_categories": categories(row.data_categories),
-        "first_ts": iso(int(row.first_ts)),
-        "last_ts": iso(int(row.last_ts)),
-        "role": roles.get((row.deployment_id, row.request_id), IN_WINDOW),
-    }
+class AffectedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One affected request as a breach report lists it (its JSON ``items``, a CSV row): the
+    fields are the CSV's columns, in their order; times are ISO 8601 UTC text."""
+
+    deployment_id: str
+    request_id: str
+    tenant: str
+    route: str | None
+    model_id: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    status: str
+    reject_reason: str | None
+    data_categories: tuple[str, ...]
+    first_ts: str
+    last_ts: str
+    #: reader, previous_writer, both (the sides of a stale read it is on), or in_window
+    role: str
+
+
+# The CSV's columns are the listed request's fields, in their order.
+CSV_COLUMNS: tuple[str, ...] = AffectedRequest.__struct_fields__
+
+
+def _as_item(row: Any, roles: dict[tuple[str, str], str]) -> AffectedRequest:
+    return AffectedRequest(
+        deployment_id=row.deployment_id,
+        request_id=row.request_id,
+        tenant=row.tenant,
+        route=row.route,
+        model_id=row.model_id,
+        prompt_tokens=None if row.prompt_tokens is None else int(row.prompt_tokens),
+        completion_tokens=None if row.completion_tokens is None else int(row.completion_tokens),
+        status=row.status,
+        reject_reason=row.reject_reason,
+        data_categories=tuple(categories(row.data_categories)),
+        first_ts=iso(int(row.first_ts)),
+        last_ts=iso(int(row.last_ts)),
+        role=roles.get((row.deployment_id, row.request_id), IN_WINDOW),
+    )
 
 
 def sample(
     conn: Connection, f: RowFilter, limit: int, also: set[tuple[str, str]]
-) -> list[dict[str, Any]]:
+) -> list[AffectedRequest]:
     """The first ``limit`` requests by first event, and every request in ``also`` that the
     filter covers (the ones stale reads name: the evidence needs them whatever their place),
     in first-event order."""
@@ -264,11 +274,12 @@ def sample(
 # ---------------------------------------------------------------------------- the CSV
 
 
-def csv_row(item: dict[str, Any]) -> list[Any]:
+def csv_row(item: AffectedRequest) -> list[Any]:
     """One listed request as the CSV writes it: categories joined by ``;``, null as empty."""
+    values = [getattr(item, c) for c in CSV_COLUMNS]
     return [
-        ";".join(item[c]) if c == "data_categories" else ("" if item[c] is None else item[c])
-        for c in CSV_COLUMNS
+        ";".join(v) if c == "data_categories" else ("" if v is None else v)
+        for c, v in zip(CSV_COLUMNS, values, strict=True)
     ]
 
 

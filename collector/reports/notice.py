@@ -28,6 +28,7 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import CollectorError, InvalidInput, NotFound
 from collector.reports.breach import BreachScope, BreachService, previous_close
+from collector.reports.breach_model import BreachReport
 from collector.settings import Settings
 from collector.timefmt import iso, to_micros
 
@@ -69,7 +70,7 @@ class NoticeService:
                 detail={
                     "tenant": tenant,
                     "kind": doc["kind"],
-                    "assessment_evidence_sha256": report["evidence_sha256"],
+                    "assessment_evidence_sha256": report.evidence_sha256,
                 },
             )
         return doc
@@ -155,46 +156,49 @@ class NoticeService:
 
 
 def build_notice(
-    report: dict[str, Any], tenant: str, settings: Settings, now: datetime
+    report: BreachReport, tenant: str, settings: Settings, now: datetime
 ) -> dict[str, Any]:
-    reads = report["stale_reads"]["items"]
-    mine = {
-        r["request_id"]: r for r in report["affected_requests"]["items"] if r["tenant"] == tenant
-    }
-    exposed = [s for s in reads if s["cross_tenant"] and s["previous_tenant"] == tenant]
-    received = [s for s in reads if s["cross_tenant"] and s["reader_tenant"] == tenant]
+    """The notice to ``tenant`` from the incident's assessment: a JSON document (the tenant's
+    own view of the incident, ``kvwatch report notice``'s .json)."""
+    inc = report.incident
+    if inc is None:
+        raise InvalidInput("a notice is about an incident; this report covers a window")
+    reads = report.stale_reads.items
+    mine = {r.request_id: r for r in report.affected_requests.items if r.tenant == tenant}
+    exposed = [s for s in reads if s.cross_tenant and s.previous_tenant == tenant]
+    received = [s for s in reads if s.cross_tenant and s.reader_tenant == tenant]
     if not exposed and not received:
-        involved = sorted({r["tenant"] for r in report["affected_requests"]["items"]})
+        involved = {r.tenant for r in report.affected_requests.items}
         raise InvalidInput(
             f"tenant {tenant!r} has no request whose data crossed in incident "
-            f"{report['incident']['id']} (tenants with requests in it: {len(involved)})",
+            f"{inc.id} (tenants with requests in it: {len(involved)})",
             {"tenant": tenant},
         )
     kind = "both" if exposed and received else "exposed" if exposed else "received"
 
-    def request(rid: str) -> dict[str, Any]:
-        r = mine.get(rid, {})
+    def request(rid: str | None) -> dict[str, Any]:
+        # None for a request not in the evidence (its record never reached the collector)
+        r = mine.get(rid or "")
         return {
             "request_id": rid,
-            "first_seen": r.get("first_ts"),
-            "prompt_tokens": r.get("prompt_tokens"),
-            "completion_tokens": r.get("completion_tokens"),
-            "route": r.get("route"),
-            "model_id": r.get("model_id"),
+            "first_seen": None if r is None else r.first_ts,
+            "prompt_tokens": None if r is None else r.prompt_tokens,
+            "completion_tokens": None if r is None else r.completion_tokens,
+            "route": None if r is None else r.route,
+            "model_id": None if r is None else r.model_id,
         }
 
-    inc = report["incident"]
     processor = settings.operator_role == "processor"
     doc: dict[str, Any] = {
         "kind": kind,
         "tenant": tenant,
         "incident": {
-            "id": inc["id"],
-            "deployment_id": inc["deployment_id"],
-            "state": inc["state"],
-            "opened_at": inc["opened_at"],
-            "closed_at": inc["closed_at"],
-            "our_awareness_at": report["timeline"]["awareness_at"],
+            "id": inc.id,
+            "deployment_id": inc.deployment_id,
+            "state": inc.state,
+            "opened_at": inc.opened_at,
+            "closed_at": inc.closed_at,
+            "our_awareness_at": report.timeline.awareness_at,
         },
         "generated_at": iso(now),
         "role": settings.operator_role,
@@ -213,18 +217,18 @@ def build_notice(
         ),
         "your_requests_read_by_another": [
             {
-                **request(s["previous_request_id"]),
-                "read_at": s["ts"],
-                "pages": s["page_count"],
+                **request(s.previous_request_id),
+                "read_at": s.ts,
+                "pages": s.page_count,
                 "read_by": OTHER,
             }
             for s in exposed
         ],
         "your_requests_that_read_another": [
             {
-                **request(s["reader_request_id"]),
-                "read_at": s["ts"],
-                "pages": s["page_count"],
+                **request(s.reader_request_id),
+                "read_at": s.ts,
+                "pages": s.page_count,
                 "data_of": OTHER,
             }
             for s in received
@@ -242,26 +246,24 @@ def build_notice(
             "actually taken.)"
         ),
         "contact": settings.dpo_contact.strip() or "needs a person: set KVWATCH_DPO_CONTACT",
-        "assessment_evidence_sha256": report["evidence_sha256"],
+        "assessment_evidence_sha256": report.evidence_sha256,
     }
     _check_names_no_one_else(doc, report, tenant)
     return doc
 
 
-def _check_names_no_one_else(doc: dict[str, Any], report: dict[str, Any], tenant: str) -> None:
+def _check_names_no_one_else(doc: dict[str, Any], report: BreachReport, tenant: str) -> None:
     text = json.dumps(doc)
+    reads = report.stale_reads.items
     others = {
-        t
-        for s in report["stale_reads"]["items"]
-        for t in (s["reader_tenant"], s["previous_tenant"])
-        if t and t != tenant
-    } | {r["tenant"] for r in report["affected_requests"]["items"] if r["tenant"] != tenant}
+        t for s in reads for t in (s.reader_tenant, s.previous_tenant) if t and t != tenant
+    } | {r.tenant for r in report.affected_requests.items if r.tenant != tenant}
     foreign_ids = {
         rid
-        for s in report["stale_reads"]["items"]
+        for s in reads
         for rid, who in (
-            (s["reader_request_id"], s["reader_tenant"]),
-            (s["previous_request_id"], s["previous_tenant"]),
+            (s.reader_request_id, s.reader_tenant),
+            (s.previous_request_id, s.previous_tenant),
         )
         if rid and who != tenant
     }

@@ -31,9 +31,9 @@ def _tenants(doc: JSON) -> None:
     t = doc["tenants"]
     a, b, c, d = st.columns(4)
     a.metric("Exposed tenants", t["exposed_count"], help="Their requests' KV was read.")
-    b.metric("Exposed requests", t.get("exposed_requests", "-"))
-    c.metric("Receiving tenants", t.get("receiving_count", t["victim_count"]))
-    d.metric("Receiving requests", t.get("receiving_requests", "-"))
+    b.metric("Exposed requests", t["exposed_requests"])
+    c.metric("Receiving tenants", t["receiving_count"], help="Their requests read it.")
+    d.metric("Receiving requests", t["receiving_requests"])
     e, f, g = st.columns(3)
     subjects = doc["data_categories"].get("data_subjects")
     e.metric("Data subjects", "unknown" if subjects is None else f"{subjects:,}")

@@ -98,7 +98,7 @@ def _created(report: JSON) -> str:
 def breach_form(c: CollectorClient) -> None:
     st.subheader("Breach assessment")
     st.caption(
-        "Affected requests, exposed and victim tenants, data categories, stale-read evidence, "
+        "Affected requests, exposed and receiving tenants, data categories, stale-read evidence, "
         "the timeline and deadline, and the Art. 33(3) checklist. Stored and audited."
     )
     mode = st.radio("For", [BY_INCIDENT, BY_WINDOW], horizontal=True, key="rep_mode")
@@ -186,8 +186,9 @@ def breach_preview(doc: JSON) -> None:
     tl = doc.get("timeline") or {}
     a, b, cc, d = st.columns(4)
     a.metric("Affected requests", f"{ar.get('count', 0):,}")
-    b.metric("Exposed tenants", len(tenants.get("exposed") or []))
-    cc.metric("Receiving tenants", len(tenants.get("victims") or []))
+    # a stored report as it was stored: of schema 2 or 3 (both count these), rarely older
+    b.metric("Exposed tenants", tenants.get("exposed_count", "-"))
+    cc.metric("Receiving tenants", tenants.get("receiving_count", "-"))
     d.metric("Largest prompt", ui.tokens(ar.get("max_prompt_tokens")))
     if tl.get("deadline_at"):
         late = " (late)" if tl.get("late") else ""
