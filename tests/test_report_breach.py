@@ -783,7 +783,9 @@ def test_a_schema_2_report_still_verifies_and_renders(env: Env, tmp_path: Path, 
         t = dict(today["tenants"], victim_count=today["tenants"]["receiving_count"])
         t["exposed"] = [_renamed(x, receiving_tenants="readers") for x in t["exposed"]]
         t["victims"] = [_renamed(x, exposed_tenants="sources") for x in t.pop("receiving")]
-        assert evidence_digest(dict(today, tenants=t)) == doc["evidence_sha256"]
+        # (schema 2 hashed its deployments' limit figures with the rest)
+        old_words = dict(today, tenants=t, schema_version=2)
+        assert evidence_digest(old_words) == doc["evidence_sha256"]
         assert dep.limit is not None and dep.limits_in_force[0].source == "pool"
     else:  # before the limits in force: the rule it had then, in its own words
         assert (dep.safe_context_source, dep.limit, dep.limits_in_force) == (
@@ -812,7 +814,11 @@ def test_a_report_of_a_schema_not_read_is_a_clear_error(
     schema newer than this kvwatch: served as stored, verified by hash, and its PDF or CSV a
     409 naming the schema (exit 2 for its CSV's check), never a 500."""
     doc = json.loads(SCHEMA_2.read_text())
-    doc["schema_version"] = version  # outside the evidence: the hash still holds
+    doc["schema_version"] = version
+    if version >= 3:
+        # from schema 3 the limit figures are conclusions outside the evidence hash: what a
+        # newer kvwatch would have written for the same evidence
+        doc["evidence_sha256"] = evidence_digest(doc)
     path = tmp_path / SCHEMA_2.name
     path.write_text(json.dumps(doc))
     path.with_suffix(".csv").write_bytes(SCHEMA_2.with_suffix(".csv").read_bytes())
@@ -849,3 +855,23 @@ def test_the_document_reads_back_as_the_report(env: Env) -> None:
     with pytest.raises(UnreadableReport) as exc:
         from_document(broken)
     assert "schema-3" in exc.value.message and "$.affected_requests.count" in exc.value.message
+
+
+def test_the_limit_in_force_is_a_conclusion_outside_the_evidence_hash() -> None:
+    """A schema-3 report's deployments carry the limit in force as decided when the report
+    is made (a verification passing its maximum age changes it with nothing new recorded):
+    the evidence hash leaves it out, so the same evidence hashes the same whenever the report
+    is generated; what the deployments record (configs, verifications) stays in it."""
+    doc = json.loads(SCHEMA_2.read_text())
+    doc = dict(doc, schema_version=3)
+    base = evidence_digest(doc)
+    dep = dict(doc["deployments"][0])
+    later = dict(dep, safe_context=1, safe_context_source="pool", limit="1 tokens (...)")
+    assert evidence_digest(dict(doc, deployments=[later, *doc["deployments"][1:]])) == base
+    recorded = dict(dep, verifications=[*dep["verifications"], {"model_id": "x"}])
+    assert evidence_digest(dict(doc, deployments=[recorded, *doc["deployments"][1:]])) != base
+    # schema 2 hashed them, and a stored schema-2 report still verifies as it was written
+    old = dict(doc, schema_version=2)
+    assert evidence_digest(dict(old, deployments=[later, *doc["deployments"][1:]])) != (
+        evidence_digest(old)
+    )

@@ -312,9 +312,29 @@ def to_document(report: BreachReport) -> dict[str, Any]:
     return out
 
 
+# What a deployment section concludes rather than records: the limit in force, decided when
+# the report is made (a verification passing its maximum age changes it with nothing new
+# recorded). Schema 3 leaves it out of the evidence set, so the same evidence hashes the same
+# whenever the report is generated; schema 2 hashed the rule it had then, and still does.
+DEPLOYMENT_CONCLUSIONS = (
+    "safe_context",
+    "safe_context_source",
+    "limit",
+    "limits_in_force",
+    "advertised_context",
+    "min_pool_capacity_tokens",
+)
+
+
 def evidence_digest(doc: Mapping[str, Any]) -> str:
     """SHA-256 of a report document's evidence set, as it is written (any schema)."""
-    return hashlib.sha256(canonical({k: doc[k] for k in EVIDENCE_KEYS})).hexdigest()
+    evidence = {k: doc[k] for k in EVIDENCE_KEYS}
+    if doc.get("schema_version", 1) >= 3:
+        evidence["deployments"] = [
+            {k: v for k, v in d.items() if k not in DEPLOYMENT_CONCLUSIONS}
+            for d in doc["deployments"]
+        ]
+    return hashlib.sha256(canonical(evidence)).hexdigest()
 
 
 def from_document(doc: Mapping[str, Any]) -> BreachReport:
