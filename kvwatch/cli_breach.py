@@ -78,10 +78,22 @@ def breach(
         finally:
             part.unlink(missing_ok=True)
     doc = to_document(report)
-    paths[0].write_text(json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-    paths[2].write_bytes(render_pdf(report))
+    text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    _write_whole(paths[0], text.encode())
+    _write_whole(paths[2], render_pdf(report))
     for p in paths:
         typer.echo(str(p))
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """``path`` appears whole or not at all (written beside it, then renamed): a command
+    killed midway leaves a ``.part`` file, never a truncated report."""
+    part = path.with_name(path.name + ".part")
+    try:
+        part.write_bytes(data)
+        part.replace(path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def report_verify(
