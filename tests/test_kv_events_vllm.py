@@ -167,3 +167,80 @@ def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServe
 
     (alert,) = wait_for(unsalted, bool, timeout_s=60)
     assert alert["labels"]["deployment_id"] == server.deployment_id
+
+
+def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
+    """Beside the live server: an endpoint form that cannot work is refused; a port nobody
+    publishes on (the server answering at --target) and the server's own publisher on
+    another topic are each, after --silent-after, a warning naming the cause and source.gap
+    events, and no kv.turnover (no zeros) is stored for them; the telemetry_gap alert fires
+    while they are silent and resolves at their clean stop. About 6 s."""
+    from kvwatch.embedded import free_port
+
+    server = vllm_server
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
+    env["KVWATCH_COLLECTOR_URL"] = server.collector.url
+    env["KVWATCH_INGEST_TOKEN"] = server.collector.ingest
+    env["KVWATCH_PROBE_FLUSH_INTERVAL_S"] = "0.2"
+    port = server.kv_events_endpoint.rsplit(":", 1)[1]
+    # vLLM's endpoint as a subscriber would copy it from a config that makes vLLM connect
+    refused = subprocess.run(
+        [KVWATCH, "kv-events", "--endpoint", f"tcp://0.0.0.0:{port}", "--target",
+         server.base_url, "--dry-run"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused
+    assert f"--endpoint 'tcp://0.0.0.0:{port}'" in refused.stderr
+    assert "connects instead of binding" in refused.stderr and "Traceback" not in refused.stderr
+
+    nodes = {"nobody": "vsrv-kv-silent-nobody", "topic": "vsrv-kv-silent-topic"}
+    endpoints = {"nobody": f"tcp://127.0.0.1:{free_port()}", "topic": server.kv_events_endpoint}
+
+    def start(name: str) -> subprocess.Popen[str]:
+        topic = KV_EVENTS_TOPIC if name == "nobody" else "not-" + KV_EVENTS_TOPIC
+        return subprocess.Popen(
+            [KVWATCH, "kv-events", "--endpoint", endpoints[name], "--topic", topic,
+             "--deployment", server.deployment_id, "--target", server.base_url,
+             "--node", nodes[name], "--interval", "0.3", "--silent-after", "1.5",
+             "--duration", "5"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    procs = {name: start(name) for name in nodes}
+
+    def firing() -> set[str]:
+        with server.collector.client() as c:
+            alerts = c.get("/v1/alerts", params={"rule": "telemetry_gap"}).json()
+        return {
+            a["annotations"].get("node")
+            for a in alerts
+            if a["labels"]["problem"] == "source_silent" and a["state"] == "firing"
+        }
+
+    try:
+        # the engine serves meanwhile (and publishes, on its own topic)
+        for i in range(3):
+            r = server.complete(tokens(9100 + i, 70), tenant=W, max_tokens=2)
+            assert r.status_code == 200, r.text
+        assert wait_for(firing, lambda got: set(nodes.values()) <= got, timeout_s=30)
+    finally:
+        outs = {name: p.communicate(timeout=60) for name, p in procs.items()}
+    for name, p in procs.items():
+        out, errors = outs[name]
+        assert p.returncode == 0, errors
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["gaps"] >= 1 and summary["intervals"] == 0, summary
+    assert f"nothing accepts connections at {endpoints['nobody']}" in outs["nobody"][1]
+    assert f"messages arrive on topic '{KV_EVENTS_TOPIC}'" in outs["topic"][1]
+    with server.collector.client() as c:
+        rows = c.get(
+            "/v1/page-events", params={"deployment_id": server.deployment_id, "limit": 1000}
+        ).json()["items"]
+        alerts = c.get("/v1/alerts", params={"rule": "telemetry_gap"}).json()
+    for name, node in nodes.items():
+        mine = [r for r in rows if r["node"] == node]
+        assert mine and {r["kind"] for r in mine} == {"source.gap"}, mine
+        causes = {r["detail"]["cause"] for r in mine}
+        assert causes == {"not_connected" if name == "nobody" else "other_topic"}, mine
+    # each stopped cleanly: its gap no longer fires
+    assert not firing() & set(nodes.values()), alerts

@@ -176,6 +176,36 @@ def test_cross_tenant_stale_read_fires_critical_and_opens_one_incident(env: Env)
     assert len(env.alerts("stale_page_read")) == 2
 
 
+def test_a_stale_reads_previous_tenant_is_the_ledgers_record_and_says_so(env: Env) -> None:
+    """The alert names the tenant whose write the probe's page ledger last recorded, says it
+    is the ledger's record, and says when the ledger recorded none (or cannot name it)."""
+    env.send(f.stale_read(env.next(), probe=env.probe))
+    env.send(
+        f.stale_read(env.next(), probe=env.probe, reader_tenant="initech",
+                     previous_request_id=None, previous_tenant=None),
+    )  # fmt: skip
+    env.send(f.stale_read(env.next(), probe=env.probe, reader_tenant="umbrella",
+                          previous_tenant="unknown"))  # fmt: skip
+    env.send(
+        ev.CanaryHit(**f.base(env.next(), probe=env.probe), detector="paint",
+                     reader_request_id="r-c", reader_tenant="hooli", canary_tenant="acme",
+                     page_ids=[4], node="decode-0"),
+    )  # fmt: skip
+    said = {a["labels"]["reader_tenant"]: a for a in env.alerts("stale_page_read")}
+    acme = said["globex"]["annotations"]["summary"]
+    assert (
+        "read 3 page(s) last written, as the probe's page ledger recorded, by tenant acme" in acme
+    )
+    assert "the ledger's last recorded writer" in acme and acme.endswith("(cross-tenant exposure)")
+    none = said["initech"]
+    assert none["labels"]["previous_tenant"] == "none"
+    assert (
+        "page ledger holds no write of since the pool was created" in none["annotations"]["summary"]
+    )
+    assert "a tenant the ledger cannot name" in said["umbrella"]["annotations"]["summary"]
+    assert "holding tenant acme's canary" in said["hooli"]["annotations"]["summary"]
+
+
 def test_same_tenant_or_zeroized_stale_reads_open_no_incident(env: Env) -> None:
     env.send(f.stale_read(env.next(), probe=env.probe, previous_tenant="globex"))
     env.send(f.stale_read(env.next(), probe=env.probe, reader_tenant="initech", zeroized=True))
