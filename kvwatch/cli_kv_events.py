@@ -134,8 +134,14 @@ def kv_events(
     prefix caching on and unsalted (so prefix_cache_unsalted fires when the deployment
     serves 2+ tenants). The events carry no tenant: see docs/vllm.md."""
     from engine_probe.events import is_valid_id
-    from kvwatch.kv_events import KvEventsError, Mirror, Stream
+    from kvwatch.kv_events import KvEventsError, Mirror, Stream, check_endpoint
 
+    try:  # before anything reaches out: an endpoint that cannot work is refused at once
+        check_endpoint(endpoint)
+        if replay_endpoint:
+            check_endpoint(replay_endpoint, "--replay-endpoint")
+    except KvEventsError as exc:
+        raise _fail(str(exc)) from None
     if backfill and not replay_endpoint:
         raise _fail("--backfill needs --replay-endpoint (the publisher's buffer is read there)")
     figures: NodeFigures | None = None
@@ -189,6 +195,7 @@ def kv_events(
         block_tokens=figures.page_size if figures else None,
     )
     loop = _Loop(stream, Mirror(), probe, node_id, figures, silence, scraper)
+    silence.baseline(loop.read_engine())
     err.print(
         f"subscribed to {escape(stream.endpoint)}"
         + (f" (replay {escape(stream.replay_endpoint)})" if stream.replay_endpoint else "")
@@ -294,7 +301,7 @@ class _Loop:
     def _close(self, now: float, elapsed: float, *, final: bool = False) -> bool:
         """Send what the interval ending ``now`` was (``elapsed``: since the last event
         sent); False when it is held back (never the ``final`` one)."""
-        engine = self._read_engine()
+        engine = self.read_engine()
         if self._heard:
             self._heard = False
             self.stream.take_other_topic()
@@ -334,7 +341,7 @@ class _Loop:
         self._send_gap(verdict, elapsed)
         return True
 
-    def _read_engine(self) -> EngineReading | None:
+    def read_engine(self) -> EngineReading | None:
         """The --target's counters now (None without one)."""
         if self.scraper is None:
             return None

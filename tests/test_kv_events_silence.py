@@ -26,7 +26,12 @@ def judge(**kw: object) -> Silence:
 
 def test_connected_and_nothing_says_busy_is_idle() -> None:
     s = judge()
-    assert s.judge(1010.0, connected=True) == "idle"
+    # before any batch, nothing shows the subscription can hear the engine: held for the
+    # bound, then idle
+    assert s.judge(1010.0, connected=True) == "hold"
+    assert s.judge(1060.0, connected=True) == "idle"
+    s.data(1070.0)
+    assert s.judge(1080.0, connected=True) == "idle"  # heard once: idle at once
     assert s.judge(5000.0, connected=True) == "idle"  # however long: zeros are true
     up = EngineReading(True, requests=7, computed_tokens=900)
     assert s.judge(5010.0, connected=True, engine=up) == "idle"  # the first reading: a baseline
@@ -71,10 +76,14 @@ def test_traffic_counts_once_a_block_was_computed() -> None:
     s.data(1000.0, EngineReading(True, requests=10, computed_tokens=5000))
     # a request served from the cache, 20 new tokens: no block filled, no evidence
     assert s.judge(1010.0, connected=True, engine=EngineReading(True, 11, 5020)) == "idle"
+    assert s.heard
     assert s.judge(1020.0, connected=True, engine=EngineReading(True, 12, 5040)) == "hold"
     gap = s.judge(1061.0, connected=True, engine=EngineReading(True, 14, 5400))
     assert isinstance(gap, Gap) and gap.cause == "engine_served" and gap.requests == 4
     assert "finished 4 request(s)" in gap.reason
+    # a baseline given at the start: traffic counts from the first interval
+    t = judge(block_tokens=32, engine=EngineReading(True, requests=10, computed_tokens=5000))
+    assert t.judge(1010.0, connected=True, engine=EngineReading(True, 12, 5040)) == "hold"
     # counters that went down: a restarted engine, counted from its new start
     assert s.judge(1070.0, connected=True, engine=EngineReading(True, 1, 40)) == "idle"
     assert isinstance(s.judge(1080.0, connected=True, engine=EngineReading(True, 3, 200)), Gap)

@@ -13,7 +13,9 @@ is passed in): whether the subscriber has a live connection to a publisher, whet
 came on another topic, and, given the engine's HTTP root, whether the engine answers and how
 many requests it finished and tokens it computed meanwhile. Its verdicts:
 
-- ``"idle"``: connected, and nothing says the engine did anything: the zeros are true;
+- ``"idle"``: connected, and nothing says the engine did anything: the zeros are true
+  (before the first batch ever, only after ``silent_after_s``: until one comes, nothing
+  shows the subscription can hear the engine at all);
 - ``"hold"``: evidence of a gap, silent less than ``silent_after_s``: send nothing yet (the
   interval joins the next one sent: the next figures if the events come back, else the gap);
 - :class:`Gap`: evidence of a gap for ``silent_after_s`` or more: send the gap, never zeros.
@@ -69,9 +71,10 @@ Verdict = Gap | Literal["idle", "hold"]
 
 
 class Silence:
-    """The judge of one subscription (see the module docstring). ``block_tokens``: the
-    engine's block size, when known (one block's worth of computed tokens is needed before
-    traffic counts as evidence; without it, one token)."""
+    """The judge of one subscription (see the module docstring), silent since ``now``.
+    ``block_tokens``: the engine's block size, when known (one block's worth of computed
+    tokens is needed before traffic counts as evidence; without it, one token). ``engine``:
+    its reading at the start, the baseline of its traffic (else the first reading is)."""
 
     def __init__(
         self,
@@ -81,6 +84,7 @@ class Silence:
         silent_after_s: float,
         now: float,
         block_tokens: int | None = None,
+        engine: EngineReading | None = None,
     ) -> None:
         if not silent_after_s > 0:
             raise ValueError(f"silent_after_s {silent_after_s!r} must be positive")
@@ -89,13 +93,20 @@ class Silence:
         self.silent_after_s = silent_after_s
         self.block_tokens = max(block_tokens or 1, 1)
         self.last_data = now
+        self.heard = False
         self._baseline: EngineReading | None = None
+        self.baseline(engine)
+
+    def baseline(self, engine: EngineReading | None) -> None:
+        """The engine's reading to count its traffic from (None, or down: the next)."""
+        self._baseline = engine if engine is not None and engine.up else None
 
     def data(self, now: float, engine: EngineReading | None = None) -> None:
         """A batch came (the stream is heard): silence, if any, ends here. ``engine``: the
         engine's reading now, the baseline its traffic is counted from."""
         self.last_data = now
-        self._baseline = engine if engine is not None and engine.up else None
+        self.heard = True
+        self.baseline(engine)
 
     def judge(
         self,
@@ -123,7 +134,10 @@ class Silence:
         elif served is not None:
             cause = "engine_served"
         if cause is None:
-            return "idle"
+            # Before any batch, nothing has shown that this subscription can hear the
+            # engine at all (the topic, the endpoint): its first empty intervals are held
+            # for the bound too, then taken for idle.
+            return "idle" if self.heard or silent >= self.silent_after_s or final else "hold"
         if silent < self.silent_after_s and not final:
             return "hold"
         reason = self._reason(cause, silent, served, other_topic, engine)
