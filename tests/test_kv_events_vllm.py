@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from typer.testing import CliRunner
 
 from kvwatch.cli import app
@@ -174,10 +175,11 @@ def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServe
 
 def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
     """Beside the live server: an endpoint form that cannot work is refused; a port nobody
-    publishes on (the server answering at --target) and the server's own publisher on
-    another topic are each, after --silent-after, a warning naming the cause and source.gap
-    events, and no kv.turnover (no zeros) is stored for them; the telemetry_gap alert fired
-    while they were silent and resolved at their clean stop. About 8 s on 2 cores."""
+    publishes on (the server answering at --target), the server's own publisher on another
+    topic, and a publisher that publishes nothing while the server serves are each, after
+    --silent-after, a warning naming the cause and source.gap events, and no kv.turnover (no
+    zeros) is stored for them; the telemetry_gap alert fired while they were silent and
+    resolved at their clean stop. About 11 s on 2 cores."""
     from kvwatch.embedded import free_port
 
     server = vllm_server
@@ -194,8 +196,21 @@ def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
     assert f"--endpoint 'tcp://0.0.0.0:{port}'" in said, said
     assert "connects instead of binding" in said and "Traceback" not in said
 
-    nodes = {"nobody": "vsrv-kv-silent-nobody", "topic": "vsrv-kv-silent-topic"}
-    endpoints = {"nobody": f"tcp://127.0.0.1:{free_port()}", "topic": server.kv_events_endpoint}
+    nodes = {
+        "nobody": "vsrv-kv-silent-nobody",
+        "topic": "vsrv-kv-silent-topic",
+        "mute": "vsrv-kv-silent-mute",
+    }
+    # nobody: a port nobody binds; topic: the server's own publisher, on another topic;
+    # mute: a publisher that publishes nothing (bound here) while the engine serves
+    mute = zmq.Context.instance().socket(zmq.PUB)
+    mute_port = mute.bind_to_random_port("tcp://127.0.0.1")
+    endpoints = {
+        "nobody": f"tcp://127.0.0.1:{free_port()}",
+        "topic": server.kv_events_endpoint,
+        "mute": f"tcp://127.0.0.1:{mute_port}",
+    }
+    expected = {"nobody": "not_connected", "topic": "other_topic", "mute": "engine_served"}
 
     env = {
         "KVWATCH_COLLECTOR_URL": server.collector.url,
@@ -206,7 +221,7 @@ def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
     def run(name: str) -> Any:
         """In-process (no interpreter to start), in a thread of its own (signals are the main
         thread's), one at a time (CliRunner swaps the process's stdout)."""
-        topic = KV_EVENTS_TOPIC if name == "nobody" else "not-" + KV_EVENTS_TOPIC
+        topic = "not-" + KV_EVENTS_TOPIC if name == "topic" else KV_EVENTS_TOPIC
         got: dict[str, Any] = {}
         t = threading.Thread(
             target=lambda: got.update(r=CliRunner().invoke(app, [
@@ -220,7 +235,7 @@ def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
         return got["r"]
 
     results = {"nobody": run("nobody")}  # not connected: no traffic needed
-    # the server's publisher on its own topic: it publishes while the engine serves
+    # the engine serves (new prompts: computed, not cache hits) while the others listen
     done = threading.Event()
 
     def serve() -> None:
@@ -235,9 +250,11 @@ def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
     traffic.start()
     try:
         results["topic"] = run("topic")
+        results["mute"] = run("mute")
     finally:
         done.set()
         traffic.join(30)
+        mute.close(linger=0)
     outs = {name: (r.stdout, r.output) for name, r in results.items()}
     for name, r in results.items():
         out, errors = outs[name]
@@ -246,6 +263,7 @@ def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
         assert summary["gaps"] >= 1 and summary["intervals"] == 0, summary
     assert f"nothing accepts connections at {endpoints['nobody']}" in outs["nobody"][1]
     assert f"messages arrive on topic '{KV_EVENTS_TOPIC}'" in outs["topic"][1]
+    assert "while the engine finished" in outs["mute"][1]
     with server.collector.client() as c:
         rows = c.get(
             "/v1/page-events", params={"deployment_id": server.deployment_id, "limit": 1000}
@@ -255,7 +273,7 @@ def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
         mine = [r for r in rows if r["node"] == node]
         assert mine and {r["kind"] for r in mine} == {"source.gap"}, mine
         causes = {r["detail"]["cause"] for r in mine}
-        assert causes == {"not_connected" if name == "nobody" else "other_topic"}, mine
+        assert causes == {expected[name]}, mine
         # the alert fired while it was silent, and resolved at its clean stop
         probe = json.loads(outs[name][0].strip().splitlines()[-1])["probe_id"]
         (alert,) = [a for a in alerts if a["labels"]["problem"] == "source_silent"
