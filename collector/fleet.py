@@ -3,13 +3,16 @@
 Status is ``red`` when a pool is smaller than the advertised context (the incident's
 precondition), the latest verification found the endpoint unsafe, a verification is stale
 against the running config, or a critical alert fires; ``amber`` when a model has no passing
-verification or a warning fires; ``green`` otherwise. ``reasons`` says which, in the limits
+verification, a source a producer watches is silent (``telemetry_gap``'s ``source_silent``:
+listed in ``silent_sources``, its reason a line of its own), or a warning fires; ``green``
+otherwise. ``reasons`` says which, in the limits
 card's words. A deployment known only from its verifications (an endpoint watched from
 outside) is listed with what they say.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
@@ -45,6 +48,24 @@ class FleetService:
                     .group_by(a.deployment_id, a.severity)
                 )
             }
+            silent: dict[str | None, list[dict[str, Any]]] = {}
+            for dep, labels, notes, since in conn.execute(
+                select(a.deployment_id, a.labels, a.annotations, a.fired_at)
+                .where(a.state == "firing", a.kind == "telemetry_gap")
+                .order_by(a.deployment_id, a.id)
+            ):
+                lab, note = json.loads(labels), json.loads(notes)
+                if lab.get("problem") == "source_silent":
+                    silent.setdefault(dep, []).append(
+                        {
+                            "probe_id": lab.get("probe_id"),
+                            "node": note.get("node"),
+                            "source": note.get("source"),
+                            "cause": note.get("cause"),
+                            "since": since,
+                            "summary": note.get("summary", ""),
+                        }
+                    )
             i = m.Incident
             incidents = dict(
                 conn.execute(
@@ -90,6 +111,9 @@ class FleetService:
                     reasons.append(("red", f"{name}: {said['text']}"))
                 elif said["status"] == "not_verified":
                     reasons.append(("amber", f"{name}: {said['text']}"))
+            sources = silent.get(dep, [])
+            for src in sources:
+                reasons.append(("amber", f"source silent: {src['summary']}"))
             crit = firing.get((dep, "critical"), 0)
             warn = sum(n for (d, sev), n in firing.items() if d == dep and sev != "critical")
             if crit:
@@ -108,6 +132,7 @@ class FleetService:
                     "firing_alerts": crit + warn,
                     "critical_alerts": crit,
                     "open_incidents": int(incidents.get(dep, 0)),
+                    "silent_sources": sources,
                 }
             )
         return {"generated_at": now, "deployments": out}

@@ -315,8 +315,8 @@ class PoolRollup(Base):
 
 
 class PageEvent(Base):
-    """kv.transfer, page.reuse, page.stale_read, prefix_cache.hit, kv.turnover and canary.hit
-    events.
+    """kv.transfer, page.reuse, page.stale_read, prefix_cache.hit, kv.turnover, source.gap and
+    canary.hit events.
 
     ``tenant``/``request_id`` name the reader (or transfer owner), ``other_tenant`` /
     ``other_request_id`` the previous owner of the pages (the exposed party).

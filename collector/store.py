@@ -335,6 +335,21 @@ def _shape_other(rows: Rows, e: ev.Event, dep: str, ts: int) -> tuple[Any, ...] 
                 (dep, e.probe_id, e.seq, ts, "kv.turnover", e.node, None, None, None, None,
                  e.stored_blocks, False, _json.encode(detail).decode())
             )  # fmt: skip
+        case ev.SourceGap():
+            detail = {
+                "source": e.source,
+                "interval_s": e.interval_s,
+                "silent_s": e.silent_s,
+                "cause": e.cause,
+                "requests": e.requests,
+                "reason": e.reason,
+            }
+            # an interval the source could not be observed in: stored as the gap it is
+            # (page_count 0), beside the kv.turnover rows it stands in for, never as one
+            rows.page.append(
+                (dep, e.probe_id, e.seq, ts, "source.gap", e.node, None, None, None, None,
+                 0, False, _json.encode(detail).decode())
+            )  # fmt: skip
         case ev.CanaryHit():
             detail = {"detector": e.detector, "page_ids": e.page_ids}
             rows.page.append(

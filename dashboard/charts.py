@@ -31,6 +31,7 @@ KINDS = {
     "kv.transfer": "#9ecae1",
     "page.reuse": "#6baed6",
     "kv.turnover": "#c6dbef",
+    "source.gap": "#bdbdbd",  # an interval nobody could observe: grey, not data
     "prefix_cache.hit": "#fd8d3c",
     "page.stale_read": CRIT,
     "canary.hit": "#9467bd",

@@ -14,8 +14,8 @@ optional field with a default is added within the version: older producers' even
 as before. Since unknown fields are refused, a collector must know a field before any
 producer sets it: upgrade collectors first. Optional fields added within version 1 since
 this note: ``request.admitted``'s ``prompt_shared_with``, ``request.finished``'s
-``limit_tokens`` and ``cached_tokens``; and one kind, ``kv.turnover`` (a kind a collector does
-not know is refused, like a field: upgrade collectors first).
+``limit_tokens`` and ``cached_tokens``; and two kinds, ``kv.turnover`` and ``source.gap`` (a
+kind a collector does not know is refused, like a field: upgrade collectors first).
 
 Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
 which is what an ingest path taking hundreds of thousands of events per second needs (about
@@ -99,6 +99,13 @@ PromptCountMethod = Literal["tokenize_endpoint", "bytes", "estimate"]
 LatencyMs = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
 ReadKind = Literal["decode", "prefill", "transfer"]
 CanaryDetector = Literal["paint", "text"]
+# What a producer watches from outside an engine (``source.gap``): the engine's KV-events
+# stream (``kvwatch kv-events``) or its Prometheus /metrics (``kvwatch scrape``).
+SourceName = Literal["kv_events", "metrics"]
+# Why a silent source is a gap and not an idle engine (``source.gap``): nothing accepts the
+# subscriber's connection; messages arrive on another topic than the one subscribed; the
+# engine itself does not answer; the engine answers and served requests meanwhile.
+GapCause = Literal["not_connected", "other_topic", "engine_down", "engine_served"]
 DropReason = Literal[
     "buffer_full", "spool_full", "spool_error", "rejected_by_collector", "shutdown"
 ]
@@ -378,6 +385,31 @@ class KvTurnover(Event, tag="kv.turnover", kw_only=True, frozen=True):
             raise ValueError("cross_session_blocks: cross_session_blocks exceeds restored_blocks")
 
 
+class SourceGap(Event, tag="source.gap", kw_only=True, frozen=True):
+    """A source a producer watches from outside an engine gave nothing for ``silent_s``
+    seconds while something says it should have (``cause``): sent *instead of* the interval's
+    figures (``interval_s``), so that an interval nobody could observe is never stored as an
+    interval in which nothing happened (zeros). Added within version 1.
+
+    ``source``: ``kv_events`` (``kvwatch kv-events``: no batch from the engine's publisher)
+    or ``metrics`` (``kvwatch scrape``: its /metrics failed). ``cause``: ``not_connected``
+    (nothing accepts the subscriber's connection at the endpoint: no publisher binds there),
+    ``other_topic`` (messages arrive, on another topic than the one subscribed),
+    ``engine_down`` (the engine's own HTTP endpoint does not answer either),
+    ``engine_served`` (the engine answers and its counters say it served ``requests``
+    requests meanwhile, yet published nothing). ``reason``: the producer's one line for a
+    person, naming the likely cause (no prompt text: endpoints, topics, counts).
+    """
+
+    node: Id = "node-0"
+    source: SourceName
+    interval_s: Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+    silent_s: Annotated[float, msgspec.Meta(ge=0, le=1e10)]
+    cause: GapCause
+    requests: Count | None = None
+    reason: Name
+
+
 class CanaryHit(Event, tag="canary.hit", kw_only=True, frozen=True):
     """A canary (painted page pattern or planted text) found where it must not be."""
 
@@ -416,6 +448,7 @@ AnyEvent = (
     | PageStaleRead
     | PrefixCacheHit
     | KvTurnover
+    | SourceGap
     | CanaryHit
     | ProbeDrops
     | ProbeStopped
@@ -432,6 +465,7 @@ EVENT_TYPES: Final[tuple[type[Event], ...]] = (
     PageStaleRead,
     PrefixCacheHit,
     KvTurnover,
+    SourceGap,
     CanaryHit,
     ProbeDrops,
     ProbeStopped,

@@ -2,8 +2,10 @@
 publisher) → ``kv.turnover`` events every interval and, with ``--target`` (the engine's HTTP
 root, for its figures), an ``engine.config`` saying prefix caching is on and unsalted once
 blocks stored without a cache salt are seen; sent through the probe's exporter like ``kvwatch
-scrape``'s. Exit 0 done, 2 could not run (bad endpoint, target down, collector settings
-missing, events not delivered)."""
+scrape``'s. An interval it could not observe (``kvwatch.kv_events.silence``: not connected,
+another topic, the engine down or serving without a single event, for ``--silent-after``) is
+sent as a ``source.gap``, never as zeros. Exit 0 done, 2 could not run (bad endpoint, target
+down, collector settings missing, events not delivered)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from kvwatch.cli_scrape import EXIT_SENT, _fail, _probe_settings
 if TYPE_CHECKING:
     from engine_probe.probe import BaseProbe
     from kvwatch.kv_events import Mirror, Stream
-    from kvwatch.scrape import NodeFigures
+    from kvwatch.kv_events.silence import EngineReading, Gap, Silence
+    from kvwatch.scrape import NodeFigures, TargetScraper
 
 
 def _node_from(endpoint: str) -> str:
@@ -82,6 +85,17 @@ def kv_events(
     interval: Annotated[
         float, typer.Option(min=0.05, help="Seconds per kv.turnover event.")
     ] = 10.0,
+    silent_after: Annotated[
+        float,
+        typer.Option(
+            min=0.05,
+            envvar="KVWATCH_KV_EVENTS_SILENT_AFTER",
+            help="Seconds without a KV event, while something says events should come (no "
+            "connection to a publisher, messages on another topic, the --target down or "
+            "serving), after which a warning is printed and source.gap events are sent "
+            "instead of kv.turnover until events come back [KVWATCH_KV_EVENTS_SILENT_AFTER].",
+        ),
+    ] = 60.0,
     duration: Annotated[
         float | None,
         typer.Option(min=0.0, help="Stop after this many seconds (default: at SIGTERM or SIGINT)."),
@@ -120,18 +134,26 @@ def kv_events(
     prefix caching on and unsalted (so prefix_cache_unsalted fires when the deployment
     serves 2+ tenants). The events carry no tenant: see docs/vllm.md."""
     from engine_probe.events import is_valid_id
-    from kvwatch.kv_events import KvEventsError, Mirror, Stream
+    from kvwatch.kv_events import KvEventsError, Mirror, Stream, check_endpoint
 
+    try:  # before anything reaches out: an endpoint that cannot work is refused at once
+        check_endpoint(endpoint)
+        if replay_endpoint:
+            check_endpoint(replay_endpoint, "--replay-endpoint")
+    except KvEventsError as exc:
+        raise _fail(str(exc)) from None
     if backfill and not replay_endpoint:
         raise _fail("--backfill needs --replay-endpoint (the publisher's buffer is read there)")
     figures: NodeFigures | None = None
+    scraper: TargetScraper | None = None
     if target is not None:
         from kvwatch.scrape import ScrapeError, TargetScraper, make_target
 
         try:
-            scraped = TargetScraper(
+            scraper = TargetScraper(
                 make_target(target, "vllm", node=node, api_key=api_key), timeout_s=timeout
-            ).scrape()
+            )
+            scraped = scraper.scrape()
         except ScrapeError as exc:
             raise _fail(str(exc)) from None
         if len(scraped.nodes) != 1:
@@ -163,7 +185,17 @@ def kv_events(
     from engine_probe.probe import NoopProbe, Probe
 
     probe: BaseProbe = NoopProbe() if dry_run else Probe(settings)
-    loop = _Loop(stream, Mirror(), probe, node_id, figures)
+    from kvwatch.kv_events.silence import Silence
+
+    silence = Silence(
+        endpoint=stream.endpoint,
+        topic=topic,
+        silent_after_s=silent_after,
+        now=time.monotonic(),
+        block_tokens=figures.page_size if figures else None,
+    )
+    loop = _Loop(stream, Mirror(), probe, node_id, figures, silence, scraper)
+    silence.baseline(loop.read_engine())
     err.print(
         f"subscribed to {escape(stream.endpoint)}"
         + (f" (replay {escape(stream.replay_endpoint)})" if stream.replay_endpoint else "")
@@ -184,6 +216,7 @@ def kv_events(
                 "intervals": loop.intervals,
                 "events": loop.events,
                 "config_sent": loop.config_sent,
+                "gaps": loop.gaps,
                 "probe_id": stats.get("probe_id"),
                 "delivered": stats.get("sent", 0),
                 "lost": lost,
@@ -202,8 +235,11 @@ def kv_events(
 
 class _Loop:
     """Reads the stream into the mirror; every ``interval`` sends the interval's
-    ``kv.turnover`` (also when nothing happened: the probe is alive, the cache idle), and the
-    first time an unsalted block is stored, the ``engine.config`` (with ``--target``)."""
+    ``kv.turnover`` (also when nothing happened, if ``silence`` judges the cache idle: the
+    probe is alive), or, for an interval it could not observe, nothing until ``silence``
+    calls it a gap, then a ``source.gap`` per interval (an interval held back joins the next
+    event sent: ``interval_s`` always covers the time since the previous one); and the first
+    time an unsalted block is stored, the ``engine.config`` (with ``--target``)."""
 
     def __init__(
         self,
@@ -212,14 +248,20 @@ class _Loop:
         probe: BaseProbe,
         node: str,
         figures: NodeFigures | None,
+        silence: Silence,
+        scraper: TargetScraper | None = None,
     ) -> None:
         self.stream = stream
         self.mirror = mirror
         self.probe = probe
         self.node = node
         self.figures = figures
-        self.intervals = self.events = 0
+        self.silence = silence
+        self.scraper = scraper
+        self.intervals = self.events = self.gaps = 0
         self.config_sent = False
+        self.gap: Gap | None = None
+        self._heard = False
         self._lost_before = 0
         self._stop = threading.Event()
 
@@ -232,7 +274,7 @@ class _Loop:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, stop)
             signal.signal(signal.SIGINT, stop)
-        start = last = time.monotonic()
+        start = last = sent = time.monotonic()
         end = None if duration is None else start + duration
         while not self._stop.is_set():
             now = time.monotonic()
@@ -240,6 +282,7 @@ class _Loop:
             if end is not None:
                 due = min(due, end)
             for item in self.stream.batches(max(due - now, 0.0)):
+                self._heard = True
                 if isinstance(item, Restarted):
                     self.mirror.reset()
                     continue
@@ -247,11 +290,84 @@ class _Loop:
                 if not self.config_sent and self.mirror.totals.counts.unsalted_blocks:
                     self._send_config()
             now = time.monotonic()
-            if now >= last + interval or (end is not None and now >= end):
-                self._send_turnover(max(now - last, 1e-3))
+            final = self._stop.is_set() or (end is not None and now >= end)
+            if now >= last + interval or final:
+                if self._close(now, max(now - sent, 1e-3), final=final):
+                    sent = now
                 last = now
             if end is not None and now >= end:
                 break
+
+    def _close(self, now: float, elapsed: float, *, final: bool = False) -> bool:
+        """Send what the interval ending ``now`` was (``elapsed``: since the last event
+        sent); False when it is held back (never the ``final`` one)."""
+        engine = self.read_engine()
+        if self._heard:
+            self._heard = False
+            self.stream.take_other_topic()
+            self.silence.data(now, engine)
+            if self.gap is not None:
+                err.print(
+                    f"KV events again after {now - self.gap.since:.0f} s of silence",
+                    highlight=False,
+                )
+                self.gap = None
+            self._send_turnover(elapsed)
+            return True
+        verdict = self.silence.judge(
+            now,
+            connected=self.stream.connected,
+            other_topic=self.stream.other_topic,
+            engine=engine,
+            final=final,
+        )
+        if verdict == "hold":
+            return False
+        if verdict == "idle":
+            if self.gap is not None:
+                err.print("KV events: connected, and nothing says the engine is busy: idle")
+                self.gap = None
+            self._send_turnover(elapsed)
+            return True
+        if self.gap is None or self.gap.cause != verdict.cause:
+            from kvwatch.kv_events.silence import advice
+
+            err.print(
+                f"[yellow]warning:[/] {escape(verdict.reason)}; sending source.gap, not "
+                f"kv.turnover, until events come.\n  {escape(advice(verdict))}",
+                highlight=False,
+            )
+        self.gap = verdict
+        self._send_gap(verdict, elapsed)
+        return True
+
+    def read_engine(self) -> EngineReading | None:
+        """The --target's counters now (None without one)."""
+        if self.scraper is None:
+            return None
+        from kvwatch.kv_events.silence import EngineReading
+        from kvwatch.scrape import ScrapeError, vllm
+
+        try:
+            done, computed = vllm.activity(self.scraper.exposition())
+        except ScrapeError as exc:
+            return EngineReading(False, error=str(exc)[:120])
+        return EngineReading(True, done, computed)
+
+    def _send_gap(self, gap: Gap, elapsed: float) -> None:
+        from engine_probe.events import SourceGap
+
+        self.gaps += 1
+        self.events += self.probe.emit(
+            SourceGap,
+            node=self.node,
+            source="kv_events",
+            interval_s=round(elapsed, 3),
+            silent_s=round(gap.silent_s, 1),
+            cause=gap.cause,
+            requests=gap.requests,
+            reason=gap.reason,
+        )
 
     def _send_config(self) -> None:
         from engine_probe.events import EngineConfig

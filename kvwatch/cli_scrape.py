@@ -1,13 +1,16 @@
 """``kvwatch scrape``: an engine's Prometheus ``/metrics`` → ``engine.config`` and
 ``pool.sample`` events (``kvwatch.scrape``), sent through the probe's exporter (retries,
-spool). Exit 0 sent, 2 could not run (bad target, target down, not that engine's metrics,
-collector settings missing, events not delivered)."""
+spool). With ``--every``, a target that stops answering for ``--silent-after`` is a warning
+and a ``source.gap`` per node and failed scrape (a gap, not a pause the collector must
+infer), until it answers again. Exit 0 sent, 2 could not run (bad target, target down, not
+that engine's metrics, collector settings missing, events not delivered)."""
 
 from __future__ import annotations
 
 import json
 import signal
 import threading
+import time
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -112,6 +115,16 @@ def scrape(
             help="The nodes' role, when the metrics do not say it (SGLang's engine_type does)."
         ),
     ] = None,
+    silent_after: Annotated[
+        float,
+        typer.Option(
+            min=0.05,
+            envvar="KVWATCH_SCRAPE_SILENT_AFTER",
+            help="With --every: seconds of failed scrapes after which a warning is printed "
+            "and each failed scrape sends a source.gap per node, until the target answers "
+            "[KVWATCH_SCRAPE_SILENT_AFTER].",
+        ),
+    ] = 60.0,
     timeout: Annotated[
         float, typer.Option(min=0.001, help="Seconds to wait for each HTTP answer.")
     ] = 10.0,
@@ -172,7 +185,7 @@ def scrape(
     from engine_probe.probe import Probe
 
     probe = Probe(settings)
-    loop = _Loop(scraper, probe)
+    loop = _Loop(scraper, probe, silent_after)
     loop.emit(first)
     if every is not None:
         loop.run(every)
@@ -185,6 +198,7 @@ def scrape(
             {
                 "scrapes": loop.scrapes,
                 "failed": loop.failed,
+                "gaps": loop.gaps,
                 "events": loop.events,
                 "probe_id": probe.probe_id,
                 "delivered": stats["sent"],
@@ -203,21 +217,31 @@ def scrape(
 class _Loop:
     """Scrapes and emits; ``engine.config`` only at the start and when a node's figures
     change, ``pool.sample`` every time. A failed scrape is counted and reported, and the
-    loop goes on: a target that is down for a while loses nothing already taken."""
+    loop goes on: a target that is down for a while loses nothing already taken. Once
+    scrapes have failed for ``silent_after`` seconds since the last that succeeded, each
+    failed one sends a ``source.gap`` per node (``metrics``, ``engine_down``); the next
+    ``pool.sample`` ends the gap (``telemetry_gap``'s ``source_silent`` resolves with it)."""
 
-    def __init__(self, scraper: Any, probe: Probe) -> None:
+    def __init__(self, scraper: Any, probe: Probe, silent_after: float = 60.0) -> None:
         self.scraper = scraper
         self.probe = probe
-        self.scrapes = self.failed = self.events = 0
+        self.silent_after = silent_after
+        self.scrapes = self.failed = self.events = self.gaps = 0
         self.last: Scrape
         self._configs: dict[str, dict[str, Any]] = {}
         self._stop = threading.Event()
+        self._ok_at = self._sent_at = time.monotonic()
+        self._silent = False
 
     def emit(self, result: Scrape) -> None:
         from engine_probe.events import EngineConfig, PoolSample, utcnow
 
         self.scrapes += 1
         self.last = result
+        self._ok_at = self._sent_at = time.monotonic()
+        if self._silent:
+            err.print("the target answers again: pool samples resume", highlight=False)
+            self._silent = False
         ts = utcnow()
         for n in result.nodes:
             fields = n.config_fields()
@@ -240,5 +264,33 @@ class _Loop:
             except ScrapeError as exc:
                 self.failed += 1
                 err.print(f"[yellow]scrape failed[/] ({self.failed}): {escape(str(exc))}")
+                self._gap(str(exc))
                 continue
             self.emit(result)
+
+    def _gap(self, error: str) -> None:
+        from engine_probe.events import SourceGap
+
+        now = time.monotonic()
+        silent = now - self._ok_at
+        if silent < self.silent_after:
+            return
+        reason = f"no metrics for {silent:.0f} s: {error}"[:256]
+        if not self._silent:
+            err.print(
+                f"[yellow]warning:[/] {escape(reason)}; sending source.gap until it answers",
+                highlight=False,
+            )
+            self._silent = True
+        for n in self.last.nodes:
+            self.gaps += 1
+            self.events += self.probe.emit(
+                SourceGap,
+                node=n.node,
+                source="metrics",
+                interval_s=round(max(now - self._sent_at, 1e-3), 3),
+                silent_s=round(silent, 1),
+                cause="engine_down",
+                reason=reason,
+            )
+        self._sent_at = now

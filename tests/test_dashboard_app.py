@@ -444,6 +444,39 @@ def test_empty_states(env: pytest.MonkeyPatch, empty: tuple[str, str], page: str
     assert charts(at) == 0
 
 
+def test_a_silent_source_is_on_its_fleet_card(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """kvwatch kv-events' source.gap reaches the fleet card of its deployment as a warning
+    with the producer's reason (telemetry_gap's source_silent, from the collector's fleet)."""
+    from collector import migrate
+    from collector.app import create_app
+    from collector.settings import Settings
+    from engine_probe import events as ev
+    from tests import factories as f
+
+    db_url = f"sqlite:///{tmp_path / 'kvwatch.db'}"
+    migrate.upgrade(db_url)
+    settings = Settings(database_url=db_url, auto_migrate=False, notify_enabled=False)
+    with serve_in_thread(create_app(settings)) as url:
+        gap = ev.SourceGap(
+            **f.base(1, probe="kv-events-silent-1-abcdef", dep="silent-dep",
+                     ts=datetime.now(UTC)),
+            node="vllm-9:8000", source="kv_events", interval_s=10.0, silent_s=75.0,
+            cause="not_connected",
+            reason="no KV event for 75 s: nothing accepts connections at tcp://vllm-9:5557",
+        )  # fmt: skip
+        r = httpx.post(
+            f"{url}/v1/events",
+            json=[f.as_json(gap)],
+            headers={"Authorization": f"Bearer {make_token(db_url, 'ingest')}"},
+        )
+        assert r.status_code == 200, r.text
+        at = open_page(env, url, make_token(db_url, "admin"), "views/fleet.py")
+    (warning,) = [w.value for w in at.warning if w.value.startswith("**Source silent**")]
+    assert "(kv_events, node vllm-9:8000)" in warning
+    assert "nothing accepts connections at tcp://vllm-9:5557" in warning
+    assert ":orange-badge[AMBER]" in text(at)
+
+
 def test_window_changes_what_is_shown(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
     """The sidebar's window reaches the collector: the seeded traffic is 40 minutes to 12
     hours old, so the last hour holds only its newest requests."""

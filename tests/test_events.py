@@ -50,6 +50,15 @@ ALL = [
         restored_blocks=2,
         cross_session_blocks=1,
     ),
+    ev.SourceGap(
+        **f.base(11),
+        source="kv_events",
+        interval_s=10.0,
+        silent_s=95.5,
+        cause="engine_served",
+        requests=12,
+        reason="no KV event from tcp://vllm-0:5557 in 95 s while the engine served 12 requests",
+    ),
     *f.parallel_sampling(12, "cmpl-1", 2),  # the second names the first's prompt
 ]
 

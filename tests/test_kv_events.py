@@ -347,5 +347,7 @@ def test_the_cli_dry_run_reads_vllms_publisher(publisher: Publisher) -> None:
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["blocks"]["stored_blocks"] == 2 and summary["blocks"]["unsalted_blocks"] == 2
-    assert summary["intervals"] >= 5 and summary["config_sent"] is True
+    # the empty intervals before the first batch are held (nothing yet showed the
+    # subscription can hear the publisher) and join the batch's; the rest are sent
+    assert summary["intervals"] >= 3 and summary["gaps"] == 0 and summary["config_sent"] is True
     assert summary["stream"]["lost"] == 0

@@ -11,12 +11,16 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+from typer.testing import CliRunner
 
+from kvwatch.cli import app
 from kvwatch.kv_events import BlockStored, Decoded, Stream
 from tests import engine_servers
 from tests.engine_servers import KV_EVENTS_NODE as NODE
@@ -167,3 +171,111 @@ def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServe
 
     (alert,) = wait_for(unsalted, bool, timeout_s=60)
     assert alert["labels"]["deployment_id"] == server.deployment_id
+
+
+def test_a_silent_stream_is_a_gap_never_zeros(vllm_server: VllmServer) -> None:
+    """Beside the live server: an endpoint form that cannot work is refused; a port nobody
+    publishes on (the server answering at --target), the server's own publisher on another
+    topic, and a publisher that publishes nothing while the server serves are each, after
+    --silent-after, a warning naming the cause and source.gap events, and no kv.turnover (no
+    zeros) is stored for them; the telemetry_gap alert fired while they were silent and
+    resolved at their clean stop. About 11 s on 2 cores."""
+    from kvwatch.embedded import free_port
+
+    server = vllm_server
+    port = server.kv_events_endpoint.rsplit(":", 1)[1]
+    # vLLM's endpoint as a subscriber would copy it from a config that makes vLLM connect:
+    # refused before anything reaches out
+    refused = CliRunner().invoke(
+        app,
+        ["kv-events", "--endpoint", f"tcp://0.0.0.0:{port}", "--target", server.base_url,
+         "--dry-run"],
+    )  # fmt: skip
+    assert refused.exit_code == 2, refused.output
+    said = " ".join(refused.output.split())
+    assert f"--endpoint 'tcp://0.0.0.0:{port}'" in said, said
+    assert "connects instead of binding" in said and "Traceback" not in said
+
+    nodes = {
+        "nobody": "vsrv-kv-silent-nobody",
+        "topic": "vsrv-kv-silent-topic",
+        "mute": "vsrv-kv-silent-mute",
+    }
+    # nobody: a port nobody binds; topic: the server's own publisher, on another topic;
+    # mute: a publisher that publishes nothing (bound here) while the engine serves
+    mute = zmq.Context.instance().socket(zmq.PUB)
+    mute_port = mute.bind_to_random_port("tcp://127.0.0.1")
+    endpoints = {
+        "nobody": f"tcp://127.0.0.1:{free_port()}",
+        "topic": server.kv_events_endpoint,
+        "mute": f"tcp://127.0.0.1:{mute_port}",
+    }
+    expected = {"nobody": "not_connected", "topic": "other_topic", "mute": "engine_served"}
+
+    env = {
+        "KVWATCH_COLLECTOR_URL": server.collector.url,
+        "KVWATCH_INGEST_TOKEN": server.collector.ingest,
+        "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+    }
+
+    def run(name: str) -> Any:
+        """In-process (no interpreter to start), in a thread of its own (signals are the main
+        thread's), one at a time (CliRunner swaps the process's stdout)."""
+        topic = "not-" + KV_EVENTS_TOPIC if name == "topic" else KV_EVENTS_TOPIC
+        got: dict[str, Any] = {}
+        t = threading.Thread(
+            target=lambda: got.update(r=CliRunner().invoke(app, [
+                "kv-events", "--endpoint", endpoints[name], "--topic", topic,
+                "--deployment", server.deployment_id, "--target", server.base_url,
+                "--node", nodes[name], "--interval", "0.3", "--silent-after", "1.0",
+                "--duration", "2.5"], env=env))
+        )  # fmt: skip
+        t.start()
+        t.join(60)
+        return got["r"]
+
+    results = {"nobody": run("nobody")}  # not connected: no traffic needed
+    # the engine serves (new prompts: computed, not cache hits) while the others listen
+    done = threading.Event()
+
+    def serve() -> None:
+        i = 0
+        while not done.is_set():
+            r = server.complete(tokens(9100 + i, 70), tenant=W, max_tokens=2)
+            assert r.status_code == 200, r.text
+            i += 1
+            done.wait(0.5)  # a trickle: the server's two cores are shared
+
+    traffic = threading.Thread(target=serve, daemon=True)
+    traffic.start()
+    try:
+        results["topic"] = run("topic")
+        results["mute"] = run("mute")
+    finally:
+        done.set()
+        traffic.join(30)
+        mute.close(linger=0)
+    outs = {name: (r.stdout, r.output) for name, r in results.items()}
+    for name, r in results.items():
+        out, errors = outs[name]
+        assert r.exit_code == 0, errors
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["gaps"] >= 1 and summary["intervals"] == 0, summary
+    assert f"nothing accepts connections at {endpoints['nobody']}" in outs["nobody"][1]
+    assert f"messages arrive on topic '{KV_EVENTS_TOPIC}'" in outs["topic"][1]
+    assert "while the engine finished" in outs["mute"][1]
+    with server.collector.client() as c:
+        rows = c.get(
+            "/v1/page-events", params={"deployment_id": server.deployment_id, "limit": 1000}
+        ).json()["items"]
+        alerts = c.get("/v1/alerts", params={"rule": "telemetry_gap"}).json()
+    for name, node in nodes.items():
+        mine = [r for r in rows if r["node"] == node]
+        assert mine and {r["kind"] for r in mine} == {"source.gap"}, mine
+        causes = {r["detail"]["cause"] for r in mine}
+        assert causes == {expected[name]}, mine
+        # the alert fired while it was silent, and resolved at its clean stop
+        probe = json.loads(outs[name][0].strip().splitlines()[-1])["probe_id"]
+        (alert,) = [a for a in alerts if a["labels"]["problem"] == "source_silent"
+                    and a["labels"]["probe_id"] == probe]  # fmt: skip
+        assert alert["fired_at"] is not None and alert["state"] == "resolved", alert

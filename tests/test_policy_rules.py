@@ -176,6 +176,36 @@ def test_cross_tenant_stale_read_fires_critical_and_opens_one_incident(env: Env)
     assert len(env.alerts("stale_page_read")) == 2
 
 
+def test_a_stale_reads_previous_tenant_is_the_ledgers_record_and_says_so(env: Env) -> None:
+    """The alert names the tenant whose write the probe's page ledger last recorded, says it
+    is the ledger's record, and says when the ledger recorded none (or cannot name it)."""
+    env.send(f.stale_read(env.next(), probe=env.probe))
+    env.send(
+        f.stale_read(env.next(), probe=env.probe, reader_tenant="initech",
+                     previous_request_id=None, previous_tenant=None),
+    )  # fmt: skip
+    env.send(f.stale_read(env.next(), probe=env.probe, reader_tenant="umbrella",
+                          previous_tenant="unknown"))  # fmt: skip
+    env.send(
+        ev.CanaryHit(**f.base(env.next(), probe=env.probe), detector="paint",
+                     reader_request_id="r-c", reader_tenant="hooli", canary_tenant="acme",
+                     page_ids=[4], node="decode-0"),
+    )  # fmt: skip
+    said = {a["labels"]["reader_tenant"]: a for a in env.alerts("stale_page_read")}
+    acme = said["globex"]["annotations"]["summary"]
+    assert (
+        "read 3 page(s) last written, as the probe's page ledger recorded, by tenant acme" in acme
+    )
+    assert "the ledger's last recorded writer" in acme and acme.endswith("(cross-tenant exposure)")
+    none = said["initech"]
+    assert none["labels"]["previous_tenant"] == "none"
+    assert (
+        "page ledger holds no write of since the pool was created" in none["annotations"]["summary"]
+    )
+    assert "a tenant the ledger cannot name" in said["umbrella"]["annotations"]["summary"]
+    assert "holding tenant acme's canary" in said["hooli"]["annotations"]["summary"]
+
+
 def test_same_tenant_or_zeroized_stale_reads_open_no_incident(env: Env) -> None:
     env.send(f.stale_read(env.next(), probe=env.probe, previous_tenant="globex"))
     env.send(f.stale_read(env.next(), probe=env.probe, reader_tenant="initech", zeroized=True))
@@ -635,3 +665,62 @@ def test_a_verification_is_not_stale_against_a_differently_sized_decode_pool(env
     env.send(f.admitted(env.next(), "r-v", prompt=800_000, probe=env.probe))  # 89% of 900k
     (a,) = env.alerts("context_pressure")
     assert a["labels"]["verified"] == "true"
+
+
+def test_a_silent_source_fires_until_its_producer_has_figures_again(env: Env) -> None:
+    """kvwatch kv-events' source.gap: stored as the gap it is (never as a kv.turnover of
+    zeros), a telemetry_gap state naming the producer's reason, on the fleet line of its
+    deployment; the producer's next kv.turnover resolves it, and so does a clean stop."""
+    now = datetime.now(UTC)
+    probe = "kv-events-glm-prod-1-abcdef"
+
+    def gap(seq: int, cause: str = "not_connected") -> ev.Event:
+        return ev.SourceGap(
+            **f.base(seq, probe=probe, ts=now),
+            node="vllm-0:8000",
+            source="kv_events",
+            interval_s=10.0,
+            silent_s=70.0,
+            cause=cause,  # type: ignore[arg-type]
+            reason="no KV event for 70 s: nothing accepts connections at tcp://vllm-0:5557",
+        )
+
+    def turnover(seq: int) -> ev.Event:
+        return ev.KvTurnover(
+            **f.base(seq, probe=probe, ts=now), node="vllm-0:8000", interval_s=10.0,
+            stored_blocks=2, removed_blocks=0,
+        )  # fmt: skip
+
+    def source_alerts() -> list[dict[str, Any]]:
+        return [a for a in env.alerts("telemetry_gap") if a["labels"]["problem"] == "source_silent"]
+
+    env.send(turnover(1))
+    assert source_alerts() == []  # figures, no gap: nothing to resolve, nothing stored
+    env.send(gap(2), gap(3))
+    (alert,) = source_alerts()
+    assert alert["state"] == "firing" and alert["labels"]["probe_id"] == probe
+    assert alert["annotations"]["cause"] == "not_connected"
+    assert "nothing accepts connections at tcp://vllm-0:5557" in alert["annotations"]["summary"]
+    rows = env.admin.get("/v1/page-events", params={"deployment_id": "glm-prod"}).json()["items"]
+    gaps = [r for r in rows if r["kind"] == "source.gap"]
+    assert len(gaps) == 2 and all(r["page_count"] == 0 for r in gaps)
+    assert gaps[0]["detail"]["cause"] == "not_connected" and gaps[0]["detail"]["silent_s"] == 70
+    assert [r["kind"] for r in rows].count("kv.turnover") == 1  # no zeros stored for the gap
+    (dep,) = [d for d in env.admin.get("/v1/fleet").json()["deployments"]
+              if d["deployment_id"] == "glm-prod"]  # fmt: skip
+    assert dep["status"] != "green"
+    (src,) = dep["silent_sources"]
+    assert (
+        src["probe_id"] == probe
+        and src["node"] == "vllm-0:8000"
+        and src["cause"] == "not_connected"
+    )
+    assert any(r.startswith("source silent: KV events of node vllm-0:8000") for r in dep["reasons"])
+    # a gap then figures in one batch: the later word (the figures) holds
+    env.send(gap(4), turnover(5))
+    assert [a["state"] for a in source_alerts()] == ["resolved"]
+    assert env.admin.get("/v1/fleet").json()["deployments"][0]["silent_sources"] == []
+    env.send(gap(6, "engine_down"))
+    assert [a["state"] for a in source_alerts()] == ["firing"]
+    env.send(ev.ProbeStopped(**f.base(7, probe=probe, ts=now)))
+    assert [a["state"] for a in source_alerts()] == ["resolved"]

@@ -279,7 +279,18 @@ def test_the_loop_sends_config_on_change_and_loses_nothing_while_the_target_is_d
     collector: Collector, engine: FakeEngine, exposition: dict[str, str]
 ) -> None:
     proc = subprocess.Popen(
-        [*KVWATCH, "scrape", "--target", engine.url, "--engine", "sglang", "--every", "0.1"],
+        [
+            *KVWATCH,
+            "scrape",
+            "--target",
+            engine.url,
+            "--engine",
+            "sglang",
+            "--every",
+            "0.1",
+            "--silent-after",
+            "0.2",
+        ],
         env=_env(collector, KVWATCH_DEPLOYMENT_ID="loop", KVWATCH_PROBE_FLUSH_INTERVAL_S="0.05"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -307,11 +318,25 @@ def test_the_loop_sends_config_on_change_and_loses_nothing_while_the_target_is_d
     out = json.loads(stdout.strip().splitlines()[-1])
     assert out["failed"] >= 1 and out["lost"] == 0, out
     assert "scrape failed" in stderr and "cannot reach" in stderr
+    # down for 0.5 s, 0.2 s of it allowed: the rest is a gap, one per failed scrape, sent
+    assert out["gaps"] >= 1 and "no metrics for" in stderr and "answers again" in stderr
     rows = _pool_rows(collector.db_url, "loop")
     # Every scrape that succeeded is stored: one pool sample each, and exactly two
     # engine.config events (the first scrape, the change), all with contiguous seqs.
     assert len(rows) == out["scrapes"]
-    assert out["events"] == out["scrapes"] + 2
+    assert out["events"] == out["scrapes"] + 2 + out["gaps"]
+    with collector.client(collector.admin) as c:
+        items = c.get("/v1/page-events", params={"deployment_id": "loop"}).json()["items"]
+        alerts = c.get("/v1/alerts", params={"rule": "telemetry_gap"}).json()
+    gaps = [i for i in items if i["kind"] == "source.gap"]
+    assert len(gaps) == out["gaps"]
+    assert {(g["detail"]["source"], g["detail"]["cause"]) for g in gaps} == {
+        ("metrics", "engine_down")
+    }
+    assert all("cannot reach" in g["detail"]["reason"] for g in gaps)
+    # fired while the target was down, resolved by the next pool sample
+    (alert,) = [a for a in alerts if a["labels"]["problem"] == "source_silent"]
+    assert alert["fired_at"] is not None and alert["state"] == "resolved", alert
     with collector.client(collector.admin) as c:
         (probe,) = [p for p in c.get("/v1/probes").json() if p["deployment_id"] == "loop"]
         history = c.get("/v1/deployments/loop/config-history").json()

@@ -346,6 +346,29 @@ def test_positive_control_an_injected_stale_read_is_caught(
     assert stale and {e["request_id"] for e in stale} == {row["request_id"]}
     # the 3 blocks it reused, each read every step (reported once per request)
     assert sum(e["page_count"] for e in stale) == 96 // vllm_server.block_size
+    # Its alert names the previous tenant as the probe's page ledger recorded it: the fault
+    # kept FAULT_TENANT's writes out of the ledger, so the ledger names whoever it last saw
+    # write those pages, or nobody (fresh pages), never FAULT_TENANT, whose KV they hold.
+    # The alert's line says whose record that is, so the control is not read as a leak of
+    # that tenant's data.
+    previous = {e["other_tenant"] or "none" for e in stale}
+    assert FAULT_TENANT not in previous
+
+    def alerts() -> list[dict[str, Any]]:
+        with vllm_server.collector.client() as c:
+            got = c.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
+        return [a for a in got if a["labels"]["reader_tenant"] == reader]
+
+    said = wait_for(alerts, lambda got: {a["labels"]["previous_tenant"] for a in got} == previous)
+    for a in said:
+        prev, summary = a["labels"]["previous_tenant"], a["annotations"]["summary"]
+        assert f"tenant {reader} read " in summary, summary
+        if prev == "none":
+            assert "the probe's page ledger holds no write of since the pool was created" in summary
+        else:
+            assert "as the probe's page ledger recorded, by " in summary, summary
+            assert "the ledger's last recorded writer" in summary, summary
+        assert FAULT_TENANT not in summary
 
 
 def test_a_seeded_random_mix_is_reported_exactly(

@@ -107,6 +107,13 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
         if dep["reasons"]:
             lines = "\n".join(f"- {r}" for r in dep["reasons"])
             (st.error if status == "red" else st.warning)(f"**Why {status}:**\n{lines}")
+        for src in dep.get("silent_sources") or []:
+            # a producer alive and sending while what it watches is not: its intervals are
+            # gaps, not zeros (telemetry_gap's source_silent)
+            st.warning(
+                f"**Source silent** ({src['source']}, node {src['node']}): {src['summary']}",
+                icon=":material/signal_disconnected:",
+            )
         if dep["models"]:
             st.dataframe(
                 models_frame(dep["models"]),

@@ -3,9 +3,11 @@
 For deployments without the in-engine probe, or beside it: vLLM publishes every block its
 prefix cache stores and evicts over ZMQ (``wire``: the format; ``stream``: the subscription,
 its sequence numbers and the replay socket that fills gaps; ``mirror``: the cache as the
-events describe it, and what each interval proves). ``kvwatch kv-events`` turns intervals
-into ``kv.turnover`` events and, with the engine's ``/metrics`` beside, an ``engine.config``
-saying prefix caching is on and unsalted once unsalted blocks are seen.
+events describe it, and what each interval proves; ``silence``: when an interval without
+events is a gap rather than an idle cache). ``kvwatch kv-events`` turns intervals into
+``kv.turnover`` events (and unobservable ones into ``source.gap``) and, with the engine's
+``/metrics`` beside, an ``engine.config`` saying prefix caching is on and unsalted once
+unsalted blocks are seen.
 
 Like :mod:`kvwatch.scrape`, it observes an engine from outside, so it lives in kvwatch/, and
 stands alone there: of ours it imports only the contract and :mod:`engine_probe.errors`

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvwatch.kv_events.errors import BadEndpoint, MalformedBatch
 from kvwatch.kv_events.wire import END_SEQ, Decoded, decode_batch, decode_seq
@@ -30,26 +31,48 @@ _ENDPOINT: Final = re.compile(
 )
 
 
+# Hosts that are "every address" for a bind, and name no peer for a connect.
+_UNSPECIFIED: Final = frozenset({"0.0.0.0", "::", "[::]", "[::0]", "[0:0:0:0:0:0:0:0]"})
+
+
 def check_endpoint(endpoint: str, what: str = "--endpoint") -> str:
-    """A ZMQ address to connect to: ``tcp://HOST:PORT`` (vLLM's ``tcp://*:PORT`` binds on
-    every address; connect to the host's) or ``ipc://PATH``."""
+    """A ZMQ address to connect to: ``tcp://HOST:PORT`` or ``ipc://PATH``. Refused, with
+    what to give instead: the forms that only bind (``tcp://*:PORT``; the unspecified
+    address ``0.0.0.0`` or ``[::]``, which in vLLM's config also makes vLLM *connect*: it
+    binds only endpoints with ``*`` or ``::``, see :mod:`kvwatch.kv_events.silence`), and
+    ``inproc://`` (one process's own)."""
     e = endpoint.strip()
     if "*" in e:
         raise BadEndpoint(
-            f"{what} {e!r}: '*' is for binding (vLLM's side); connect to tcp://HOST:PORT"
+            f"{what} {e!r}: '*' is for binding (vLLM's side: its tcp://*:PORT binds every "
+            "address); connect to the engine host's, tcp://HOST:PORT"
+        )
+    if e.startswith("inproc://"):
+        raise BadEndpoint(
+            f"{what} {e!r}: inproc:// reaches only the engine's own process; connect to its "
+            "tcp://HOST:PORT or ipc://PATH"
         )
     if not _ENDPOINT.match(e) or (
         e.startswith("tcp://") and not 0 < int(e.rsplit(":")[-1]) < 65536
     ):
         raise BadEndpoint(f"{what} {e!r} is not tcp://HOST:PORT or ipc://PATH")
+    if e.startswith("tcp://") and e[len("tcp://") : e.rindex(":")] in _UNSPECIFIED:
+        raise BadEndpoint(
+            f"{what} {e!r}: {e[len('tcp://') : e.rindex(':')]} is the any-address, for "
+            "binding, not a host to connect to; and a vLLM given it in --kv-events-config "
+            "connects instead of binding (it binds only an endpoint with '*', '::' or "
+            "ipc://), so nothing would ever arrive: give vLLM tcp://*:PORT and this "
+            "tcp://ENGINE-HOST:PORT"
+        )
     return e
 
 
 @dataclass
 class StreamStats:
     """What the stream has seen: batches taken live and replayed, duplicates skipped,
-    batches lost (neither received nor replayable), gaps, publisher restarts, and malformed
-    messages skipped."""
+    batches lost (neither received nor replayable), gaps, publisher restarts, malformed
+    messages skipped, and messages on another topic than the one subscribed (skipped too:
+    the subscription takes every topic so that a wrong ``--topic`` shows)."""
 
     received: int = 0
     replayed: int = 0
@@ -59,6 +82,7 @@ class StreamStats:
     unfilled_gaps: int = 0
     restarts: int = 0
     malformed: int = 0
+    other_topic: int = 0
     first_seq: int | None = None
     last_seq: int | None = None
 
@@ -79,7 +103,12 @@ class Stream:
     the replay socket (as many as it still has). ``Restarted`` marks a publisher restart.
 
     ``backfill``: at the first batch, replay what the publisher still buffers from seq 0
-    (the blocks stored before this subscriber joined)."""
+    (the blocks stored before this subscriber joined).
+
+    ``connected``: whether the subscription holds a live connection to a publisher (from
+    the socket's monitor, read by :meth:`batches`): ZMQ retries a connection nobody accepts
+    silently, forever. ``other_topic``: the last topic a message came on other than
+    ``topic`` since :meth:`take_other_topic` (None: none)."""
 
     def __init__(
         self,
@@ -110,24 +139,49 @@ class Stream:
         # PUB socket drop, whatever the machine's TCP buffer autotuning would hold.
         self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sub.setsockopt(zmq.RCVBUF, rcvbuf)
-        self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Every topic, filtered here: a message on another topic is counted and named, where
+        # a ZMQ filter would drop it unseen (a wrong --topic: silence, nothing else).
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.connected = False
+        self.other_topic: str | None = None
+        self._monitor = self._sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+        )
         self._sub.connect(self.endpoint)
 
     def close(self) -> None:
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
         self._sub.close(linger=0)
+
+    def take_other_topic(self) -> str | None:
+        """The last other topic seen since the previous call (then forgotten)."""
+        topic, self.other_topic = self.other_topic, None
+        return topic
+
+    def _watch_connection(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            self.connected = event == zmq.EVENT_CONNECTED
 
     def batches(self, timeout_s: float) -> Iterator[Decoded | Restarted]:
         """What arrives within ``timeout_s`` (at least one poll), in order."""
-        if not self._sub.poll(int(timeout_s * 1000)):
+        ready = self._sub.poll(int(timeout_s * 1000))
+        self._watch_connection()
+        if not ready:
             return
         while self._sub.poll(0):
             frames = self._sub.recv_multipart()
             yield from self._take(frames, live=True)
 
     def _take(self, frames: list[bytes], *, live: bool) -> Iterator[Decoded | Restarted]:
-        if len(frames) != 3 or frames[0] != self.topic:
+        if len(frames) != 3:
             self.stats.malformed += 1
             log.warning("kv events: skipped a message of %d frames that is no batch", len(frames))
+            return
+        if frames[0] != self.topic:
+            self.stats.other_topic += 1
+            self.other_topic = frames[0][:64].decode("utf-8", "replace")
             return
         try:
             seq = decode_seq(frames[1])

@@ -112,6 +112,12 @@ class TargetScraper:
             side["server_info"] = self._side_doc("/server_info", required=False)
         return _translate(t.engine, exp, node=t.node, role=t.role, side=side, base=t.base_url)
 
+    def exposition(self) -> Exposition:
+        """Only the target's /metrics, parsed (no side documents): a cheap reading of its
+        counters; raises a :class:`ScrapeError` like :meth:`scrape`."""
+        t = self.target
+        return parse(self._get(t.metrics_url).decode("utf-8", errors="replace"), t.shown)
+
     def _side_doc(self, path: str, *, required: bool) -> Any:
         url = f"{self.target.base_url}{path}"
         try:

@@ -46,6 +46,23 @@ _PROMPTS_HIST: Final = "vllm:request_prompt_tokens"
 _POOL_ROLES: Final[dict[str, Role]] = {"prefill": "prefill", "decode": "decode"}
 
 
+_ACTIVITY: Final = (
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:prompt_tokens_cached_total",
+    "vllm:generation_tokens_total",
+)
+
+
+def activity(exp: Exposition) -> tuple[float, float]:
+    """(requests finished, tokens computed: prompt tokens not served from the prefix cache
+    plus generated ones), cumulative, summed over every engine core of the server: what
+    ``kvwatch kv-events`` weighs a silent KV-event stream against. Missing counters read 0
+    (an engine that reports none proves no traffic)."""
+    done, prompt, cached, generated = (sum(x.value for x in exp.series(name)) for name in _ACTIVITY)
+    return done, prompt - cached + generated
+
+
 def translate(
     exp: Exposition,
     *,

@@ -33,13 +33,18 @@ class StalePageRead(RuleKind):
     default_resolve_after_s = 24 * 3600.0
     description = (
         "A request read KV pages it did not write (the page ledger) or another tenant's "
-        "canary (canary mode). Cross-tenant reads open an incident."
+        "canary (canary mode). Cross-tenant reads open an incident. previous_tenant: for a "
+        "ledger read, the tenant of the request whose write to those pages the probe's page "
+        "ledger last recorded ('none': no write recorded since the pool was created; "
+        "'unknown': a writer whose tenant the ledger does not know, taken as another "
+        "tenant); for a canary, the canary's tenant."
     )
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         p: StaleReadParams = rule.params
         found: dict[tuple[str, str, str, str, str], list[int]] = {}
         latest: dict[tuple[str, str, str, str, str], datetime] = {}
+        canaries: set[tuple[str, str, str, str, str]] = set()
         kinds = (ev.PageStaleRead, ev.CanaryHit) if p.include_canary else (ev.PageStaleRead,)
         for e in facts.of(*kinds):
             # e.cross_tenant: the contract's one definition (events.crosses_tenants)
@@ -58,6 +63,7 @@ class StalePageRead(RuleKind):
                 prev = e.canary_tenant
                 crossed = _flag(e.cross_tenant)
                 key = (e.deployment_id, e.node, e.reader_tenant, prev or "unknown", crossed)
+                canaries.add(key)
                 found.setdefault(key, []).append(max(1, len(e.page_ids)))
                 latest[key] = max(e.ts, latest.get(key, e.ts))
         for (dep, node, reader, prev, cross), pages in found.items():
@@ -77,14 +83,52 @@ class StalePageRead(RuleKind):
                 opens_incident=opens,
                 occurred_at=latest[(dep, node, reader, prev, cross)],
                 annotations={
-                    "summary": (
-                        f"{len(pages)} stale read(s) on {dep} node {node}: tenant {reader} read "
-                        f"{sum(pages)} page(s) last written by "
-                        + (f"tenant {prev}" if prev not in ("none", "unknown") else "nobody known")
-                        + (" (cross-tenant exposure)" if crossing else "")
+                    "summary": _summary(
+                        dep,
+                        node,
+                        reader,
+                        prev,
+                        len(pages),
+                        sum(pages),
+                        crossing,
+                        canary=(dep, node, reader, prev, cross) in canaries,
                     )
                 },
             )
+
+
+def _summary(
+    dep: str,
+    node: str,
+    reader: str,
+    prev: str,
+    reads: int,
+    pages: int,
+    crossing: bool,
+    *,
+    canary: bool,
+) -> str:
+    """The alert's line. Its previous tenant is the page ledger's record, never the engine's:
+    the tenant of the request whose write to those pages the probe last recorded. A write
+    the probe did not record (an engine path it does not hook, or the live tests' injected
+    fault) leaves the earlier writer named, or none, while the pages hold the unrecorded
+    writer's KV: the line says whose record it is, so nobody reads it as the engine's."""
+    head = f"{reads} stale read(s) on {dep} node {node}: tenant {reader} read {pages} page(s)"
+    tail = " (cross-tenant exposure)" if crossing else ""
+    if canary:
+        owner = f"tenant {prev}'s" if prev != "unknown" else "a canary of a tenant not known"
+        return f"{head} holding {owner} canary{tail}"
+    if prev == "none":
+        return (
+            f"{head} the probe's page ledger holds no write of since the pool was created "
+            f"(previous tenant: none){tail}"
+        )
+    writer = f"tenant {prev}" if prev != "unknown" else "a tenant the ledger cannot name"
+    return (
+        f"{head} last written, as the probe's page ledger recorded, by {writer} (the "
+        f"previous tenant: the ledger's last recorded writer, which the engine's own block "
+        f"tables may not name){tail}"
+    )
 
 
 class RejectedPrefillKvTransfer(RuleKind):

@@ -1,6 +1,8 @@
 """``telemetry_gap``: what kvwatch cannot see. Lost events (seq gaps), requests without token
 counts or model ID (the incident's fourth link: nobody could say afterwards which requests
-crossed the threshold), and probes that went silent.
+crossed the threshold), probes that went silent, and sources a live producer watches that
+went silent (``source.gap``: ``kvwatch kv-events`` subscribed to an engine's KV events that
+never come while the engine serves, ``kvwatch scrape`` whose target stopped answering).
 
 A probe that sends nothing may be *silent* (it should be sending and is not: a crashed
 engine, a lost network) or *idle* (nothing happens to report: a gateway nobody calls, an
@@ -26,6 +28,7 @@ from policies.signals import Signal
 class TelemetryParams(msgspec.Struct, forbid_unknown_fields=True):
     seq_gaps: bool = True
     missing_fields: bool = True
+    source_gaps: bool = True
     silent_after: Any = "5m"
     forget_after: Any = "24h"
     silent_after_s: float = 300.0
@@ -40,7 +43,9 @@ class TelemetryGap(RuleKind):
     default_resolve_after_s = 3600.0
     description = (
         "Seq gaps (events lost), requests without prompt/completion token counts or model "
-        "ID, and probes silent for longer than silent_after (forgotten after forget_after): "
+        "ID, sources a producer watches that went silent (source.gap: a state, until the "
+        "producer's next figures or its clean stop), and probes silent for longer than "
+        "silent_after (forgotten after forget_after): "
         "quiet while something says they should be sending (another probe of the deployment "
         "sent since, requests were in flight, it sampled on a clock, its scrape fails). A "
         "quiet probe without such evidence is idle, and does not fire; nor does one that "
@@ -79,6 +84,8 @@ class TelemetryGap(RuleKind):
                         f"({lost} event(s) not received)"
                     },
                 )
+        if p.source_gaps:
+            yield from _source_gaps(rule, facts)
         if not p.missing_fields:
             return
         missing: dict[tuple[str, str], set[str]] = {}
@@ -147,6 +154,53 @@ class TelemetryGap(RuleKind):
                 firing=why is not None and quiet <= p.forget_after_s,
                 value=round(quiet, 1),
                 annotations={"summary": summary, "state": state},
+            )
+
+
+# What a producer sends when its source gives figures again: an interval of data (the
+# KV-events consumer's kv.turnover, the scraper's pool.sample) ends its gap, as does its
+# clean stop (it watches nothing any more).
+_SOURCE_BACK = (ev.KvTurnover, ev.PoolSample, ev.ProbeStopped)
+
+
+def _source_gaps(rule: Rule, facts: BatchFacts) -> Iterable[Signal]:
+    """A state per producer (probe) whose batch holds a ``source.gap``, or figures after
+    one: firing while its latest word (by seq) is a gap, resolved by the first figures or
+    its clean stop. One signal per probe, from its latest event: the state of a gap followed
+    by data in one batch is the data's."""
+    latest: dict[str, ev.Event] = {}
+    for e in facts.of(ev.SourceGap, *_SOURCE_BACK):
+        if e.probe_id not in latest or e.seq > latest[e.probe_id].seq:
+            latest[e.probe_id] = e
+    for probe_id, e in latest.items():
+        labels = {
+            "deployment_id": e.deployment_id,
+            "probe_id": probe_id,
+            "problem": "source_silent",
+        }
+        if isinstance(e, ev.SourceGap):
+            what = "KV events" if e.source == "kv_events" else "metrics"
+            yield rule.signal(
+                "state",
+                labels,
+                value=e.silent_s,
+                annotations={
+                    "summary": f"{what} of node {e.node} ({e.deployment_id}) silent for "
+                    f"{human_duration(e.silent_s)}, reported by {probe_id}: {e.reason}",
+                    "node": e.node,
+                    "source": e.source,
+                    "cause": e.cause,
+                },
+            )
+        else:
+            yield rule.signal(
+                "state",
+                labels,
+                firing=False,
+                annotations={
+                    "summary": f"{probe_id} of {e.deployment_id}: "
+                    + ("stopped cleanly" if isinstance(e, ev.ProbeStopped) else "figures again")
+                },
             )
 
 
