@@ -43,7 +43,9 @@ SUMMARY_NOTES = [
     (
         "Stale reads",
         "reads of KV pages the reading request did not write; cross-tenant: last written by "
-        "another tenant's request; pages: all pages those reads covered.",
+        "another tenant's request; pages: all pages those reads covered. The previous "
+        "tenant is the probe's page ledger's last recorded writer of those pages, not what "
+        "the engine's own block tables say.",
     ),
     (
         "Exposed tenants, requests",
