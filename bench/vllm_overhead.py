@@ -106,22 +106,41 @@ NOISY_AA = 0.03
 
 class UnexportedProbe(Probe):
     """kvwatch's real probe, whose exporter thread never starts (see the module docstring):
-    ``emit`` is ``Probe.emit``, the events stay in its buffer."""
+    ``emit`` is ``Probe.emit``, the events stay in its buffer, and, with a spool directory,
+    in its write-ahead journal too (opened as ``Probe`` opens it, never released: the
+    journal is sized for the whole run)."""
 
     def _start_exporter(self) -> None:
         self._started = True
+        self._buffer.journal = self._exporter.open_journal()
 
     def events(self) -> list[Any]:
         return self._buffer.snapshot()
 
 
-def new_probe(capacity: int) -> UnexportedProbe:
+#: Where the probes' journals go (``new_probe(journal=True)``): one temporary directory for
+#: the run, removed at exit.
+_JOURNAL_ROOT: tempfile.TemporaryDirectory[str] | None = None
+#: whether the "on" variant's probe journals (``--no-journal``: not); set by ``run``
+JOURNAL: list[bool] = [True]
+
+
+def new_probe(capacity: int, *, journal: bool = True) -> UnexportedProbe:
+    """The probe the plugin configures (``journal``: with its write-ahead journal, as the
+    plugin's default spool directory gives it), exporter never started."""
+    global _JOURNAL_ROOT
+    spool: Path | None = None
+    if journal:
+        if _JOURNAL_ROOT is None:
+            _JOURNAL_ROOT = tempfile.TemporaryDirectory(prefix="kvwatch-bench-journal-")
+        spool = Path(_JOURNAL_ROOT.name)
     settings = ProbeSettings(
         collector_url="http://127.0.0.1:9",  # never contacted: the exporter never starts
         probe_id="bench-vllm",
         deployment_id="bench",
-        probe_spool_dir=None,
+        probe_spool_dir=spool,
         probe_buffer_size=capacity,
+        probe_journal_bytes=1 << 30 if journal else 0,  # never released here: the whole run
     )
     return UnexportedProbe(settings)
 
@@ -344,7 +363,7 @@ def run_once(
     sched = factory.scheduler()
     adapter = probe = None
     if variant == "on":
-        probe = new_probe(probe_capacity)
+        probe = new_probe(probe_capacity, journal=JOURNAL[0])
         adapter = attach(sched, probe, deployment_id="bench")
     reqs = factory.requests(specs)
     arrivals: dict[int, list[Any]] = {}
@@ -472,6 +491,9 @@ def check_run(res: RunResult, ref: RunResult, specs: Sequence[Spec]) -> dict[str
     stats = probe.stats()
     if any(stats["dropped"].values()) or stats["buffered"] != stats["emitted"]:
         raise BenchError(f"the probe dropped events: {stats['dropped']}")
+    journal = stats["journal"]
+    if JOURNAL[0] and (not journal["enabled"] or journal["appends"] != stats["emitted"]):
+        raise BenchError(f"the journal did not keep every event: {journal}")
     if c["stale_reads"] or kinds[PageStaleRead]:
         raise BenchError(
             f"the adapter reported {c['stale_reads']} stale read(s) on a clean workload: a "
@@ -517,6 +539,7 @@ def check_run(res: RunResult, ref: RunResult, specs: Sequence[Spec]) -> dict[str
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.requests or (300 if args.quick else 1500)
     reps = args.reps or (5 if args.quick else 9)
+    JOURNAL[0] = not args.no_journal
     variants = ["off", "on"] + ([] if args.no_aa else ["off_b"])
     load0 = os.getloadavg()[0]
     specs = build_workload(n, args.seed)
@@ -608,6 +631,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "events_by_type": workload["events_by_type"],
         "blocks": args.blocks,
+        "journal": JOURNAL[0],
         "seed": args.seed,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "loadavg_1m_at_start": round(load0, 2),
@@ -658,6 +682,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-aa", action="store_true", help="skip the A/A (second probe-off) run")
+    p.add_argument(
+        "--no-journal",
+        action="store_true",
+        help="the probe without its write-ahead journal (the plugin's default has it)",
+    )
     p.add_argument("--profile", type=int, default=0, help="probe-on runs under cProfile")
     return p.parse_args(argv)
 
