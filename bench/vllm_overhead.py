@@ -145,6 +145,33 @@ def new_probe(capacity: int, *, journal: bool = True) -> UnexportedProbe:
     return UnexportedProbe(settings)
 
 
+def emit_cost(n: int = 20_000, reps: int = 5) -> dict[str, float]:
+    """µs of CPU per ``Probe.emit`` of a ``request.finished``, with and without the journal
+    (each rep times both, alternating which goes first; the median of the reps): the
+    journal's own cost per event, which the per-step figures are too noisy to show."""
+    from engine_probe.events import RequestFinished
+
+    out: dict[str, list[float]] = {"journal": [], "no_journal": []}
+    for rep in range(reps):
+        order = [True, False] if rep % 2 == 0 else [False, True]
+        for journal in order:
+            probe = new_probe(n + 1, journal=journal)
+            emit = probe.emit
+            gc.collect()
+            gc.disable()
+            t0 = time.process_time()
+            for i in range(n):
+                emit(RequestFinished, request_id=f"r{i}", tenant="t1", completion_tokens=i,
+                     status="completed")  # fmt: skip
+            elapsed = time.process_time() - t0
+            gc.enable()
+            stats = probe.stats()
+            if journal and stats["journal"]["appends"] != n:
+                raise BenchError(f"the journal kept {stats['journal']['appends']} of {n}")
+            out["journal" if journal else "no_journal"].append(elapsed / n * 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 # -- the workload -------------------------------------------------------------------------
 
 
@@ -594,6 +621,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.profile):
                 run_once(factory, specs, "on", probe_capacity=1 << 22, profiler=prof)
             profile_lines = profile_summary(prof, ref.steps * args.profile)
+    emit_us = emit_cost()
+    print(
+        "probe.emit of a request.finished, median of 5 x 20,000: "
+        f"{emit_us['journal']:.2f} µs with the journal, {emit_us['no_journal']:.2f} µs without"
+    )
     best = {v: min(ts) for v, ts in times.items()}
     overhead = best["on"] / best["off"] - 1
     aa = best["off_b"] / best["off"] if "off_b" in best else None
@@ -632,6 +664,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "events_by_type": workload["events_by_type"],
         "blocks": args.blocks,
         "journal": JOURNAL[0],
+        "emit_us_journal": round(emit_us["journal"], 3),
+        "emit_us_no_journal": round(emit_us["no_journal"], 3),
         "seed": args.seed,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "loadavg_1m_at_start": round(load0, 2),

@@ -232,3 +232,31 @@ def test_journal_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="probe_journal_bytes"):
         ProbeSettings(probe_journal_bytes=1000)
     assert ProbeSettings(probe_journal_bytes=0).probe_journal_bytes == 0
+
+
+def test_the_engine_plugins_journal_in_a_per_user_state_directory_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine_probe.adapters.defaults import plugin_settings
+
+    for name in list(os.environ):
+        if name.startswith("KVWATCH_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    # no collector: nothing is configured, nothing created
+    assert plugin_settings().probe_spool_dir is None
+    assert not (tmp_path / "state").exists()
+    monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
+    default = tmp_path / "state" / "kvwatch" / "probe-spool"
+    assert plugin_settings().probe_spool_dir == default and default.is_dir()
+    monkeypatch.setenv("KVWATCH_PROBE_SPOOL_DIR", str(tmp_path / "mine"))
+    assert plugin_settings().probe_spool_dir == tmp_path / "mine"
+    monkeypatch.delenv("KVWATCH_PROBE_SPOOL_DIR")
+    monkeypatch.setenv("KVWATCH_PROBE_JOURNAL_BYTES", "0")
+    assert plugin_settings().probe_spool_dir is None  # off: memory only, as before
+    monkeypatch.delenv("KVWATCH_PROBE_JOURNAL_BYTES")
+    # a default directory that cannot be made: a warning, and the probe runs memory-only
+    (tmp_path / "ro").write_text("a file, not a directory")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "ro"))
+    assert plugin_settings().probe_spool_dir is None
+    assert "KVWATCH_PROBE_SPOOL_DIR" in caplog.text
