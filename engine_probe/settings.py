@@ -133,8 +133,9 @@ class ProbeSettings(ProducerSettings):
     )
     probe_spool_dir: Path | None = Field(
         default=None,
-        description="Where batches wait while the collector is down, replayed in order "
-        "(unset: memory only).",
+        description="Where batches wait while the collector is down, replayed in order, and "
+        "where the write-ahead journal lives (unset: memory only; the vLLM and SGLang plugins "
+        "then use $XDG_STATE_HOME/kvwatch/probe-spool).",
     )
     probe_buffer_size: int = Field(
         default=65536,
