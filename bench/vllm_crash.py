@@ -20,8 +20,8 @@ answered (the client's log, written at once) must have a finish row in the colle
 
 Last line, JSON: ``kills``, ``answered_before_kill`` (answers logged by the killed engines),
 ``finish_rows_missing`` (of those, the ones without a finish row: the figure), ``answered``
-(all engines), ``missing_total``, ``replayed`` (events adopted from dead journals, as the
-engines' probes counted them... the last one's only: the killed ones' stats die with them),
+(all engines), ``missing_total``, ``replayed_after_each_kill`` (events the next engine's
+probe adopted from the killed one's journal: what it had not yet delivered or spooled),
 ``engine_start_s_median`` (seconds from process start to the first answer), ``journal``.
 
 ``--no-journal``: the same run with ``KVWATCH_PROBE_JOURNAL_BYTES=0`` (memory only, as the
@@ -61,6 +61,13 @@ def _answers(log: Path) -> tuple[list[str], float | None]:
         elif line and not line.startswith("#"):
             ids.append(line)
     return ids, ready
+
+
+def _replayed(log: Path) -> int:
+    for line in log.read_text().splitlines() if log.exists() else ():
+        if line.startswith("# replayed "):
+            return int(line.split()[2])
+    return 0
 
 
 class Rounds:
@@ -169,6 +176,7 @@ def crash_run(
         with serve_in_thread(create_app(settings)) as url:
             rounds = Rounds(base, url, token, model, journal=journal)
             killed: list[str] = []
+            replayed: list[int] = []  # by each engine, from its dead predecessor's journal
             for n in range(kills):
                 proc, log = rounds.start(n)
                 rounds.wait_answers(proc, log, min_answers, timeout=300)
@@ -177,6 +185,7 @@ def crash_run(
                 proc.wait(30)
                 ids, ready = _answers(log)
                 killed += ids
+                replayed.append(_replayed(log))
                 if ready is not None:
                     rounds.start_s.append(ready)
                 print(f"kill {n + 1}/{kills}: {len(ids)} answered before it", flush=True)
@@ -189,6 +198,7 @@ def crash_run(
             if proc.returncode != 0:
                 raise BenchError(f"the last engine failed: {rounds.tail(log)}")
             last, ready = _answers(log)
+            replayed.append(_replayed(log))
             if ready is not None:
                 rounds.start_s.append(ready)
             stats = _last_stats(rounds.tail(log))
@@ -206,6 +216,8 @@ def crash_run(
         "finish_rows_missing": len(missing),
         "answered": len(killed) + len(last),
         "missing_total": len(missing_total),
+        # engine k+1 replays engine k's journal: what each killed engine had not sent
+        "replayed_after_each_kill": replayed[1:],
         "replayed_by_last_engine": stats.get("journal", {}).get("replayed"),
         "engine_start_s_median": round(statistics.median(rounds.start_s), 1)
         if rounds.start_s

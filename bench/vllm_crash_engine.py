@@ -9,7 +9,8 @@ so a SIGKILL of this process is a SIGKILL of the engine core), the tiny Llama of
 flight through ``llm_engine.add_request``/``step`` and, for every request it gets an answer
 for, appends the engine's request id (the id the probe reports) to ``LOG`` at once
 (``os.write``: the line outlives a SIGKILL). Ids start with ``TAG``, so incarnations never
-share one. First line of ``LOG``: ``# ready <seconds from start to the first answer>``.
+share one. First lines of ``LOG``: ``# ready <seconds from start to the first answer>`` and
+``# replayed <events this engine's probe adopted from dead predecessors' journals>``.
 
 ``--answers N``: after N answers, wait until the probe's spool is empty (batches adopted from
 a dead predecessor delivered), then exit cleanly (the probe's shutdown at exit flushes the
@@ -78,7 +79,10 @@ def main() -> None:
                 continue
             rid = internal.pop(out.request_id, out.request_id)
             if answered == 0:
+                # by now the probe adopted what a dead predecessor left (at its start)
+                replayed = get_probe().stats().get("journal", {}).get("replayed", 0)
                 os.write(log, f"# ready {time.monotonic() - started:.2f}\n".encode())
+                os.write(log, f"# replayed {replayed}\n".encode())
             os.write(log, f"{rid}\n".encode())
             answered += 1
         if args.answers and answered >= args.answers:
