@@ -1,6 +1,7 @@
 """vLLM engine killed under load: how many finished requests lose their finish record.
 
     python -m bench.vllm_crash                 # 10 SIGKILLs
+    python -m bench.vllm_crash --quick         # 3
     python -m bench.vllm_crash --kills N [--seed N] [--min-answers N] [--no-journal]
 
 Runs from kvwatch's venv (the collector: in this process, SQLite in a temporary directory);
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.vllm_crash", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="3 kills (--kills overrides)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-answers", type=int, default=20)
     parser.add_argument("--no-journal", action="store_true", help="KVWATCH_PROBE_JOURNAL_BYTES=0")
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         return outcome[-1]
 
     args = parser.parse_args(argv)
+    if args.quick and "--kills" not in (argv if argv is not None else sys.argv):
+        args.kills = 3
     rc = bench_main("vllm_crash", args, record)
     # without the journal, losses are the expected figure, not a failure
     return 1 if rc or (outcome[-1]["finish_rows_missing"] and not args.no_journal) else 0
