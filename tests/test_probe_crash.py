@@ -27,15 +27,20 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "crash-dep"
 
-# argv: collector url, token, spool root, log path, journal bytes, flush interval
+# argv: collector url, token, spool root, log path, journal bytes, flush interval, mode
+# mode "delivered": everything is delivered before the kill, but the journal on disk is put
+# back as it was before (nothing committed), so the next probe replays events the collector
+# already has
 _CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
+    from pathlib import Path
     from engine_probe.events import RequestFinished
+    from engine_probe.journal import segment_paths
     from engine_probe.probe import Probe
     from engine_probe.settings import ProbeSettings
 
-    url, token, root, log_path, journal, interval = sys.argv[1:7]
+    url, token, root, log_path, journal, interval, mode = sys.argv[1:8]
     probe = Probe(ProbeSettings(
         collector_url=url, ingest_token=token, deployment_id="crash-dep", probe_id="crash",
         probe_spool_dir=root, probe_journal_bytes=int(journal),
@@ -50,14 +55,23 @@ _CHILD = textwrap.dedent(
                 os.write(log, f"{probe.probe_id} {rid}\\n".encode())
         if burst < 5:
             time.sleep(0.15)
+    if mode == "delivered":
+        (seg,) = segment_paths(Path(root) / probe.probe_id)
+        before = seg.read_bytes()
+        assert probe.force_flush(10)
+        with open(seg, "r+b") as f:
+            f.write(before)
     os.kill(os.getpid(), signal.SIGKILL)
     """
 )
 
 
-def _run_child(collector: Collector, root: Path, log: Path, journal: int, interval: float) -> str:
+def _run_child(
+    collector: Collector, root: Path, log: Path, journal: int, interval: float, mode: str
+) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     args = [collector.url, collector.ingest, str(root), str(log), str(journal), str(interval)]
+    args.append(mode)
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, *args],
         env=env,
@@ -70,7 +84,9 @@ def _run_child(collector: Collector, root: Path, log: Path, journal: int, interv
     return lines[0]
 
 
-def _stored_finishes(db_url: str) -> set[str]:
+def _stored(db_url: str, probe_id: str) -> tuple[set[str], tuple[int, int, int] | None, int]:
+    """The completed finishes stored, the probe's (max_seq, accepted, duplicates), and how
+    many seq gaps it has open."""
     engine = create_engine(db_url)
     try:
         with engine.connect() as conn:
@@ -78,25 +94,36 @@ def _stored_finishes(db_url: str) -> set[str]:
                 text("SELECT request_id FROM requests WHERE deployment_id = :d AND status = :s"),
                 {"d": DEPLOYMENT, "s": "completed"},
             )
-            return {r for (r,) in rows}
+            finishes = {r for (r,) in rows}
+            probe = conn.execute(
+                text("SELECT max_seq, accepted, duplicates FROM probes WHERE probe_id = :p"),
+                {"p": probe_id},
+            ).first()
+            gaps = conn.execute(
+                text("SELECT count(*) FROM seq_gaps WHERE probe_id = :p"), {"p": probe_id}
+            ).scalar_one()
+            counts = None if probe is None else (int(probe[0]), int(probe[1]), int(probe[2]))
+            return finishes, counts, int(gaps)
     finally:
         engine.dispose()
 
 
 @pytest.mark.parametrize(
-    ("interval", "journal"),
+    ("interval", "journal", "mode"),
     [
-        pytest.param(0.5, 64 << 20, id="default-interval"),
+        pytest.param(0.5, 64 << 20, "plain", id="default-interval"),
         # nothing is ever sent by the child: every finish comes back from its journal
-        pytest.param(3600.0, 64 << 20, id="nothing-sent-before-the-kill"),
-        pytest.param(3600.0, 0, id="control-without-journal"),
+        pytest.param(3600.0, 64 << 20, "plain", id="nothing-sent-before-the-kill"),
+        # everything was sent, the journal says nothing was: the replay is all duplicates
+        pytest.param(3600.0, 64 << 20, "delivered", id="replay-of-delivered-events"),
+        pytest.param(3600.0, 0, "plain", id="control-without-journal"),
     ],
 )
 def test_finishes_emitted_before_a_sigkill_are_all_stored(
-    collector: Collector, tmp_path: Path, interval: float, journal: int
+    collector: Collector, tmp_path: Path, interval: float, journal: int, mode: str
 ) -> None:
     root, log = tmp_path / "spool", tmp_path / "emitted.log"
-    dead_id = _run_child(collector, root, log, journal, interval)
+    dead_id = _run_child(collector, root, log, journal, interval, mode)
     emitted = {line.split()[1] for line in log.read_text().splitlines()}
     assert len(emitted) == 240
     assert {line.split()[0] for line in log.read_text().splitlines()} == {dead_id}
@@ -119,11 +146,16 @@ def test_finishes_emitted_before_a_sigkill_are_all_stored(
         stats = probe.stats()
     finally:
         assert probe.shutdown(10)
-    stored = _stored_finishes(collector.db_url)
-    if journal:
-        assert emitted - stored == set()
-        assert stats["journal"]["replayed"] > 0 and stats["journal"]["replay_torn"] == 0
-        if interval > 60:
-            assert stats["journal"]["replayed"] == 240  # all of them, none twice
-    else:
-        assert stored == set() and stats["journal"]["replayed"] == 0
+    stored, counts, gaps = _stored(collector.db_url, dead_id)
+    if not journal:
+        assert stored == set() and counts is None and stats["journal"]["replayed"] == 0
+        return
+    assert emitted - stored == set()
+    # every seq of the dead probe is stored once: 240 finishes, no gap left open
+    assert counts is not None and counts[:2] == (240, 240) and gaps == 0
+    assert stats["journal"]["replayed"] > 0 and stats["journal"]["replay_torn"] == 0
+    if mode == "delivered":
+        assert stats["journal"]["replayed"] == 240 and counts[2] == 240  # all duplicates
+        assert stats["duplicates"] == 240
+    elif interval > 60:
+        assert stats["journal"]["replayed"] == 240 and counts[2] == 0  # all new, none twice
