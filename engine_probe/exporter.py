@@ -313,7 +313,7 @@ class Exporter:
         try:
             self._spool.open()
             journal.open()
-        except (SpoolError, OSError) as exc:
+        except Exception as exc:  # an observability probe must not stop the engine's start
             self.last_error = f"journal unavailable: {exc}"
             journal.last_error = self.last_error
             log.error("kvwatch probe journal unavailable (events are not crash-safe): %s", exc)

@@ -68,6 +68,7 @@ SEGMENT_MIN: Final = 64 << 10
 #: The smallest cap ``probe_journal_bytes`` may be (other than 0, off): two segments.
 JOURNAL_MIN_BYTES: Final = 2 * SEGMENT_MIN
 _SEGMENT_RE: Final = re.compile(r"^journal-(\d{8})\.seg$")
+_fallocate = getattr(os, "posix_fallocate", None)
 
 
 def segment_size(max_bytes: int) -> int:
@@ -299,8 +300,12 @@ class Journal:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the blocks now: a store into a mapping of a sparse file on a full disk
-            # is a SIGBUS, which would kill the engine.
-            os.posix_fallocate(fd, 0, self.segment_bytes)
+            # is a SIGBUS, which would kill the engine. (No posix_fallocate, as on macOS: a
+            # sparse file, and that risk.)
+            if _fallocate is not None:
+                _fallocate(fd, 0, self.segment_bytes)
+            else:
+                os.ftruncate(fd, self.segment_bytes)
             mm = mmap.mmap(fd, self.segment_bytes, mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)

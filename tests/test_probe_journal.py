@@ -260,3 +260,30 @@ def test_the_engine_plugins_journal_in_a_per_user_state_directory_by_default(
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "ro"))
     assert plugin_settings().probe_spool_dir is None
     assert "KVWATCH_PROBE_SPOOL_DIR" in caplog.text
+
+
+def test_a_spool_directory_that_cannot_hold_a_journal_leaves_the_probe_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine_probe.probe import Probe
+
+    (tmp_path / "not-a-dir").write_text("")
+    collector = FakeCollector()
+    try:
+        probe = Probe(
+            ProbeSettings(
+                collector_url=collector.url,
+                ingest_token=TOKEN,
+                probe_spool_dir=tmp_path / "not-a-dir",
+                probe_flush_interval_s=0.05,
+            )
+        )
+        assert probe.emit(ev.PoolSample, capacity_tokens=10, used_tokens=1, free_tokens=9)
+        journal = probe.stats()["journal"]
+        assert journal["enabled"] is False and "not-a-dir" in str(journal["last_error"])
+        assert "journal unavailable" in caplog.text
+        assert probe.force_flush(10)  # delivered all the same
+        wait_for(lambda: sum(len(b) for b in collector.batches) >= 1, timeout=10)
+        probe.shutdown(5)
+    finally:
+        collector.stop()
