@@ -106,24 +106,70 @@ NOISY_AA = 0.03
 
 class UnexportedProbe(Probe):
     """kvwatch's real probe, whose exporter thread never starts (see the module docstring):
-    ``emit`` is ``Probe.emit``, the events stay in its buffer."""
+    ``emit`` is ``Probe.emit``, the events stay in its buffer, and, with a spool directory,
+    in its write-ahead journal too (opened as ``Probe`` opens it, never released: the
+    journal is sized for the whole run)."""
 
     def _start_exporter(self) -> None:
         self._started = True
+        self._buffer.journal = self._exporter.open_journal()
 
     def events(self) -> list[Any]:
         return self._buffer.snapshot()
 
 
-def new_probe(capacity: int) -> UnexportedProbe:
+#: Where the probes' journals go (``new_probe(journal=True)``): one temporary directory for
+#: the run, removed at exit.
+_JOURNAL_ROOT: tempfile.TemporaryDirectory[str] | None = None
+#: whether the "on" variant's probe journals (``--no-journal``: not); set by ``run``
+JOURNAL: list[bool] = [True]
+
+
+def new_probe(capacity: int, *, journal: bool = True) -> UnexportedProbe:
+    """The probe the plugin configures (``journal``: with its write-ahead journal, as the
+    plugin's default spool directory gives it), exporter never started."""
+    global _JOURNAL_ROOT
+    spool: Path | None = None
+    if journal:
+        if _JOURNAL_ROOT is None:
+            _JOURNAL_ROOT = tempfile.TemporaryDirectory(prefix="kvwatch-bench-journal-")
+        spool = Path(_JOURNAL_ROOT.name)
     settings = ProbeSettings(
         collector_url="http://127.0.0.1:9",  # never contacted: the exporter never starts
         probe_id="bench-vllm",
         deployment_id="bench",
-        probe_spool_dir=None,
+        probe_spool_dir=spool,
         probe_buffer_size=capacity,
+        probe_journal_bytes=1 << 30 if journal else 0,  # never released here: the whole run
     )
     return UnexportedProbe(settings)
+
+
+def emit_cost(n: int = 20_000, reps: int = 5) -> dict[str, float]:
+    """µs of CPU per ``Probe.emit`` of a ``request.finished``, with and without the journal
+    (each rep times both, alternating which goes first; the median of the reps): the
+    journal's own cost per event, which the per-step figures are too noisy to show."""
+    from engine_probe.events import RequestFinished
+
+    out: dict[str, list[float]] = {"journal": [], "no_journal": []}
+    for rep in range(reps):
+        order = [True, False] if rep % 2 == 0 else [False, True]
+        for journal in order:
+            probe = new_probe(n + 1, journal=journal)
+            emit = probe.emit
+            gc.collect()
+            gc.disable()
+            t0 = time.process_time()
+            for i in range(n):
+                emit(RequestFinished, request_id=f"r{i}", tenant="t1", completion_tokens=i,
+                     status="completed")  # fmt: skip
+            elapsed = time.process_time() - t0
+            gc.enable()
+            stats = probe.stats()
+            if journal and stats["journal"]["appends"] != n:
+                raise BenchError(f"the journal kept {stats['journal']['appends']} of {n}")
+            out["journal" if journal else "no_journal"].append(elapsed / n * 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 # -- the workload -------------------------------------------------------------------------
@@ -344,7 +390,7 @@ def run_once(
     sched = factory.scheduler()
     adapter = probe = None
     if variant == "on":
-        probe = new_probe(probe_capacity)
+        probe = new_probe(probe_capacity, journal=JOURNAL[0])
         adapter = attach(sched, probe, deployment_id="bench")
     reqs = factory.requests(specs)
     arrivals: dict[int, list[Any]] = {}
@@ -472,6 +518,9 @@ def check_run(res: RunResult, ref: RunResult, specs: Sequence[Spec]) -> dict[str
     stats = probe.stats()
     if any(stats["dropped"].values()) or stats["buffered"] != stats["emitted"]:
         raise BenchError(f"the probe dropped events: {stats['dropped']}")
+    journal = stats["journal"]
+    if JOURNAL[0] and (not journal["enabled"] or journal["appends"] != stats["emitted"]):
+        raise BenchError(f"the journal did not keep every event: {journal}")
     if c["stale_reads"] or kinds[PageStaleRead]:
         raise BenchError(
             f"the adapter reported {c['stale_reads']} stale read(s) on a clean workload: a "
@@ -517,6 +566,7 @@ def check_run(res: RunResult, ref: RunResult, specs: Sequence[Spec]) -> dict[str
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.requests or (300 if args.quick else 1500)
     reps = args.reps or (5 if args.quick else 9)
+    JOURNAL[0] = not args.no_journal
     variants = ["off", "on"] + ([] if args.no_aa else ["off_b"])
     load0 = os.getloadavg()[0]
     specs = build_workload(n, args.seed)
@@ -571,6 +621,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.profile):
                 run_once(factory, specs, "on", probe_capacity=1 << 22, profiler=prof)
             profile_lines = profile_summary(prof, ref.steps * args.profile)
+    emit_us = emit_cost()
+    print(
+        "probe.emit of a request.finished, median of 5 x 20,000: "
+        f"{emit_us['journal']:.2f} µs with the journal, {emit_us['no_journal']:.2f} µs without"
+    )
     best = {v: min(ts) for v, ts in times.items()}
     overhead = best["on"] / best["off"] - 1
     aa = best["off_b"] / best["off"] if "off_b" in best else None
@@ -608,6 +663,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "events_by_type": workload["events_by_type"],
         "blocks": args.blocks,
+        "journal": JOURNAL[0],
+        "emit_us_journal": round(emit_us["journal"], 3),
+        "emit_us_no_journal": round(emit_us["no_journal"], 3),
         "seed": args.seed,
         "wall_s": round(time.perf_counter() - t_start, 1),
         "loadavg_1m_at_start": round(load0, 2),
@@ -658,6 +716,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-aa", action="store_true", help="skip the A/A (second probe-off) run")
+    p.add_argument(
+        "--no-journal",
+        action="store_true",
+        help="the probe without its write-ahead journal (the plugin's default has it)",
+    )
     p.add_argument("--profile", type=int, default=0, help="probe-on runs under cProfile")
     return p.parse_args(argv)
 

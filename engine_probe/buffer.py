@@ -14,6 +14,7 @@ from typing import Any, Final, NamedTuple, get_args
 
 from engine_probe.errors import InvalidEventError
 from engine_probe.events import SCHEMA_VERSION, DropReason, Event, ProbeDrops, utcnow
+from engine_probe.journal import Journal
 
 DROP_REASONS: Final[tuple[DropReason, ...]] = get_args(DropReason)
 
@@ -83,7 +84,10 @@ class EventBuffer:
     with no gap, under the same lock as the append, so the buffer holds events in seq order;
     a seq is handed out BEFORE the drop decision, so a dropped event leaves a gap the
     collector can see, and every seq handed out is in the buffer, taken by the exporter
-    (which then delivers, spools or counts it), or counted in ``drops``.
+    (which then delivers, spools or counts it), or counted in ``drops``. With a ``journal``,
+    every event the buffer accepts (and every drops report ``take`` builds) is also written
+    to it, in seq order, under the same lock, before ``append`` returns; a dropped event is
+    not (its drop is what the collector will be told).
     """
 
     __slots__ = (
@@ -98,6 +102,7 @@ class EventBuffer:
         "_on_batch",
         "_probe_id",
         "_seq",
+        "journal",
     )
 
     def __init__(
@@ -123,6 +128,8 @@ class EventBuffer:
         self._seq = 0
         self._emitted = 0
         self._closed = False
+        #: set once, before the first append, by the probe that owns the buffer
+        self.journal: Journal | None = None
 
     def append(
         self, cls: type[Event], ts: datetime, deployment_id: str, fields: dict[str, Any]
@@ -158,6 +165,9 @@ class EventBuffer:
                 return False
             items.append(event)
             n = len(items)
+            journal = self.journal
+            if journal is not None:
+                journal.append(event)
         if n == self._batch_size:
             self._on_batch()
         return True
@@ -175,16 +185,17 @@ class EventBuffer:
                 counts = self._drops.take_pending()
                 if counts:
                     self._seq += 1
-                    items.append(
-                        ProbeDrops(
-                            schema_version=SCHEMA_VERSION,
-                            probe_id=self._probe_id,
-                            seq=self._seq,
-                            ts=utcnow(),
-                            deployment_id=self._deployment_id,
-                            counts=counts,
-                        )
+                    report = ProbeDrops(
+                        schema_version=SCHEMA_VERSION,
+                        probe_id=self._probe_id,
+                        seq=self._seq,
+                        ts=utcnow(),
+                        deployment_id=self._deployment_id,
+                        counts=counts,
                     )
+                    items.append(report)
+                    if self.journal is not None:
+                        self.journal.append(report)
             return Taken(items, self._seq)
 
     def snapshot(self) -> list[Event]:

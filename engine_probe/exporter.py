@@ -28,7 +28,11 @@ How it answers the collector:
   of such batches cannot hold the probe's own events back for hours.
 
 The backlog is the spool on disk when ``probe_spool_dir`` is set, else a bounded list in
-memory. Once it holds anything, every newer batch goes to its end, and it is replayed
+memory. With a spool, the probe's write-ahead journal (``engine_probe.journal``, unless
+``probe_journal_bytes`` is 0) lives in the spool's directory: the exporter opens it before the
+first event (``open_journal``), releases what it covers whenever more seqs are handled, and
+deletes it after a clean shutdown; a dead probe's journal is replayed by ``adopt_orphans``.
+Once the backlog holds anything, every newer batch goes to its end, and it is replayed
 oldest first before anything newer is sent, which keeps each probe's events in seq order.
 
 Invariant: every event taken from the buffer ends delivered, in the backlog, or counted in
@@ -54,6 +58,7 @@ import msgspec
 from engine_probe import events as ev
 from engine_probe.buffer import DropCounter, EventBuffer
 from engine_probe.errors import ProbeError, SpoolError, SpoolFullError
+from engine_probe.journal import Journal
 from engine_probe.settings import ProbeSettings
 from engine_probe.spool import Spool
 
@@ -245,10 +250,14 @@ class Exporter:
         self._batch_size = settings.probe_batch_size
         self._interval = settings.probe_flush_interval_s
         self._spool: Spool | None = None
+        self._journal: Journal | None = None
+        self._journal_discard = False  # a clean shutdown: nothing journaled is unhandled
         self._backlog: _Backlog
         if settings.probe_spool_dir is not None:
             self._spool = Spool(settings.probe_spool_dir, probe_id, settings.probe_max_spool_bytes)
             self._backlog = _DiskBacklog(self._spool)
+            if settings.probe_journal_bytes:
+                self._journal = Journal(self._spool.dir, settings.probe_journal_bytes)
         else:
             self._backlog = _MemoryBacklog(settings.probe_buffer_size)
         self._client: httpx.Client | None = None
@@ -291,6 +300,25 @@ class Exporter:
             target=self._run, name=f"kvwatch-probe-exporter[{self._probe_id}]", daemon=True
         )
         self._thread.start()
+
+    def open_journal(self) -> Journal | None:
+        """Lock the spool directory and open the journal, on the thread that builds the probe
+        and before ``start`` (so that the first event is journaled); None without one. A
+        directory that cannot take it is logged, and the probe runs without a journal."""
+        journal = self._journal
+        if journal is None or self._spool is None:
+            return None
+        if journal.is_open:
+            return journal
+        try:
+            self._spool.open()
+            journal.open()
+        except Exception as exc:  # an observability probe must not stop the engine's start
+            self.last_error = f"journal unavailable: {exc}"
+            journal.last_error = self.last_error
+            log.error("kvwatch probe journal unavailable (events are not crash-safe): %s", exc)
+            return None
+        return journal
 
     @property
     def running(self) -> bool:
@@ -340,6 +368,8 @@ class Exporter:
     def abandon_after_fork(self) -> None:
         """In a forked child: this exporter's thread does not exist there. Let go of the
         parent's spool lock and never touch its sockets or files again."""
+        if self._journal is not None:
+            self._journal.abandon_after_fork()
         if self._spool is not None:
             self._spool.detach_after_fork()
         self._client = None
@@ -359,10 +389,22 @@ class Exporter:
             },
             "retry_pending_events": 0 if spool is not None else self._backlog.events,
             "adopted_files": self.adopted_files,
+            "journal": self._journal_stats(),
             "collector_healthy": self._healthy,
             "last_error": self.last_error,
             "running": self.running,
         }
+
+    def _journal_stats(self) -> dict[str, Any]:
+        spool, journal = self._spool, self._journal
+        out: dict[str, Any] = {"enabled": journal is not None and journal.is_open}
+        if journal is not None:
+            out.update(journal.stats())
+            out["last_error"] = journal.last_error
+        # what this probe adopted from dead probes' journals (with or without its own)
+        out["replayed"] = spool.journal_replayed if spool is not None else 0
+        out["replay_torn"] = spool.journal_torn if spool is not None else 0
+        return out
 
     # -- the thread ----------------------------------------------------------------------
 
@@ -412,6 +454,9 @@ class Exporter:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+        if self._journal is not None:
+            # before the spool: an empty directory (no journal left) is then removed
+            self._journal.close(discard=self._journal_discard)
         if self._spool is not None:
             with contextlib.suppress(Exception):
                 self._spool.close()
@@ -432,7 +477,7 @@ class Exporter:
             return
         try:
             self._spool.open()
-            self.adopted_files = self._spool.adopt_orphans()
+            self.adopted_files = self._spool.adopt_orphans(self._batch_size)
         except SpoolError as exc:
             # Not fatal: direct delivery still works; batches that need the spool are
             # counted as "spool_error" drops, and pushing retries opening it.
@@ -476,14 +521,20 @@ class Exporter:
             for r in ("shutdown", "spool_full", "spool_error", "buffer_full")
         )
         self._final_clean = lost == 0
+        # Everything journaled is delivered or spooled: the journal has nothing to protect.
+        # Otherwise it stays, and the next probe replays it (duplicates are harmless).
+        self._journal_discard = self._final_clean and self._handled >= self._buffer.seq
 
     def _mark_handled(self) -> None:
         first_unhandled = self._backlog.unhandled_from()
         handled = self._taken_upto if first_unhandled is None else first_unhandled - 1
         with self._cond:
-            if handled > self._handled:
-                self._handled = handled
-                self._cond.notify_all()
+            if handled <= self._handled:
+                return
+            self._handled = handled
+            self._cond.notify_all()
+        if self._journal is not None:
+            self._journal.release(handled)
 
     def _stopping(self, deadline: float | None) -> bool:
         # A regular cycle yields to a shutdown request; the final one runs to its deadline.

@@ -204,6 +204,9 @@ class Probe(_BufferingProbe):
                 return
             self._started = True
             if self._shutdown_result is None:
+                # Before the first event is buffered (the caller's emit comes after this):
+                # the journal must hold every event the buffer accepts.
+                self._buffer.journal = self._exporter.open_journal()
                 self._exporter.start()
 
     # -- control -------------------------------------------------------------------------
@@ -241,7 +244,10 @@ class Probe(_BufferingProbe):
     def stats(self) -> dict[str, Any]:
         """A snapshot: emitted (seqs handed out), buffered, sent (events acknowledged by the
         collector), accepted/duplicates (as it reported them), spooled (files, bytes and
-        events in the spool now), dropped (totals by reason since start), last_error."""
+        events in the spool now), dropped (totals by reason since start), last_error, and
+        journal: appends, records not journaled (``not_journaled_full``/``_error``: those
+        events were still buffered and sent; they only were not crash-safe), live segments,
+        and ``replayed``: events this probe adopted from dead probes' journals."""
         dropped = dict.fromkeys(DROP_REASONS, 0)
         dropped.update(self._drops.totals())
         out: dict[str, Any] = {

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine_probe.events import ID_MAX, is_valid_id
+from engine_probe.journal import JOURNAL_MIN_BYTES
 
 # What ``sanitize_id`` replaces; validation itself is ``events.is_valid_id`` (one rule).
 _ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
@@ -25,6 +26,7 @@ _ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
 _SUFFIX_ROOM: Final = 1 + 10 + 1 + 6
 
 GIB: Final = 1 << 30
+JOURNAL_DEFAULT_BYTES: Final = 64 << 20
 
 
 def sanitize_id(raw: str, *, fallback: str = "probe") -> str:
@@ -131,8 +133,9 @@ class ProbeSettings(ProducerSettings):
     )
     probe_spool_dir: Path | None = Field(
         default=None,
-        description="Where batches wait while the collector is down, replayed in order "
-        "(unset: memory only).",
+        description="Where batches wait while the collector is down, replayed in order, and "
+        "where the write-ahead journal lives (unset: memory only; the vLLM and SGLang plugins "
+        "then use $XDG_STATE_HOME/kvwatch/probe-spool).",
     )
     probe_buffer_size: int = Field(
         default=65536,
@@ -146,6 +149,15 @@ class ProbeSettings(ProducerSettings):
     )
     probe_max_spool_bytes: int = Field(
         default=GIB, ge=1, description="Spool cap; beyond it batches are dropped and counted."
+    )
+    probe_journal_bytes: int = Field(
+        default=JOURNAL_DEFAULT_BYTES,
+        ge=0,
+        description="Cap of the write-ahead journal in the spool directory, where every event "
+        "is also written (file-mapped, no syscall per event) until it is delivered or spooled, "
+        "so that a process killed by a signal loses nothing: the next probe on the node "
+        "replays it. 0: off. Needs probe_spool_dir; when full, events are still sent but not "
+        "crash-safe (counted in stats()).",
     )
     probe_request_timeout_s: float = Field(
         default=10.0, gt=0, le=3600, description="HTTP timeout of one POST."
@@ -185,6 +197,11 @@ class ProbeSettings(ProducerSettings):
             raise ValueError(
                 f"probe_batch_size ({self.probe_batch_size}) must not exceed "
                 f"probe_buffer_size ({self.probe_buffer_size})"
+            )
+        if 0 < self.probe_journal_bytes < JOURNAL_MIN_BYTES:
+            raise ValueError(
+                f"probe_journal_bytes ({self.probe_journal_bytes}) must be 0 (off) or at "
+                f"least {JOURNAL_MIN_BYTES}"
             )
         if self.probe_backoff_base_s > self.probe_backoff_max_s:
             raise ValueError(

@@ -4,6 +4,8 @@ Layout under the spool root::
 
     <root>/<probe dir>/.lock                       flock'ed by the live probe owning the dir
     <root>/<probe dir>/<16-digit index>.<n>.json   one batch (a JSON array of n events)
+    <root>/<probe dir>/journal-<8-digit index>.seg the probe's write-ahead journal
+                                                   (``engine_probe.journal``)
     <root>/rejected/<utc>-<probe dir>-<k>.json     batches the collector refused (dead letter)
     <root>/rejected/<utc>-<probe dir>-<k>.txt      why it refused them
 
@@ -11,7 +13,9 @@ Layout under the spool root::
 not make paths). Batch files are written atomically (temporary file, fsync, rename, fsync
 of the directory) and named so that lexical order is send order. A directory whose lock is
 not held belongs to a process that died: the next probe to start adopts its batches (moves
-them, oldest first, to the end of its own queue) and removes it.
+them, oldest first, to the end of its own queue), turns the records of its journal that were
+never delivered or spooled into batches of its queue (under the dead probe's id, which is
+theirs), and removes it.
 
 Not thread-safe: one spool is used by one exporter thread.
 """
@@ -31,6 +35,7 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import quote
 
+from engine_probe import journal
 from engine_probe.errors import SpoolError, SpoolFullError, SpoolLockedError
 
 log = logging.getLogger("engine_probe.spool")
@@ -140,6 +145,9 @@ class Spool:
         self._lock_fd: int | None = None
         self._rejected_bytes: int | None = None
         self._rejected_count = 0
+        #: events replayed from dead probes' journals, and damaged records skipped there
+        self.journal_replayed = 0
+        self.journal_torn = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -176,13 +184,13 @@ class Spool:
         self._next = entries[-1].index + 1 if entries else 0
 
     def close(self) -> None:
-        """Release the lock. An empty directory is removed; one with batches stays, and the
-        next probe to start adopts it."""
+        """Release the lock. An empty directory is removed; one with batches or journal
+        segments stays, and the next probe to start adopts it."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
         try:
-            if not self._entries:
+            if not self._entries and not journal.segment_paths(self.dir):
                 # Unlink while still holding the lock: an adopter that opened the old lock
                 # file sees the inode change and backs off.
                 with contextlib.suppress(OSError):
@@ -280,12 +288,15 @@ class Spool:
 
     # -- adoption of dead processes' spools --------------------------------------------
 
-    def adopt_orphans(self) -> int:
+    def adopt_orphans(self, batch_events: int = 2000) -> int:
         """Move the batches of every unlocked probe directory (a dead process's) to the end
-        of this queue, oldest directory first, and remove those directories.
+        of this queue, oldest directory first, then the records of its journal not yet
+        committed (as batches of at most ``batch_events``), and remove those directories.
 
-        Returns how many batch files were adopted. Each orphan's own order is kept, which is
-        all that matters: seq order is per probe.
+        Returns how many batch files were adopted (journal batches included). Each orphan's
+        own order is kept, which is all that matters: seq order is per probe. A journal
+        record may also be in a spooled batch or already delivered: the collector counts
+        it as a duplicate.
         """
         self.open()
         found: list[tuple[float, Path, int, list[SpoolEntry]]] = []
@@ -326,6 +337,7 @@ class Spool:
                     self._bytes += target.size
                     self._events += target.events
                     adopted += 1
+                adopted += self._adopt_journal(child, batch_events)
                 _fsync_dir(self.dir)
                 (child / LOCK_NAME).unlink()
                 child.rmdir()
@@ -335,6 +347,37 @@ class Spool:
             finally:
                 os.close(fd)
         return adopted
+
+    def _adopt_journal(self, child: Path, batch_events: int) -> int:
+        """Spool the uncommitted records of ``child``'s journal, then delete its segments
+        (only once the batches are durably here: a crash in between replays them again)."""
+        paths = journal.segment_paths(child)
+        if not paths:
+            return 0
+        found = journal.read_dir(child)
+        written = 0
+        for body, n in journal.iter_batches(found.records, max(1, batch_events)):
+            entry = SpoolEntry(self._path(self._next, n), self._next, n, len(body))
+            _atomic_write(entry.path, body)
+            self._next += 1
+            self._entries.append(entry)
+            self._bytes += entry.size
+            self._events += entry.events
+            written += 1
+        for path in paths:
+            path.unlink()
+        self.journal_replayed += len(found.records)
+        self.journal_torn += found.torn
+        log.info(
+            "replayed %d journaled events of %s (%d already committed, %d damaged records "
+            "skipped) as %d batches",
+            len(found.records),
+            child,
+            found.skipped,
+            found.torn,
+            written,
+        )
+        return written
 
     # -- dead letter -------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ import signal
 import socket
 import struct
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -267,6 +268,9 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         "KVWATCH_INGEST_TOKEN": collector.ingest,
         "KVWATCH_DEPLOYMENT_ID": DEPLOYMENT,
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+        # the plugin's default spool/journal directory is per user: keep this server's in
+        # its own workdir (another test's killed engine must not be adopted here)
+        "XDG_STATE_HOME": str(workdir / "state"),
         # TEST ONLY: the positive control's injected fault (engine_probe/adapters/vllm/
         # plugin.py): the first request of FAULT_TENANT has its KV writes left unrecorded
         "KVWATCH_TEST_FAULT_INJECTION": FAULT_GUARD,
@@ -515,6 +519,8 @@ def _sglang_env(
         "KVWATCH_INGEST_TOKEN": collector.ingest,
         "KVWATCH_DEPLOYMENT_ID": deployment,
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+        # the plugin's default spool/journal directory is per user: one per server here
+        "XDG_STATE_HOME": tempfile.mkdtemp(prefix="kvwatch-state-"),
     }
     if fault_injection:
         # TEST ONLY: the positive control's injected fault (engine_probe/adapters/common.py):

@@ -319,6 +319,9 @@ def test_the_plugin_says_in_vllms_log_that_it_attached(vllm_server: VllmServer) 
         assert f"Scheduler.{hook}" in line
     assert "KVCacheManager.allocate_slots" in line
     assert "page ledger on" in line
+    # the plugin's default spool/journal directory (XDG_STATE_HOME: the server's workdir)
+    spool = vllm_server.log_path.parent / "state" / "kvwatch" / "probe-spool"
+    assert f"journal on in {spool} (64 MiB" in line
     assert vllm_server.collector.ingest not in log
     # the fault injection the positive control needs says so, loudly
     assert "TEST FAULT INJECTION ON" in log and FAULT_TENANT in log

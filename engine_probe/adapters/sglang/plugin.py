@@ -35,10 +35,15 @@ def register() -> None:
         from sglang.srt.model_executor.model_runner import ModelRunner
 
         from engine_probe.adapters.common import test_faults
+        from engine_probe.adapters.defaults import describe_journal, plugin_settings
         from engine_probe.adapters.sglang.adapter import SGLangAdapter
         from engine_probe.probe import configure_probe
 
-        configure_probe()
+        probe = configure_probe(plugin_settings())
+        if probe.enabled:
+            log.info(
+                "kvwatch SGLang probe %s: %s", probe.stats()["probe_id"], describe_journal(probe)
+            )
         adapter = SGLangAdapter(
             zeroize_on_free=os.environ.get("KVWATCH_SGLANG_ZEROIZE", "") in ("1", "true"),
             **test_faults(log),

@@ -130,13 +130,13 @@ def _mark_stop_string_aborts() -> None:
 
 def _attach(scheduler: Any) -> None:
     try:
+        from engine_probe.adapters.defaults import describe_journal, plugin_settings
         from engine_probe.adapters.vllm.adapter import attach
         from engine_probe.probe import configure_probe, get_probe
-        from engine_probe.settings import ProbeSettings
 
         probe = get_probe()
         if not probe.enabled:
-            probe = configure_probe(ProbeSettings())
+            probe = configure_probe(plugin_settings())
         if not probe.enabled:
             vllm_log.warning(
                 "kvwatch: KVWATCH_COLLECTOR_URL is set but the probe cannot attach: the "
@@ -148,7 +148,7 @@ def _attach(scheduler: Any) -> None:
         settings = getattr(probe, "settings", None)
         vllm_log.info(
             "kvwatch: probe attached to vLLM's %s (probe id %s): collector %s, deployment "
-            "%s; hooked %s; page ledger %s",
+            "%s; hooked %s; page ledger %s; %s",
             type(scheduler).__name__,
             _id(probe),
             redact_url(getattr(settings, "collector_url", None)),
@@ -159,6 +159,7 @@ def _attach(scheduler: Any) -> None:
                 if adapter.ledger is not None
                 else "off (several KV cache groups: no stale-read checks)"
             ),
+            describe_journal(probe),
         )
     except Exception as exc:
         vllm_log.warning(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +16,12 @@ from engine_probe.probe import get_probe, shutdown_probe
 
 
 @pytest.fixture
-def pristine_scheduler() -> Iterator[Any]:
-    """vLLM's Scheduler class, its original __init__ put back afterwards."""
+def pristine_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """vLLM's Scheduler class, its original __init__ put back afterwards; the plugin's
+    default spool/journal directory (per user) in this test's own directory."""
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
     original = Scheduler.__dict__["__init__"]
     yield Scheduler
@@ -86,6 +91,11 @@ def test_with_a_collector_url_every_scheduler_gets_the_adapter(
     probe = get_probe()
     assert probe.enabled is True
     assert probe.stats()["emitted"] >= 2  # engine.config and the first pool.sample
+    # journaled in the plugin's default directory: every event so far
+    journal = probe.stats()["journal"]
+    assert journal["enabled"] and journal["appends"] == probe.stats()["emitted"]
+    spool = Path(os.environ["XDG_STATE_HOME"]) / "kvwatch" / "probe-spool"
+    assert probe.settings.probe_spool_dir == spool  # type: ignore[attr-defined]
 
 
 def test_kvwatch_vllm_probe_0_keeps_it_off(
@@ -136,7 +146,24 @@ def test_attaching_logs_one_info_line_without_credentials(
     assert "s3cret" not in line and "t0k" not in line
     assert "deployment plugin-log-test" in line
     assert "Scheduler.update_from_output" in line and "KVCacheManager.allocate_slots" in line
+    assert "journal on in " in line and "KVWATCH_PROBE_JOURNAL_BYTES=0: off" in line
     assert vllm_log.at(logging.WARNING) == []
+
+
+def test_kvwatch_probe_journal_bytes_0_runs_the_probe_memory_only(
+    pristine_scheduler: Any,
+    make_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm_log: _Lines,
+) -> None:
+    monkeypatch.setenv("KVWATCH_COLLECTOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("KVWATCH_PROBE_JOURNAL_BYTES", "0")
+    _load_plugins()
+    make_scheduler()
+    (line,) = vllm_log.at(logging.INFO)
+    assert "journal off (no spool directory" in line
+    assert get_probe().stats()["journal"]["enabled"] is False
+    assert not (Path(os.environ["XDG_STATE_HOME"]) / "kvwatch").exists()
 
 
 def test_a_probe_that_cannot_be_configured_is_one_warning_saying_why(
