@@ -60,8 +60,9 @@ def _check_id(value: str, env_var: str) -> str:
 class ProducerSettings(BaseSettings):
     """What every producer reads: where the collector is, the ingest token, and the
     deployment its events belong to (``KVWATCH_COLLECTOR_URL``, ``KVWATCH_INGEST_TOKEN``,
-    ``KVWATCH_DEPLOYMENT_ID``). The probe's settings extend it; ``kvwatch verify`` uses it
-    as is."""
+    ``KVWATCH_DEPLOYMENT_ID``), and the node id an engine's producers report it under
+    (``KVWATCH_NODE_ID``, unset: derived, see :mod:`engine_probe.node`). The probe's
+    settings extend it; ``kvwatch verify`` uses it as is."""
 
     model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
 
@@ -78,8 +79,15 @@ class ProducerSettings(BaseSettings):
     deployment_id: str = Field(
         default="default", description="The deployment the events belong to."
     )
+    node_id: str | None = Field(
+        default=None,
+        description="The node id this engine reports (default: derived, the engine server's "
+        "HOST:PORT, HOST being the machine's name for a wildcard or loopback address, plus "
+        "/prefill or /decode for one side of a disaggregated pair). Data-parallel ranks 1 "
+        "and up still add /dpN to it. See engine_probe/node.py and docs/vllm.md.",
+    )
 
-    @field_validator("collector_url", "ingest_token", mode="before")
+    @field_validator("collector_url", "ingest_token", "node_id", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # An exported-but-empty environment variable means "not set", not "the empty string".
@@ -102,6 +110,11 @@ class ProducerSettings(BaseSettings):
     @classmethod
     def _check_deployment_id(cls, value: str) -> str:
         return _check_id(value, "KVWATCH_DEPLOYMENT_ID")
+
+    @field_validator("node_id")
+    @classmethod
+    def _check_node_id(cls, value: str | None) -> str | None:
+        return None if value is None else _check_id(value, "KVWATCH_NODE_ID")
 
 
 class ProbeSettings(ProducerSettings):
