@@ -30,16 +30,41 @@ Ids follow the wire contract's id rule (``events.is_valid_id``): characters outs
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from typing import Final
 
 from engine_probe.events import ID_MAX
-from engine_probe.settings import sanitize_id
 
-__all__ = ["machine_host", "node_id", "server_base"]
+__all__ = ["INFO_LABELS", "NODE_INFO", "machine_host", "node_id", "sanitize_id", "server_base"]
+
+#: The info series an engine's plugin publishes beside the engine's own metrics, one per
+#: engine core: its node id, role and the settings the engine's metrics do not say (or say
+#: unresolved). Scrapers read it, so that they name a node, and report its config, as the
+#: probe inside does (``engine_probe.adapters.vllm.node`` publishes it).
+NODE_INFO: Final = "kvwatch:node_info"
+INFO_LABELS: Final = (
+    "engine",
+    "node",
+    "role",
+    "kv_dtype",
+    "quantization",
+    "tp_size",
+    "cuda_graphs",
+)
+# What ``sanitize_id`` replaces; validation itself is ``events.is_valid_id`` (one rule).
+_ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
 
 _WILDCARD: Final = frozenset({"", "0.0.0.0", "::", "*", "localhost"})
 _ROLES_NAMED: Final = frozenset({"prefill", "decode"})
+
+
+def sanitize_id(raw: str, *, fallback: str = "probe") -> str:
+    """Map any string onto the wire contract's Id pattern (host names, node ids)."""
+    cleaned = _ID_BAD_CHARS.sub("-", raw)
+    if not cleaned or not cleaned[0].isalnum() or not cleaned[0].isascii():
+        cleaned = f"{fallback}-{cleaned}" if cleaned else fallback
+    return cleaned[:ID_MAX]
 
 
 def _is_local(host: str) -> bool:

@@ -8,7 +8,6 @@ Everything is validated when the settings object is built, so the hot path never
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import socket
 from pathlib import Path
@@ -18,21 +17,14 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine_probe.events import ID_MAX, is_valid_id
+from engine_probe.node import sanitize_id
 
-# What ``sanitize_id`` replaces; validation itself is ``events.is_valid_id`` (one rule).
-_ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
+__all__ = ["GIB", "ProbeSettings", "ProducerSettings", "derive_probe_id", "sanitize_id"]
+
 # Room kept after a probe id's root for "-{pid}-{hex}" (see ``derive_probe_id``).
 _SUFFIX_ROOM: Final = 1 + 10 + 1 + 6
 
 GIB: Final = 1 << 30
-
-
-def sanitize_id(raw: str, *, fallback: str = "probe") -> str:
-    """Map any string onto the wire contract's Id pattern (used for host names)."""
-    cleaned = _ID_BAD_CHARS.sub("-", raw)
-    if not cleaned or not cleaned[0].isalnum() or not cleaned[0].isascii():
-        cleaned = f"{fallback}-{cleaned}" if cleaned else fallback
-    return cleaned[:ID_MAX]
 
 
 def derive_probe_id(root: str | None = None) -> str:

@@ -22,7 +22,6 @@ import pytest
 
 from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
-    KV_EVENTS_NODE,
     VllmServer,
     tokens,
     vllm_server,
@@ -75,10 +74,10 @@ def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F
     def configs() -> list[dict[str, Any]]:
         with vllm_server.collector.client() as c:
             deps = c.get("/v1/deployments").json()
-        # the plugin's node (kvwatch kv-events reports as a node of its own:
-        # tests/test_kv_events_vllm.py)
+        # the plugin's node (kvwatch kv-events reports the same node; a replica of the
+        # deployment another: tests/test_vllm_replicas.py)
         return [cfg for d in deps if d["deployment_id"] == vllm_server.deployment_id
-                for cfg in d["config"] if cfg["node"] != KV_EVENTS_NODE]  # fmt: skip
+                for cfg in d["config"] if cfg["node"] == vllm_server.node]  # fmt: skip
 
     (cfg,) = wait_for(configs, bool)
     assert cfg["engine"] == "vllm"
@@ -91,6 +90,12 @@ def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F
     assert cfg["prefix_caching"] is (cache["enable_prefix_caching"] == "True")
     assert cfg["disaggregated"] is False
     assert cfg["cuda_graphs"] is False  # a CPU build has none
+    # the KV dtype resolved (vLLM's own cache_config_info says "auto": the model's)
+    assert cache["cache_dtype"] == "auto" and cfg["dtype"] in ("bfloat16", "float16", "float32")
+    # and what the plugin publishes beside vLLM's metrics for scrapers to agree with it
+    (info,) = [line for line in vllm_server.metrics_text().splitlines()
+               if line.startswith("kvwatch:node_info{")]  # fmt: skip
+    assert f'node="{vllm_server.node}"' in info and f'kv_dtype="{cfg["dtype"]}"' in info
 
 
 def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(

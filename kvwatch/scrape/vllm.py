@@ -26,9 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from engine_probe.adapters.vllm.node import NODE_INFO
 from engine_probe.events import Role
-from engine_probe.node import node_id
+from engine_probe.node import NODE_INFO
 from kvwatch.scrape.errors import MalformedMetrics, NotThatEngine
 from kvwatch.scrape.exposition import (
     Exposition,
@@ -45,6 +44,7 @@ from kvwatch.scrape.figures import (
     Scrape,
     id_from,
     prompt_figures,
+    rank_node,
     short_name,
 )
 
@@ -90,7 +90,7 @@ def translate(
         idx, pool = key
         info = by_engine[key]
         mine = published.get(idx, {}) if pool is None else {}
-        node = _node(node_prefix, idx)
+        node = rank_node(node_prefix, idx)
         if pool is not None and len(by_engine) > 1:
             node = f"{node}/{id_from(pool, 'pool')}"
         elif mine.get("node") and not node_given:
@@ -147,14 +147,6 @@ def _published_settings(labels: Mapping[str, str]) -> dict[str, Any]:
     if labels.get("cuda_graphs") in ("true", "false"):
         out["cuda_graphs"] = labels["cuda_graphs"] == "true"
     return out
-
-
-def _node(prefix: str, idx: str) -> str:
-    """The node id of engine core ``idx`` (its data-parallel rank), by the rule of
-    ``engine_probe.node``: ``prefix`` for rank 0, ``prefix/dpN`` for rank N."""
-    if idx.isdigit():
-        return node_id(prefix, dp_rank=int(idx))
-    return f"{prefix}/dp{id_from(idx, 'x')}"
 
 
 def _key(s: Series) -> tuple[str, str | None]:

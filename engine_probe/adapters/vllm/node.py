@@ -31,25 +31,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Final
 
-from engine_probe.node import node_id, server_base
+from engine_probe.node import INFO_LABELS, NODE_INFO, node_id, server_base
 
 log = logging.getLogger("engine_probe.vllm")
 
 #: Private: the API server's address, JSON ``{"host": ..., "port": ...}``, for the engine
 #: cores it starts (set by the plugin in the API server, read in the engine core).
 SERVER_VAR: Final = "_KVWATCH_VLLM_SERVER"
-#: The info series the API server publishes per engine core (see the module docstring).
-NODE_INFO: Final = "kvwatch:node_info"
-#: its labels
-INFO_LABELS: Final = (
-    "engine",
-    "node",
-    "role",
-    "kv_dtype",
-    "quantization",
-    "tp_size",
-    "cuda_graphs",
-)
 _ROLES: Final = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _PATCHED: Final = "_kvwatch_node_info"
 _gauge: list[Any] = []  # the one kvwatch:node_info gauge of this process, once made
