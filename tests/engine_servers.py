@@ -724,6 +724,15 @@ class SglangPair:
     workdir: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(repr=False)
 
+    @property
+    def nodes(self) -> dict[str, str]:
+        """role -> the node id its plugin reports, by the documented rule (engine_probe/
+        node.py): the loopback host is the machine's name, then the port and the role."""
+        return {
+            role: f"{socket.gethostname()}:{url.rsplit(':', 1)[1]}/{role}"
+            for role, url in self.urls.items()
+        }
+
     def complete(
         self, prompt: str, *, tenant: str, max_tokens: int = 4, timeout_s: float = 120.0
     ) -> httpx.Response:
