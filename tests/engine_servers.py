@@ -540,7 +540,9 @@ def _sglang_env(
             # paths below are what runs here
             if not k.startswith(("KVWATCH_", "SGLANG_USE_CPU_ENGINE"))
         },
-        "PYTHONPATH": str(SGLANG_SITE),  # sitecustomize: stubs in every SGLang process
+        # sitecustomize: stubs in every SGLang process; then this checkout, so the plugin
+        # that runs is the code under test (the venv's kvwatch may be another checkout's)
+        "PYTHONPATH": os.pathsep.join((str(SGLANG_SITE), str(ROOT))),
         "HF_HUB_OFFLINE": "1",
         # every address SGLang advertises to its peers (bootstrap, Mooncake, ZMQ): loopback
         "SGLANG_HOST_IP": "127.0.0.1",
