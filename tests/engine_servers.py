@@ -432,6 +432,12 @@ def stop_replica(replica: VllmServer) -> None:
     _stop(replica.process)
 
 
+#: the probe ids of replicas started in this run (tests/test_vllm_replicas.py): they report
+#: into the shared server's deployment, and a module counting that deployment's probes
+#: leaves them out
+REPLICA_PROBES: set[str] = set()
+
+
 @pytest.fixture(scope="session")
 def vllm_server(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest

@@ -27,13 +27,30 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 TENANTS = ("vrep-tenant-a", "vrep-tenant-b")
 
 
+def _probes(server: VllmServer) -> dict[str, dict[str, Any]]:
+    """The deployment's engine probes (not kv-events' or a scrape's), by id."""
+    with server.collector.client() as c:
+        found = c.get("/v1/probes").json()
+    return {
+        p["probe_id"]: p
+        for p in found
+        if p["deployment_id"] == server.deployment_id
+        and not p["probe_id"].startswith(("kv-events-", "scrape-"))
+    }
+
+
 @pytest.fixture(scope="module")
 def replica(vllm_server: VllmServer) -> Iterator[VllmServer]:
+    before = set(_probes(vllm_server))
     server = start_replica(vllm_server, "--no-enable-prefix-caching")
     try:
         yield server
     finally:
         stop_replica(server)
+        # vLLM's engine core exits without running its atexit hooks (a multiprocessing
+        # child), so the replica's probe never says probe.stopped: other modules are told
+        # which probe was the replica's
+        engine_servers.REPLICA_PROBES.update(set(_probes(vllm_server)) - before)
 
 
 def _alerts(server: VllmServer, rule: str) -> list[dict[str, Any]]:

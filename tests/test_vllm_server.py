@@ -22,6 +22,7 @@ import pytest
 
 from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
+    REPLICA_PROBES,
     VllmServer,
     tokens,
     vllm_server,
@@ -149,13 +150,14 @@ def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(
     assert hit["detail"]["salted"] is False
 
     assert stale_reads_by(vllm_server, {A, B, OVER}) == []
-    # one probe (the engine core's), every seq it sent accounted for; kvwatch kv-events
-    # reports the same deployment's KV-cache events under probes of its own
-    # (tests/test_kv_events_vllm.py)
+    # one running probe (the engine core's), every seq it sent accounted for; kvwatch
+    # kv-events reports the same deployment's KV-cache events under probes of its own
+    # (tests/test_kv_events_vllm.py), and a replica's are its own (tests/test_vllm_replicas.py)
     with vllm_server.collector.client() as c:
         probes = [p for p in c.get("/v1/probes").json()
                   if p["deployment_id"] == vllm_server.deployment_id
-                  and not p["probe_id"].startswith("kv-events-")]  # fmt: skip
+                  and not p["probe_id"].startswith("kv-events-")
+                  and p["probe_id"] not in REPLICA_PROBES]  # fmt: skip
     assert len(probes) == 1
     assert probes[0]["missing"] == 0 and probes[0]["reported_drops"] == {}
     assert "kvwatch: the vLLM adapter failed" not in vllm_server.log_tail(10**7)
