@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -49,6 +49,7 @@ def _node_config(r: Any) -> NodeConfig:
         model_id=r.model_id,
         advertised_context=r.advertised_context,
         pool_capacity_tokens=r.pool_capacity_tokens,
+        dtype=r.dtype,
         quantization=r.quantization,
         tp_size=r.tp_size,
         cuda_graphs=bool(r.cuda_graphs),
@@ -62,9 +63,11 @@ def _node_config(r: Any) -> NodeConfig:
 def node_configs(
     conn: Connection, deployments: Iterable[str] | None
 ) -> dict[tuple[str, str], NodeConfig]:
-    """The latest config of every node of these deployments (all deployments: ``None``)."""
+    """The latest config of every node of these deployments (all deployments: ``None``),
+    ``stopped`` where the probe that reported it has stopped."""
     t = m.DeploymentConfig.__table__
     out: dict[tuple[str, str], NodeConfig] = {}
+    reporters: dict[tuple[str, str], str] = {}
     ids = (
         sorted(deployments)
         if deployments is not None
@@ -78,8 +81,46 @@ def node_configs(
             .limit(_CONFIG_HISTORY)
         )
         for r in rows:
-            out.setdefault((r.deployment_id, r.node), _node_config(r))
+            key = (r.deployment_id, r.node)
+            if key not in out:
+                out[key] = _node_config(r)
+                reporters[key] = r.probe_id
+    for key in _gone(conn, reporters):
+        out[key] = replace(out[key], stopped=True)
     return out
+
+
+def _gone(conn: Connection, reporters: dict[tuple[str, str], str]) -> list[tuple[str, str]]:
+    """The nodes (of ``reporters``: node -> the probe of its latest stored config) that went
+    away: that probe said it stopped, and no running probe of the deployment has its root
+    (the same engine on the same host, restarted, reports an unchanged config, which is
+    not stored again: ``DeploymentConfig``'s invariant)."""
+    ids = sorted(set(reporters.values()))
+    stopped: set[str] = set()
+    for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500)):
+        stopped.update(
+            conn.execute(
+                select(m.Probe.probe_id).where(
+                    m.Probe.probe_id.in_(chunk), m.Probe.stopped_at.is_not(None)
+                )
+            ).scalars()
+        )
+    if not stopped:
+        return []
+    deps = sorted({d for (d, _), p in reporters.items() if p in stopped})
+    running: set[tuple[str, str | None]] = {
+        (d, ev.probe_root(p))
+        for d, p in conn.execute(
+            select(m.Probe.deployment_id, m.Probe.probe_id).where(
+                m.Probe.deployment_id.in_(deps), m.Probe.stopped_at.is_(None)
+            )
+        )
+    }
+    return [
+        (d, node)
+        for (d, node), p in reporters.items()
+        if p in stopped and (ev.probe_root(p) is None or (d, ev.probe_root(p)) not in running)
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ Everything is validated when the settings object is built, so the hot path never
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import socket
 from pathlib import Path
@@ -19,22 +18,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine_probe.events import ID_MAX, is_valid_id
 from engine_probe.journal import JOURNAL_MIN_BYTES
+from engine_probe.node import sanitize_id
 
-# What ``sanitize_id`` replaces; validation itself is ``events.is_valid_id`` (one rule).
-_ID_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9._:/@+=-]")
+__all__ = ["GIB", "ProbeSettings", "ProducerSettings", "derive_probe_id", "sanitize_id"]
+
 # Room kept after a probe id's root for "-{pid}-{hex}" (see ``derive_probe_id``).
 _SUFFIX_ROOM: Final = 1 + 10 + 1 + 6
 
 GIB: Final = 1 << 30
 JOURNAL_DEFAULT_BYTES: Final = 64 << 20
-
-
-def sanitize_id(raw: str, *, fallback: str = "probe") -> str:
-    """Map any string onto the wire contract's Id pattern (used for host names)."""
-    cleaned = _ID_BAD_CHARS.sub("-", raw)
-    if not cleaned or not cleaned[0].isalnum() or not cleaned[0].isascii():
-        cleaned = f"{fallback}-{cleaned}" if cleaned else fallback
-    return cleaned[:ID_MAX]
 
 
 def derive_probe_id(root: str | None = None) -> str:
@@ -62,8 +54,9 @@ def _check_id(value: str, env_var: str) -> str:
 class ProducerSettings(BaseSettings):
     """What every producer reads: where the collector is, the ingest token, and the
     deployment its events belong to (``KVWATCH_COLLECTOR_URL``, ``KVWATCH_INGEST_TOKEN``,
-    ``KVWATCH_DEPLOYMENT_ID``). The probe's settings extend it; ``kvwatch verify`` uses it
-    as is."""
+    ``KVWATCH_DEPLOYMENT_ID``), and the node id an engine's producers report it under
+    (``KVWATCH_NODE_ID``, unset: derived, see :mod:`engine_probe.node`). The probe's
+    settings extend it; ``kvwatch verify`` uses it as is."""
 
     model_config = SettingsConfigDict(env_prefix="KVWATCH_", extra="ignore", frozen=True)
 
@@ -80,8 +73,15 @@ class ProducerSettings(BaseSettings):
     deployment_id: str = Field(
         default="default", description="The deployment the events belong to."
     )
+    node_id: str | None = Field(
+        default=None,
+        description="The node id this engine reports (default: derived, the engine server's "
+        "HOST:PORT, HOST being the machine's name for a wildcard or loopback address, plus "
+        "/prefill or /decode for one side of a disaggregated pair). Data-parallel ranks 1 "
+        "and up still add /dpN to it. See engine_probe/node.py and docs/vllm.md.",
+    )
 
-    @field_validator("collector_url", "ingest_token", mode="before")
+    @field_validator("collector_url", "ingest_token", "node_id", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         # An exported-but-empty environment variable means "not set", not "the empty string".
@@ -104,6 +104,11 @@ class ProducerSettings(BaseSettings):
     @classmethod
     def _check_deployment_id(cls, value: str) -> str:
         return _check_id(value, "KVWATCH_DEPLOYMENT_ID")
+
+    @field_validator("node_id")
+    @classmethod
+    def _check_node_id(cls, value: str | None) -> str | None:
+        return None if value is None else _check_id(value, "KVWATCH_NODE_ID")
 
 
 class ProbeSettings(ProducerSettings):

@@ -80,7 +80,13 @@ def kv_events(
     ] = None,
     node: Annotated[
         str | None,
-        typer.Option(help="Node id (default: the --target's host:port, else the endpoint's)."),
+        typer.Option(
+            envvar="KVWATCH_NODE_ID",
+            help="Node id (default: with --target, the id the engine's own probe reports, "
+            "as kvwatch:node_info publishes it, else the rule of engine_probe.node applied "
+            "to the --target's host:port; without --target, the endpoint's host:port) "
+            "[KVWATCH_NODE_ID].",
+        ),
     ] = None,
     interval: Annotated[
         float, typer.Option(min=0.05, help="Seconds per kv.turnover event.")

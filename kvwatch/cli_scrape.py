@@ -105,8 +105,11 @@ def scrape(
     node: Annotated[
         str | None,
         typer.Option(
-            help="Node id (default: the target's host:port); with several data-parallel "
-            "ranks each is NODE/dpN."
+            envvar="KVWATCH_NODE_ID",
+            help="Node id (default: the id the engine's own probe reports, where kvwatch's "
+            "vLLM plugin publishes kvwatch:node_info, else the target's host:port, a "
+            "loopback host being this machine's name; see engine_probe/node.py); "
+            "data-parallel ranks 1 and up are NODE/dpN [KVWATCH_NODE_ID].",
         ),
     ] = None,
     role: Annotated[

@@ -25,9 +25,21 @@ VERIFIED_SETTINGS = (
 )
 
 
+#: KV dtypes that say "not resolved": vLLM's metrics show ``auto`` (the model's dtype) and a
+#: scrape that cannot tell says ``unknown``. Never a disagreement between nodes.
+UNRESOLVED_DTYPES = frozenset({"auto", "unknown"})
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
-    """The engine configuration one node of a deployment last reported."""
+    """The engine configuration one node of a deployment last reported.
+
+    ``dtype``: the KV cache's dtype as reported (``auto`` or ``unknown`` where a producer
+    could not resolve it: see :data:`UNRESOLVED_DTYPES`). ``stopped``: the probe that reported
+    this config has since said it stopped (``probe.stopped``) and the node reported nothing
+    newer: the node is gone (rules comparing live nodes leave it out); a config folded in
+    from a new event is never stopped.
+    """
 
     deployment_id: str
     node: str
@@ -37,6 +49,7 @@ class NodeConfig:
     model_id: str
     advertised_context: int
     pool_capacity_tokens: int
+    dtype: str
     quantization: str | None
     tp_size: int
     cuda_graphs: bool
@@ -44,10 +57,11 @@ class NodeConfig:
     prefix_caching: bool
     prefix_cache_salting: bool
     ts: datetime
+    stopped: bool = False
 
     @classmethod
     def from_event(cls, e: ev.EngineConfig) -> NodeConfig:
-        return cls(**{f.name: getattr(e, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(e, f.name) for f in fields(cls) if f.name != "stopped"})
 
     def changed(
         self, other: NodeConfig, names: Iterable[str] = VERIFIED_SETTINGS

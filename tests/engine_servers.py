@@ -73,9 +73,6 @@ BLOCK_SIZE = 32
 #: the topic of the server's KV-cache events (vLLM's default is empty: a topic tests that the
 #: consumer subscribes to the one it is given)
 KV_EVENTS_TOPIC = "kvwatch-tiny"
-#: the node ``kvwatch kv-events`` reports this server's KV-cache events as, beside the
-#: plugin's probe, under the same deployment (tests/test_kv_events_vllm.py)
-KV_EVENTS_NODE = "vsrv-kv-events"
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 420.0
 #: the tenant whose first request's KV writes the probe is told to lose (a test-only fault:
@@ -120,6 +117,13 @@ class VllmServer:
     kv_events_endpoint: str
     kv_events_replay_endpoint: str
     process: subprocess.Popen[bytes] = field(repr=False)
+
+    @property
+    def node(self) -> str:
+        """The node id its plugin reports, by the documented rule (engine_probe/node.py,
+        docs/vllm.md): ``--host 127.0.0.1`` is loopback, so the machine's name, and its port."""
+        port = self.base_url.rsplit(":", 1)[1]
+        return f"{socket.gethostname()}:{port}"
 
     def complete(
         self,
@@ -254,10 +258,19 @@ def _start_collector(workdir: Path, stack: list[Any] | None = None) -> EngineCol
     return EngineCollector(url, db_url, admin, ingest, ingest_id)
 
 
-def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
+def _start_server(
+    workdir: Path,
+    collector: EngineCollector,
+    *,
+    replica_args: tuple[str, ...] | None = None,
+) -> VllmServer:
+    """The run's shared server; with ``replica_args``, another engine of the same deployment
+    (those vLLM arguments added) reporting to the same collector: no tracing, KV-cache
+    events or fault injection, its own log (see :func:`start_replica`)."""
     from kvwatch.embedded import free_port
 
-    model_dir = _tiny_model(workdir)
+    written = workdir / "tiny-llama"
+    model_dir = written if replica_args is not None and written.exists() else _tiny_model(workdir)
     port, kv_port, kv_replay_port = free_port(), free_port(), free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("KVWATCH_", "OTEL_"))},
@@ -284,7 +297,29 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
         "OTEL_RESOURCE_ATTRIBUTES": f"gen_ai.request.model={SERVED_MODEL}",
         "OTEL_BSP_SCHEDULE_DELAY": str(OTLP_EXPORT_DELAY_MS),
     }
+    observed: tuple[str, ...] = (
+        "--otlp-traces-endpoint",
+        f"{collector.url}/v1/traces",
+        # vLLM's KV-cache events: a PUB socket (vLLM binds an endpoint with '*' and
+        # connects to any other) and a replay socket (always bound: loopback here)
+        "--kv-events-config",
+        json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{kv_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{kv_replay_port}",
+                "topic": KV_EVENTS_TOPIC,
+            }
+        ),
+    )
     log_path = workdir / "vllm-server.log"
+    if replica_args is not None:
+        observed = replica_args
+        log_path = workdir / f"vllm-replica-{port}.log"
+        for name in ("KVWATCH_TEST_FAULT_INJECTION", "KVWATCH_TEST_LOSE_KV_WRITE_OF_TENANT"):
+            env.pop(name)
+        env = {k: v for k, v in env.items() if not k.startswith("OTEL_")}
     proc = _popen(
         [
             str(VLLM_PY),
@@ -313,20 +348,7 @@ def _start_server(workdir: Path, collector: EngineCollector) -> VllmServer:
             # nothing the probe sees (the scheduler and its KV cache manager are the same)
             "--optimization-level",
             "0",
-            "--otlp-traces-endpoint",
-            f"{collector.url}/v1/traces",
-            # vLLM's KV-cache events: a PUB socket (vLLM binds an endpoint with '*' and
-            # connects to any other) and a replay socket (always bound: loopback here)
-            "--kv-events-config",
-            json.dumps(
-                {
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "endpoint": f"tcp://*:{kv_port}",
-                    "replay_endpoint": f"tcp://127.0.0.1:{kv_replay_port}",
-                    "topic": KV_EVENTS_TOPIC,
-                }
-            ),
+            *observed,
         ],
         log_path,
         env,
@@ -400,6 +422,24 @@ def _shutdown() -> None:
         _server = None
     while _stack:
         _stack.pop().__exit__(None, None, None)
+
+
+def start_replica(server: VllmServer, *args: str) -> VllmServer:
+    """Another engine of ``server``'s deployment (the same model, on its own port, its plugin
+    reporting to the same collector), with ``args`` added to vLLM's: a second start (tens
+    of seconds of both cores), so a module that needs one starts one and stops it
+    (:func:`stop_replica`) before it ends."""
+    return _start_server(server.log_path.parent, server.collector, replica_args=args)
+
+
+def stop_replica(replica: VllmServer) -> None:
+    _stop(replica.process)
+
+
+#: the probe ids of replicas started in this run (tests/test_vllm_replicas.py): they report
+#: into the shared server's deployment, and a module counting that deployment's probes
+#: leaves them out
+REPLICA_PROBES: set[str] = set()
 
 
 @pytest.fixture(scope="session")
@@ -510,7 +550,9 @@ def _sglang_env(
             # paths below are what runs here
             if not k.startswith(("KVWATCH_", "SGLANG_USE_CPU_ENGINE"))
         },
-        "PYTHONPATH": str(SGLANG_SITE),  # sitecustomize: stubs in every SGLang process
+        # sitecustomize: stubs in every SGLang process; then this checkout, so the plugin
+        # that runs is the code under test (the venv's kvwatch may be another checkout's)
+        "PYTHONPATH": os.pathsep.join((str(SGLANG_SITE), str(ROOT))),
         "HF_HUB_OFFLINE": "1",
         # every address SGLang advertises to its peers (bootstrap, Mooncake, ZMQ): loopback
         "SGLANG_HOST_IP": "127.0.0.1",
@@ -695,6 +737,15 @@ class SglangPair:
     collector: EngineCollector
     workdir: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(repr=False)
+
+    @property
+    def nodes(self) -> dict[str, str]:
+        """role -> the node id its plugin reports, by the documented rule (engine_probe/
+        node.py): the loopback host is the machine's name, then the port and the role."""
+        return {
+            role: f"{socket.gethostname()}:{url.rsplit(':', 1)[1]}/{role}"
+            for role, url in self.urls.items()
+        }
 
     def complete(
         self, prompt: str, *, tenant: str, max_tokens: int = 4, timeout_s: float = 120.0

@@ -148,7 +148,8 @@ def test_engine_probe_holds_only_what_observes_an_engine() -> None:
 # (its adapters); talking to an engine or an endpoint from outside, kvwatch/ (the gateway, the
 # verifier, the scraper, the KV-events consumer). The two that only translate what an engine
 # publishes into the wire contract stand alone: of ours they import the contract, engine_probe's
-# plain exception classes and themselves, never the collector, the probe's runtime or the rest
+# plain exception classes, the node id rule (engine_probe.node, as light as the contract) and
+# themselves, never the collector, the probe's runtime or the rest
 # of kvwatch. The collector runs the scraper without importing it: `kvwatch serve` hands it in
 # (kvwatch/scheduled_scrape.py wires it, beside the package rather than in it).
 STANDING_ALONE = ("kvwatch.scrape", "kvwatch.kv_events")
@@ -156,7 +157,7 @@ STANDING_ALONE = ("kvwatch.scrape", "kvwatch.kv_events")
 
 @pytest.mark.parametrize("package", STANDING_ALONE)
 def test_engine_translators_stand_alone(package: str) -> None:
-    rules = {"engine_probe.events", "engine_probe.errors", package}
+    rules = {"engine_probe.events", "engine_probe.errors", "engine_probe.node", package}
     bad = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in ROOT.joinpath(*package.split(".")).rglob("*.py")
@@ -260,7 +261,7 @@ HEAVY = (
 )
 
 
-@pytest.mark.parametrize("module", ["engine_probe.events", "policies"])
+@pytest.mark.parametrize("module", ["engine_probe.events", "engine_probe.node", "policies"])
 def test_contract_and_policies_import_light(module: str) -> None:
     """In a fresh interpreter: importing the contract or the policies loads none of HEAVY
     and registers no atexit hook (engine_probe's top level is lazy)."""

@@ -28,6 +28,7 @@ from collector.rollups.buckets import (
 from collector.rollups.refresh import RollupRefresher
 from collector.rollups.stats import _Dist
 from collector.timefmt import iso
+from engine_probe import events as ev
 from tests import factories as f
 from tests.conftest import Collector, wait_rollups
 
@@ -373,6 +374,42 @@ def test_fleet_is_red_with_its_reasons_and_counts(collector: Collector) -> None:
     assert (mod["advertised_context"], mod["pool_capacity_tokens"]) == (1_048_576, 681_280)
     assert mod["verified_safe_context"] is None
     assert dep["critical_alerts"] >= 1 and dep["open_incidents"] == 1
+
+
+def test_the_fleet_lists_each_replica_as_a_node_with_its_key_config(collector: Collector) -> None:
+    """Replicas of one deployment are nodes of their own, each with its role and the config
+    they must agree on; one that stopped is shown so (its probe said it stopped)."""
+    a = {"node": "gpu-a:8000", "role": "both", "disaggregated": False, "dtype": "bfloat16"}
+    send(collector, f.config(1, prefix_caching=True, **a))
+    send(collector, f.config(1, probe="probe-b-1-abcdef", **{**a, "node": "gpu-b:8000"}))
+    (dep,) = get(collector, "/v1/fleet")["deployments"]
+    nodes = {n["node"]: n for n in dep["nodes"]}
+    assert set(nodes) == {"gpu-a:8000", "gpu-b:8000"}
+    assert {
+        k: nodes["gpu-a:8000"][k]
+        for k in (
+            "role",
+            "dtype",
+            "prefix_caching",
+            "prefix_cache_salting",
+            "pool_capacity_tokens",
+            "running",
+        )
+    } == {
+        "role": "both",
+        "dtype": "bfloat16",
+        "prefix_caching": True,
+        "prefix_cache_salting": False,
+        "pool_capacity_tokens": 681_280,
+        "running": True,
+    }
+    assert nodes["gpu-b:8000"]["prefix_caching"] is False
+    send(collector, ev.ProbeStopped(**f.base(2, probe="probe-b-1-abcdef")))
+    (dep,) = get(collector, "/v1/fleet")["deployments"]
+    assert {n["node"]: n["running"] for n in dep["nodes"]} == {
+        "gpu-a:8000": True,
+        "gpu-b:8000": False,
+    }
 
 
 def test_fleet_is_green_when_verified_and_the_pool_covers_the_context(

@@ -138,6 +138,12 @@ def test_fleet(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
     for rule in ("stale_page_read", "pool_below_advertised", "engine_version_advisory"):
         assert f"`{rule}` (critical)" in t
     assert charts(at) == 1
+    # each deployment's nodes, with their role and the config replicas must agree on
+    nodes = {n: row for d in at.dataframe if "prefix cache" in d.value.columns
+             for n, row in d.value.set_index("node").iterrows()}  # fmt: skip
+    assert nodes["decode-0"]["role"] == "decode" and nodes["prefill-0"]["role"] == "prefill"
+    assert nodes["prefill-0"]["KV dtype"] == "fp8" and nodes["prefill-0"]["state"] == "running"
+    assert nodes["prefill-0"]["prefix cache"] == "off"
 
 
 def test_context_pressure(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:

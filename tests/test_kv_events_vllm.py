@@ -1,7 +1,9 @@
 """``kvwatch kv-events`` against the KV-cache events of the run's one real vLLM server
 (``tests/engine_servers.py``: the tiny model on CPU, block size 32, ``--kv-events-config``
 with a ZMQ publisher and its replay socket), reporting into that server's collector under the
-server's deployment (whose tenants the plugin's probe reports) as a node of its own."""
+server's deployment (whose tenants the plugin's probe reports) as the node the plugin reports
+(no ``--node``: the default derivation, from the ``--target``, is what is tested), with the
+config the plugin reports (one config, one prefix_cache_unsalted for the engine)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from typer.testing import CliRunner
 from kvwatch.cli import app
 from kvwatch.kv_events import BlockStored, Decoded, Stream
 from tests import engine_servers
-from tests.engine_servers import KV_EVENTS_NODE as NODE
 from tests.engine_servers import KV_EVENTS_TOPIC, VllmServer, tokens, wait_for
 
 vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
@@ -37,13 +38,15 @@ A, B, W = "kvev-tenant-a", "kvev-tenant-b", "kvev-tenant-warm"
 
 
 def turnovers(server: VllmServer) -> list[dict[str, Any]]:
+    """The kv.turnover events of the server's node (the plugin's node id: only kv-events
+    sends kv.turnover)."""
     with server.collector.client() as c:
         r = c.get(
             "/v1/page-events",
             params={"deployment_id": server.deployment_id, "kind": "kv.turnover", "limit": 1000},
         )
         r.raise_for_status()
-        return [e for e in r.json()["items"] if e["node"] == NODE]
+        return [e for e in r.json()["items"] if e["node"] == server.node]
 
 
 def summed(rows: list[dict[str, Any]]) -> dict[str, int]:
@@ -65,7 +68,7 @@ def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServe
     proc = subprocess.Popen(
         [KVWATCH, "kv-events", "--endpoint", server.kv_events_endpoint,
          "--replay-endpoint", server.kv_events_replay_endpoint, "--topic", KV_EVENTS_TOPIC,
-         "--deployment", server.deployment_id, "--target", server.base_url, "--node", NODE,
+         "--deployment", server.deployment_id, "--target", server.base_url,
          "--interval", "0.5"],
         env=env,
         stdout=subprocess.PIPE,
@@ -151,10 +154,14 @@ def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServe
         "cleared": 0,
     }, (got, cached)
 
-    # the engine.config it sent: vLLM's figures (from --target), prefix caching on, unsalted
+    # the node it reported: the plugin's, derived (no --node given)
+    assert summary["node"] == server.node
+    # the engine.config it sent: vLLM's figures (from --target), prefix caching on, unsalted,
+    # and exactly the plugin's (KV dtype resolved, settings from kvwatch:node_info): the
+    # node's config is stored once, not flipped between two producers' versions
     with server.collector.client() as c:
         history = c.get(f"/v1/deployments/{server.deployment_id}/config-history").json()
-        (cfg,) = [h for h in history if h["node"] == NODE]
+        (cfg,) = [h for h in history if h["node"] == server.node]
         assert (cfg["engine"], cfg["model_id"], cfg["page_size"]) == (
             "vllm",
             server.model,
@@ -167,9 +174,12 @@ def test_kv_events_of_the_live_server_reach_its_collector(vllm_server: VllmServe
     def unsalted() -> list[dict[str, Any]]:
         with server.collector.client() as c:
             alerts = c.get("/v1/alerts", params={"rule": "prefix_cache_unsalted"}).json()
-        return [a for a in alerts if a["labels"].get("node") == NODE and a["state"] == "firing"]
+        mine = [a for a in alerts if a["labels"].get("deployment_id") == server.deployment_id]
+        return [a for a in mine if a["state"] == "firing" and a["labels"].get("node") != "endpoint"]
 
+    # one alert for the one engine, whichever producer said so
     (alert,) = wait_for(unsalted, bool, timeout_s=60)
+    assert alert["labels"]["node"] == server.node
     assert alert["labels"]["deployment_id"] == server.deployment_id
 
 

@@ -297,6 +297,7 @@ def histories(draw: st.DrawFn) -> tuple[DeploymentFacts, datetime]:
             model_id="m",
             advertised_context=advertised,
             pool_capacity_tokens=pool,
+            dtype="bfloat16",
             quantization=None,
             tp_size=1,
             cuda_graphs=False,

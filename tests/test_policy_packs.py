@@ -255,7 +255,7 @@ def test_check_reports_every_problem_of_a_pack_in_one_run(tmp_path: Path) -> Non
         f"invalid: {bad}:11: rules[2] (drift).params.settings: unknown ['colour']; known: "
         "['engine_version', 'pool_capacity_tokens', 'quantization', 'tp_size', 'cuda_graphs', "
         "'advertised_context', 'disaggregated', 'prefix_caching', 'prefix_cache_salting', "
-        "'model_id', 'engine']",
+        "'model_id', 'engine', 'dtype']",
     ], no.stderr
     # the same errors, as one exception, wherever packs are loaded (the collector refuses
     # to start with all of them)

@@ -287,6 +287,75 @@ def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:
     assert env.alerts("prefix_cache_unsalted")[0]["state"] == "resolved"
 
 
+def test_replicas_each_keep_their_own_prefix_cache_alert_and_disagreeing_is_drift(
+    env: Env,
+) -> None:
+    """Two replicas of one deployment (same model, same role), each its own node and probe:
+    the one that stops caching neither replaces the other's config nor resolves its
+    prefix_cache_unsalted; their disagreement is config_drift between them, a state that
+    resolves when they agree again, and when one goes away (its probe stopped)."""
+    a = {"node": "gpu-a:8000", "role": "both", "disaggregated": False, "dtype": "bfloat16"}
+    b = {**a, "node": "gpu-b:8000"}
+    env.send(cfg(env, prefix_caching=True, **a))
+    for i, tenant in enumerate(("acme", "globex")):
+        env.send(f.admitted(env.next(), f"r-{i}", tenant=tenant, prompt=10, probe=env.probe))
+    env.tick()
+    (unsalted,) = env.alerts("prefix_cache_unsalted", "firing")
+    assert unsalted["labels"]["node"] == "gpu-a:8000"
+    assert env.alerts("config_drift") == []  # one node: nothing to disagree with
+
+    other = "probe-replica-b-1-abcdef"  # another engine process: its own probe
+    env.send(f.config(env.next(), probe=other, prefix_caching=False, **b))
+    env.tick()
+    firing = env.alerts("prefix_cache_unsalted", "firing")
+    assert [x["labels"]["node"] for x in firing] == ["gpu-a:8000"]  # still served shared
+    (drift,) = env.alerts("config_drift")
+    assert drift["state"] == "firing"
+    assert drift["labels"]["deployment_id"] == "glm-prod"
+    assert (drift["labels"]["model_id"], drift["labels"]["role"]) == ("glm-5.3", "both")
+    assert "node" not in drift["labels"]  # one alert per group, whichever nodes disagree
+    assert drift["annotations"]["nodes"] == "gpu-a:8000,gpu-b:8000"
+    assert drift["annotations"]["changed"] == "prefix_caching"
+    assert "prefix_caching: gpu-a:8000=True, gpu-b:8000=False" in drift["annotations"]["summary"]
+
+    # B's KV dtype differs too, then only "auto" (not resolved: agrees with anything)
+    env.send(f.config(env.next(), probe=other, prefix_caching=False, **{**b, "dtype": "fp8"}))
+    (drift,) = env.alerts("config_drift")
+    assert drift["annotations"]["changed"] == "dtype,prefix_caching"
+    env.send(f.config(env.next(), probe=other, prefix_caching=True, **{**b, "dtype": "auto"}))
+    (drift,) = env.alerts("config_drift")
+    assert drift["state"] == "resolved"
+    env.tick()
+    assert {x["labels"]["node"] for x in env.alerts("prefix_cache_unsalted", "firing")} == {
+        "gpu-a:8000",
+        "gpu-b:8000",
+    }
+
+    # a pool of another size: drift again (and B's own change over time, an event of its
+    # node); then B's engine stops (its probe says so): gone
+    env.send(f.config(env.next(), probe=other, pool_tokens=1_000_000, prefix_caching=True, **b))
+    between = [x for x in env.alerts("config_drift") if "node" not in x["labels"]]
+    (own,) = [x for x in env.alerts("config_drift") if "node" in x["labels"]]
+    assert own["labels"]["node"] == "gpu-b:8000"
+    (drift,) = between
+    assert drift["state"] == "firing"
+    assert drift["annotations"]["changed"] == "pool_capacity_tokens"
+    env.send(ev.ProbeStopped(**f.base(env.next(), probe=other)))
+    env.tick()
+    (drift,) = [x for x in env.alerts("config_drift") if "node" not in x["labels"]]
+    assert drift["state"] == "resolved"
+    assert drift["annotations"]["nodes"] == "gpu-a:8000"
+
+
+def test_config_drift_between_nodes_leaves_other_roles_and_models_alone(env: Env) -> None:
+    """A disaggregated pair's prefill and decode pools differ by design, as do two models'."""
+    env.send(cfg(env, node="p-0", role="prefill", pool_tokens=700_000))
+    env.send(cfg(env, node="d-0", role="decode", pool_tokens=2_000_000))
+    env.send(cfg(env, node="m2-0", role="prefill", model_id="other", pool_tokens=50_000))
+    env.tick()
+    assert env.alerts("config_drift", "firing") == []
+
+
 def _probe_campaign(
     env: Env,
     reader: str,

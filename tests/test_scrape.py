@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -229,7 +230,8 @@ def test_one_scrape_stores_config_and_pool_and_the_pool_rule_fires(
             1_048_576,
             64,
         )
-        assert cfg["node"] == f"127.0.0.1:{engine.port}" and cfg["role"] == "both"
+        # the node rule (engine_probe/node.py): a loopback target is this machine's engine
+        assert cfg["node"] == f"{socket.gethostname()}:{engine.port}" and cfg["role"] == "both"
         alert = _alert(c, "pool_below_advertised", "glm-prod")
         assert alert is not None and alert["state"] == "firing"
     (sample,) = _pool_rows(collector.db_url, "glm-prod")

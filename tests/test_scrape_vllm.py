@@ -81,6 +81,10 @@ def test_scrape_of_the_live_server(vllm_server: VllmServer) -> None:
     # vLLM refuses to start with a pool smaller than max_model_len: kvwatch sees why.
     assert node["pool_capacity_tokens"] >= server.max_model_len
     assert node["used_tokens"] + node["free_tokens"] == node["pool_capacity_tokens"]
+    # the node the plugin inside reports, and its resolved KV dtype (kvwatch:node_info;
+    # vLLM's cache_config_info says "auto")
+    assert node["node"] == server.node
+    assert node["dtype"] not in ("auto", "unknown")
 
     # The prompt counters moved by exactly what was sent (no request events are made).
     (after,) = out["last"]["prompts"]

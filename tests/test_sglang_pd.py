@@ -93,22 +93,25 @@ def test_each_node_reports_its_own_pool_and_role(sglang_pd: SglangPair) -> None:
                 if d["deployment_id"] == sglang_pd.deployment_id}  # fmt: skip
 
     cfgs = wait_for(configs, lambda c: len(c) == 2)
-    assert set(cfgs) == {"prefill-tp0", "decode-tp0"}
+    assert set(cfgs) == {sglang_pd.nodes["prefill"], sglang_pd.nodes["decode"]}
     for role, pool in (("prefill", PD_PREFILL_POOL_TOKENS), ("decode", PD_DECODE_POOL_TOKENS)):
-        cfg = cfgs[f"{role}-tp0"]
+        cfg = cfgs[sglang_pd.nodes[role]]
         assert cfg["role"] == role
         assert cfg["disaggregated"] is True
         assert cfg["engine_version"] == info[role]["version"] == "0.5.23"
         assert cfg["pool_capacity_tokens"] == info[role]["max_total_num_tokens"] == pool
         assert cfg["advertised_context"] == info[role]["context_length"]
     # the incident's sizing, as the probe reports it: prefill's pool below the context
-    assert cfgs["prefill-tp0"]["pool_capacity_tokens"] < cfgs["prefill-tp0"]["advertised_context"]
+    assert (
+        cfgs[sglang_pd.nodes["prefill"]]["pool_capacity_tokens"]
+        < cfgs[sglang_pd.nodes["prefill"]]["advertised_context"]
+    )
 
     samples = wait_for(
         lambda: get(sglang_pd, "/v1/pool-samples")["items"],
         lambda items: (
             {(s["node"], s["role"]) for s in items}
-            >= {("prefill-tp0", "prefill"), ("decode-tp0", "decode")}
+            >= {(sglang_pd.nodes["prefill"], "prefill"), (sglang_pd.nodes["decode"], "decode")}
         ),
     )
     for s in samples:
@@ -150,7 +153,7 @@ def test_a_request_is_one_row_although_two_servers_each_saw_half(
     )
     for e in transfers:
         row = next(r for r in by_prompt.values() if r["request_id"] == e["request_id"])
-        assert e["node"] == "prefill-tp0"
+        assert e["node"] == sglang_pd.nodes["prefill"]
         assert e["detail"]["tokens"] == row["prompt_tokens"]
         assert e["detail"]["prefill_rejected"] is False
 
@@ -158,7 +161,8 @@ def test_a_request_is_one_row_although_two_servers_each_saw_half(
     wait_for(
         lambda: get(sglang_pd, "/v1/pool-samples")["items"],
         lambda items: (
-            {s["node"] for s in items if s["used_max"] > 0} == {"prefill-tp0", "decode-tp0"}
+            {s["node"] for s in items if s["used_max"] > 0}
+            == {sglang_pd.nodes["prefill"], sglang_pd.nodes["decode"]}
         ),
     )
     # decode read every page it received, and its probe found each overwritten by the
@@ -214,7 +218,7 @@ def test_positive_control_decode_reads_of_pages_it_never_saw_arrive_are_caught(
     )
     (row,) = wait_for(lambda: requests_of(sglang_pd, FAULT_TENANT), bool)
     assert {e["request_id"] for e in found} == {row["request_id"]}
-    assert {e["node"] for e in found} == {"decode-tp0"}
+    assert {e["node"] for e in found} == {sglang_pd.nodes["decode"]}
     assert sum(e["page_count"] for e in found) >= row["prompt_tokens"] - 1
 
 
@@ -248,7 +252,9 @@ def test_the_incident_live_a_partial_transfer_reads_another_tenants_kv(
         lambda: [e for e in events(sglang_pd, "page.stale_read") if e["tenant"] == READER],
         bool,
     )
-    assert {(e["node"], e["request_id"]) for e in stale} == {("decode-tp0", row["request_id"])}
+    assert {(e["node"], e["request_id"]) for e in stale} == {
+        (sglang_pd.nodes["decode"], row["request_id"])
+    }
     assert all(e["cross_tenant"] for e in stale), stale
     exposed = [e for e in stale if e["other_tenant"] == VICTIM]
     assert {e["other_request_id"] for e in exposed} <= {x["request_id"] for x in victim_rows}

@@ -66,6 +66,9 @@ def test_engine_config_is_sglangs_own(sglang_server: SglangServer) -> None:  # n
     assert cfg["pool_capacity_tokens"] == info["max_total_num_tokens"] == SGLANG_POOL_TOKENS
     assert cfg["page_size"] == info["page_size"]
     assert cfg["disaggregated"] is False
+    # the node rule (engine_probe/node.py): --host 127.0.0.1 is the machine, then the port
+    assert cfg["node"] == f"{socket.gethostname()}:{sglang_server.base_url.rsplit(':', 1)[1]}"
+    assert cfg["role"] == "both"
 
 
 def test_two_tenants_token_counts_and_no_stale_read(

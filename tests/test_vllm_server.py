@@ -22,7 +22,7 @@ import pytest
 
 from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
-    KV_EVENTS_NODE,
+    REPLICA_PROBES,
     VllmServer,
     tokens,
     vllm_server,
@@ -75,10 +75,10 @@ def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F
     def configs() -> list[dict[str, Any]]:
         with vllm_server.collector.client() as c:
             deps = c.get("/v1/deployments").json()
-        # the plugin's node (kvwatch kv-events reports as a node of its own:
-        # tests/test_kv_events_vllm.py)
+        # the plugin's node (kvwatch kv-events reports the same node; a replica of the
+        # deployment another: tests/test_vllm_replicas.py)
         return [cfg for d in deps if d["deployment_id"] == vllm_server.deployment_id
-                for cfg in d["config"] if cfg["node"] != KV_EVENTS_NODE]  # fmt: skip
+                for cfg in d["config"] if cfg["node"] == vllm_server.node]  # fmt: skip
 
     (cfg,) = wait_for(configs, bool)
     assert cfg["engine"] == "vllm"
@@ -91,6 +91,12 @@ def test_engine_config_is_vllms_own(vllm_server: VllmServer) -> None:  # noqa: F
     assert cfg["prefix_caching"] is (cache["enable_prefix_caching"] == "True")
     assert cfg["disaggregated"] is False
     assert cfg["cuda_graphs"] is False  # a CPU build has none
+    # the KV dtype resolved (vLLM's own cache_config_info says "auto": the model's)
+    assert cache["cache_dtype"] == "auto" and cfg["dtype"] in ("bfloat16", "float16", "float32")
+    # and what the plugin publishes beside vLLM's metrics for scrapers to agree with it
+    (info,) = [line for line in vllm_server.metrics_text().splitlines()
+               if line.startswith("kvwatch:node_info{")]  # fmt: skip
+    assert f'node="{vllm_server.node}"' in info and f'kv_dtype="{cfg["dtype"]}"' in info
 
 
 def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(
@@ -144,13 +150,14 @@ def test_two_tenants_token_counts_prefix_hit_and_no_stale_read(
     assert hit["detail"]["salted"] is False
 
     assert stale_reads_by(vllm_server, {A, B, OVER}) == []
-    # one probe (the engine core's), every seq it sent accounted for; kvwatch kv-events
-    # reports the same deployment's KV-cache events under probes of its own
-    # (tests/test_kv_events_vllm.py)
+    # one running probe (the engine core's), every seq it sent accounted for; kvwatch
+    # kv-events reports the same deployment's KV-cache events under probes of its own
+    # (tests/test_kv_events_vllm.py), and a replica's are its own (tests/test_vllm_replicas.py)
     with vllm_server.collector.client() as c:
         probes = [p for p in c.get("/v1/probes").json()
                   if p["deployment_id"] == vllm_server.deployment_id
-                  and not p["probe_id"].startswith("kv-events-")]  # fmt: skip
+                  and not p["probe_id"].startswith("kv-events-")
+                  and p["probe_id"] not in REPLICA_PROBES]  # fmt: skip
     assert len(probes) == 1
     assert probes[0]["missing"] == 0 and probes[0]["reported_drops"] == {}
     assert "kvwatch: the vLLM adapter failed" not in vllm_server.log_tail(10**7)

@@ -111,12 +111,22 @@ class LimitsService:
                     "engine_version": c.engine_version,
                     "advertised_context": c.advertised_context,
                     "pool_capacity_tokens": c.pool_capacity_tokens,
+                    "dtype": c.dtype,
+                    "prefix_caching": c.prefix_caching,
+                    "prefix_cache_salting": c.prefix_cache_salting,
+                    "running": not c.stopped,
                     "config_since": iso(c.ts),
                 }
                 for c in nodes
             ],
             "models": out_models,
         }
+
+
+def _prefix_cache(node: dict[str, Any]) -> str:
+    if not node["prefix_caching"]:
+        return "off"
+    return "on, salted" if node["prefix_cache_salting"] else "on, shared unsalted"
 
 
 def _if_passed(v: VerificationFact | None) -> VerificationFact | None:
@@ -187,14 +197,17 @@ def to_markdown(card: dict[str, Any]) -> str:
         lines += [
             "## Nodes",
             "",
-            "| node | role | model | engine | advertised context | pool (tokens) | since |",
-            "| --- | --- | --- | --- | ---: | ---: | --- |",
+            "| node | role | model | engine | advertised context | pool (tokens) | KV dtype "
+            "| prefix cache | since |",
+            "| --- | --- | --- | --- | ---: | ---: | --- | --- | --- |",
         ]
         for c in card["nodes"]:
             lines.append(
-                f"| {c['node']} | {c['role']} | {c['model_id']} | {c['engine']} "
+                f"| {c['node']}{'' if c['running'] else ' (stopped)'} | {c['role']} | "
+                f"{c['model_id']} | {c['engine']} "
                 f"{c['engine_version']} | {_n(c['advertised_context'])} | "
-                f"{_n(c['pool_capacity_tokens'])} | {c['config_since']} |"
+                f"{_n(c['pool_capacity_tokens'])} | {c['dtype']} | {_prefix_cache(c)} | "
+                f"{c['config_since']} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -88,6 +88,33 @@ def models_frame(models: list[JSON]) -> pd.DataFrame:
 _TOKENS = st.column_config.NumberColumn(format="localized")
 
 
+def _prefix_cache(n: JSON) -> str:
+    if not n.get("prefix_caching"):
+        return "off"
+    return "on, salted" if n.get("prefix_cache_salting") else "on, shared unsalted"
+
+
+def nodes_frame(nodes: list[JSON]) -> pd.DataFrame:
+    """One row per node: its id, role and the config replicas must agree on first."""
+    return pd.DataFrame(
+        [
+            {
+                "node": n["node"],
+                "role": n["role"],
+                "model": n["model_id"],
+                "state": "running" if n.get("running", True) else "stopped",
+                "prefix cache": _prefix_cache(n),
+                "KV dtype": n.get("dtype"),
+                "pool (tokens)": n["pool_capacity_tokens"],
+                "advertised context": n["advertised_context"],
+                "engine": f"{n['engine']} {n['engine_version']}",
+                "config since": ui.when(n["config_since"]),
+            }
+            for n in nodes
+        ]
+    )
+
+
 def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
     status = dep["status"]
     text, color = _BADGE.get(status, (status.upper(), "gray"))
@@ -136,16 +163,16 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
                 st.markdown(f"{icon} `{a['rule']}` ({a['severity']}) — {summary}")
         elif alerts is None and dep["firing_alerts"]:
             st.caption("Alert names are not shown to a tenant-scoped token.")
-        with st.expander(f"Nodes ({len(dep['nodes'])})"):
+        # replicas are nodes of their own: with several, their configs side by side (a
+        # disagreement is config_drift between them) are worth seeing without a click
+        with st.expander(f"Nodes ({len(dep['nodes'])})", expanded=len(dep["nodes"]) > 1):
             if dep["nodes"]:
-                nodes = pd.DataFrame(dep["nodes"])
-                nodes["config_since"] = nodes["config_since"].map(ui.when)
                 st.dataframe(
-                    nodes,
+                    nodes_frame(dep["nodes"]),
                     hide_index=True,
                     column_config={
-                        "advertised_context": _TOKENS,
-                        "pool_capacity_tokens": _TOKENS,
+                        "advertised context": _TOKENS,
+                        "pool (tokens)": _TOKENS,
                     },
                 )
             else:

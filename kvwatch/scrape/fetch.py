@@ -16,6 +16,8 @@ from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 from engine_probe.events import Role
+from engine_probe.node import node_id as derive_node
+from engine_probe.node import server_base
 from kvwatch.scrape import sglang, vllm
 from kvwatch.scrape.errors import BadTarget, MalformedMetrics, TargetUnreachable
 from kvwatch.scrape.exposition import Exposition, parse
@@ -28,7 +30,9 @@ _ACCEPT: Final = "text/plain;version=0.0.4;q=1.0, */*;q=0.1"
 @dataclass(frozen=True, slots=True)
 class Target:
     """One engine server to scrape. ``url``: its root (``http://host:8000``) or its
-    ``/metrics`` URL; ``node``: the node id prefix (default ``host:port``)."""
+    ``/metrics`` URL; ``node``: the node id prefix (default derived from the URL by
+    ``engine_probe.node``: ``host:port``, a loopback host being this machine's name);
+    ``node_given``: the operator chose ``node`` (--node)."""
 
     url: str
     engine: str
@@ -37,6 +41,7 @@ class Target:
     node: str
     role: Role | None = None
     api_key: str | None = field(default=None, repr=False)
+    node_given: bool = False
 
     @property
     def shown(self) -> str:
@@ -78,13 +83,14 @@ def make_target(
     root_path = path[: -len("/metrics")] if path.endswith("/metrics") else path
     base = urlunsplit((parts.scheme, parts.netloc, root_path, "", "")).rstrip("/")
     metrics = urlunsplit((parts.scheme, parts.netloc, f"{root_path}/metrics", parts.query, ""))
-    default_node = f"{parts.hostname}:{port}" if port else parts.hostname
-    node_id = node if node is not None else id_from(default_node, "node")
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    node_id = node if node is not None else derive_node(server_base(parts.hostname, port, role))
     if not node_id or len(node_id) > 100 or id_from(node_id, "node") != node_id:
         raise BadTarget(
             f"node {node_id!r} is not a valid id (letters, digits and ._:/@+=-, at most 100)"
         )
-    return Target(raw, engine, base, metrics, node_id, role, api_key)  # type: ignore[arg-type]
+    return Target(raw, engine, base, metrics, node_id, role, api_key, node is not None)  # type: ignore[arg-type]
 
 
 class TargetScraper:
@@ -110,7 +116,9 @@ class TargetScraper:
             side["version"] = self._side_doc("/version", required=False)
         elif t.engine == "sglang" and sglang.MARKER in exp:
             side["server_info"] = self._side_doc("/server_info", required=False)
-        return _translate(t.engine, exp, node=t.node, role=t.role, side=side, base=t.base_url)
+        return _translate(
+            t.engine, exp, node=t.node, role=t.role, side=side, base=t.base_url, given=t.node_given
+        )
 
     def exposition(self) -> Exposition:
         """Only the target's /metrics, parsed (no side documents): a cheap reading of its
@@ -173,11 +181,19 @@ def translate(
 
 
 def _translate(
-    engine: str, exp: Exposition, *, node: str, role: Role | None, side: dict[str, Any], base: str
+    engine: str,
+    exp: Exposition,
+    *,
+    node: str,
+    role: Role | None,
+    side: dict[str, Any],
+    base: str,
+    given: bool = False,
 ) -> Scrape:
     if engine == "vllm":
         return vllm.translate(
             exp,
+            node_given=given,
             node_prefix=node,
             role=role,
             models=side.get("models"),

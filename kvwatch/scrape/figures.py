@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from engine_probe.events import NAME_MAX, Role, is_valid_id
+from engine_probe.node import node_id
 from kvwatch.scrape.errors import BadTarget, MalformedMetrics
 from kvwatch.scrape.exposition import Histogram
 
@@ -27,6 +28,15 @@ def id_from(raw: str, fallback: str) -> str:
     if not cleaned[0].isalnum():
         cleaned = f"{fallback}-{cleaned}"
     return cleaned[:128]
+
+
+def rank_node(prefix: str, rank: str) -> str:
+    """The node id of data-parallel rank ``rank`` (a metrics label) of a server whose node
+    id is ``prefix``, by the rule of ``engine_probe.node``: ``prefix`` for rank 0 (and no
+    rank), ``prefix/dpN`` for rank N."""
+    if not rank or rank.isdigit():
+        return node_id(prefix, dp_rank=int(rank or 0))
+    return f"{prefix}/dp{id_from(rank, 'x')}"
 
 
 def short_name(raw: str | None) -> str:

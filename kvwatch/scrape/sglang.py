@@ -31,8 +31,8 @@ from kvwatch.scrape.figures import (
     NodeFigures,
     PromptFigures,
     Scrape,
-    id_from,
     prompt_figures,
+    rank_node,
     short_name,
 )
 
@@ -65,7 +65,7 @@ def translate(
     nodes: list[NodeFigures] = []
     for dp in sorted(groups, key=lambda r: (len(r), r)):
         lead = min(groups[dp], key=_rank_order)
-        node = node_prefix if len(groups) == 1 else f"{node_prefix}/dp{id_from(dp, 'x')}"
+        node = rank_node(node_prefix, dp)
         nodes.append(_node(exp, lead, groups[dp], node, role, info))
     prompts = _prompts(exp, node_prefix if len(nodes) > 1 else nodes[0].node, nodes)
     return Scrape("sglang", exp.source, tuple(nodes), prompts)

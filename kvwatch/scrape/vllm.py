@@ -10,6 +10,12 @@ The advertised context (``max_model_len``) is not a metric: it comes from the Op
 ``/version``. Pool capacity = ``kv_cache_size_tokens`` (else ``num_gpu_blocks`` x
 ``block_size``); used = usage x capacity.
 
+Node ids follow ``engine_probe.node``: the target's prefix for engine 0, ``PREFIX/dpN`` for
+engine N. Where kvwatch's vLLM plugin runs inside, it publishes ``kvwatch:node_info`` per
+engine core (``node``, ``role``, ``kv_dtype``): its node id (unless ``--node`` was given) and
+its resolved KV dtype (vLLM's ``cache_dtype`` says ``auto`` for "the model's") are taken from
+it, so the scrape and the probe name one engine alike.
+
 A server holding several KV pools behind one endpoint (refengine's disaggregated pair) labels
 each pool's ``vllm:cache_config_info`` and ``vllm:kv_cache_usage_perc`` with ``node`` (and
 ``role``: prefill, decode or both); each becomes a node of its own, ``PREFIX/NODE``.
@@ -17,9 +23,11 @@ each pool's ``vllm:cache_config_info`` and ``vllm:kv_cache_usage_perc`` with ``n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Final
 
 from engine_probe.events import Role
+from engine_probe.node import NODE_INFO
 from kvwatch.scrape.errors import MalformedMetrics, NotThatEngine
 from kvwatch.scrape.exposition import (
     Exposition,
@@ -36,6 +44,7 @@ from kvwatch.scrape.figures import (
     Scrape,
     id_from,
     prompt_figures,
+    rank_node,
     short_name,
 )
 
@@ -71,11 +80,14 @@ def translate(
     models: Any = None,
     version: Any = None,
     models_source: str = "/v1/models",
+    node_given: bool = False,
 ) -> Scrape:
     """The figures of every engine core in ``exp``.
 
     ``models``: the decoded ``/v1/models`` document (needed for the advertised context);
     ``version``: the decoded ``/version`` document (else the version is "unknown").
+    ``node_given``: ``node_prefix`` is the operator's (--node), not derived: it wins over
+    the node ids ``kvwatch:node_info`` publishes.
     """
     infos = exp.series(MARKER)
     if not infos:
@@ -89,17 +101,24 @@ def translate(
     usage = {_key(s): s for s in exp.series(usage_name)}
     by_engine = {_key(s): s for s in infos}
     engine_version = short_name(_field(version, "version")) if version is not None else UNKNOWN
-    engines = {idx for idx, _ in by_engine}
+    published = {s.labels.get("engine", "0"): s.labels for s in exp.series(NODE_INFO)}
     nodes, prompts = [], []
     for key in sorted(by_engine, key=_engine_order):
         idx, pool = key
         info = by_engine[key]
-        node = node_prefix if len(engines) == 1 else f"{node_prefix}/dp{id_from(idx, 'x')}"
+        mine = published.get(idx, {}) if pool is None else {}
+        node = rank_node(node_prefix, idx)
         if pool is not None and len(by_engine) > 1:
             node = f"{node}/{id_from(pool, 'pool')}"
+        elif mine.get("node") and not node_given:
+            node = mine["node"]  # what the probe inside reports it as
         selector = f"{{engine={idx!r}" + (f", node={pool!r}}}" if pool else "}")
         where = MARKER + selector
-        node_role = role or _POOL_ROLES.get(info.labels.get("role", ""), "both")
+        node_role = (
+            role
+            or _POOL_ROLES.get(info.labels.get("role", ""))
+            or _POOL_ROLES.get(mine.get("role", ""), "both")
+        )
         block_size = as_tokens(
             _label(info, "block_size", where, exp), f"{where} block_size", exp.source
         )
@@ -120,7 +139,8 @@ def translate(
                 advertised_context=_max_model_len(models, model, models_source),
                 pool_capacity_tokens=capacity,
                 page_size=max(block_size, 1),
-                dtype=short_name(info.labels.get("cache_dtype")),
+                dtype=short_name(mine.get("kv_dtype") or info.labels.get("cache_dtype")),
+                **_published_settings(mine),
                 used_tokens=used,
                 free_tokens=capacity - used,
                 prefix_caching=as_bool(info.labels.get("enable_prefix_caching", "")),
@@ -130,6 +150,20 @@ def translate(
         if pool is None or node_role != "decode":  # the prompts are counted once, at prefill
             prompts.append(_prompts(exp, idx, node, model or UNKNOWN, capacity))
     return Scrape("vllm", exp.source, tuple(nodes), tuple(prompts))
+
+
+def _published_settings(labels: Mapping[str, str]) -> dict[str, Any]:
+    """The settings ``kvwatch:node_info`` adds (none where it is absent): the probe's
+    quantization, TP size and CUDA graphs, which vLLM's metrics do not say."""
+    if not labels:
+        return {}
+    out: dict[str, Any] = {"quantization": short_name(labels["quantization"])
+                           if labels.get("quantization") else None}  # fmt: skip
+    if labels.get("tp_size", "").isdigit() and int(labels["tp_size"]) >= 1:
+        out["tp_size"] = int(labels["tp_size"])
+    if labels.get("cuda_graphs") in ("true", "false"):
+        out["cuda_graphs"] = labels["cuda_graphs"] == "true"
+    return out
 
 
 def _key(s: Series) -> tuple[str, str | None]:

@@ -3,7 +3,7 @@ for the engine settings it was measured under."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +12,7 @@ import msgspec
 from engine_probe import events as ev
 from policies.durations import parse_duration
 from policies.facts import (
+    UNRESOLVED_DTYPES,
     VERIFIED_SETTINGS,
     BatchFacts,
     DeploymentFacts,
@@ -32,7 +33,12 @@ DRIFT_SETTINGS = (
     "prefix_cache_salting",
     "model_id",
     "engine",
+    "dtype",
 )
+#: What the nodes of one deployment serving one model in one role must agree on (a replica
+#: with prefix caching off, or salting on, or another KV dtype or pool size, is not the
+#: deployment its siblings' verification and alerts describe).
+BETWEEN_SETTINGS = ("prefix_caching", "prefix_cache_salting", "dtype", "pool_capacity_tokens")
 
 
 def _changes(changed: dict[str, tuple[object, object]]) -> str:
@@ -110,6 +116,34 @@ class VerificationMissingOrStale(RuleKind):
 
 class DriftParams(msgspec.Struct, forbid_unknown_fields=True):
     settings: list[str] = msgspec.field(default_factory=lambda: list(VERIFIED_SETTINGS))
+    #: what the live nodes of one deployment, model and role must agree on (empty: not
+    #: compared)
+    between_nodes: list[str] = msgspec.field(default_factory=lambda: list(BETWEEN_SETTINGS))
+
+
+def _differ(name: str, values: set[object]) -> bool:
+    if name == "dtype":
+        values = values - UNRESOLVED_DTYPES
+    return len(values) > 1
+
+
+def disagreements(
+    configs: Iterable[NodeConfig], settings: Sequence[str]
+) -> dict[tuple[str, str], dict[str, dict[str, object]]]:
+    """(model, role) -> {setting: {node: its value}} for the settings on which the live
+    (not ``stopped``) nodes serving that model in that role disagree. Unresolved KV
+    dtypes (``auto``) disagree with nothing."""
+    groups: dict[tuple[str, str], list[NodeConfig]] = {}
+    for c in configs:
+        if not c.stopped:
+            groups.setdefault((c.model_id, c.role), []).append(c)
+    out: dict[tuple[str, str], dict[str, dict[str, object]]] = {}
+    for key, nodes in groups.items():
+        for name in settings:
+            values = {c.node: getattr(c, name) for c in sorted(nodes, key=lambda c: c.node)}
+            if _differ(name, set(values.values())):
+                out.setdefault(key, {})[name] = values
+    return out
 
 
 class ConfigDrift(RuleKind):
@@ -120,7 +154,9 @@ class ConfigDrift(RuleKind):
     default_resolve_after_s = 24 * 3600.0
     description = (
         "A setting (default: engine version, pool capacity, quantization, TP size, CUDA "
-        "graphs) changed between two engine.config events of one node."
+        "graphs) changed between two engine.config events of one node; or the live nodes "
+        "of one deployment serving one model in one role disagree (default: on prefix "
+        "caching, salting, KV dtype or pool size), a state that fires while they disagree."
     )
 
     def check(self, params: DriftParams) -> None:
@@ -129,8 +165,64 @@ class ConfigDrift(RuleKind):
             raise ValueError(f"settings: unknown {unknown}; known: {list(DRIFT_SETTINGS)}")
         if not params.settings:
             raise ValueError("settings: must name at least one setting")
+        unknown = sorted(set(params.between_nodes) - set(DRIFT_SETTINGS))
+        if unknown:
+            raise ValueError(f"between_nodes: unknown {unknown}; known: {list(DRIFT_SETTINGS)}")
+
+    def on_timer(self, rule: Rule, facts: TimerFacts, now: datetime) -> Iterable[Signal]:
+        return self._between(rule, facts.deployments.values())
+
+    def _between(self, rule: Rule, deployments: Iterable[DeploymentFacts]) -> Iterator[Signal]:
+        """One state signal per (deployment, model, role) that has two or more live nodes
+        (or an open disagreement to resolve): firing while they disagree. The labels stay
+        the same whichever nodes disagree; the annotations name them."""
+        names = rule.params.between_nodes
+        if not names:
+            return
+        for d in deployments:
+            live: dict[tuple[str, str], list[str]] = {}
+            for c in d.configs.values():
+                if not c.stopped:
+                    live.setdefault((c.model_id, c.role), []).append(c.node)
+            found = disagreements(d.configs.values(), names)
+            groups = {(c.model_id, c.role) for c in d.configs.values()}
+            for model, role in sorted(groups):
+                nodes = sorted(live.get((model, role), []))
+                diff = found.get((model, role), {})
+                labels = {
+                    "deployment_id": d.deployment_id,
+                    "model_id": model,
+                    "role": role,
+                }
+                where = f"{model} ({role}) on {d.deployment_id}"
+                if diff:
+                    said = "; ".join(
+                        f"{name}: " + ", ".join(f"{n}={v}" for n, v in by_node.items())
+                        for name, by_node in diff.items()
+                    )
+                    summary = f"the nodes of {where} disagree: {said}"
+                else:
+                    summary = f"the {len(nodes)} live node(s) of {where} agree"
+                yield rule.signal(
+                    "state",
+                    labels,
+                    firing=bool(diff),
+                    value=float(len(diff)),
+                    annotations={
+                        "summary": summary,
+                        "nodes": ",".join(nodes),
+                        "changed": ",".join(sorted(diff)),
+                    },
+                )
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
+        touched = {e.deployment_id for e in facts.of(ev.EngineConfig)}
+        yield from self._between(
+            rule, (facts.deployments[d] for d in sorted(touched) if d in facts.deployments)
+        )
+        yield from self._over_time(rule, facts)
+
+    def _over_time(self, rule: Rule, facts: BatchFacts) -> Iterator[Signal]:
         current: dict[tuple[str, str], NodeConfig] = dict(facts.prior_configs)
         settings = rule.params.settings
         for e in sorted(facts.of(ev.EngineConfig), key=lambda e: (e.ts, e.seq)):

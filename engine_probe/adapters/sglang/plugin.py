@@ -79,7 +79,7 @@ def _watch_runner(adapter: Any, runner: Any) -> None:
         req_to_token_pool=runner.req_to_token_pool,
         allocator=runner.token_to_kv_pool_allocator,
         role=role,
-        node=f"{role}-tp{getattr(runner, 'tp_rank', 0)}",
+        node=_node(args, role, runner),
         advertised_context=getattr(getattr(runner, "model_config", None), "context_len", None),
         tp_size=int(getattr(runner, "tp_size", 1) or 1),
     )
@@ -88,3 +88,17 @@ def _watch_runner(adapter: Any, runner: Any) -> None:
 def current_adapter() -> Any:
     """The adapter :func:`register` installed in this process, or None."""
     return _state.get("adapter")
+
+
+def _node(args: Any, role: str, runner: Any) -> str:
+    """The node id of this runner's pools by the rule of :mod:`engine_probe.node`:
+    ``KVWATCH_NODE_ID`` or the server's HOST:PORT (plus /prefill or /decode), plus /tpN for
+    tensor-parallel ranks 1 and up (each rank's scheduler watches its own share)."""
+    from engine_probe.node import node_id, server_base
+    from engine_probe.settings import ProducerSettings
+
+    port = getattr(args, "port", None)
+    base = ProducerSettings().node_id or server_base(
+        getattr(args, "host", None), port if isinstance(port, int) else None, role
+    )
+    return node_id(base, tp_rank=int(getattr(runner, "tp_rank", 0) or 0))

@@ -12,7 +12,11 @@ reads vLLM's objects into plain values; :mod:`~engine_probe.adapters.vllm.bookke
 the requests, tenants, block tables and the page ledger, and sends the events (its module
 docstring holds the ledger model).
 
-What it emits, through the probe (``get_probe()`` unless one is given):
+Every event names the node (``node``; default :func:`~engine_probe.adapters.vllm.node.node_of`:
+``KVWATCH_NODE_ID`` if the plugin passes it, else the API server's HOST:PORT, the role of a
+disaggregated side and ``/dpN`` for data-parallel ranks 1 and up; see
+:mod:`engine_probe.node`). What it emits, through the probe (``get_probe()`` unless one is
+given):
 
 * ``engine.config`` at attach: vLLM's version, the served model, ``max_model_len`` as the
   advertised context, blocks x block size as the pool capacity, dtype, quantization, TP
@@ -81,6 +85,7 @@ from engine_probe.adapters.vllm.hooks import (
     engine_config,
     read_shape,
 )
+from engine_probe.adapters.vllm.node import node_of
 from engine_probe.events import EngineConfig
 from engine_probe.probe import BaseProbe
 
@@ -102,7 +107,7 @@ class VllmAdapter(BlockTracker):
         probe: BaseProbe | None = None,
         *,
         deployment_id: str | None = None,
-        node: str = "node-0",
+        node: str | None = None,
         pool_sample_every: int = 16,
         ledger: bool = True,
         handle_capacity: int = 1 << 16,
@@ -121,7 +126,7 @@ class VllmAdapter(BlockTracker):
             view,
             probe,
             deployment_id=deployment_id,
-            node=node,
+            node=node if node is not None else node_of(scheduler.vllm_config),
             role=shape.role,
             model_id=shape.model_id,
             block_size=shape.block_size,

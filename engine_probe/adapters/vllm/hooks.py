@@ -32,6 +32,7 @@ from engine_probe.adapters.common import UNKNOWN, safe_id
 from engine_probe.adapters.guard import HookGuard
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.adapters.vllm.bookkeeping import BlockTracker
+from engine_probe.adapters.vllm.node import kv_settings, role_of
 
 __all__ = ["SchedulerHooks", "SchedulerShape", "SchedulerView", "engine_config", "read_shape"]
 
@@ -45,11 +46,6 @@ _FINISH_STATUS: Final[Mapping[str, str]] = {
     "FINISHED_ABORTED": "aborted",
     "FINISHED_ERROR": "error",
     "FINISHED_IGNORED": "error",
-}
-_ROLES: Final[Mapping[str, str]] = {
-    "kv_producer": "prefill",
-    "kv_consumer": "decode",
-    "kv_both": "both",
 }
 
 
@@ -75,7 +71,7 @@ def read_shape(scheduler: Any) -> SchedulerShape:
     groups = kv_cfg.kv_cache_groups
     return SchedulerShape(
         model_id=_model_id(cfg),
-        role=_role(cfg),
+        role=role_of(cfg),
         block_size=int(scheduler.block_size),
         num_blocks=int(kv_cfg.num_blocks),
         null_block=int(scheduler.kv_cache_manager.block_pool.null_block.block_id),
@@ -86,21 +82,18 @@ def read_shape(scheduler: Any) -> SchedulerShape:
 
 def engine_config(scheduler: Any) -> dict[str, Any]:
     """The ``engine.config`` fields vLLM's configuration decides (the pool's are the
-    adapter's): version, advertised context (``max_model_len``), dtype, quantization, TP
+    adapter's): version, advertised context (``max_model_len``), the KV cache's dtype
+    (resolved: ``auto`` is the model's, as ``node.kv_dtype`` says), quantization, TP
     size, CUDA graphs, prefix caching, disaggregation (any KV connector)."""
     cfg = scheduler.vllm_config
-    mc, cc, pc = cfg.model_config, cfg.cache_config, cfg.parallel_config
+    mc, cc = cfg.model_config, cfg.cache_config
     import vllm  # the engine is running: importing it costs nothing
 
-    quant = getattr(mc, "quantization", None)
     return {
         "engine": "vllm",
         "engine_version": str(vllm.__version__)[:64],
         "advertised_context": int(mc.max_model_len),
-        "dtype": str(mc.dtype).removeprefix("torch.")[:64],
-        "quantization": str(quant)[:64] if quant else None,
-        "tp_size": int(getattr(pc, "tensor_parallel_size", 1) or 1),
-        "cuda_graphs": _cuda_graphs(cfg),
+        **kv_settings(cfg),
         "disaggregated": cfg.kv_transfer_config is not None,
         "prefix_caching": bool(cc.enable_prefix_caching),
         # vLLM has no setting that makes salts mandatory: each request may carry one
@@ -419,24 +412,6 @@ def _model_id(cfg: Any) -> str:
         served = served[0] if served else None
     name = str(served or cfg.model_config.model)
     return name[:256]
-
-
-def _role(cfg: Any) -> str:
-    kv = cfg.kv_transfer_config
-    if kv is None:
-        return "both"
-    return _ROLES.get(str(getattr(kv, "kv_role", "kv_both")), "both")
-
-
-def _cuda_graphs(cfg: Any) -> bool:
-    if cfg.model_config.enforce_eager:
-        return False
-    mode = getattr(cfg.compilation_config, "cudagraph_mode", None)
-    if mode is None or getattr(mode, "name", "NONE") == "NONE":
-        return False
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cuda_alike())
 
 
 def _full_attention(group: Any) -> bool:

@@ -6,7 +6,9 @@ the workers), possibly more than once. It reads the ``KVWATCH_*`` settings; with
 ``Scheduler`` class so that every scheduler built afterwards gets a
 :class:`~engine_probe.adapters.vllm.adapter.VllmAdapter`. Only the engine-core process builds a
 scheduler, so only it configures a probe and exports events; the other processes import
-nothing but this module and kvwatch's settings.
+nothing but this module, its node module and kvwatch's settings. In the API server it also
+remembers the server's address for the engine cores (their node ids) and publishes
+``kvwatch:node_info`` beside vLLM's metrics (see :mod:`engine_probe.adapters.vllm.node`).
 
 Bad settings, and a vLLM whose scheduler is not where this plugin looks, are logged, and
 the engine runs without the probe: an observability plugin must not keep an inference
@@ -56,6 +58,14 @@ def _register() -> None:
         return
     if not os.environ.get("KVWATCH_COLLECTOR_URL", "").strip():
         return
+    from engine_probe.adapters.vllm.node import install_node_info, remember_server
+
+    # In the API server, before it starts the engine cores: they inherit its address.
+    remember_server()
+    try:
+        install_node_info(_node_override())
+    except Exception:
+        log.warning("kvwatch: could not publish the node ids in /metrics", exc_info=True)
     from vllm.v1.core.sched.scheduler import Scheduler
 
     if getattr(Scheduler, _PATCHED, False):
@@ -144,15 +154,19 @@ def _attach(scheduler: Any) -> None:
                 probe.stats(),
             )
             return
-        adapter = attach(scheduler, **_test_faults())
+        from engine_probe.adapters.vllm.node import node_of
+
         settings = getattr(probe, "settings", None)
+        node = node_of(scheduler.vllm_config, getattr(settings, "node_id", None))
+        adapter = attach(scheduler, node=node, **_test_faults())
         vllm_log.info(
             "kvwatch: probe attached to vLLM's %s (probe id %s): collector %s, deployment "
-            "%s; hooked %s; page ledger %s; %s",
+            "%s, node %s; hooked %s; page ledger %s; %s",
             type(scheduler).__name__,
             _id(probe),
             redact_url(getattr(settings, "collector_url", None)),
             adapter.deployment_id or getattr(settings, "deployment_id", "?"),
+            adapter.node,
             ", ".join(adapter.hooked),
             (
                 f"on ({adapter.num_blocks} blocks of {adapter.block_size} tokens)"
@@ -169,6 +183,17 @@ def _attach(scheduler: Any) -> None:
             exc,
             exc_info=True,
         )
+
+
+def _node_override() -> str | None:
+    """KVWATCH_NODE_ID, checked as the probe's settings check it; None when unset or bad
+    (the probe's own settings then say what is wrong, in the engine core)."""
+    from engine_probe.settings import ProducerSettings
+
+    try:
+        return ProducerSettings().node_id
+    except ValueError:
+        return None
 
 
 def _test_faults() -> dict[str, Any]:
