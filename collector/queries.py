@@ -139,6 +139,9 @@ REQUEST_FIELDS = (
     "limit_tokens",
     "prompt_shared_with",
     "cached_tokens",
+    "lost_reason",
+    "probe_id",
+    "node",
     "first_ts",
     "last_ts",
 )
