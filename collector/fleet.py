@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import select
 
-from collector import lost
+from collector import lost_rows as lost
 from collector import models as m
 from collector.db import Database
 from collector.reports.limits import LimitsService

@@ -22,7 +22,7 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import Unavailable
 from collector.limits import Limits
-from collector.lost import REASONS as lost_reasons
+from collector.lost_rows import REASONS as lost_reasons
 from collector.rollups.buckets import bin_high, bin_of
 from policies import VerificationFact
 

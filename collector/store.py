@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from collector import lost
+from collector import lost_rows as lost
 from collector import models as m
 from collector.errors import Forbidden
 from collector.rollups.buckets import POOL_BUCKET_US, REQUEST_BUCKET_US, request_marks
