@@ -16,11 +16,13 @@ When that probe is known to be gone, the collector closes its requests still ``a
   periodic pass (:meth:`LostRequests.close_silent`, time passed in).
 
 Invariants: ``probes.gone_at``/``gone_reason`` are set exactly when the collector has closed
-that probe's open requests; a silent probe heard from again is running again (cleared), a
-stopped or replaced one stays gone and the requests its later batches leave open (a crash
-journal replayed under its id) are closed in the transaction storing them. Closing is one
-indexed ``UPDATE`` per gone probe, on ``ix_requests_open`` (a partial index over the open
-rows only), never a scan of history. A finish that arrives later for a lost request wins
+all of that probe's open requests (a probe replaced on one of several nodes it reported, a
+prefill and a decode node, runs on: only that node's requests are closed); and
+``probes.lost_requests`` counts every request it closed. A silent probe heard from again
+is running again (cleared), a stopped or replaced one stays gone and the requests its later
+batches leave open (a crash journal replayed under its id) are closed in the transaction
+storing them. Closing is one indexed ``UPDATE`` per gone probe, on ``ix_requests_open``
+(a partial index over the open rows only), never a scan of history. A finish that arrives later for a lost request wins
 (``STATUS_RANK`` in :mod:`collector.store`): the row takes the real status and its
 ``lost_reason`` goes. Rows without a probe (a gateway's; OTLP spans, which carry their
 finish with their admission) are never open, so never closed.

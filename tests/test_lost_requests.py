@@ -110,6 +110,10 @@ def test_a_stopped_probes_open_requests_are_lost_until_a_later_finish(c: Collect
         "r-refused": ("rejected", None),
     }
     assert lost_metric(c, "probe_stopped") == 1
+    with c.client(c.admin) as client:
+        (probe,) = client.get("/v1/probes").json()
+    assert (probe["gone_reason"], probe["lost_requests"]) == ("probe_stopped", 1)
+    assert probe["gone_at"] is not None
     assert fleet_lost(c)["count"] == 1
     assert fleet_lost(c)["by_reason"] == {"probe_stopped": 1}
     # Its crash journal, replayed under its id after the stop: an admission it never

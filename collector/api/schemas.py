@@ -153,6 +153,17 @@ class ProbeOut(BaseModel):
     superseded_by: str | None = Field(
         None, description="The probe that took its place when its engine restarted"
     )
+    gone_at: datetime | None = Field(
+        None,
+        description="When the collector knew it gone and closed its open requests as lost; "
+        "null while it runs (a silent probe heard from again runs again)",
+    )
+    gone_reason: str | None = Field(
+        None, description="probe_stopped, probe_replaced or probe_silent; null while it runs"
+    )
+    lost_requests: int = Field(
+        0, description="How many of its requests the collector closed as lost, ever"
+    )
 
 
 class Health(BaseModel):
