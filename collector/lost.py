@@ -22,10 +22,10 @@ prefill and a decode node, runs on: only that node's requests are closed); and
 is running again (cleared), a stopped or replaced one stays gone and the requests its later
 batches leave open (a crash journal replayed under its id) are closed in the transaction
 storing them. Closing is one indexed ``UPDATE`` per gone probe, on ``ix_requests_open``
-(a partial index over the open rows only), never a scan of history. A finish that arrives later for a lost request wins
-(``STATUS_RANK`` in :mod:`collector.store`): the row takes the real status and its
-``lost_reason`` goes. Rows without a probe (a gateway's; OTLP spans, which carry their
-finish with their admission) are never open, so never closed.
+(a partial index over the open rows only), never a scan of history. A finish that arrives
+later for a lost request wins (``STATUS_RANK`` in :mod:`collector.store`): the row takes the
+real status and its ``lost_reason`` goes. Rows without a probe (a gateway's; OTLP spans,
+which carry their finish with their admission) are never open, so never closed.
 
 Locks: every closing holds the gone probe's ``probes`` row (``FOR UPDATE`` on PostgreSQL),
 as that probe's ingest does, so the two serialise per probe.
