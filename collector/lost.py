@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import text
 
@@ -61,22 +61,42 @@ class LostRequests:
 
     ``lost_after_s``: how long a probe may be silent before it is gone
     (``KVWATCH_PROBE_LOST_AFTER_S``); ``counted``: told how many requests a pass closed, after
-    their transaction committed (the collector's metrics)."""
+    their transaction committed (the collector's metrics); ``listening_since``: since when
+    this collector could hear probes (default: now, when it is built).
+
+    Silence is only judged over time the collector was listening: a pass closes nothing
+    until the collector has been up, with its database, for the bound. After an outage of
+    the collector or its database every probe's ``last_seen`` is old, though the probes
+    were only buffering; a pass that fails (the database is down) starts the wait again."""
 
     def __init__(
         self,
         db: Database,
         lost_after_s: float,
         counted: Callable[[str, int], object] | None = None,
+        *,
+        listening_since: datetime | None = None,
     ):
         self.db = db
         self.lost_after_us = round(lost_after_s * _US)
         self._counted = counted
+        self._since: int | None = to_micros(listening_since or datetime.now(UTC))
 
     def close_silent(self, now: datetime) -> SilentPass:
         """Close the requests of every probe silent for longer than the bound at ``now``, one
         transaction per probe (a probe heard from meanwhile is left running)."""
         now_us = to_micros(now)
+        if self._since is None:  # the first pass after a failed one
+            self._since = now_us
+        if now_us - self._since < self.lost_after_us:
+            return SilentPass(0, 0)
+        try:
+            return self._close_silent(now_us)
+        except Exception:
+            self._since = None
+            raise
+
+    def _close_silent(self, now_us: int) -> SilentPass:
         cutoff = now_us - self.lost_after_us
         find = (
             "SELECT probe_id FROM probes WHERE gone_at IS NULL AND last_seen < :cutoff "

@@ -180,8 +180,13 @@ def test_silence_past_the_bound_loses_open_requests(c: Collector) -> None:
     )
     db = Database(c.db_url)
     try:
-        sweep = LostRequests(db, lost_after_s=300)
         now = datetime.now(UTC)
+        # A collector that has not been listening for the bound (back from an outage, its
+        # probes buffering meanwhile) judges no one silent.
+        fresh = LostRequests(db, 300, listening_since=now + timedelta(seconds=200))
+        assert fresh.close_silent(now + timedelta(seconds=301)).lost == 0
+        assert status(c)["r-open"] == ("admitted", None)
+        sweep = LostRequests(db, lost_after_s=300)
         assert sweep.close_silent(now + timedelta(seconds=200)).lost == 0
         assert status(c)["r-open"] == ("admitted", None)
         done = sweep.close_silent(now + timedelta(seconds=301))
