@@ -193,8 +193,9 @@ class Settings(BaseSettings):
         "open (admitted, neither finished nor rejected) are then closed as lost "
         "(reason probe_silent), checked every tenth of this, at most every minute, and only "
         "once the collector has been up with its database this long (after an outage the "
-        "probes were buffering, not silent). A probe that said it stopped, or that a new probe replaced on its node, is gone at once. A "
-        "finish arriving later still replaces the lost status.",
+        "probes were buffering, not silent). A probe that said it stopped, or that a new "
+        "probe replaced on its node, is gone at once. A finish arriving later still replaces "
+        "the lost status.",
     )
     probe_replaced_quiet_s: float = Field(
         default=REPLACED_QUIET_S,
