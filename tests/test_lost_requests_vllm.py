@@ -1,8 +1,9 @@
-"""LIVE: a vLLM server stopped with SIGTERM while requests are in flight. vLLM's shutdown ends
-its engine core at once, where the probe runs: no ``probe.stopped`` comes, and the requests
-it had admitted would stay ``admitted`` forever. The collector closes them as ``lost`` once
-the probe is silent past ``KVWATCH_PROBE_LOST_AFTER_S`` (its periodic pass, time passed in
-here).
+"""LIVE: a vLLM server stopped with SIGTERM while requests are in flight (then SIGKILL after a
+grace period, as a supervisor does: vLLM sometimes does not exit on SIGTERM). Its shutdown ends
+the engine core, where the probe runs, without the probe's shutdown: no ``probe.stopped``
+comes, and the requests it had admitted would stay ``admitted`` forever. The collector closes
+them as ``lost`` once the probe is silent past ``KVWATCH_PROBE_LOST_AFTER_S`` (its periodic
+pass, time passed in here).
 
 A server of its own (with its own collector), started once for this module: the session's
 shared server (``tests/engine_servers.py``) serves other tests and is never stopped here.
