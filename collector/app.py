@@ -33,6 +33,7 @@ from collector.db import Database
 from collector.fleet import FleetService
 from collector.ingest import IngestService
 from collector.limits import Limits
+from collector.lost import LostRequests
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
 from collector.otlp.service import TraceIngest
@@ -105,6 +106,14 @@ def create_app(
         if settings.policies_enabled
         else None
     )
+    lost = LostRequests(
+        db, settings.probe_lost_after_s, lambda reason, n: metrics.lost.labels(reason).inc(n)
+    )
+    lost_pass = Periodic(
+        "lost-requests",
+        min(60.0, settings.probe_lost_after_s / 10),
+        lambda: lost.close_silent(datetime.now(UTC)),
+    )
     refresher = RollupRefresher(db)
     # At start, everything marked: what was ingested before this collector started (a demo,
     # a restart, a migration's backfill) shows at once.
@@ -130,7 +139,7 @@ def create_app(
         if verifier is None
         else Periodic("verify-schedules", settings.verify_schedule_tick_s, schedules.run_due)
     )
-    workers = (timer, dispatcher, rollups, maintainer, scrapes, verifications)
+    workers = (timer, dispatcher, rollups, maintainer, scrapes, verifications, lost_pass)
 
     # SQLite takes one writer at a time anyway: more ingest threads would only fight over
     # the GIL and the write lock. PostgreSQL writers run in parallel (the driver releases
@@ -156,6 +165,7 @@ def create_app(
     app.state.rollups = rollups
     app.state.scrapes = scrapes
     app.state.verify_schedules = verifications
+    app.state.lost_requests = lost  # its pass, with time passed in: close_silent(now)
 
     app.include_router(ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter))
     app.include_router(

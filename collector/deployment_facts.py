@@ -475,8 +475,8 @@ def timer_facts(
     rows = list(
         conn.execute(
             text(
-                "SELECT probe_id, deployment_id, first_seen, last_seen, stopped_at FROM probes "
-                "ORDER BY probe_id"
+                "SELECT probe_id, deployment_id, first_seen, last_seen, stopped_at, "
+                "lost_requests, gone_reason FROM probes ORDER BY probe_id"
             )
         )
     )
@@ -490,9 +490,11 @@ def timer_facts(
             last_seen=as_datetime(seen),
             first_seen=as_datetime(first),
             stopped_at=as_datetime(stopped),
+            lost=int(lost or 0),
+            gone_reason=gone,
             **found.get(p, {}),
         )
-        for p, d, first, seen, stopped in rows
+        for p, d, first, seen, stopped, lost, gone in rows
     ]
     return TimerFacts(deployments=facts, probes=probes)
 
@@ -517,8 +519,9 @@ def _probe_evidence(
         lo = max(r.first_seen - _CLOCK_SLACK_US, r.last_seen - _IN_FLIGHT_WINDOW_US)
         n = conn.execute(
             text(
-                "SELECT count(*) FROM requests WHERE deployment_id = :d AND status = 'admitted' "
-                "AND first_ts >= :lo AND first_ts <= :hi"
+                # lost: admitted, then closed by the collector because a probe went away
+                "SELECT count(*) FROM requests WHERE deployment_id = :d "
+                "AND status IN ('admitted', 'lost') AND first_ts >= :lo AND first_ts <= :hi"
             ),
             {"d": r.deployment_id, "lo": lo, "hi": r.last_seen + _CLOCK_SLACK_US},
         ).scalar_one()

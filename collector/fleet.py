@@ -19,10 +19,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import select
 
+from collector import lost_rows as lost
 from collector import models as m
 from collector.db import Database
 from collector.reports.limits import LimitsService
-from collector.timefmt import parse_iso
+from collector.timefmt import parse_iso, to_micros
 
 _RANK = {"green": 0, "amber": 1, "red": 2}
 
@@ -74,6 +75,7 @@ class FleetService:
                     .group_by(i.deployment_id)
                 ).all()
             )
+            lost_recently = lost.recent(conn, to_micros(now) - lost.RECENT_S * 1_000_000)
         out = []
         for dep, last_seen in deps:
             card = self.limits.card(dep, now)
@@ -133,6 +135,11 @@ class FleetService:
                     "critical_alerts": crit,
                     "open_incidents": int(incidents.get(dep, 0)),
                     "silent_sources": sources,
+                    # requests closed as lost (their probe gone) in the last RECENT_S
+                    "lost_requests": {
+                        "window_s": lost.RECENT_S,
+                        **lost_recently.get(dep, {"count": 0, "by_reason": {}, "latest_at": None}),
+                    },
                 }
             )
         return {"generated_at": now, "deployments": out}

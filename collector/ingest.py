@@ -80,7 +80,7 @@ class IngestService:
         self._authenticate = authenticator
         self.settings = settings
         self.metrics = metrics
-        self.store = IngestStore(db.dialect)
+        self.store = IngestStore(db.dialect, replaced_quiet_s=settings.probe_replaced_quiet_s)
         self.names = NewNames(
             Limits(
                 deployment=settings.max_new_deployments_per_hour,
@@ -150,6 +150,8 @@ class IngestService:
             self.metrics.rejected.labels(exc.code).inc()
             raise
         self.metrics.events.labels("accepted").inc(res.accepted)
+        for reason, n in res.lost.items():
+            self.metrics.lost.labels(reason).inc(n)
         self.metrics.events.labels("duplicate").inc(res.duplicates)
         self.metrics.batch_seconds.observe(time.perf_counter() - batch.started)
         return IngestResult(res.accepted, res.duplicates, res.new_gaps)

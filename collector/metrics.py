@@ -22,6 +22,7 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import Unavailable
 from collector.limits import Limits
+from collector.lost_rows import REASONS as lost_reasons
 from collector.rollups.buckets import bin_high, bin_of
 from policies import VerificationFact
 
@@ -75,6 +76,15 @@ class CollectorMetrics:
             ["rule"],
             registry=self.registry,
         )
+        self.lost = Counter(
+            "kvwatch_requests_lost",
+            "Requests closed as lost because their probe is gone, by reason (probe_stopped, "
+            "probe_replaced, probe_silent); a finish arriving later still replaces the status.",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in lost_reasons:
+            self.lost.labels(reason)
         # Pre-create the label sets so a scrape shows zeros instead of nothing.
         for r in ("accepted", "duplicate"):
             self.events.labels(r)

@@ -26,6 +26,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     and_,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -141,6 +142,23 @@ class Request(Base):
         Index(None, "tenant", "first_ts"),
         Index(None, "model_id", "first_ts"),
         Index(None, "model_id", "prompt_tokens"),
+        # Partial, so each holds only the few rows it serves: the requests still open (what
+        # closing a gone probe's requests updates, ``collector.lost``) and the lost ones
+        # (what the fleet counts); neither grows with history.
+        Index(
+            "ix_requests_open",
+            "probe_id",
+            "node",
+            sqlite_where=text("status = 'admitted'"),
+            postgresql_where=text("status = 'admitted'"),
+        ),
+        Index(
+            "ix_requests_lost",
+            "deployment_id",
+            "first_ts",
+            sqlite_where=text("status = 'lost'"),
+            postgresql_where=text("status = 'lost'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -161,6 +179,14 @@ class Request(Base):
     prompt_shared_with: Mapped[str | None] = mapped_column(String(ID_MAX))
     #: how many of prompt_tokens a prefix cache served (from the request's finish), or NULL
     cached_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: the probe and node of the request's admission (``request.admitted``); NULL when no
+    #: admission was stored (a gateway's rows) or before 0019. A request still ``admitted``
+    #: when this probe is known gone is closed as ``lost`` (``collector.lost``).
+    probe_id: Mapped[str | None] = mapped_column(String(ID_MAX))
+    node: Mapped[str | None] = mapped_column(String(ID_MAX))
+    #: why the request is ``lost`` (probe_stopped, probe_replaced, probe_silent); NULL for
+    #: every other status (a finish arriving later clears it with the status)
+    lost_reason: Mapped[str | None] = mapped_column(String(32))
     first_ts: Mapped[datetime] = mapped_column(UtcMicros)
     last_ts: Mapped[datetime] = mapped_column(UtcMicros)
     #: µs; the request's first_ts when it was first stored, never changed afterwards: the
@@ -360,6 +386,16 @@ class Probe(Base):
     last_seen: Mapped[datetime] = mapped_column(UtcMicros)
     #: when the probe said it shut down cleanly (its probe.stopped event); None while it runs
     stopped_at: Mapped[datetime | None] = mapped_column(UtcMicros, nullable=True)
+    #: when the collector knew it gone and closed its open requests as ``lost``, and why
+    #: (probe_stopped, probe_replaced, probe_silent: see ``collector.lost``); None while it
+    #: runs. A silent probe heard from again is running again (both cleared); a stopped or
+    #: replaced one stays gone, and requests its later batches open (a replayed journal)
+    #: are closed as they arrive.
+    gone_at: Mapped[datetime | None] = mapped_column(UtcMicros, nullable=True)
+    gone_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    #: how many of its requests the collector closed as lost, ever (a finish arriving later
+    #: still replaces a lost status; this count stays: it says what was closed)
+    lost_requests: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class SeqGap(Base):

@@ -139,6 +139,9 @@ REQUEST_FIELDS = (
     "limit_tokens",
     "prompt_shared_with",
     "cached_tokens",
+    "lost_reason",
+    "probe_id",
+    "node",
     "first_ts",
     "last_ts",
 )
@@ -298,6 +301,9 @@ def list_probes(conn: Connection) -> list[dict[str, Any]]:
                 "last_seen": p.last_seen,
                 "stopped_at": p.stopped_at,
                 "superseded_by": successors.get(p.probe_id),
+                "gone_at": p.gone_at,
+                "gone_reason": p.gone_reason,
+                "lost_requests": int(p.lost_requests or 0),
             }
         )
     return out

@@ -69,6 +69,8 @@ def _entry(index: object, url: object) -> str:
 
 
 _TARGETS = TypeAdapter(list[ScrapeTarget])
+#: KVWATCH_PROBE_REPLACED_QUIET_S's default (see ``collector.lost``)
+REPLACED_QUIET_S = 10.0
 
 
 class Settings(BaseSettings):
@@ -183,6 +185,26 @@ class Settings(BaseSettings):
         le=36_500,
         description="Days of request, pool and page data kept for deployments without their "
         "own policy (kvwatch retention set); unset: kept until deleted.",
+    )
+    probe_lost_after_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long a probe may send nothing before it is gone: its requests still "
+        "open (admitted, neither finished nor rejected) are then closed as lost "
+        "(reason probe_silent), checked every tenth of this, at most every minute, and only "
+        "once the collector has been up with its database this long (after an outage the "
+        "probes were buffering, not silent). A probe that said it stopped, or that a new "
+        "probe replaced on its node, is gone at once. A finish arriving later still replaces "
+        "the lost status.",
+    )
+    probe_replaced_quiet_s: float = Field(
+        default=REPLACED_QUIET_S,
+        ge=0,
+        description="A new probe announcing itself (engine.config) on a node of a deployment "
+        "replaces the older probes of that node quiet for at least this long before it was "
+        "first heard from: their requests still open are closed as lost (reason "
+        "probe_replaced). An engine's restart takes longer (the model loads); probes sending "
+        "side by side are replicas reporting one node id, and never replace each other.",
     )
     rollup_interval_s: float = Field(
         default=10.0,

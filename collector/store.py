@@ -25,9 +25,11 @@ from typing import Any
 import msgspec
 from sqlalchemy import Connection, delete, func, insert, select, update
 
+from collector import lost_rows as lost
 from collector import models as m
 from collector.errors import Forbidden
 from collector.rollups.buckets import POOL_BUCKET_US, REQUEST_BUCKET_US, request_marks
+from collector.settings import REPLACED_QUIET_S
 from engine_probe import events as ev
 
 _json = msgspec.json.Encoder()
@@ -77,6 +79,8 @@ REQ_COLS = (
     "last_ts",
     "prompt_shared_with",
     "cached_tokens",
+    "probe_id",
+    "node",
 )
 # What is written: a new row's part_ts is its first_ts (never updated by the upsert). The
 # batch's rows carry it from the start, folded as first_ts is, so they are written as they are.
@@ -110,6 +114,12 @@ class WriteResult:
     filled: int = 0
     deployments: set[str] = field(default_factory=set)
     new_events: list[ev.Event] = field(default_factory=list)
+    #: requests the batch's transaction closed as lost, by reason (``collector.lost``)
+    lost: dict[str, int] = field(default_factory=dict)
+
+    def add_lost(self, reason: str, n: int) -> None:
+        if n:
+            self.lost[reason] = self.lost.get(reason, 0) + n
 
 
 @dataclass(slots=True)
@@ -156,14 +166,22 @@ REQUEST_MERGE: dict[str, str] = {
     "prompt_shared_with": "max",
     # Only finishes carry it (the prompt tokens a prefix cache served).
     "cached_tokens": "max",
+    # Only admissions carry them: the probe that admitted it, and on which node ("max" only
+    # makes two admitting probes, a disaggregated prefill and decode, deterministic).
+    "probe_id": "max",
+    "node": "max",
 }
+# "lost" (the collector closed it: its probe is gone, ``collector.lost``) ranks just above
+# "admitted": a late admission leaves it lost, and any outcome a probe reports, arriving
+# later (a replayed journal), replaces it.
 STATUS_RANK: dict[str, int] = {
     "admitted": 0,
-    "rejected": 1,
-    "completed": 2,
-    "length": 3,
-    "aborted": 4,
-    "error": 5,
+    "lost": 1,
+    "rejected": 2,
+    "completed": 3,
+    "length": 4,
+    "aborted": 5,
+    "error": 6,
 }
 # Where each rule applies in a row. part_ts merges as first_ts does (it is the earliest
 # first_ts until the row is stored), though the upsert never changes a stored one.
@@ -179,6 +197,8 @@ _TEXT_COLS = {
     "data_categories",
     "status",
     "prompt_shared_with",
+    "probe_id",
+    "node",
 }
 
 
@@ -216,12 +236,12 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
         if t is finished:
             row = (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
                    e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts,
-                   None, e.cached_tokens, ts)  # fmt: skip
+                   None, e.cached_tokens, None, None, ts)  # fmt: skip
         elif t is admitted:
             cats = e.data_categories
             row = (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens, None,
                    e.max_tokens, _PROVISIONAL, None, None, _categories(cats) if cats else None,
-                   ts, ts, e.prompt_shared_with, None, ts)  # fmt: skip
+                   ts, ts, e.prompt_shared_with, None, e.probe_id, e.node, ts)  # fmt: skip
         elif t is sample:
             pool((dep, e.probe_id, e.seq, ts, e.node, e.role, e.capacity_tokens,
                   e.used_tokens, e.free_tokens))  # fmt: skip
@@ -275,7 +295,8 @@ def _shape_other(rows: Rows, e: ev.Event, dep: str, ts: int) -> tuple[Any, ...] 
             cats = e.data_categories
             return (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens, None,
                     None, "rejected", e.reason, e.limit_tokens,
-                    _categories(cats) if cats else None, ts, ts, None, None, ts)  # fmt: skip
+                    _categories(cats) if cats else None, ts, ts, None, None, None, None,
+                    ts)  # fmt: skip
         case ev.PageStaleRead():
             detail = {
                 "page_ids": e.page_ids,
@@ -394,6 +415,12 @@ def _request_upsert_sql(dialect: str, source: str) -> str:
             f"{col} = CASE WHEN {xc} IS NULL THEN {rc} "
             f"WHEN {rc} IS NULL OR {better} THEN {xc} ELSE {rc} END"
         )
+    # Ingest never writes "lost" (only ``collector.lost`` does), so a stored row's reason
+    # goes when an incoming status outranks the stored one: the outcome replaced "lost".
+    sets.append(
+        f"lost_reason = CASE WHEN {_rank_sql(f'{x}.status')} > {_rank_sql(f'{r}.status')} "
+        f"THEN NULL ELSE {r}.lost_reason END"
+    )
     target = "deployment_id, request_id" + (", part_ts" if dialect == "postgresql" else "")
     return (
         f"INSERT INTO requests ({', '.join(REQ_WRITE_COLS)}) {source} "
@@ -477,10 +504,18 @@ class IngestStore:
 
     ``sqlite_executemany``: write SQLite rows one statement per row (only the benchmark's
     ceiling asks for it; see :class:`MultiRowInsert` for why the collector does not).
+    ``replaced_quiet_s``: ``KVWATCH_PROBE_REPLACED_QUIET_S`` (see :mod:`collector.lost`).
     """
 
-    def __init__(self, dialect: str, *, sqlite_executemany: bool = False):
+    def __init__(
+        self,
+        dialect: str,
+        *,
+        sqlite_executemany: bool = False,
+        replaced_quiet_s: float = REPLACED_QUIET_S,
+    ):
         self.dialect = dialect
+        self._replaced_quiet_us = round(replaced_quiet_s * 1_000_000)
         self._sqlite = dialect == "sqlite"
         self._executemany = sqlite_executemany
         self._dep_sql = deployment_upsert_sql(dialect)
@@ -544,9 +579,10 @@ class IngestStore:
         which keeps that work out of the write lock; it is used only when every event turns
         out to be new.
         """
-        max_seq = self.high_water(
-            conn, probe_id, token_id, events[0].deployment_id, now_us, lineage_id=lineage_id
+        probe = self._owned_probe(
+            conn, probe_id, token_id, events[0].deployment_id, now_us, lineage_id
         )
+        max_seq = int(probe.max_seq)
         low = min(e.seq for e in events)
         # Gaps matter only to a batch reaching back below the high-water mark (a retry or a
         # late replay); load just those that overlap it.
@@ -583,9 +619,13 @@ class IngestStore:
                 ],
             )
         result = WriteResult(len(new), duplicates, new_gaps, len(filled), new_events=new)
+        gone: dict[str, Any] = {}
         if rows is not None:
             self._write_rows(conn, rows, now_us)
             result.deployments = set(rows.deployments)
+            gone = self._close_lost(conn, probe_id, probe, rows, now_us, result)
+        elif probe.gone_reason == lost.SILENT:  # heard from again, if only duplicates
+            gone = {"gone_at": None, "gone_reason": None}
         conn.execute(
             update(m.Probe)
             .where(m.Probe.probe_id == probe_id)
@@ -599,9 +639,55 @@ class IngestStore:
                     if rows is None or rows.stopped_at is None
                     else {"stopped_at": rows.stopped_at}
                 ),
+                **gone,
             )
         )
         return result
+
+    def _close_lost(
+        self,
+        conn: Connection,
+        probe_id: str,
+        probe: Any,
+        rows: Rows,
+        now_us: int,
+        result: WriteResult,
+    ) -> dict[str, Any]:
+        """After a batch's rows: the requests lost with a gone probe (``collector.lost``),
+        and the probe's new gone state (the columns to set on its row)."""
+        if rows.configs:  # a probe announcing its node replaces the old probes on it
+            seen: set[tuple[str, str]] = set()
+            for c in rows.configs:
+                if (c.deployment_id, c.node) not in seen:
+                    seen.add((c.deployment_id, c.node))
+                    n = lost.replace_on_node(
+                        conn,
+                        c.deployment_id,
+                        c.node,
+                        probe_id,
+                        micros(probe.first_seen),
+                        now_us,
+                        self._replaced_quiet_us,
+                    )
+                    result.add_lost(lost.REPLACED, n)
+        if rows.stopped_at is not None:
+            n = lost.close(conn, probe_id, lost.STOPPED)
+            result.add_lost(lost.STOPPED, n)
+            return {
+                "gone_at": now_us,
+                "gone_reason": lost.STOPPED,
+                "lost_requests": m.Probe.lost_requests + n,
+            }
+        if probe.gone_reason == lost.SILENT:  # heard from again: running
+            return {"gone_at": None, "gone_reason": None}
+        if probe.gone_reason is not None and rows.requests:
+            # Stopped or replaced, yet sending: a journal replayed under its id. What it
+            # leaves open will never finish.
+            n = lost.close(conn, probe_id, probe.gone_reason)
+            result.add_lost(probe.gone_reason, n)
+            if n:
+                return {"lost_requests": m.Probe.lost_requests + n}
+        return {}
 
     def high_water(
         self,
@@ -617,6 +703,18 @@ class IngestStore:
         its high-water mark. A producer that numbers its events only once it holds the lock
         (the OTLP ingest) takes the seqs above it. Refuses a probe id that another token
         lineage owns."""
+        probe = self._owned_probe(conn, probe_id, token_id, deployment_id, now_us, lineage_id)
+        return int(probe.max_seq)
+
+    def _owned_probe(
+        self,
+        conn: Connection,
+        probe_id: str,
+        token_id: int,
+        deployment_id: str,
+        now_us: int,
+        lineage_id: int | None,
+    ) -> Any:
         probe = self._lock_probe(conn, probe_id, token_id, deployment_id, now_us)
         # A probe id belongs to the token lineage that first wrote it: a rotated token (and
         # the old one in its grace period) writes on for the same probes.
@@ -625,7 +723,7 @@ class IngestStore:
                 f"probe_id {probe_id!r} is registered to another ingest token",
                 {"field": "probe_id"},
             )
-        return int(probe.max_seq)
+        return probe
 
     def stored_requests(
         self, conn: Connection, deployment_id: str, request_ids: Sequence[str]
@@ -671,6 +769,8 @@ class IngestStore:
             select(
                 m.Probe.token_id,
                 m.Probe.max_seq,
+                m.Probe.first_seen,
+                m.Probe.gone_reason,
                 func.coalesce(t.lineage_id, t.id).label("lineage"),
             )
             .join(t, t.id == m.Probe.token_id)

@@ -311,3 +311,10 @@ def us_to_time(values: Any) -> Any:
 
 def label(value: str | None, none: str = "(none)") -> str:
     return none if value is None else value
+
+
+def request_status(r: dict[str, Any]) -> str:
+    """A request's status with why: the rejection's reason, or why it was lost (its probe
+    went away before it finished: ``collector.lost``)."""
+    why = r.get("reject_reason") or r.get("lost_reason")
+    return str(r["status"]) + (f" ({why})" if why else "")

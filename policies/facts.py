@@ -217,6 +217,9 @@ class ProbeFact:
       :func:`clock_period`), None when it did not (or never sampled);
     - ``scrape_error``: the collector scrapes this probe's engine itself and its latest
       scrapes failed (the error).
+
+    ``lost``: how many of its requests the collector closed as lost because it went away
+    (``gone_reason``: probe_stopped, probe_replaced, probe_silent; None while it runs).
     """
 
     probe_id: str
@@ -227,6 +230,8 @@ class ProbeFact:
     in_flight: int = 0
     sample_period_s: float | None = None
     scrape_error: str | None = None
+    lost: int = 0
+    gone_reason: str | None = None
 
 
 def clock_period(samples: Sequence[tuple[float, int]]) -> float | None:

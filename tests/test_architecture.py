@@ -79,6 +79,7 @@ COLLECTOR_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "collector.deployment_facts",
             "collector.partitions",
             "collector.reports.breach_rows",
+            "collector.lost_rows",
         ),
     ),
     (

@@ -439,7 +439,14 @@ def test_request_rows_do_not_depend_on_arrival_order(collector: Collector) -> No
     with collector.client(collector.admin) as c:
         rows = c.get("/v1/requests", params={"limit": 100}).json()["items"]
     assert len(rows) == len(orders)
-    shapes = {json.dumps(r | {"deployment_id": None}, sort_keys=True) for r in rows}
+    # each deployment its own probes: the admitting probe, less its deployment's name
+    shapes = {
+        json.dumps(
+            r | {"deployment_id": None, "probe_id": r["probe_id"].removeprefix(r["deployment_id"])},
+            sort_keys=True,
+        )
+        for r in rows
+    }
     assert len(shapes) == 1, shapes
     row = rows[0]
     assert row["prompt_tokens"] == 700_000  # not the placeholder's 1
@@ -480,7 +487,10 @@ def test_a_requests_events_in_one_batch_merge_as_across_batches(collector: Colle
     with collector.client(collector.admin) as c:
         rows = c.get("/v1/requests", params={"limit": 100}).json()["items"]
     assert len(rows) == 1 + len(orders)
-    shapes = {json.dumps(r | {"deployment_id": None}, sort_keys=True) for r in rows}
+    # (each deployment its own probe)
+    shapes = {
+        json.dumps(r | {"deployment_id": None, "probe_id": None}, sort_keys=True) for r in rows
+    }
     assert len(shapes) == 1, shapes
     row = rows[0]
     assert row["prompt_tokens"] == 700_000 and row["completion_tokens"] == 37

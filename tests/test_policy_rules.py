@@ -11,6 +11,7 @@ import pytest
 
 from collector.alerting.service import AlertingService
 from collector.db import Database
+from collector.lost import LostRequests
 from engine_probe import events as ev
 from policies import TimerFacts, load_ruleset
 from policies.facts import ProbeFact, clock_period, superseded
@@ -520,6 +521,35 @@ def test_a_probe_that_stopped_or_restarted_is_not_silent(env: Env) -> None:
     assert probes[stopped]["stopped_at"] is not None
     assert probes[crashed]["superseded_by"] == "h1-103-dddddd"
     assert probes[sibling]["superseded_by"] is None and probes[sibling]["stopped_at"] is None
+
+
+def test_a_probe_gone_with_requests_open_fires_lost_requests(env: Env) -> None:
+    """telemetry_gap says when a probe went away with requests open (closed as lost): a stop
+    mid-request fires lost_requests, a stop between requests does not, and a silent probe's
+    own alert already says so (no second one)."""
+    mid, between, silent = "h5-501-aaaaaa", "h5-502-bbbbbb", "h6-601-cccccc"
+    now = datetime.now(UTC)
+    for probe in (mid, between, silent):
+        env.send(f.pool(1, probe=probe), f.admitted(2, f"r-{probe}", probe=probe, ts=now))
+    env.send(ev.ProbeStopped(**f.base(3, probe=mid, ts=now)))
+    env.send(
+        f.finished(3, f"r-{between}", probe=between, ts=now),
+        ev.ProbeStopped(**f.base(4, probe=between, ts=now)),
+    )
+    assert LostRequests(env.db, 300).close_silent(now + timedelta(minutes=10)).lost == 1
+    env.tick(timedelta(minutes=10))
+    by_probe = {
+        (a["labels"]["probe_id"], a["labels"]["problem"]): a
+        for a in env.alerts("telemetry_gap", "firing")
+    }
+    assert set(by_probe) == {(mid, "lost_requests"), (silent, "silent")}
+    lost = by_probe[(mid, "lost_requests")]
+    assert lost["value"] == 1
+    assert "probe_stopped" in lost["annotations"]["summary"]
+    assert "1 request(s) it admitted still open" in lost["annotations"]["summary"]
+    summary = by_probe[(silent, "silent")]["annotations"]["summary"]
+    # (the deployment's: its lost rows count as in flight, mid's among them)
+    assert "2 request(s) admitted before it went quiet never finished" in summary
 
 
 def test_probes_running_side_by_side_never_supersede_each_other() -> None:

@@ -783,8 +783,10 @@ def test_a_schema_2_report_still_verifies_and_renders(env: Env, tmp_path: Path, 
         t = dict(today["tenants"], victim_count=today["tenants"]["receiving_count"])
         t["exposed"] = [_renamed(x, receiving_tenants="readers") for x in t["exposed"]]
         t["victims"] = [_renamed(x, exposed_tenants="sources") for x in t.pop("receiving")]
-        # (schema 2 hashed its deployments' limit figures with the rest)
-        old_words = dict(today, tenants=t, schema_version=2)
+        # (schema 2 hashed its deployments' limit figures with the rest, and counted no
+        # statuses)
+        ar = {k: v for k, v in today["affected_requests"].items() if k != "by_status"}
+        old_words = dict(today, tenants=t, affected_requests=ar, schema_version=2)
         assert evidence_digest(old_words) == doc["evidence_sha256"]
         assert dep.limit is not None and dep.limits_in_force[0].source == "pool"
     else:  # before the limits in force: the rule it had then, in its own words

@@ -147,7 +147,7 @@ def test_review_figures_against_the_database(collector: Collector, admin: httpx.
     assert rag["highlighted"] and rag["max_ratio"] >= 0.8 > rag["p99_ratio"]
     assert stage["highlighted"] and stage["p99_ratio"] >= 0.8
     assert not chat["highlighted"] and chat["max_ratio"] < 0.8
-    assert doc["totals"] == {"requests": 351, "routes": 3, "highlighted": 2}
+    assert doc["totals"] == {"requests": 351, "lost_requests": 0, "routes": 3, "highlighted": 2}
     # trend: four weekly points, chat growing ~35,000 tokens a week
     assert len(chat["trend"]["weeks"]) == 4
     assert 30_000 < chat["trend"]["max_slope_per_week"] < 40_000
@@ -215,7 +215,7 @@ def test_review_pdf_and_cli(collector: Collector, admin: httpx.Client, tmp_path:
     paths = [Path(p) for p in res.stdout.split()]
     assert [p.suffix for p in paths] == [".json", ".csv", ".pdf"]
     doc = json.loads(paths[0].read_text())
-    assert doc["totals"] == {"requests": 351, "routes": 3, "highlighted": 2}
+    assert doc["totals"] == {"requests": 351, "lost_requests": 0, "routes": 3, "highlighted": 2}
     assert len(paths[1].read_text().splitlines()) == 4  # header + 3 rows
     assert "560,000" in _pdf_text(paths[2].read_bytes(), doc["report_id"])
 
@@ -262,7 +262,7 @@ def test_a_review_is_stored_audited_and_served_like_a_breach_report(
     rid = made["report_id"]
     assert rid.startswith("rev_") and made["kind"] == "review"
     doc = admin.get(f"/v1/reports/{rid}").json()
-    assert doc["totals"] == {"requests": 351, "routes": 3, "highlighted": 2}
+    assert doc["totals"] == {"requests": 351, "lost_requests": 0, "routes": 3, "highlighted": 2}
     # The stored evidence hash is recomputable from the stored body.
     from collector.reports.review import review_digest
 

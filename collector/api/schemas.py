@@ -60,7 +60,11 @@ class RequestOut(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     max_tokens: int | None
-    status: str
+    status: str = Field(
+        description="admitted (still open), rejected, completed, length, aborted, error, or "
+        "lost: the probe that admitted it is gone and never said how it ended (see "
+        "lost_reason); a finish arriving later replaces lost"
+    )
     reject_reason: str | None
     limit_tokens: int | None
     data_categories: list[str]
@@ -75,6 +79,16 @@ class RequestOut(BaseModel):
         "OpenTelemetry's gen_ai.usage.cache_read.input_tokens); null when the producer did not "
         "say",
     )
+    lost_reason: str | None = Field(
+        None,
+        description="Why the request is lost: probe_stopped (its probe said it stopped), "
+        "probe_replaced (a new probe announced itself on its node), probe_silent (its probe "
+        "sent nothing for KVWATCH_PROBE_LOST_AFTER_S); null unless status is lost",
+    )
+    probe_id: str | None = Field(
+        None, description="The probe that admitted it; null when no admission was stored"
+    )
+    node: str | None = Field(None, description="The node that admitted it, where it said")
     first_ts: datetime
     last_ts: datetime
 
@@ -138,6 +152,17 @@ class ProbeOut(BaseModel):
     )
     superseded_by: str | None = Field(
         None, description="The probe that took its place when its engine restarted"
+    )
+    gone_at: datetime | None = Field(
+        None,
+        description="When the collector knew it gone and closed its open requests as lost; "
+        "null while it runs (a silent probe heard from again runs again)",
+    )
+    gone_reason: str | None = Field(
+        None, description="probe_stopped, probe_replaced or probe_silent; null while it runs"
+    )
+    lost_requests: int = Field(
+        0, description="How many of its requests the collector closed as lost, ever"
     )
 
 

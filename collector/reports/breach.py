@@ -189,6 +189,7 @@ class _Affected:
     routes: dict[str, int]
     deployments: dict[str, int]
     models: dict[str, int]
+    statuses: dict[str, int]
     categories: Counter[str]
     max_prompt: int | None
     first_ts: int | None
@@ -203,6 +204,7 @@ class _Affected:
             by_tenant=dict(sorted(self.tenants.items())),
             by_route=dict(sorted(self.routes.items())),
             by_deployment=dict(sorted(self.deployments.items())),
+            by_status=dict(sorted(self.statuses.items())),
             sample=f"the first {SAMPLE_ROWS:,} by first event, and every request a stale read "
             "names",
             items=tuple(self.listed),
@@ -229,6 +231,7 @@ def _affected(
         routes=s.by_route,
         deployments=s.by_deployment,
         models=s.by_model,
+        statuses=s.by_status,
         categories=cats,
         max_prompt=s.max_prompt,
         first_ts=s.first_ts,
@@ -1168,6 +1171,7 @@ def check_csv(report: BreachReport, lines: Iterable[str]) -> list[str]:
     tenants: Counter[str] = Counter()
     routes: Counter[str] = Counter()
     deployments: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
     max_prompt: int | None = None
     for row in reader:
         count += 1
@@ -1175,6 +1179,7 @@ def check_csv(report: BreachReport, lines: Iterable[str]) -> list[str]:
         tenants[rec.get("tenant", "")] += 1
         routes[rec.get("route", "")] += 1
         deployments[rec.get("deployment_id", "")] += 1
+        statuses[rec.get("status", "")] += 1
         if pt := rec.get("prompt_tokens"):
             max_prompt = max(max_prompt or 0, int(pt)) if pt.isdigit() else max_prompt
         listed.discard(tuple(row))
@@ -1183,6 +1188,8 @@ def check_csv(report: BreachReport, lines: Iterable[str]) -> list[str]:
         "rows per tenant": (dict(tenants), ar.by_tenant),
         "rows per route": (dict(routes), ar.by_route),
         "rows per deployment": (dict(deployments), ar.by_deployment),
+        # a report stored before by_status was added has none to check
+        "rows per status": (dict(statuses), ar.by_status or dict(statuses)),
         "largest prompt": (max_prompt, ar.max_prompt_tokens),
     }
     problems += [f"{what} differ" for what, (got, want) in expected.items() if got != want]

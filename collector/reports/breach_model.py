@@ -77,6 +77,9 @@ class AffectedRequests(msgspec.Struct, frozen=True, kw_only=True):
     by_tenant: dict[str, int]
     by_route: dict[str, int]
     by_deployment: dict[str, int]
+    #: per status; ``lost``: the probe that admitted it went away before it finished
+    #: (``collector.lost``). Reports stored before it was added have none.
+    by_status: dict[str, int] = msgspec.field(default_factory=dict)
     sample: str  # what ``items`` holds, in words; the CSV lists all ``count`` of them
     items: tuple[AffectedRequest, ...]
 

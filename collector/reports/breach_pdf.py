@@ -39,6 +39,11 @@ SUMMARY_NOTES = [
         "the requests on either side of a stale read in scope (those that read, and those "
         "whose pages were read); in a window report, every request in the window.",
     ),
+    (
+        "By status",
+        "how the affected requests ended; lost: the probe that admitted one went away (stopped, "
+        "replaced by a restarted engine's probe, or silent) before it said how it ended.",
+    ),
     ("Largest prompt", "the longest prompt, in tokens, among the affected requests."),
     (
         "Stale reads",
@@ -211,6 +216,8 @@ def render_pdf(report: BreachReport) -> bytes:
     pdf.kv(
         [
             ("Affected requests", ar.count),
+            # lost: the probe that admitted it went away before it finished
+            ("By status", ", ".join(f"{k} {n:,}" for k, n in ar.by_status.items()) or "—"),
             ("Largest prompt (tokens)", ar.max_prompt_tokens),
             ("Stale reads", f"{sr.count} ({sr.cross_tenant} cross-tenant, {sr.pages} pages)"),
             ("Where data crossed", ", ".join(report.involved_deployments) or "none"),

@@ -131,17 +131,19 @@ class Summary:
     by_route: dict[str, int] = field(default_factory=dict)
     by_deployment: dict[str, int] = field(default_factory=dict)
     by_model: dict[str, int] = field(default_factory=dict)
+    #: requests per status (``lost``: their probe went away before they finished)
+    by_status: dict[str, int] = field(default_factory=dict)
     # the categories' JSON text as stored → requests carrying it (parsed by the caller)
     by_categories: dict[str, int] = field(default_factory=dict)
 
 
 def summary(conn: Connection, f: RowFilter) -> Summary:
-    """Counts, extremes and per tenant, route, deployment, model and category-set counts, from
-    one ``GROUP BY`` over all five labels, streamed and folded here: one scan (PostgreSQL's
-    ``GROUPING SETS`` over the same five took three times as long), and the groups are
-    bounded by the labels' combinations, never by the requests."""
+    """Counts, extremes and per tenant, route, deployment, model, status and category-set
+    counts, from one ``GROUP BY`` over all six labels, streamed and folded here: one scan
+    (PostgreSQL's ``GROUPING SETS`` over five of them took three times as long), and the
+    groups are bounded by the labels' combinations, never by the requests."""
     r = m.Request
-    keys = [r.tenant, r.route, r.deployment_id, r.model_id, r.data_categories]
+    keys = [r.tenant, r.route, r.deployment_id, r.model_id, r.data_categories, r.status]
     stmt = (
         select(
             *keys,
@@ -158,7 +160,7 @@ def summary(conn: Connection, f: RowFilter) -> Summary:
     # GroupAggregate over an index, 9x slower here than the hash aggregate it picks for a
     # plain query); the groups are few enough to fetch at once.
     for row in conn.execute(stmt):
-        tenant, route, dep, model, cats = row[:5]
+        tenant, route, dep, model, cats, status = row[:6]
         n, mx, lo, hi = int(row.n), row.max_prompt, row.first_ts, row.last_ts
         out.count += n
         for d, k in (
@@ -166,6 +168,7 @@ def summary(conn: Connection, f: RowFilter) -> Summary:
             (out.by_route, route),
             (out.by_deployment, dep),
             (out.by_model, model),
+            (out.by_status, status),
         ):
             key = "" if k is None else str(k)
             d[key] = d.get(key, 0) + n

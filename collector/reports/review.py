@@ -1,7 +1,8 @@
 """The quarterly review: per deployment, route and model, over a window (default the last 90
-days), the request count, the largest and the p99 prompt, and the weekly trend (max and p99
-per week, and the least-squares slope of each in tokens per week), against the safe threshold
-of the deployment and model: the limit in force (:mod:`policies.limits`, served by
+days), the request count (and how many of them were lost: their probe went away first), the
+largest and the p99 prompt, and the weekly trend (max and p99 per week, and the
+least-squares slope of each in tokens per week), against the safe threshold of the
+deployment and model: the limit in force (:mod:`policies.limits`, served by
 :mod:`collector.limits`), with its source and whether it is stale, as of the review. A route
 whose max or p99 reaches ``HIGHLIGHT_RATIO`` of its threshold is highlighted.
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Table, func, select, type_coerce
+from sqlalchemy import BigInteger, Connection, Table, case, func, select, type_coerce
 
 from collector import models as m
 from collector.db import Database
@@ -52,6 +53,7 @@ CSV_COLUMNS = (
     "highlighted",
     "max_slope_per_week",
     "p99_slope_per_week",
+    "lost_requests",
 )
 
 
@@ -109,7 +111,7 @@ class ReviewService:
             deps = sorted({g[0] for g in groups})
             limits = self.limits.in_conn(conn, deps, now)
             rows = []
-            for (dep, route, model), (count, n_tokens, mx) in sorted(
+            for (dep, route, model), (count, n_tokens, mx, lost) in sorted(
                 groups.items(), key=lambda kv: tuple(x or "" for x in kv[0])
             ):
                 p99 = self._quantile(conn, lo, hi, dep, route, model, n_tokens)
@@ -136,6 +138,8 @@ class ReviewService:
                         "route": route,
                         "model_id": model,
                         "requests": count,
+                        # closed by the collector: their probe went away before they ended
+                        "lost_requests": lost,
                         "max_prompt_tokens": mx,
                         "p99_prompt_tokens": p99,
                         "safe_context": safe,
@@ -174,6 +178,7 @@ class ReviewService:
             "quantile": QUANTILE,
             "totals": {
                 "requests": sum(r["requests"] for r in rows),
+                "lost_requests": sum(r["lost_requests"] for r in rows),
                 "routes": len(rows),
                 "highlighted": sum(1 for r in rows if r["highlighted"]),
             },
@@ -203,7 +208,7 @@ class ReviewService:
 
     def _groups(
         self, conn: Connection, lo: int, hi: int, deployment_id: str | None
-    ) -> dict[tuple[str, str | None, str | None], tuple[int, int, int | None]]:
+    ) -> dict[tuple[str, str | None, str | None], tuple[int, int, int | None, int]]:
         stmt = (
             select(
                 R.c.deployment_id,
@@ -212,13 +217,14 @@ class ReviewService:
                 func.count(),
                 func.count(R.c.prompt_tokens),
                 func.max(R.c.prompt_tokens),
+                func.count(case((R.c.status == "lost", 1))),
             )
             .where(*self._where(lo, hi, deployment_id))
             .group_by(R.c.deployment_id, R.c.route, R.c.model_id)
         )
         return {
-            (d, r, mod): (int(n), int(nt), None if mx is None else int(mx))
-            for d, r, mod, n, nt, mx in conn.execute(stmt)
+            (d, r, mod): (int(n), int(nt), None if mx is None else int(mx), int(lost))
+            for d, r, mod, n, nt, mx, lost in conn.execute(stmt)
         }
 
     def _weekly(
@@ -282,5 +288,6 @@ def to_csv(review: dict[str, Any]) -> str:
     w.writerow(CSV_COLUMNS)
     for r in review["rows"]:
         vals = {**r, **{k: r["trend"][k] for k in ("max_slope_per_week", "p99_slope_per_week")}}
-        w.writerow(["" if vals[c] is None else vals[c] for c in CSV_COLUMNS])
+        # .get: a review stored before lost_requests was added has none
+        w.writerow(["" if vals.get(c) is None else vals[c] for c in CSV_COLUMNS])
     return buf.getvalue()

@@ -76,6 +76,8 @@ def render_pdf(review: dict[str, Any]) -> bytes:
             ("Window", f"{sc['since']} to {sc['until']} ({sc['weeks']} weeks)"),
             ("Deployment", sc["deployment_id"] or "all"),
             ("Requests", _n(tot["requests"])),
+            # their probe went away before they ended (absent from reviews stored before)
+            ("Lost requests", _n(tot.get("lost_requests", 0))),
             ("Routes and models", tot["routes"]),
             (f"Highlighted (>= {review['highlight_ratio']:.0%})", tot["highlighted"]),
         ]

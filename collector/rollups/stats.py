@@ -361,6 +361,7 @@ class StatsService:
                 r.prompt_tokens,
                 r.status,
                 r.reject_reason,
+                r.lost_reason,
                 first.label("first_ts"),
             )
             .where(
@@ -390,6 +391,7 @@ class StatsService:
                     "prompt_tokens": int(x.prompt_tokens),
                     "status": x.status,
                     "reject_reason": x.reject_reason,
+                    "lost_reason": x.lost_reason,
                     "first_ts_us": int(x.first_ts),
                     "safe_context": safe,
                     "ratio": round(int(x.prompt_tokens) / safe, 4) if safe else None,

@@ -73,7 +73,7 @@ def nearest_frame(items: list[JSON]) -> pd.DataFrame:
                 "prompt tokens": x["prompt_tokens"],
                 "safe context": x["safe_context"],
                 "share of safe context": x["ratio"],
-                "status": x["status"] + (f" ({x['reject_reason']})" if x["reject_reason"] else ""),
+                "status": ui.request_status(x),
                 "first seen": ui.when(x["first_ts_us"]),
             }
             for x in items

@@ -127,6 +127,15 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
             f"last seen {ui.when(dep['last_seen'])} · {dep['firing_alerts']} firing alert(s), "
             f"{dep['critical_alerts']} critical · {dep['open_incidents']} open incident(s)"
         )
+        lost = dep.get("lost_requests") or {}
+        if lost.get("count"):
+            why = ", ".join(f"{k} {n}" for k, n in sorted(lost["by_reason"].items()))
+            st.warning(
+                f"**{lost['count']} request(s) lost** in the last {lost['window_s'] // 3600} h: "
+                f"their probe went away before they finished ({why}); latest "
+                f"{ui.when(lost['latest_at'])}.",
+                icon=":material/link_off:",
+            )
         for incident_id in sorted({a["incident_id"] for a in alerts or [] if a.get("incident_id")}):
             st.markdown(
                 f"[:material/emergency: Open incident #{incident_id}](/incident?id={incident_id})"

@@ -133,7 +133,7 @@ def _requests_of_read(doc: JSON, items: list[JSON]) -> None:
                         ("model", r["model_id"] or "—"),
                         ("prompt tokens", _num(r["prompt_tokens"])),
                         ("completion tokens", _num(r["completion_tokens"])),
-                        ("status", r["status"]),
+                        ("status", ui.request_status({**r, "reject_reason": None})),
                         ("rejected because", r["reject_reason"] or "—"),
                         ("first seen", ui.when(r["first_ts"])),
                         ("last seen", ui.when(r["last_ts"])),

@@ -1,8 +1,10 @@
 """``telemetry_gap``: what kvwatch cannot see. Lost events (seq gaps), requests without token
 counts or model ID (the incident's fourth link: nobody could say afterwards which requests
-crossed the threshold), probes that went silent, and sources a live producer watches that
-went silent (``source.gap``: ``kvwatch kv-events`` subscribed to an engine's KV events that
-never come while the engine serves, ``kvwatch scrape`` whose target stopped answering).
+crossed the threshold), probes that went silent, probes that went away with requests open
+(``lost_requests``: the collector closed them as lost, ``collector.lost``), and sources a live
+producer watches that went silent (``source.gap``: ``kvwatch kv-events`` subscribed to an
+engine's KV events that never come while the engine serves, ``kvwatch scrape`` whose target
+stopped answering).
 
 A probe that sends nothing may be *silent* (it should be sending and is not: a crashed
 engine, a lost network) or *idle* (nothing happens to report: a gateway nobody calls, an
@@ -49,7 +51,8 @@ class TelemetryGap(RuleKind):
         "quiet while something says they should be sending (another probe of the deployment "
         "sent since, requests were in flight, it sampled on a clock, its scrape fails). A "
         "quiet probe without such evidence is idle, and does not fire; nor does one that "
-        "stopped cleanly or was replaced by its restarted engine's new probe."
+        "stopped cleanly or was replaced by its restarted engine's new probe, unless it went "
+        "away with requests open (problem lost_requests: the collector closed them as lost)."
     )
 
     def check(self, params: TelemetryParams) -> None:
@@ -155,6 +158,26 @@ class TelemetryGap(RuleKind):
                 value=round(quiet, 1),
                 annotations={"summary": summary, "state": state},
             )
+            if probe.lost:
+                # A probe that went away with requests open (an engine killed or restarted
+                # mid-request: vLLM's SIGTERM sends no probe.stopped): how they ended is what
+                # kvwatch cannot see. Not twice: a silent probe's alert already says so.
+                yield rule.signal(
+                    "state",
+                    {
+                        "deployment_id": probe.deployment_id,
+                        "probe_id": probe.probe_id,
+                        "problem": "lost_requests",
+                    },
+                    firing=why is None and quiet <= p.forget_after_s,
+                    value=float(probe.lost),
+                    annotations={
+                        "summary": f"{name} went away ({probe.gone_reason or state}) with "
+                        f"{probe.lost} request(s) it admitted still open: closed as lost, "
+                        "their outcome unknown",
+                        "state": state,
+                    },
+                )
 
 
 # What a producer sends when its source gives figures again: an interval of data (the
