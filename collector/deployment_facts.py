@@ -64,7 +64,7 @@ def node_configs(
     conn: Connection, deployments: Iterable[str] | None
 ) -> dict[tuple[str, str], NodeConfig]:
     """The latest config of every node of these deployments (all deployments: ``None``),
-    ``stopped`` where the probe that reported it has stopped."""
+    ``stopped`` where the probe that reported it is gone (:func:`_gone`)."""
     t = m.DeploymentConfig.__table__
     out: dict[tuple[str, str], NodeConfig] = {}
     reporters: dict[tuple[str, str], str] = {}
@@ -92,16 +92,19 @@ def node_configs(
 
 def _gone(conn: Connection, reporters: dict[tuple[str, str], str]) -> list[tuple[str, str]]:
     """The nodes (of ``reporters``: node -> the probe of its latest stored config) that went
-    away: that probe said it stopped, and no running probe of the deployment has its root
-    (the same engine on the same host, restarted, reports an unchanged config, which is
-    not stored again: ``DeploymentConfig``'s invariant)."""
+    away: the collector knows that probe gone (``Probe.gone_at``, the one decision of
+    :mod:`collector.lost`: it said it stopped, a new probe replaced it on its node, or it
+    has been silent past ``probe_lost_after_s``; vLLM's engine core never says it stopped),
+    and no running probe of the deployment has its root (the same engine on the same host,
+    restarted, reports an unchanged config, which is not stored again:
+    ``DeploymentConfig``'s invariant)."""
     ids = sorted(set(reporters.values()))
     stopped: set[str] = set()
     for chunk in (ids[i : i + 500] for i in range(0, len(ids), 500)):
         stopped.update(
             conn.execute(
                 select(m.Probe.probe_id).where(
-                    m.Probe.probe_id.in_(chunk), m.Probe.stopped_at.is_not(None)
+                    m.Probe.probe_id.in_(chunk), m.Probe.gone_at.is_not(None)
                 )
             ).scalars()
         )
@@ -112,7 +115,7 @@ def _gone(conn: Connection, reporters: dict[tuple[str, str], str]) -> list[tuple
         (d, ev.probe_root(p))
         for d, p in conn.execute(
             select(m.Probe.deployment_id, m.Probe.probe_id).where(
-                m.Probe.deployment_id.in_(deps), m.Probe.stopped_at.is_(None)
+                m.Probe.deployment_id.in_(deps), m.Probe.gone_at.is_(None)
             )
         )
     }

@@ -35,9 +35,10 @@ class NodeConfig:
     """The engine configuration one node of a deployment last reported.
 
     ``dtype``: the KV cache's dtype as reported (``auto`` or ``unknown`` where a producer
-    could not resolve it: see :data:`UNRESOLVED_DTYPES`). ``stopped``: the probe that reported
-    this config has since said it stopped (``probe.stopped``) and the node reported nothing
-    newer: the node is gone (rules comparing live nodes leave it out); a config folded in
+    could not resolve it: see :data:`UNRESOLVED_DTYPES`). ``stopped``: the collector knows the probe
+    that reported this config gone (it said it stopped, was replaced on its node, or fell
+    silent past the bound: ``collector.lost``) and the node reported nothing newer: the node
+    is gone (rules comparing live nodes leave it out); a config folded in
     from a new event is never stopped.
     """
 

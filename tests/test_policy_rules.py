@@ -823,3 +823,32 @@ def test_a_silent_source_fires_until_its_producer_has_figures_again(env: Env) ->
     assert [a["state"] for a in source_alerts()] == ["firing"]
     env.send(ev.ProbeStopped(**f.base(7, probe=probe, ts=now)))
     assert [a["state"] for a in source_alerts()] == ["resolved"]
+
+
+def test_a_replica_killed_without_a_word_leaves_the_drift_once_the_collector_knows_it_gone(
+    env: Env,
+) -> None:
+    """vLLM's engine core never sends probe.stopped: a replica that disagreed and was then
+    killed keeps the drift firing only until the collector knows its probe gone (silent
+    past KVWATCH_PROBE_LOST_AFTER_S: the one decision of collector.lost), never forever."""
+    a = {"node": "gpu-a:8000", "role": "both", "disaggregated": False, "dtype": "bfloat16"}
+    b = {**a, "node": "gpu-b:8000"}
+    other = "probe-replica-b-1-abcdef"
+    env.send(cfg(env, prefix_caching=True, **a))
+    env.send(f.config(env.next(), probe=other, prefix_caching=False, **b))
+    env.tick()
+    (drift,) = [x for x in env.alerts("config_drift") if "node" not in x["labels"]]
+    assert drift["state"] == "firing"
+
+    sweep = LostRequests(env.db, lost_after_s=300)
+    assert sweep.close_silent(datetime.now(UTC) + timedelta(seconds=200)).probes == 0
+    env.tick()
+    (drift,) = [x for x in env.alerts("config_drift") if "node" not in x["labels"]]
+    assert drift["state"] == "firing"  # quiet, not yet known gone
+    # past the bound both are quiet; node A's engine is heard from again, B's never
+    assert sweep.close_silent(datetime.now(UTC) + timedelta(seconds=301)).probes == 2
+    env.send(f.admitted(env.next(), "r-a", tenant="acme", prompt=10, probe=env.probe))
+    env.tick()
+    (drift,) = [x for x in env.alerts("config_drift") if "node" not in x["labels"]]
+    assert drift["state"] == "resolved"
+    assert drift["annotations"]["nodes"] == "gpu-a:8000"
