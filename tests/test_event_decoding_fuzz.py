@@ -108,6 +108,16 @@ def _samples(seq: int, variant: int = 0) -> dict[str, dict[str, Any]]:
             cross_session_blocks=1 + v,
             lost_batches=v,
         ),
+        ev.SourceGap(
+            **f.base(seq, **at),
+            node=f"vllm-{v}:8000",
+            source="kv_events" if v == 0 else "metrics",
+            interval_s=5.0 + v,
+            silent_s=60.0 + v,
+            cause="engine_served" if v == 0 else "engine_down",
+            requests=12 + v,
+            reason=f"no KV event for {60 + v} s",
+        ),
     ]
     return {ev.kind_of(e): f.as_json(e) for e in events}
 
