@@ -46,7 +46,6 @@ import signal
 import socket
 import struct
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -517,7 +516,7 @@ def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
 
     model_dir = _tiny_model(workdir)
     port = free_port()
-    env = _sglang_env(collector, SGLANG_DEPLOYMENT, fault_injection=True)
+    env = _sglang_env(collector, SGLANG_DEPLOYMENT, workdir / "state", fault_injection=True)
     log_path = workdir / "sglang-server.log"
     proc = _popen(
         _sglang_command(SGLANG_PY, model_dir, port, pool_tokens=SGLANG_POOL_TOKENS),
@@ -538,7 +537,7 @@ def _start_sglang(workdir: Path, collector: EngineCollector) -> SglangServer:
 
 
 def _sglang_env(
-    collector: EngineCollector, deployment: str, *, fault_injection: bool
+    collector: EngineCollector, deployment: str, state: Path, *, fault_injection: bool
 ) -> dict[str, str]:
     """The environment of an SGLang server process with kvwatch's plugin active."""
     env = {
@@ -561,8 +560,9 @@ def _sglang_env(
         "KVWATCH_INGEST_TOKEN": collector.ingest,
         "KVWATCH_DEPLOYMENT_ID": deployment,
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
-        # the plugin's default spool/journal directory is per user: one per server here
-        "XDG_STATE_HOME": tempfile.mkdtemp(prefix="kvwatch-state-"),
+        # the plugin's default spool/journal directory is per user: one per server here, in
+        # its work directory (removed with it)
+        "XDG_STATE_HOME": str(state),
     }
     if fault_injection:
         # TEST ONLY: the positive control's injected fault (engine_probe/adapters/common.py):
@@ -832,7 +832,9 @@ def _start_pair(
     )
     try:
         for role, (pool, *extra) in roles.items():
-            role_env = _sglang_env(collector, deployment, fault_injection=False)
+            role_env = _sglang_env(
+                collector, deployment, workdir / f"state-{role}", fault_injection=False
+            )
             role_env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(PD_WAITING_TIMEOUT_S)
             role_env.update((env or {}).get(role, {}))
             # SGLang's own warm-up, as a user's server runs it: on decode, a fake transfer
