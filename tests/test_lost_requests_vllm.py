@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -37,7 +39,7 @@ from tests.engine_servers import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 LOST_AFTER_S = 300.0  # KVWATCH_PROBE_LOST_AFTER_S's default
-CLIENTS = 12
+CLIENTS = 10  # more than --max-num-seqs 8: some always queued
 GRACE_S = 5.0  # before SIGKILL (Kubernetes waits 30 s; the tiny model drains faster)
 
 
@@ -58,11 +60,22 @@ def doomed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
             stack.pop().__exit__(None, None, None)
 
 
-def _rows(server: VllmServer) -> list[dict[str, Any]]:
-    with server.collector.client() as c:
-        r = c.get("/v1/requests", params={"deployment_id": server.deployment_id, "limit": 100})
-        r.raise_for_status()
-        return list(r.json()["items"])
+def _rows(server: VllmServer, *, tries: int = 4) -> list[dict[str, Any]]:
+    # The collector runs in a thread of this process, beside an engine that keeps both
+    # cores of a 2-core machine busy (and more with other work): a read may wait past the
+    # client's 30 s. Asking again is what a person would do; correctness is not timing.
+    for attempt in range(tries):
+        try:
+            with server.collector.client() as c:
+                r = c.get(
+                    "/v1/requests", params={"deployment_id": server.deployment_id, "limit": 100}
+                )
+                r.raise_for_status()
+                return list(r.json()["items"])
+        except httpx.TimeoutException:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def test_sigterm_mid_request_leaves_rows_that_are_closed_as_lost(doomed: VllmServer) -> None:
@@ -79,7 +92,7 @@ def test_sigterm_mid_request_leaves_rows_that_are_closed_as_lost(doomed: VllmSer
     clients = [threading.Thread(target=client, daemon=True) for _ in range(CLIENTS)]
     for t in clients:
         t.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while not any(r["status"] == "admitted" for r in _rows(doomed)):
         assert time.monotonic() < deadline, (
             [(r["status"], r["completion_tokens"]) for r in _rows(doomed)],
@@ -123,7 +136,9 @@ def test_sigterm_mid_request_leaves_rows_that_are_closed_as_lost(doomed: VllmSer
     assert {(after[i]["status"], after[i]["lost_reason"]) for i in open_ids} == {
         ("lost", "probe_silent")
     }
-    assert all(after[i]["node"] == "node-0" for i in open_ids)
+    # each row names the node of its admission: the server's, by the node id rule
+    port = urlsplit(doomed.base_url).port
+    assert {after[i]["node"] for i in open_ids} == {f"{socket.gethostname()}:{port}"}
     with doomed.collector.client() as c:
         (dep,) = [
             d

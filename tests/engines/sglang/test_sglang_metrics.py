@@ -110,7 +110,7 @@ def test_each_data_parallel_rank_of_a_prefill_server_is_a_node() -> None:
     text = render({"model_name": "m", "engine_type": "prefill", "dp_ranks": ranks})
     scrape = translate("sglang", text, node="p")
     assert [(n.node, n.role, n.disaggregated, n.used_tokens) for n in scrape.nodes] == [
-        ("p/dp0", "prefill", True, 1_000),
+        ("p", "prefill", True, 1_000),  # rank 0 is the node itself (engine_probe.node)
         ("p/dp1", "prefill", True, 50_000),
     ]
     assert {n.pool_capacity_tokens for n in scrape.nodes} == {284_928}
