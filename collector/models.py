@@ -709,6 +709,67 @@ class Report(Base):
     created_by: Mapped[str] = mapped_column(String(NAME_MAX))
     sha256: Mapped[str] = mapped_column(String(64))
     body: Mapped[str] = mapped_column(Text)  # JSON object: the whole report
+    # A JWS (collector.signing) over the report's statement: its conclusions and the SHA-256
+    # of each file written from it. NULL for reports stored before signing existed.
+    signature: Mapped[str | None] = mapped_column(Text)
+
+
+# ---------------------------------------------------------------------- the case register
+
+
+class IncidentNotification(Base):
+    """One party's notification about an incident (GDPR Art. 33(2) to each controller, or
+    Art. 33(1) to the supervisory authority when the operator is the controller): prepared,
+    approved, sent and acknowledged are separate steps, each with who and when, each written
+    to the audit log. ``notice_id`` and ``notice_sha256`` name the exact notice; ``signature``
+    is the JWS over it (collector.signing).
+
+    Invariant: the steps' times only move forward (prepared <= approved <= sent <=
+    acknowledged), and a later step is never set without the earlier ones."""
+
+    __tablename__ = "incident_notifications"
+    __table_args__ = (Index(None, "incident_id", "party_kind", "party"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    incident_id: Mapped[int] = mapped_column(BigInteger)
+    party_kind: Mapped[str] = mapped_column(String(16))  # exposed | received | both | authority
+    party: Mapped[str] = mapped_column(String(ID_MAX))  # the tenant, or the authority's name
+    notice_id: Mapped[str] = mapped_column(String(64), unique=True)
+    notice_sha256: Mapped[str] = mapped_column(String(64))
+    notice: Mapped[str] = mapped_column(Text)  # JSON object: the notice as prepared
+    signature: Mapped[str | None] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))  # prepared|approved|sent|acknowledged
+    prepared_at: Mapped[datetime] = mapped_column(UtcMicros)
+    prepared_by: Mapped[str] = mapped_column(String(NAME_MAX))
+    approved_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    approved_by: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    sent_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    sent_by: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    channel: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    acknowledged_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+    acknowledged_by: Mapped[str | None] = mapped_column(String(NAME_MAX))
+    # A receiving party's confirmation that it deleted what it received.
+    deletion_confirmed_at: Mapped[datetime | None] = mapped_column(UtcMicros)
+
+
+class IncidentDecision(Base):
+    """A decision or measure recorded against an incident (GDPR Art. 33(5)): containment,
+    engine upgrade, deletion request, the Art. 34 decision, ... with who, when and why.
+    ``status`` ``done`` or ``open`` (a measure decided, not yet carried out). Append-only: a
+    change of mind is a new decision that ``supersedes`` the earlier one."""
+
+    __tablename__ = "incident_decisions"
+    __table_args__ = (Index(None, "incident_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    incident_id: Mapped[int] = mapped_column(BigInteger)
+    ts: Mapped[datetime] = mapped_column(UtcMicros)
+    actor: Mapped[str] = mapped_column(String(NAME_MAX))
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16))  # done | open
+    what: Mapped[str] = mapped_column(Text)
+    why: Mapped[str] = mapped_column(Text)
+    supersedes: Mapped[int | None] = mapped_column(BigInteger)
 
 
 # ---------------------------------------------------------------------- scheduled scrapes

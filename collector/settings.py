@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -19,6 +19,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine_probe.events import is_valid_id
+
+if TYPE_CHECKING:
+    from collector.signing import KeyRing
 
 
 class ScrapeTarget(BaseModel):
@@ -245,6 +248,14 @@ class Settings(BaseSettings):
         "your customers' apps: you notify each affected customer, the controller, without "
         "undue delay, Art. 33(2)) or 'controller' (first-party apps). Shapes tenant notices.",
     )
+    signing_key_dir: Path | None = Field(
+        default=None,
+        description="The directory of the Ed25519 keys that sign reports, notices, audit "
+        "exports and case files (collector/signing.py): keys.jwks, the public key set to "
+        "publish, and the current private key (0600). Unset: beside an embedded SQLite "
+        "database (<db dir>/signing-keys), else $XDG_STATE_HOME/kvwatch/signing-keys. Every "
+        "collector replica must see the same directory. A key is made on first use.",
+    )
     dpo_contact: str = Field(
         default="",
         description="The data protection officer's (or other contact point's) name and "
@@ -337,3 +348,9 @@ class Settings(BaseSettings):
             # Bare postgresql:// means psycopg2 to SQLAlchemy; we ship psycopg 3.
             v = "postgresql+psycopg://" + v[len("postgresql://") :]
         return v
+
+    def key_ring(self) -> KeyRing:
+        """The signing keys these settings name (:func:`collector.signing.key_dir`)."""
+        from collector.signing import KeyRing, key_dir
+
+        return KeyRing(key_dir(self.database_url, self.signing_key_dir))
