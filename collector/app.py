@@ -88,7 +88,7 @@ def create_app(
     ingester = IngestService(
         db, settings, metrics, authenticator, alerting if settings.policies_enabled else None
     )
-    reviews = ReviewService(db, limits)
+    reviews = ReviewService(db, limits, settings.key_ring())
     cards = LimitsService(db, limits)
 
     scheduled = (

@@ -24,6 +24,7 @@ from kvwatch.cli_common import (
 from kvwatch.cli_common import settings as collector_settings
 from kvwatch.cli_dashboard import dashboard
 from kvwatch.cli_gateway import gateway
+from kvwatch.cli_keys import keys_app
 from kvwatch.cli_kv_events import kv_events
 from kvwatch.cli_lifecycle import erase, retention_app
 from kvwatch.cli_reports import audit_app, report_app
@@ -46,6 +47,7 @@ db_app = KvwatchTyper(help="Database schema.", no_args_is_help=True)
 engine_app = KvwatchTyper(help="refengine, the reference paged-KV engine.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(tokens_app, name="tokens")
+app.add_typer(keys_app, name="keys")
 app.add_typer(engine_app, name="engine")
 app.add_typer(webhooks_app, name="webhooks")
 app.add_typer(policies_app, name="policies")

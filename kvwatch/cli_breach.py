@@ -45,11 +45,12 @@ def breach(
 ) -> None:
     """Breach assessment of --incident ID, or of --model M --since T --until T: writes
     breach-<id>.json/.csv/.pdf to --out, records it in the audit log, prints the paths."""
-    import json
 
     from collector.reports.breach import BreachScope, BreachService
     from collector.reports.breach_model import to_document
     from collector.reports.breach_pdf import render_pdf
+    from collector.reports.signed import report_json_bytes, sig_path
+    from collector.reports.stored import ReportStore
 
     if incident is not None and model is not None:
         err.print("[red]error:[/] give --incident, or --model with --since and --until, not both")
@@ -65,6 +66,7 @@ def breach(
     with database(database_url) as (db, s):
         service = BreachService(db, s)
         report = service.create(scope, created_by=by, late_reason=late_reason)
+        signature = ReportStore(db).signature(report.report_id)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"breach-{report.report_id}"
         paths = [stem.with_suffix(".json"), stem.with_suffix(".csv"), stem.with_suffix(".pdf")]
@@ -78,9 +80,11 @@ def breach(
         finally:
             part.unlink(missing_ok=True)
     doc = to_document(report)
-    text = json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    _write_whole(paths[0], text.encode())
+    _write_whole(paths[0], report_json_bytes(doc))
     _write_whole(paths[2], render_pdf(report))
+    if signature is not None:
+        _write_whole(sig_path(stem), signature.encode())
+        paths.append(sig_path(stem))
     for p in paths:
         typer.echo(str(p))
 
@@ -97,13 +101,116 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 def report_verify(
-    path: Annotated[Path, typer.Argument(help="A breach report's .json, or its .csv.")],
+    paths: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Files to check: a report's .json, .csv, .pdf, or any file with a .sig "
+            "beside it (a notice's .json/.md/.pdf)."
+        ),
+    ] = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--keys",
+            help="The published key set (a JWK set file, or a key directory); default: the "
+            "configured key directory's public set.",
+        ),
+    ] = None,
+    bundle: Annotated[
+        Path | None,
+        typer.Option(help="Check a case file (kvwatch incidents export) offline instead."),
+    ] = None,
+    database_url: DbUrl = None,
 ) -> None:
-    """Recompute a breach report's evidence hash. A .json is checked against the hash it
-    records; a .csv against the .json beside it (same name): its first line must name that
-    hash, and its rows must be that report's (recounted against the report's figures, and
-    holding every request the JSON lists). Exit 0 intact, 1 altered, 2 unreadable (a CSV of a
-    report of a schema this kvwatch does not read is unreadable; its JSON is not)."""
+    """Check files against their signatures (``S.sig`` beside ``S.json/.csv/.pdf``): the
+    signature against the published keys (which key, and whether it is retired), the file's
+    SHA-256, and when it differs, exactly what: a JSON path by path against the signed
+    conclusions, a CSV by recounting its rows, a PDF by reading its text back. A breach
+    report without a .sig (made before signing) has its evidence hash checked, and is said
+    to be unsigned. Exit 0 intact, 1 altered (or a signature that does not verify), 2
+    unreadable."""
+    from collector.errors import CollectorError
+    from collector.reports.signed import Unreadable, check_signed_file, key_words, sig_path
+
+    if bundle is not None:
+        from kvwatch.cli_case import verify_case_bundle
+
+        verify_case_bundle(bundle, keys)
+        return
+    if not paths:
+        err.print("[red]error:[/] give the files to check, or --bundle DIR")
+        raise typer.Exit(2)
+    key_set: dict[str, object] | None = None  # read when a signed file needs it
+    worst = 0
+    for path in paths:
+        if not sig_path(path).exists():
+            code, line = _unsigned_check(path)
+            worst = _worse(worst, code)
+            (typer.echo if code == 0 else _eprint)(line)
+            continue
+        key_set = key_set or _key_set(keys, database_url)
+        try:
+            check = check_signed_file(path, key_set)
+        except (Unreadable, CollectorError) as exc:
+            _eprint(f"error: {path}: {exc}")
+            worst = _worse(worst, 2)
+            continue
+        if check.ok:
+            typer.echo(f"intact: {path} ({check.summary})")
+            continue
+        worst = _worse(worst, 1)
+        _eprint(f"ALTERED: {path} ({check.summary})")
+        for p in check.problems:
+            _eprint(f"  {p}")
+        if check.signed is None:
+            continue
+        if check.signed.retired_at:
+            _eprint(f"  (signed by {key_words(check.signed)})")
+    if worst:
+        raise typer.Exit(worst)
+
+
+def _eprint(line: str) -> None:
+    err.print(line, markup=False, highlight=False)
+
+
+def _worse(a: int, b: int) -> int:
+    """Altered (1) outranks unreadable (2): a forgery is the finding, whatever else."""
+    if 1 in (a, b):
+        return 1
+    return max(a, b)
+
+
+def _key_set(keys: Path | None, database_url: str | None) -> dict[str, object]:
+    """The key set signatures are checked against: ``--keys``, else the configured key
+    directory's published set (exit 2 when there is none)."""
+    from collector.errors import CollectorError
+    from collector.signing import load_key_set
+    from kvwatch.cli_common import settings
+
+    try:
+        if keys is not None:
+            if not keys.exists():
+                raise FileNotFoundError(f"--keys {keys}: no such file or directory")
+            doc = load_key_set(keys)
+            where = str(keys)
+        else:
+            ring = settings(database_url).key_ring()
+            doc, where = ring.public_set(), str(ring.directory)
+    except (CollectorError, FileNotFoundError) as exc:
+        _eprint(f"error: {getattr(exc, 'message', None) or exc}")
+        raise typer.Exit(2) from None
+    if not doc.get("keys"):
+        _eprint(f"error: no published signing key in {where} (give --keys FILE)")
+        raise typer.Exit(2)
+    return doc
+
+
+def _unsigned_check(path: Path) -> tuple[int, str]:
+    """A breach report's file without a signature (made before reports were signed):
+    recompute its evidence hash. A .json is checked against the hash it records; a .csv
+    against the .json beside it (same name): its first line must name that hash, and its rows
+    must be that report's. Returns (exit code, the line to print)."""
     import json
 
     from collector.reports.breach import check_csv
@@ -114,6 +221,8 @@ def report_verify(
         from_document,
     )
 
+    if path.suffix not in (".json", ".csv"):
+        return 2, f"error: {path}: no signature beside it ({path.with_suffix('.sig').name})"
     json_path = path.with_suffix(".json")
     try:
         report = json.loads(json_path.read_text(encoding="utf-8"))
@@ -124,11 +233,9 @@ def report_verify(
         if missing:
             raise ValueError(f"no {', '.join(missing)} section")
     except FileNotFoundError:
-        err.print(f"[red]error:[/] {json_path}: no such file (a .csv is checked with its .json)")
-        raise typer.Exit(2) from None
+        return 2, f"error: {json_path}: no such file (a .csv is checked with its .json)"
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        err.print(f"[red]error:[/] {json_path}: not a kvwatch breach report ({exc})")
-        raise typer.Exit(2) from None
+        return 2, f"error: {json_path}: not a kvwatch breach report ({exc})"
     recomputed = evidence_digest(report)
     problems = []
     if recomputed != recorded:
@@ -138,26 +245,22 @@ def report_verify(
             typed = from_document(report)
         except UnreadableReport as exc:
             if not problems:  # intact, of a schema this kvwatch cannot recount a CSV against
-                err.print(f"[red]error:[/] {json_path}: {exc.message}")
-                raise typer.Exit(2) from None
-            err.print(f"[red]ALTERED:[/] {path} ({report_id}): {problems[0]}; {exc.message}")
-            raise typer.Exit(1) from None
+                return 2, f"error: {json_path}: {exc.message}"
+            return 1, f"ALTERED: {path} ({report_id}, unsigned): {problems[0]}; {exc.message}"
         try:
             # Streamed: a report's CSV can list millions of requests.
             with path.open(encoding="utf-8", newline="") as fh:
                 wrong = check_csv(typed, fh)
         except (OSError, UnicodeDecodeError) as exc:
-            err.print(f"[red]error:[/] {path}: {getattr(exc, 'strerror', None) or exc}")
-            raise typer.Exit(2) from None
+            return 2, f"error: {path}: {getattr(exc, 'strerror', None) or exc}"
         if wrong:
             problems.append(
                 f"{path.name} is not the affected-request list of {json_path.name} "
                 f"({'; '.join(wrong)})"
             )
     if problems:
-        err.print(f"[red]ALTERED:[/] {path} ({report_id}): " + "; ".join(problems))
-        raise typer.Exit(1)
-    typer.echo(f"intact: {path} ({report_id}), evidence_sha256 {recorded}")
+        return 1, f"ALTERED: {path} ({report_id}, unsigned): " + "; ".join(problems)
+    return 0, f"intact: {path} ({report_id}, unsigned), evidence_sha256 {recorded}"
 
 
 def report_notice(

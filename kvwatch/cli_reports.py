@@ -262,18 +262,25 @@ def report_review(
     from collector.limits import Limits
     from collector.reports.review import ReviewScope, ReviewService, to_csv
     from collector.reports.review_pdf import render_pdf
+    from collector.reports.signed import report_json_bytes, sig_path
+    from collector.reports.stored import ReportStore
 
     with database(database_url) as (db, s):
-        doc = ReviewService(db, Limits.for_settings(db, s)).create(
+        doc = ReviewService(db, Limits.for_settings(db, s), s.key_ring()).create(
             ReviewScope(since=since, until=until, deployment_id=deployment), created_by=by
         )
+        signature = ReportStore(db).signature(doc["report_id"])
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         stem = out_dir / f"review-{doc['report_id']}"
         paths = [stem.with_suffix(s) for s in (".json", ".csv", ".pdf")]
-        paths[0].write_text(_dumps(doc) + "\n", encoding="utf-8")
-        paths[1].write_text(to_csv(doc), encoding="utf-8")
+        # the bytes the signature covers (collector.reports.signed)
+        paths[0].write_bytes(report_json_bytes(doc))
+        paths[1].write_bytes(to_csv(doc).encode())
         paths[2].write_bytes(render_pdf(doc))
+        if signature is not None:
+            sig_path(stem).write_text(signature, encoding="ascii")
+            paths.append(sig_path(stem))
     except OSError as exc:
         err.print(f"[red]error:[/] cannot write into {out_dir}: {exc.strerror or exc}")
         raise typer.Exit(2) from None

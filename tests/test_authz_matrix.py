@@ -94,6 +94,8 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/reports"): _allow(201, "admin"),
     ("GET", "/v1/reports"): _allow(200, "admin"),
     ("GET", "/v1/reports/{report_id}"): _allow(200, "admin"),
+    ("GET", "/v1/reports/{report_id}/signature"): _allow(200, "admin"),
+    ("GET", "/v1/signing-keys"): _allow(200, *READERS),
     ("GET", "/v1/review"): _allow(200, *OPERATORS),
     ("GET", "/v1/inventory"): _allow(200, *READERS),
     ("GET", "/v1/audit/verify"): _allow(200, "admin"),

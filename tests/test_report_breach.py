@@ -70,6 +70,11 @@ def _events() -> list[Any]:
 
 @pytest.fixture
 def env(collector: Collector) -> Iterator[Env]:
+    yield from env_of(collector)
+
+
+def env_of(collector: Collector) -> Iterator[Env]:
+    """The incident every test here reads (also the signing and case-file tests')."""
     admin = collector.client(collector.admin)
     with collector.client(collector.ingest) as ingest:
         r = ingest.post("/v1/events", json=[f.as_json(e) for e in _events()])
@@ -245,7 +250,7 @@ def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
     )
     assert res.exit_code == 0, res.output
     paths = [Path(x) for x in res.output.split()]
-    assert [x.suffix for x in paths] == [".json", ".csv", ".pdf"]
+    assert [x.suffix for x in paths] == [".json", ".csv", ".pdf", ".sig"]
     assert all(x.exists() for x in paths)
     report = json.loads(paths[0].read_text())
     with env.db.read() as conn:
@@ -268,18 +273,20 @@ def test_window_report_through_the_cli(env: Env, tmp_path: Path) -> None:
     assert sorted(x["request_id"] for x in rows) == ["r-exposed", "r-victim"]
 
     # kvwatch report verify: intact as written; an edited CSV or JSON is caught
+    keys = ["--database-url", env.c.db_url]  # the published keys: the collector's
     for p in paths[:2]:
-        ok = CliRunner().invoke(cli, ["report", "verify", str(p)])
+        ok = CliRunner().invoke(cli, ["report", "verify", str(p), *keys])
         assert ok.exit_code == 0 and "intact" in ok.output, ok.output
     paths[1].write_text(paths[1].read_text().replace("r-victim", "r-someone"))
-    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[1])])
+    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[1]), *keys])
     assert bad.exit_code == 1 and "not the affected-request list" in bad.output
     edited = dict(report, affected_requests=dict(report["affected_requests"], count=1))
     paths[0].write_text(json.dumps(edited))
-    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[0])])
+    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[0]), *keys])
     assert (
         bad.exit_code == 1 and "ALTERED" in bad.output and report["evidence_sha256"] in bad.output
     )
+    assert "affected_requests.count: signed 2, file says 1" in bad.output
     gone = CliRunner().invoke(cli, ["report", "verify", str(tmp_path / "nope.csv")])
     assert gone.exit_code == 2 and "nope.json" in gone.output
     text = _pdf_checks(paths[2].read_bytes(), report)

@@ -213,11 +213,20 @@ def test_review_pdf_and_cli(collector: Collector, admin: httpx.Client, tmp_path:
     )
     assert res.exit_code == 0, res.output
     paths = [Path(p) for p in res.stdout.split()]
-    assert [p.suffix for p in paths] == [".json", ".csv", ".pdf"]
+    assert [p.suffix for p in paths] == [".json", ".csv", ".pdf", ".sig"]
     doc = json.loads(paths[0].read_text())
     assert doc["totals"] == {"requests": 351, "lost_requests": 0, "routes": 3, "highlighted": 2}
     assert len(paths[1].read_text().splitlines()) == 4  # header + 3 rows
     assert "560,000" in _pdf_text(paths[2].read_bytes(), doc["report_id"])
+
+    # signed: the three files verify; an edited total is named
+    keys = ["--database-url", collector.db_url]
+    ok = CliRunner().invoke(cli, ["report", "verify", *map(str, paths[:3]), *keys])
+    assert ok.exit_code == 0 and ok.output.count("intact:") == 3, ok.output
+    paths[0].write_text(json.dumps({**doc, "totals": {**doc["totals"], "highlighted": 0}}))
+    bad = CliRunner().invoke(cli, ["report", "verify", str(paths[0]), *keys])
+    assert bad.exit_code == 1, bad.output
+    assert "totals.highlighted: signed 2, file says 0" in bad.output
 
 
 def test_review_bad_window_and_default(collector: Collector, admin: httpx.Client) -> None:

@@ -16,7 +16,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment, attachment_file
-from collector.errors import Forbidden, InvalidInput
+from collector.errors import Forbidden, InvalidInput, NotFound
 from collector.reports.breach import BreachScope, BreachService
 from collector.reports.breach_model import from_document, to_document
 from collector.reports.notice import NoticeService
@@ -24,6 +24,7 @@ from collector.reports.notice import render_pdf as notice_pdf
 from collector.reports.notice import to_markdown as notice_md
 from collector.reports.review import ReviewScope, ReviewService
 from collector.reports.review import to_csv as review_csv
+from collector.reports.signed import report_json_bytes
 from collector.reports.stored import ID_PATTERN, ReportStore
 
 _ERRORS = params.errors(
@@ -157,8 +158,9 @@ def build_router(
         kind = doc.get("kind", "breach")
         name = f"{kind}-{report_id}"
         if format == "json":
-            # As stored: its evidence hash was taken over this document, whatever its schema.
-            return JSONResponse(doc)
+            # As stored: its evidence hash was taken over this document, whatever its schema;
+            # in the bytes its signature covers (the CLI writes the same).
+            return Response(report_json_bytes(doc), media_type="application/json")
         if kind == "review":
             from collector.reports.review_pdf import render_pdf as review_pdf
 
@@ -174,6 +176,29 @@ def build_router(
         from collector.reports.breach_pdf import render_pdf as breach_pdf
 
         return attachment(await in_thread(breach_pdf, report), name, "pdf")
+
+    @r.get(
+        "/v1/reports/{report_id:rpt}/signature",
+        responses={**_ERRORS, 200: {"content": {"application/jose": {}}}},
+        summary="A stored report's signature: the compact JWS over its JSON, CSV and PDF "
+        "(save it as <kind>-<id>.sig beside them; kvwatch report verify checks them)",
+    )
+    async def get_report_signature(report_id: str, who: Caller) -> Response:
+        who.require("admin")
+        token = await in_thread(store.signature, report_id)
+        if token is None:
+            raise NotFound(f"report {report_id} was stored before reports were signed")
+        return Response(token, media_type="application/jose")
+
+    @r.get(
+        "/v1/signing-keys",
+        responses=_ERRORS,
+        summary="The published signing keys (a JWK set, retired keys included): what "
+        "kvwatch's signatures are checked against",
+    )
+    async def get_signing_keys(who: Caller) -> dict[str, Any]:
+        who.require("admin", "read")
+        return await in_thread(service.settings.key_ring().public_set)
 
     @r.get(
         "/v1/incidents/{incident_id}/assessment",

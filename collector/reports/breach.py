@@ -322,7 +322,12 @@ class BreachService:
         """Build the report, store it and record it in the audit log; returns the report."""
         now = now or datetime.now(UTC)
         report = self.build(scope, now=now, late_reason=late_reason)
-        ReportStore(self.db).save(to_document(report), created_by=created_by, now=now)
+        from collector.reports.signed import sign_breach  # signing hook: docs/signing.md
+
+        signature = sign_breach(self, report, now)
+        ReportStore(self.db).save(
+            to_document(report), created_by=created_by, now=now, signature=signature
+        )
         return report
 
     def write_csv(self, report: BreachReport, sink: Callable[[bytes], Any]) -> int:
@@ -1192,7 +1197,15 @@ def check_csv(report: BreachReport, lines: Iterable[str]) -> list[str]:
         "rows per status": (dict(statuses), ar.by_status or dict(statuses)),
         "largest prompt": (max_prompt, ar.max_prompt_tokens),
     }
-    problems += [f"{what} differ" for what, (got, want) in expected.items() if got != want]
+    problems += [
+        f"{what} differ (file {got}, report {want})"
+        for what, (got, want) in expected.items()
+        if got != want
+    ]
     if listed:
-        problems.append(f"{len(listed)} request(s) the report lists are missing or changed")
+        rid = CSV_COLUMNS.index("request_id")
+        named = ", ".join(sorted(row[rid] for row in listed)[:20])
+        problems.append(
+            f"{len(listed)} request(s) the report lists are missing or changed: {named}"
+        )
     return problems

@@ -393,3 +393,56 @@ def _tenants_from_v2(t: Mapping[str, Any]) -> dict[str, Any]:
 
 def _row(x: Mapping[str, Any]) -> dict[str, Any]:
     return {"tenant": x["tenant"], "stale_reads": x["stale_reads"], "requests": x["requests"]}
+
+
+# What a breach report's signature states, section by section (docs/signing.md): the
+# conclusion whole (awareness, deadline, lateness, Art. 34 answer and reasons, checklist,
+# narrative, figures, notices) and, through evidence_sha256, the evidence sections. The
+# sample rows (``items``) are evidence, covered by the hash, not restated one by one.
+SIGNED_SECTIONS = (
+    "report_id",
+    "kind",
+    "schema_version",
+    "generated_at",
+    "mode",
+    "scope",
+    "incident",
+    "timeline",
+    "art34",
+    "checklist",
+    "account",
+    "affected_requests",
+    "tenants",
+    "data_categories",
+    "stale_reads",
+    "notices",
+    "involved_deployments",
+    "evidence_sha256",
+)
+_NOT_RESTATED = frozenset({"affected_requests.items", "stale_reads.items"})
+
+
+def flatten(value: Any, prefix: str, out: dict[str, Any], skip: frozenset[str]) -> None:
+    """``value`` as dotted paths (``timeline.deadline_at``, ``checklist.3.value``): one entry
+    per scalar, an empty list or object as itself."""
+    if prefix in skip:
+        return
+    if isinstance(value, Mapping) and value:
+        for k, v in value.items():
+            flatten(v, f"{prefix}.{k}", out, skip)
+    elif isinstance(value, list | tuple) and value:
+        for i, v in enumerate(value):
+            flatten(v, f"{prefix}.{i}", out, skip)
+    else:
+        out[prefix] = list(value) if isinstance(value, tuple) else value
+
+
+def signed_conclusions(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The one list of what a breach report's signature states: dotted JSON path -> value,
+    over :data:`SIGNED_SECTIONS` of the document. A verifier computes the same from a file
+    and names every path whose value is not the signed one."""
+    out: dict[str, Any] = {}
+    for key in SIGNED_SECTIONS:
+        if key in doc:
+            flatten(doc[key], key, out, _NOT_RESTATED)
+    return out

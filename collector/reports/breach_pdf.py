@@ -27,7 +27,7 @@ from collector.reports.breach_model import (
     DataCategories,
     Point,
 )
-from collector.reports.pdf import ReportPdf, short_time
+from collector.reports.pdf import ReportPdf, figure, short_time
 from collector.timefmt import parse_iso
 from policies.limits import strictest
 
@@ -186,11 +186,75 @@ def _art34_page(pdf: ReportPdf, a34: Art34) -> None:
     pdf.para(a34.note)
 
 
-def render_pdf(report: BreachReport) -> bytes:
-    rid = report.report_id
-    pdf = ReportPdf(rid, "breach assessment")
+def summary_rows(report: BreachReport) -> list[tuple[str, Any]]:
+    """The summary's label and value rows, as the PDF prints them; the signature records what
+    the PDF shows of each signed conclusion from the same rows (:func:`pdf_claims`)."""
     ar, tn, sr = report.affected_requests, report.tenants, report.stale_reads
     tl, cats, a34 = report.timeline, report.data_categories, report.art34
+    return [
+        ("Affected requests", ar.count),
+        # lost: the probe that admitted it went away before it finished
+        ("By status", ", ".join(f"{k} {n:,}" for k, n in ar.by_status.items()) or "—"),
+        ("Largest prompt (tokens)", ar.max_prompt_tokens),
+        ("Stale reads", f"{sr.count} ({sr.cross_tenant} cross-tenant, {sr.pages} pages)"),
+        ("Where data crossed", ", ".join(report.involved_deployments) or "none"),
+        ("Exposed tenants", tn.exposed_count),
+        ("Exposed requests", tn.exposed_requests),
+        ("Receiving tenants", tn.receiving_count),
+        ("Receiving requests", tn.receiving_requests),
+        ("Data subjects", _data_subjects(cats)),
+        ("Special categories", _special(cats)),
+        ("First event", tl.first_event_at),
+        ("Last event", tl.last_event_at),
+        ("Awareness", tl.awareness_at),
+        ("Art. 33 deadline", tl.deadline_at),
+        ("Late", "yes" if tl.late else "no"),
+        ("Late reason", tl.late_reason),
+        ("Art. 34 high risk", a34.verdict),
+    ]
+
+
+# The summary rows that state a signed conclusion: label -> its dotted path in the JSON.
+_SUMMARY_PATHS = {
+    "Affected requests": "affected_requests.count",
+    "Largest prompt (tokens)": "affected_requests.max_prompt_tokens",
+    "Exposed tenants": "tenants.exposed_count",
+    "Exposed requests": "tenants.exposed_requests",
+    "Receiving tenants": "tenants.receiving_count",
+    "Receiving requests": "tenants.receiving_requests",
+    "Awareness": "timeline.awareness_at",
+    "Art. 33 deadline": "timeline.deadline_at",
+    "Late": "timeline.late",
+    "Late reason": "timeline.late_reason",
+    "Art. 34 high risk": "art34.verdict",
+}
+
+
+def pdf_claims(report: BreachReport) -> dict[str, str]:
+    """What the PDF shows of each signed conclusion (dotted path -> text), so a verifier
+    reading a forged PDF's text back names the conclusions that are no longer there. Compared
+    with all whitespace removed (a line may wrap anywhere)."""
+    claims = {
+        path: f"{label} {figure(value)}"
+        for label, value in summary_rows(report)
+        if (path := _SUMMARY_PATHS.get(label)) is not None
+    }
+    claims["evidence_sha256"] = f"Evidence SHA-256 {report.evidence_sha256}"
+    claims["art34.rule"] = f"High risk: {report.art34.verdict}. Rule: {report.art34.rule}."
+    for i, reason in enumerate(report.art34.reasons):
+        claims[f"art34.reasons.{i}"] = f"- {reason}"
+    for i, it in enumerate(report.checklist):
+        claims[f"checklist.{i}.value"] = it.value + (f" (note: {it.note})" if it.note else "")
+    if report.account:
+        claims["account"] = report.account
+    return claims
+
+
+def render_pdf(report: BreachReport) -> bytes:
+    rid = report.report_id
+    pdf = ReportPdf(rid, "breach assessment", parse_iso(report.generated_at))
+    ar, tn, sr = report.affected_requests, report.tenants, report.stale_reads
+    cats, a34 = report.data_categories, report.art34
 
     # ---- cover
     pdf.add_page()
@@ -213,29 +277,7 @@ def render_pdf(report: BreachReport) -> bytes:
     pdf.kv(head, mono={"Evidence SHA-256"})
     pdf.ln(4)
     pdf.h1("Summary")
-    pdf.kv(
-        [
-            ("Affected requests", ar.count),
-            # lost: the probe that admitted it went away before it finished
-            ("By status", ", ".join(f"{k} {n:,}" for k, n in ar.by_status.items()) or "—"),
-            ("Largest prompt (tokens)", ar.max_prompt_tokens),
-            ("Stale reads", f"{sr.count} ({sr.cross_tenant} cross-tenant, {sr.pages} pages)"),
-            ("Where data crossed", ", ".join(report.involved_deployments) or "none"),
-            ("Exposed tenants", tn.exposed_count),
-            ("Exposed requests", tn.exposed_requests),
-            ("Receiving tenants", tn.receiving_count),
-            ("Receiving requests", tn.receiving_requests),
-            ("Data subjects", _data_subjects(cats)),
-            ("Special categories", _special(cats)),
-            ("First event", tl.first_event_at),
-            ("Last event", tl.last_event_at),
-            ("Awareness", tl.awareness_at),
-            ("Art. 33 deadline", tl.deadline_at),
-            ("Late", "yes" if tl.late else "no"),
-            ("Late reason", tl.late_reason),
-            ("Art. 34 high risk", a34.verdict),
-        ]
-    )
+    pdf.kv(summary_rows(report))
     pdf.ln(1)
     pdf.notes(SUMMARY_NOTES)
     pdf.para(

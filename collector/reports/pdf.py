@@ -4,6 +4,7 @@ matplotlib with the Agg backend, PNG in memory)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ class ReportPdf(FPDF):
     """``label`` names the kind of report in the title and every footer
     (``kvwatch <label> <report_id>``, ``page N of M``)."""
 
-    def __init__(self, report_id: str, label: str):
+    def __init__(self, report_id: str, label: str, created_at: datetime | None = None):
         super().__init__(format="A4")
         self.report_id = report_id
         self.label = label
@@ -33,6 +34,11 @@ class ReportPdf(FPDF):
         self.set_auto_page_break(auto=True, margin=18)
         self.set_title(f"{label[:1].upper()}{label[1:]} {report_id}")
         self.set_creator("kvwatch")
+        if created_at is not None:
+            # The document's own time, not the rendering's: the same report renders to the
+            # same bytes wherever and whenever (the API's and the CLI's PDF hash alike, so
+            # one signature covers both).
+            self.set_creation_date(created_at)
 
     def footer(self) -> None:
         self.set_y(-12)

@@ -30,6 +30,7 @@ from collector.db import Database
 from collector.errors import InvalidInput
 from collector.limits import Limits
 from collector.reports.stored import ReportStore, canonical
+from collector.signing import KeyRing
 from collector.timefmt import iso, to_micros
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
@@ -96,9 +97,10 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 
 class ReviewService:
-    def __init__(self, db: Database, limits: Limits):
+    def __init__(self, db: Database, limits: Limits, key_ring: KeyRing | None = None):
         self.db = db
         self.limits = limits
+        self.key_ring = key_ring  # signs what create() stores (None: unsigned, as before)
 
     def build(self, scope: ReviewScope, *, now: datetime | None = None) -> dict[str, Any]:
         now = now or datetime.now(UTC)
@@ -193,7 +195,10 @@ class ReviewService:
         """Build the review, store it and record it in the audit log; returns it."""
         now = now or datetime.now(UTC)
         doc = self.build(scope, now=now)
-        ReportStore(self.db).save(doc, created_by=created_by, now=now)
+        from collector.reports.signed import sign_review
+
+        signature = sign_review(self.key_ring, doc, now) if self.key_ring is not None else None
+        ReportStore(self.db).save(doc, created_by=created_by, now=now, signature=signature)
         return doc
 
     # ------------------------------------------------------------------ queries

@@ -55,7 +55,7 @@ def _chart(row: dict[str, Any]) -> bytes | None:
 
 def render_pdf(review: dict[str, Any]) -> bytes:
     rid = review["report_id"]
-    pdf = ReportPdf(rid, "quarterly review")
+    pdf = ReportPdf(rid, "quarterly review", parse_iso(review["generated_at"]))
     sc, tot = review["scope"], review["totals"]
     pdf.add_page()
     pdf.set_font("DejaVu", "B", 20)

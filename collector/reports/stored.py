@@ -7,6 +7,7 @@ reviews.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from typing import Any
@@ -32,8 +33,16 @@ class ReportStore:
     def __init__(self, db: Database):
         self.db = db
 
-    def save(self, report: dict[str, Any], *, created_by: str, now: datetime) -> None:
-        """Store ``report`` (with ``report_id``, ``kind``, ``scope``, ``evidence_sha256``)."""
+    def save(
+        self,
+        report: dict[str, Any],
+        *,
+        created_by: str,
+        now: datetime,
+        signature: str | None = None,
+    ) -> None:
+        """Store ``report`` (with ``report_id``, ``kind``, ``scope``, ``evidence_sha256``) and
+        the JWS over its files (:mod:`collector.reports.signed`)."""
         now_us = to_micros(now)
         with self.db.write() as conn:
             conn.execute(
@@ -45,6 +54,7 @@ class ReportStore:
                     created_by=created_by,
                     sha256=report["evidence_sha256"],
                     body=json.dumps(report, sort_keys=True, ensure_ascii=False),
+                    signature=signature,
                 )
             )
             audit.append(
@@ -57,6 +67,9 @@ class ReportStore:
                     "kind": report["kind"],
                     "scope": report["scope"],
                     "sha256": report["evidence_sha256"],
+                    "signature_sha256": None
+                    if signature is None
+                    else hashlib.sha256(signature.encode()).hexdigest(),
                 },
             )
 
@@ -69,6 +82,16 @@ class ReportStore:
             raise NotFound(f"no report {report_id!r}")
         report: dict[str, Any] = json.loads(body)
         return report
+
+    def signature(self, report_id: str) -> str | None:
+        """The report's JWS (None: stored before reports were signed)."""
+        with self.db.read() as conn:
+            row = conn.execute(
+                select(m.Report.signature).where(m.Report.report_id == report_id)
+            ).first()
+        if row is None:
+            raise NotFound(f"no report {report_id!r}")
+        return row[0]
 
     def listing(self, limit: int, kind: str | None = None) -> list[dict[str, Any]]:
         """Stored reports, newest first: identity, scope and evidence hash (not the body)."""
