@@ -139,7 +139,23 @@ def create_app(
         if verifier is None
         else Periodic("verify-schedules", settings.verify_schedule_tick_s, schedules.run_due)
     )
-    workers = (timer, dispatcher, rollups, maintainer, scrapes, verifications, lost_pass)
+    audit_log = AuditLog(db, settings.key_ring(), settings.audit_checkpoint_s)
+    # The audit chain's head signed every period: a chain rewritten without the key fails.
+    checkpoints = Periodic(
+        "audit-checkpoint",
+        settings.audit_checkpoint_s,
+        lambda: audit_log.checkpoint(actor="collector", now=datetime.now(UTC)),
+    )
+    workers = (
+        timer,
+        dispatcher,
+        rollups,
+        maintainer,
+        scrapes,
+        verifications,
+        lost_pass,
+        checkpoints,
+    )
 
     # SQLite takes one writer at a time anyway: more ingest threads would only fight over
     # the GIL and the write lock. PostgreSQL writers run in parallel (the driver releases
@@ -179,7 +195,7 @@ def create_app(
         breach.build_router(BreachService(db, settings, limits), reviews, ReportStore(db), notices)
     )
     app.include_router(
-        reports.build_router(InventoryService(db), cards, reviews, AuditLog(db), limits)
+        reports.build_router(InventoryService(db), cards, reviews, audit_log, limits)
     )
     app.include_router(dashboard.build_router(FleetService(db, cards), StatsService(db, limits)))
     app.include_router(tokens_api.build_router(TokenService(db)))

@@ -248,6 +248,14 @@ class Settings(BaseSettings):
         "your customers' apps: you notify each affected customer, the controller, without "
         "undue delay, Art. 33(2)) or 'controller' (first-party apps). Shapes tenant notices.",
     )
+    audit_checkpoint_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How often the collector signs the audit chain's head (an audit.checkpoint "
+        "entry holding a JWS over the last entry's id and hash, when anything was appended "
+        "since). `kvwatch audit verify` fails a chain with an entry older than twice this "
+        "that no checkpoint covers (checkpoints deleted, or no collector running).",
+    )
     signing_key_dir: Path | None = Field(
         default=None,
         description="The directory of the Ed25519 keys that sign reports, notices, audit "

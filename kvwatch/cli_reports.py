@@ -172,28 +172,87 @@ def audit_verify(
         Path | None,
         typer.Option(help="Check an exported bundle (kvwatch audit export) instead, offline."),
     ] = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--keys",
+            help="The published key set (JWK set file or key directory); default: the "
+            "configured key directory's.",
+        ),
+    ] = None,
     database_url: DbUrl = None,
 ) -> None:
-    """Check the audit log's hash chain. Exit 0 intact; 1 naming the first entry where it
-    breaks (edited, inserted, deleted or reordered)."""
-    from collector.reports.audit import AuditLog, verify_bundle
+    """Check the audit log's hash chain and its signed checkpoints. Exit 0 intact; 1 naming
+    the first entry where it breaks (edited, inserted, deleted or reordered), a checkpoint
+    whose signature or signed head does not match (a chain rewritten without the key), an
+    entry older than twice the checkpoint period that no checkpoint covers, or a bundle
+    whose manifest.sig is missing or invalid."""
+    from collector.reports.audit import AuditLog, verify_bundle_keyed
+    from collector.signing import load_key_set
+    from kvwatch.cli_common import settings
 
     if bundle is not None:
+        s = settings(database_url)
         try:
-            check = verify_bundle(bundle)
+            key_set = load_key_set(keys) if keys is not None else s.key_ring().public_set()
+            if not key_set.get("keys") and (bundle / "keys.jwks").is_file():
+                key_set = load_key_set(bundle / "keys.jwks")
+                kids = ", ".join(k.get("kid", "?") for k in key_set["keys"])
+                err.print(
+                    "[yellow]warning:[/] no --keys given: checked against the bundle's own key "
+                    f"set ({kids}); compare these key ids with the published ones (GET "
+                    "/v1/signing-keys, kvwatch keys public): a forger can ship a key of their own"
+                )
+            check = verify_bundle_keyed(bundle, key_set, s.audit_checkpoint_s)
         except CollectorError as exc:
             err.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
     else:
         _warn_if_a_bare_sqlite_copy(database_url)
-        with database(database_url) as (db, _):
-            check = AuditLog(db).verify()
+        with database(database_url) as (db, s):
+            key_set = load_key_set(keys) if keys is not None else s.key_ring().public_set()
+            log = AuditLog(db, s.key_ring(), s.audit_checkpoint_s)
+            check = log.verify_keyed(key_set, datetime.now(UTC))
+    chain = check.chain
     if check.ok:
-        err.print(f"[green]intact:[/] {check.entries} entries; head {check.head or '-'}")
+        err.print(f"[green]intact:[/] {chain.entries} entries; head {chain.head or '-'}")
+        if not check.keyed:
+            err.print("unsigned: no published signing key, the chain is checked unkeyed only")
+        elif check.signed_through is None:
+            err.print("no signed checkpoint yet (every entry is younger than the period)")
+        else:
+            by = ", ".join(
+                f"{k} ({'retired ' + r if r else 'current'})" for k, r in check.keys.items()
+            )
+            err.print(
+                f"signed through entry {check.signed_through} ({check.signed_entries} of "
+                f"{chain.entries} entries) by {check.checkpoints} checkpoint(s); keys: {by}",
+                markup=False,
+            )
         return
     where = f"broken at entry {check.first_bad_id}" if check.first_bad_id else "not intact"
-    err.print(f"[red]{where}:[/] {check.problem} ({check.entries} entries read)")
+    err.print(f"[red]{where}:[/] ", end="")
+    err.print(f"{check.problem} ({chain.entries} entries read)", markup=False)
     raise typer.Exit(1)
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint(
+    by: Annotated[str, typer.Option(help="Who signs it (audit log).")] = "cli",
+    database_url: DbUrl = None,
+) -> None:
+    """Sign the chain's head now (an audit.checkpoint entry), as the collector does every
+    KVWATCH_AUDIT_CHECKPOINT_S. Prints the entry id signed."""
+    from collector.reports.audit import AuditLog
+
+    with database(database_url) as (db, s):
+        eid = AuditLog(db, s.key_ring(), s.audit_checkpoint_s).checkpoint(
+            actor=by, now=datetime.now(UTC)
+        )
+    if eid is None:
+        err.print("nothing to sign: the log is empty or its last entry is a checkpoint")
+        return
+    typer.echo(str(eid))
 
 
 def _warn_if_a_bare_sqlite_copy(database_url: str | None) -> None:
@@ -224,15 +283,18 @@ def _warn_if_a_bare_sqlite_copy(database_url: str | None) -> None:
 @audit_app.command("export")
 def audit_export(
     out: Annotated[Path, typer.Option("--out", help="An empty (or new) directory.")],
+    by: Annotated[str, typer.Option(help="Who exports it (the checkpoint's actor).")] = "cli",
     database_url: DbUrl = None,
 ) -> None:
     """Write the audit log as a self-contained bundle (entries.jsonl, manifest.json with the
-    head hash and every file's SHA-256) that `kvwatch audit verify --bundle DIR` checks
-    without the database."""
+    head hash and every file's SHA-256, manifest.sig signing both) that `kvwatch audit
+    verify --bundle DIR` checks without the database. The head is signed (a checkpoint)
+    first."""
     from collector.reports.audit import AuditLog
 
-    with database(database_url) as (db, _):
-        manifest, check = AuditLog(db).export(out, datetime.now(UTC))
+    with database(database_url) as (db, s):
+        log = AuditLog(db, s.key_ring(), s.audit_checkpoint_s)
+        manifest, check = log.export(out, datetime.now(UTC), actor=by)
     state = "intact" if check.ok else f"NOT intact ({check.problem})"
     err.print(f"exported {manifest['entries']} entries, chain {state}; head {manifest['head']}")
     typer.echo(str(out))
