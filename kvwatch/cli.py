@@ -10,6 +10,7 @@ import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach, report_notice, report_verify
+from kvwatch.cli_casefile import incidents_export
 from kvwatch.cli_common import (
     DEBUG,
     EXIT_COULD_NOT_RUN,
@@ -54,6 +55,7 @@ app.add_typer(policies_app, name="policies")
 app.add_typer(alerts_app, name="alerts")
 app.add_typer(silences_app, name="silences")
 app.add_typer(incidents_app, name="incidents")
+incidents_app.command("export")(incidents_export)
 app.add_typer(report_app, name="report")
 report_app.command("breach")(breach)
 report_app.command("verify")(report_verify)

@@ -133,7 +133,7 @@ def report_verify(
     from collector.reports.signed import Unreadable, check_signed_file, key_words, sig_path
 
     if bundle is not None:
-        from kvwatch.cli_case import verify_case_bundle
+        from kvwatch.cli_casefile import verify_case_bundle
 
         verify_case_bundle(bundle, keys)
         return

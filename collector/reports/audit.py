@@ -48,6 +48,9 @@ class AuditLog:
 
     def verify_keyed(self, key_set: dict[str, Any], now: datetime) -> KeyedCheck:
         """The chain and its signed checkpoints against ``key_set`` (the published keys)."""
+        plain = self.verify()  # the chain, and whatever else verify() checks
+        if not plain.ok:
+            return KeyedCheck(plain, False, plain.problem, plain.first_bad_id)
         with self.db.read() as conn:
             return verify_keyed(entries(conn), key_set, period_s=self.period_s, now=now)
 

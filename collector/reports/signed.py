@@ -201,7 +201,7 @@ def _json_diff(data: bytes, signed: Mapping[str, Any]) -> list[str]:
             flatten(v, k, now, frozenset())
     out = []
     for p, want in signed.items():
-        got = now.get(p, _ABSENT)
+        got = lookup(doc, p)
         if got != want:
             out.append(f"{p}: signed {_show(want)}, file says {_show(got)}")
     # an item added beside signed ones (a checklist entry, a reason) the signature never saw
@@ -223,6 +223,19 @@ def _json_diff(data: bytes, signed: Mapping[str, Any]) -> list[str]:
     if not out:
         out.append("every signed conclusion is unchanged (re-serialised, or changed elsewhere)")
     return out
+
+
+def lookup(doc: Any, path: str) -> Any:
+    """The value at a dotted path (object keys, list indices); :data:`_ABSENT` when none."""
+    node = doc
+    for part in path.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _ABSENT
+    return node
 
 
 def _csv_diff(
