@@ -143,6 +143,12 @@ def report_verify(
     key_set: dict[str, object] | None = None  # read when a signed file needs it
     worst = 0
     for path in paths:
+        if path.suffix == ".sig" and path.is_file():  # a signature given itself (a glob)
+            key_set = key_set or _key_set(keys, database_url)
+            code, line = _signature_alone(path, key_set)
+            worst = _worse(worst, code)
+            (typer.echo if code == 0 else _eprint)(line)
+            continue
         if not sig_path(path).exists():
             code, line = _unsigned_check(path)
             worst = _worse(worst, code)
@@ -168,6 +174,22 @@ def report_verify(
             _eprint(f"  (signed by {key_words(check.signed)})")
     if worst:
         raise typer.Exit(worst)
+
+
+def _signature_alone(path: Path, key_set: dict[str, object]) -> tuple[int, str]:
+    """A ``.sig`` given on its own: does it verify, and what does it sign (the files are
+    checked when they are given)."""
+    from collector.reports.signed import key_words
+    from collector.signing import SignatureInvalid, verify
+
+    try:
+        v = verify(path.read_text(encoding="ascii"), key_set)
+    except (OSError, UnicodeDecodeError) as exc:
+        return 2, f"error: {path}: {exc}"
+    except SignatureInvalid as exc:
+        return 1, f"ALTERED: {path}: the signature does not verify: {exc.message}"
+    files = ", ".join(sorted(v.claims.get("files", {})))
+    return 0, f"valid: {path} ({v.claims.get('sub')}, by {key_words(v)}; signs {files})"
 
 
 def _eprint(line: str) -> None:

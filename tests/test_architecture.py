@@ -94,6 +94,7 @@ COLLECTOR_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "collector.rollups.buckets",
             "collector.notify.payloads",
             "collector.notify.signing",
+            "collector.signing",  # keys and JWS, no database: what settings names
         ),
     ),
 )

@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from collector.errors import CollectorError
 from collector.signing import (
     KeyRing,
     SignatureInvalid,
@@ -110,8 +111,11 @@ def sign_review(ring: KeyRing, doc: Mapping[str, Any], now: datetime) -> str:
 # ---------------------------------------------------------------------------- verifying
 
 
-class Unreadable(Exception):
+class Unreadable(CollectorError):
     """A file or its signature cannot be read at all (exit 2, not "altered")."""
+
+    status = 422
+    code = "unreadable"
 
 
 @dataclass
