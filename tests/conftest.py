@@ -129,6 +129,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         if request.node.get_closest_marker("empty_db") is None:
             shutil.copyfile(request.getfixturevalue("_sqlite_template"), path)
         return f"sqlite:///{path}"
+    # Its signing keys its own, as a SQLite test's are beside its file (collector.signing.key_dir)
+    request.getfixturevalue("monkeypatch").setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     return str(request.getfixturevalue("pg_url"))
 
 
