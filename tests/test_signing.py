@@ -24,6 +24,7 @@ from collector.signing import KeyRing, key_dir, load_key_set, sha256_bytes, veri
 from collector.timefmt import iso, parse_iso
 from kvwatch.cli import app as cli
 from tests.conftest import Collector
+from tests.pdf_helpers import assert_renders
 from tests.test_report_breach import Env, env_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -78,6 +79,19 @@ def test_a_signed_report_verifies_and_its_forgeries_do_not(env: Env, tmp_path: P
     assert claims["conclusions"]["art34.verdict"] == doc["art34"]["verdict"]
     assert claims["conclusions"]["account"] == doc["account"]
 
+    # the signed PDF as a person sees it: every page rendered, the signed deadline on page 1
+    signed_pdf = p[".pdf"].read_bytes()
+    assert assert_renders(signed_pdf, min_pages=3) >= 3
+    pdfium = pypdfium2.PdfDocument(signed_pdf)
+    try:
+        page = pdfium[0]
+        page.render(scale=1.0).to_pil().save(tmp_path / "signed-page-1.png")
+        assert f"Art. 33 deadline {doc['timeline']['deadline_at']}" in " ".join(
+            page.get_textpage().get_text_range().split()
+        )
+    finally:
+        pdfium.close()
+
     # the API serves the same bytes the signature covers, and the signature itself
     rid = doc["report_id"]
     api = tmp_path / "api"
@@ -112,8 +126,8 @@ def test_a_signed_report_verifies_and_its_forgeries_do_not(env: Env, tmp_path: P
     assert code == 1 and "ALTERED" in out
     assert f"timeline.deadline_at: the PDF no longer shows 'Art. 33 deadline {deadline}'" in out
     assert "art34.verdict: the PDF no longer shows" in out
-    pdfium = pypdfium2.PdfDocument(p[".pdf"].read_bytes())
-    pdfium.close()
+    assert f"it shows 'Art. 33 deadline {later}' instead" in out
+    assert "it shows 'Art. 34 high risk no' instead" in out
 
     # forged CSV: one row deleted (with the JSON put back, the rows are recounted)
     p[".json"].write_bytes(

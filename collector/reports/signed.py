@@ -298,8 +298,9 @@ def pdf_text(data: bytes) -> str:
 
 def _pdf_diff(data: bytes, shown: Mapping[str, str]) -> list[str]:
     """The signed conclusions whose rendered text the PDF no longer holds, and what it shows
-    where that text was."""
-    text = _squash(pdf_text(data))
+    where that text was (the rest of the line that starts as the signed text did)."""
+    raw = _FOOTER.sub("", pdf_text(data))
+    text = _squash(raw)
     out = []
     for p, want in shown.items():
         if _squash(want) in text:
@@ -308,12 +309,14 @@ def _pdf_diff(data: bytes, shown: Mapping[str, str]) -> list[str]:
         instead = ""
         for k in range(len(words) - 1, 0, -1):  # the longest start still there: the label
             head = _squash(" ".join(words[:k]))
-            at = text.find(head)
-            if at >= 0 and len(head) >= 4:
-                rest = len(_squash(" ".join(words[k:])))
-                found = text[at : at + len(head) + rest]
-                instead = f"; it shows {_clip(found)!r} (spaces removed) instead"
-                break
+            if len(head) < 4 or head not in text:
+                continue
+            found = re.search(r"\s*".join(map(re.escape, head)), raw)
+            if found is not None:
+                end = raw.find("\n", found.end())
+                line = " ".join(raw[found.start() : end if end >= 0 else None].split())
+                instead = f"; it shows {_clip(line)!r} instead"
+            break
         out.append(f"{p}: the PDF no longer shows {_clip(want)!r}{instead}")
     if not out:
         out.append("the PDF still shows every signed conclusion (changed elsewhere)")
