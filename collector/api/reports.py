@@ -13,6 +13,7 @@ from fastapi.responses import PlainTextResponse, Response
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
+from collector.audit_checkpoints import KeyedCheck
 from collector.errors import Forbidden
 from collector.limits import Limits
 from collector.reports.audit import AuditLog
@@ -149,16 +150,31 @@ def build_router(
             return attachment(await in_thread(render_pdf, doc), name, "pdf")
         return doc
 
-    @r.get("/v1/audit/verify", responses=_ERRORS, summary="Check the audit log's hash chain")
+    @r.get(
+        "/v1/audit/verify",
+        responses=_ERRORS,
+        summary="Check the audit log's hash chain and its signed checkpoints",
+        description="ok: the chain is intact and every checkpoint's signature and signed head "
+        "match it, with no entry older than twice the checkpoint period left unsigned "
+        "(docs/signing.md); signed_through: the last entry a checkpoint signs.",
+    )
     async def verify_audit(who: Caller) -> dict[str, Any]:
         who.require("admin")
-        c = await in_thread(audit_log.verify)
+
+        def check() -> KeyedCheck:
+            keys = audit_log.ring.public_set() if audit_log.ring else {"keys": []}
+            return audit_log.verify_keyed(keys, datetime.now(UTC))
+
+        c = await in_thread(check)
         return {
             "ok": c.ok,
-            "entries": c.entries,
+            "entries": c.chain.entries,
             "first_bad_id": c.first_bad_id,
             "problem": c.problem,
-            "head": c.head,
+            "head": c.chain.head,
+            "keyed": c.keyed,
+            "checkpoints": c.checkpoints,
+            "signed_through": c.signed_through,
         }
 
     return r
