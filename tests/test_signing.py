@@ -18,6 +18,7 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from collector import models as m
+from collector.db import Database
 from collector.reports.breach_model import from_document
 from collector.reports.breach_pdf import render_pdf
 from collector.signing import KeyRing, key_dir, load_key_set, sha256_bytes, verify
@@ -315,3 +316,41 @@ def test_a_rehashed_bundle_fails(env: Env, tmp_path: Path) -> None:
     code, out = _run("audit", "verify", "--bundle", str(bundle), "--keys", str(pub))
     print(out)
     assert code == 1 and "manifest.sig is missing" in out
+
+
+def test_the_collector_signs_the_chain_head_every_period(db_url: str) -> None:
+    """The periodic pass appends a signed checkpoint once something was appended since the
+    last one, and never one after another checkpoint (a quiet log does not grow)."""
+    from collector.app import create_app
+    from collector.settings import Settings
+    from kvwatch.embedded import serve_in_thread
+    from tests.conftest import make_token
+
+    make_token(db_url, "admin")  # an audit entry to sign
+    settings = Settings(database_url=db_url, auto_migrate=False, audit_checkpoint_s=0.2)
+    db = Database(db_url)
+    try:
+        with serve_in_thread(create_app(settings)):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                with db.read() as conn:
+                    actions = list(
+                        conn.execute(
+                            select(m.AuditEntry.action).order_by(m.AuditEntry.id)
+                        ).scalars()
+                    )
+                if actions and actions[-1] == "audit.checkpoint":
+                    break
+                time.sleep(0.1)
+            time.sleep(0.6)  # three more periods: nothing new, so no new checkpoint
+        with db.read() as conn:
+            after = list(
+                conn.execute(select(m.AuditEntry.action).order_by(m.AuditEntry.id)).scalars()
+            )
+    finally:
+        db.dispose()
+    assert actions[-1] == "audit.checkpoint", actions
+    assert after.count("audit.checkpoint") == 1, after
+    ring = KeyRing(key_dir(db_url, None))
+    code, out = _run("audit", "verify", "--database-url", db_url)
+    assert code == 0 and "signed through entry" in out and ring.current_kid() in out, out
