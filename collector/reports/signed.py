@@ -298,7 +298,10 @@ def pdf_text(data: bytes) -> str:
 
 def _pdf_diff(data: bytes, shown: Mapping[str, str]) -> list[str]:
     """The signed conclusions whose rendered text the PDF no longer holds, and what it shows
-    where that text was (the rest of the line that starts as the signed text did)."""
+    where that text was (the rest of the line that starts as the signed text did). Nothing
+    when the signature records no rendered text for this PDF (only its hash)."""
+    if not shown:
+        return []
     raw = _FOOTER.sub("", pdf_text(data))
     text = _squash(raw)
     out = []
