@@ -245,3 +245,15 @@ def test_a_tampered_case_file_fails(env: Env, tmp_path: Path) -> None:
     # not a case file at all: exit 2
     code, output = _run("report", "verify", "--bundle", str(tmp_path / "nope"), "--keys", str(pub))
     assert code == 2 and "not a case file" in output
+
+
+def test_export_refuses_what_it_cannot_do_cleanly(env: Env, tmp_path: Path) -> None:
+    db = ["--database-url", env.c.db_url]
+    code, out = _run("incidents", "export", "999", "--out", str(tmp_path / "none"), *db)
+    assert code == 2 and "no incident 999" in out and not (tmp_path / "none").exists()
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    code, out = _run("incidents", "export", str(env.incident_id), "--out", str(full), *db)
+    assert code == 2 and "not an empty directory" in out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

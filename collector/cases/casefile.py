@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import select
@@ -53,6 +54,9 @@ from collector.settings import Settings
 from collector.signing import SignatureInvalid, sha256_bytes, sha256_file, statement, verify
 from collector.timefmt import iso, to_micros
 
+if TYPE_CHECKING:
+    from collector.reports.breach_model import BreachReport
+
 FORMAT = "kvwatch-case-file/1"
 MANIFEST = "manifest.json"
 MANIFEST_SIG = "manifest.sig"
@@ -71,7 +75,6 @@ class CaseFiles:
         audit-logged as ``case.export``. Returns the manifest."""
         from collector.reports.breach import BreachScope, BreachService
         from collector.reports.breach_model import from_document
-        from collector.reports.breach_pdf import render_pdf
         from collector.reports.stored import ReportStore
 
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -91,16 +94,56 @@ class CaseFiles:
         signature = store.signature(rid)
         assert signature is not None  # _newest_signed_report, or signed just now
         report = from_document(doc)
-        ring = self.settings.key_ring()
         with self.db.write() as conn:
-            checkpoint(conn, ring, actor=actor, now=now)
-        out.mkdir(parents=True, exist_ok=True)
+            checkpoint(conn, self.settings.key_ring(), actor=actor, now=now)
+        # Written into a staging directory renamed to ``out`` once whole: an export that fails
+        # midway (rows erased since the report) leaves no half case file.
+        staging = out.parent / f".{out.name}.part"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            detail = self._write(
+                incident_id, rid, doc, report, signature, staging, actor=actor, now=now
+            )
+            if out.exists():
+                out.rmdir()  # empty, checked above
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        with self.db.write() as conn:
+            audit.append(
+                conn,
+                now_us=to_micros(now),
+                actor=actor,
+                action="case.export",
+                subject=f"incident:{incident_id}",
+                detail=detail,
+            )
+        return cast(dict[str, Any], json.loads((out / MANIFEST).read_text(encoding="utf-8")))
+
+    def _write(
+        self,
+        incident_id: int,
+        rid: str,
+        doc: dict[str, Any],
+        report: BreachReport,
+        signature: str,
+        out: Path,
+        *,
+        actor: str,
+        now: datetime,
+    ) -> dict[str, Any]:
+        """Every file into ``out``; returns the ``case.export`` entry's detail."""
+        from collector.reports.breach import BreachService
+        from collector.reports.breach_pdf import render_pdf
+
+        service = BreachService(self.db, self.settings)
+        ring = self.settings.key_ring()
         written: dict[str, bytes] = {}
         stem = f"breach-{rid}"
         written[f"{stem}.json"] = report_json_bytes(doc)
-        h = bytearray()
-        service.write_csv(report, h.extend)
-        written[f"{stem}.csv"] = bytes(h)
+        with (out / f"{stem}.csv").open("wb") as fh:  # streamed: it can list millions of rows
+            service.write_csv(report, fh.write)
         written[f"{stem}.pdf"] = render_pdf(report)
         written[f"{stem}.sig"] = signature.encode()
         written["stale-reads.json"] = report_json_bytes(doc["stale_reads"])
@@ -135,7 +178,7 @@ class CaseFiles:
         written[KEYS] = (json.dumps(ring.public_set(), indent=2) + "\n").encode()
         for name, data in written.items():
             (out / name).write_bytes(data)
-        files = {name: sha256_bytes(data) for name, data in sorted(written.items())}
+        files = {p.name: sha256_file(p) for p in sorted(out.iterdir())}
         signed_cp = [r for r in extract if r["action"] == CHECKPOINT]
         manifest = {
             "format": FORMAT,
@@ -169,21 +212,12 @@ class CaseFiles:
         )
         token = ring.sign(claims, now=now)
         (out / MANIFEST_SIG).write_text(token, encoding="ascii")
-        with self.db.write() as conn:
-            audit.append(
-                conn,
-                now_us=to_micros(now),
-                actor=actor,
-                action="case.export",
-                subject=f"incident:{incident_id}",
-                detail={
-                    "report_id": rid,
-                    "manifest_sha256": sha256_bytes(mbytes),
-                    "signature_sha256": hashlib.sha256(token.encode()).hexdigest(),
-                    "files": len(files) + 2,
-                },
-            )
-        return manifest
+        return {
+            "report_id": rid,
+            "manifest_sha256": sha256_bytes(mbytes),
+            "signature_sha256": hashlib.sha256(token.encode()).hexdigest(),
+            "files": len(files) + 2,
+        }
 
     def _newest_signed_report(self, incident_id: int) -> str | None:
         """The newest stored, signed breach report of the incident (the one on file)."""
