@@ -129,6 +129,9 @@ def run_demo(out_dir: Path | None) -> int:
     if breach_pdf is not None:
         summary["artefacts"]["breach_report_pdf"] = str(breach_pdf)
         console.print(f"breach assessment of the replayed incident: [bold]{breach_pdf}[/]")
+        case_dir = _case_file(settings, summary["incidents"][0]["id"], out)
+        summary["artefacts"]["case_file"] = str(case_dir)
+        console.print(f"its case file, signed: [bold]{case_dir}[/]")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     console.print(f"\nsummary: {out / 'summary.json'}")
     console.rule("explore the result")
@@ -143,8 +146,25 @@ def run_demo(out_dir: Path | None) -> int:
         f"  KVWATCH_DASHBOARD_TOKEN=$(cat {token_file}) {exe} dashboard   "
         "# with serve running: http://127.0.0.1:8501"
     )
+    if breach_pdf is not None:
+        print(f"  {exe} report verify --bundle {out / 'case-file'}   # offline, signatures and all")
     ok = stats["sent"] >= stats["emitted"] and sum(stats["dropped"].values()) == 0
     return 0 if ok else 1
+
+
+def _case_file(settings: Settings, incident_id: int, out: Path) -> Path:
+    """The replayed incident's case file (``kvwatch incidents export``), replacing an earlier
+    run's."""
+    from collector.cases.casefile import CaseFiles
+
+    case_dir = out / "case-file"
+    shutil.rmtree(case_dir, ignore_errors=True)
+    db = Database(settings.database_url)
+    try:
+        CaseFiles(db, settings).export(incident_id, case_dir, actor="demo", now=datetime.now(UTC))
+    finally:
+        db.dispose()
+    return case_dir
 
 
 def _synthetic_day(url: str, ingest_token: str, out: Path) -> synthetic.Day:

@@ -60,6 +60,10 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     assert pdf.parent == out and pdf.read_bytes().startswith(b"%PDF")
     assert str(pdf) in r.stdout.replace("\n", "")
     assert Path(summary["artefacts"]["database"]) == out / "kvwatch.db"
+    # the incident's case file, signed, verifies offline (against its own keys, with a warning)
+    case = kvwatch("report", "verify", "--bundle", summary["artefacts"]["case_file"])
+    assert case.returncode == 0, case.stdout + case.stderr
+    assert "intact: case file" in case.stdout and "no --keys given" in case.stderr
     with sqlite3.connect(out / "kvwatch.db") as conn:
         (stale,) = conn.execute(
             "SELECT count(*) FROM page_events WHERE kind = 'page.stale_read'"
