@@ -553,7 +553,7 @@ def test_tenant_notices_name_no_one_else(env: Env, tmp_path: Path) -> None:
     assert not out.exists()
     with env.db.read() as conn:
         actions = conn.execute(
-            select(m.AuditEntry.action).where(m.AuditEntry.action == "report.notice")
+            select(m.AuditEntry.action).where(m.AuditEntry.action == "notice.draft")
         ).all()
     assert len(actions) == 6
 

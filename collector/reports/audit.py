@@ -32,8 +32,16 @@ class AuditLog:
         self.db = db
 
     def verify(self) -> ChainCheck:
+        """The chain, then every incident's awareness and deadline against their latest
+        logged values (:func:`collector.cases.facts.check`)."""
+        from collector.cases import facts
+
         with self.db.read() as conn:
-            return verify(conn)
+            check = verify(conn)
+            wrong = facts.check(conn) if check.ok else []
+        if wrong:
+            return ChainCheck(False, check.entries, None, facts.describe(wrong))
+        return check
 
     def export(self, out: Path, now: datetime) -> tuple[dict[str, Any], ChainCheck]:
         """Write the bundle into ``out`` (created; must be empty); returns the manifest and
