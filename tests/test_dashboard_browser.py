@@ -370,7 +370,7 @@ def test_the_incident_page_shows_each_party_and_the_decision_register(
         f"{dashboards.main.url}/incident",
         "Notification of each party",
         "Decision register",
-        cells=(nid, "email to the DPO", "prompts over the pool refused at the gateway", party),
+        cells=(party, "sent", "email to the DPO", "prompts over the pool refused at the gateway"),
         charts=0,
     )
     shot(page, artifacts, "incident-case-register")

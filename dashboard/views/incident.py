@@ -189,22 +189,23 @@ def _case(c: CollectorClient, inc: JSON) -> None:
     st.subheader("Notification of each party")
     rows = [
         {
+            # What a person checks first on the left (the grid draws the columns in view)
             "party": p["party"],
             "kind": p["party_kind"],
-            "due": ui.when(p["due_at"]),
-            "notice": p["notice_id"] or "-",
             "state": p["state"],
-            "prepared": ui.when(p["prepared_at"]) if p["prepared_at"] else "-",
-            "approved": ui.when(p["approved_at"]) if p["approved_at"] else "-",
-            "sent": ui.when(p["sent_at"]) if p["sent_at"] else "-",
             "channel": p["channel"] or "-",
+            "late": "late" if p["late"] else ("overdue" if p["overdue"] else "no"),
+            "due": ui.when(p["due_at"]),
+            "sent": ui.when(p["sent_at"]) if p["sent_at"] else "-",
             "acknowledged": ui.when(p["acknowledged_at"]) if p["acknowledged_at"] else "-",
             "deletion confirmed": (
                 ui.when(p["deletion_confirmed_at"])
                 if p["deletion_confirmed_at"]
                 else ("-" if p["party_kind"] in ("received", "both") else "n/a")
             ),
-            "late": "late" if p["late"] else ("overdue" if p["overdue"] else "no"),
+            "prepared": ui.when(p["prepared_at"]) if p["prepared_at"] else "-",
+            "approved": ui.when(p["approved_at"]) if p["approved_at"] else "-",
+            "notice": p["notice_id"] or "-",
         }
         for p in case["parties"]
     ]
