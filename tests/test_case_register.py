@@ -115,6 +115,11 @@ def test_a_database_edit_to_the_deadline_fails_audit_verify(env: Env) -> None:
     text = " ".join(res.output.split())
     assert f"incident {env.incident_id} deadline_at" in text
     assert iso(later) in text and iso(inc.deadline_at) in text
+    # a report's clock is the logged one: the edit does not move it
+    report = BreachService(env.db, env.settings()).build(
+        BreachScope(incident_id=env.incident_id), now=datetime.now(UTC)
+    )
+    assert report.timeline.deadline_at == iso(inc.deadline_at)
     r = env.admin.get("/v1/audit/verify")
     assert r.status_code == 200 and r.json()["ok"] is False
     assert f"incident {env.incident_id} deadline_at" in r.json()["problem"]
@@ -497,4 +502,3 @@ def test_the_decision_register(env: Env) -> None:
     case = env.admin.get(f"/v1/incidents/{env.incident_id}/case").json()
     assert [d["kind"] for d in case["decisions"]] == ["containment", "art34"]
     assert case["deadline_at"] == iso(_incident(env).deadline_at)
-    _ = datetime.now(UTC)

@@ -24,7 +24,7 @@ from collector import audit
 from collector import models as m
 from collector.db import Database
 from collector.errors import InvalidInput, NotFound
-from collector.timefmt import iso, to_micros
+from collector.timefmt import iso, parse_iso, to_micros
 
 Field = Literal["awareness_at", "deadline_at"]
 FIELDS: tuple[Field, ...] = get_args(Field)
@@ -194,3 +194,17 @@ class FactService:
             return set_fact(
                 conn, incident_id, field, to_micros(at), why=why, by=by, now_us=to_micros(now)
             )
+
+
+def as_logged(
+    conn: Connection, incident_id: int, awareness_us: int, deadline_us: int
+) -> tuple[int, int]:
+    """The incident's (awareness, deadline) in µs as the audit log last records them; the
+    database's values stand in only for a fact never logged (or redacted). What reports and
+    notification due times are computed from: a database edit does not move them."""
+    known = logged(conn, incident_id).get(incident_id, {})
+    aw, dl = known.get("awareness_at"), known.get("deadline_at")
+    return (
+        to_micros(parse_iso(aw.value)) if aw else awareness_us,
+        to_micros(parse_iso(dl.value)) if dl else deadline_us,
+    )

@@ -26,6 +26,7 @@ from datetime import datetime
 from sqlalchemy import BigInteger, Connection, select, type_coerce
 
 from collector import models as m
+from collector.cases.facts import as_logged
 from collector.cases.register import Notification, notifications_for
 from collector.errors import NotFound
 from collector.settings import Settings
@@ -61,6 +62,9 @@ class PartyStatus:
 
 @dataclass(frozen=True, slots=True)
 class IncidentFacts:
+    """An incident's id, deployment and close, with its awareness and deadline as logged
+    (:func:`collector.cases.facts.as_logged`)."""
+
     id: int
     deployment_id: str
     awareness_at: int
@@ -81,7 +85,8 @@ def incident_facts(conn: Connection, incident_id: int) -> IncidentFacts:
     ).one_or_none()
     if r is None:
         raise NotFound(f"no incident {incident_id}")
-    return IncidentFacts(r.id, r.deployment_id, r.awareness_at, r.deadline_at, r.closed_at)
+    awareness, deadline = as_logged(conn, r.id, r.awareness_at, r.deadline_at)
+    return IncidentFacts(r.id, r.deployment_id, awareness, deadline, r.closed_at)
 
 
 def affected_tenants(conn: Connection, inc: IncidentFacts) -> dict[str, str]:

@@ -37,6 +37,7 @@ from sqlalchemy import BigInteger, Connection, select, type_coerce
 
 from collector import deployment_facts
 from collector import models as m
+from collector.cases.facts import as_logged
 from collector.cases.status import PartyStatus, late_parties, party_status
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
@@ -403,6 +404,7 @@ class BreachService:
         # Lateness from the notification register: what was sent when, against when it was
         # due (collector.cases.status), so a report generated later says the same.
         statuses = party_status(conn, inc.id, self.settings)
+        logged_facts = as_logged(conn, inc.id, inc.awareness_at, inc.deadline_at)
         stamp = _Stamp(
             stamp.now,
             stamp.late_reason,
@@ -456,8 +458,9 @@ class BreachService:
             deps=deps,
             model_ids=model_ids,
             incident=incident,
-            awareness_us=inc.awareness_at,
-            deadline_us=inc.deadline_at,
+            # as the audit log records them: a database edit does not move a report's clock
+            awareness_us=logged_facts[0],
+            deadline_us=logged_facts[1],
             series=series,
             window_us=(lo, hi),
             stamp=stamp,
