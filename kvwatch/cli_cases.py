@@ -174,7 +174,7 @@ def notify_approve(notice_id: str, by: By, database_url: DbUrl = None) -> None:
 def notify_send(
     notice_id: str,
     by: By,
-    channel: Annotated[str, typer.Option(help="How it was sent: email to …, portal, letter.")],
+    channel: Annotated[str, typer.Option(help="How it was sent (email to whom, portal, letter).")],
     out: Annotated[
         Path | None, typer.Option(help="Write <notice id>.json and .sig into this directory.")
     ] = None,
