@@ -252,6 +252,7 @@ def test_processor_notifies_each_controller_step_by_step(env: Env, tmp_path: Pat
     g = st["globex"]
     assert (g.state, g.late, g.overdue) == ("acknowledged", False, False)
     assert g.sent_at == iso(t + timedelta(hours=2))
+    assert g.sent_after_h == 3.0  # awareness -> sent: the delay Art. 33(2) asks about
     assert g.deletion_confirmed_at == iso(t + timedelta(hours=20))
     # acme: prepared, never sent: overdue now, never "late" (late is a recorded fact)
     assert (st["acme"].state, st["acme"].late, st["acme"].overdue) == ("prepared", False, True)

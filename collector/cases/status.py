@@ -56,6 +56,7 @@ class PartyStatus:
     acknowledged_at: str | None
     deletion_confirmed_at: str | None
     notices: int
+    sent_after_h: float | None  # hours from awareness to the sent notice: the delay counted
     late: bool
     overdue: bool | None
 
@@ -147,7 +148,9 @@ def party_status(
                 + ("" if controller else "; GDPR Art. 33(2): without undue delay")
             )
             counts = not controller
-        out.append(_status(party, kind, due, rule, counts, by_party.get(party, []), now))
+        out.append(
+            _status(party, kind, due, rule, counts, by_party.get(party, []), now, inc.awareness_at)
+        )
     return out
 
 
@@ -159,6 +162,7 @@ def _status(
     counts: bool,
     notes: list[Notification],
     now: datetime | None,
+    awareness_us: int,
 ) -> PartyStatus:
     # The notice that counts: the first one sent (it started the party's clock); else the
     # latest prepared (what is in the works).
@@ -184,6 +188,7 @@ def _status(
         acknowledged_at=acks[0] if acks else None,
         deletion_confirmed_at=deleted[0] if deleted else None,
         notices=len(notes),
+        sent_after_h=None if sent_us is None else round((sent_us - awareness_us) / 3600e6, 2),
         late=late,
         overdue=overdue,
     )

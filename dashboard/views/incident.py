@@ -197,6 +197,7 @@ def _case(c: CollectorClient, inc: JSON) -> None:
             "late": "late" if p["late"] else ("overdue" if p["overdue"] else "no"),
             "due": ui.when(p["due_at"]),
             "sent": ui.when(p["sent_at"]) if p["sent_at"] else "-",
+            "hours from awareness": "-" if p["sent_after_h"] is None else f"{p['sent_after_h']:g}",
             "acknowledged": ui.when(p["acknowledged_at"]) if p["acknowledged_at"] else "-",
             "deletion confirmed": (
                 ui.when(p["deletion_confirmed_at"])
