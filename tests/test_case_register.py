@@ -503,3 +503,20 @@ def test_the_decision_register(env: Env) -> None:
     case = env.admin.get(f"/v1/incidents/{env.incident_id}/case").json()
     assert [d["kind"] for d in case["decisions"]] == ["containment", "art34"]
     assert case["deadline_at"] == iso(_incident(env).deadline_at)
+
+
+def test_erasing_a_tenant_erases_it_from_the_register(env: Env) -> None:
+    """A notice names its tenant; erasure (Art. 17) walks the register's tables as every
+    other, and the audit chain still verifies."""
+    svc = NotificationService(env.db, env.settings())
+    p = svc.prepare(env.incident_id, "acme", by="alice", now=datetime.now(UTC))
+    res = run(env, "erase", "--tenant", "acme", "--yes")
+    assert res.exit_code == 0, res.output
+    with env.db.read() as conn:
+        party, notice = conn.execute(
+            select(m.IncidentNotification.party, m.IncidentNotification.notice).where(
+                m.IncidentNotification.notice_id == p.notification.notice_id
+            )
+        ).one()
+    assert party != "acme" and '"acme"' not in notice
+    assert run(env, "audit", "verify").exit_code == 0
