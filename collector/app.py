@@ -26,6 +26,7 @@ from collector.api import (
     reports,
     traces,
 )
+from collector.api import cases as cases_api
 from collector.api import schedules as schedules_api
 from collector.api import tokens as tokens_api
 from collector.api.bodies import LimitBody
@@ -194,6 +195,7 @@ def create_app(
     app.include_router(
         breach.build_router(BreachService(db, settings, limits), reviews, ReportStore(db), notices)
     )
+    app.include_router(cases_api.build_router(db, settings))
     app.include_router(
         reports.build_router(InventoryService(db), cards, reviews, audit_log, limits)
     )

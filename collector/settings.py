@@ -256,6 +256,23 @@ class Settings(BaseSettings):
         "since). `kvwatch audit verify` fails a chain with an entry older than twice this "
         "that no checkpoint covers (checkpoints deleted, or no collector running).",
     )
+    controller_notice_target_h: float = Field(
+        default=24.0,
+        gt=0,
+        le=72,
+        description="Hours from awareness within which each affected customer (controller) "
+        "is to be notified: kvwatch's measure of Art. 33(2)'s 'without undue delay' "
+        "(collector/cases/status.py). A notice sent later is 'late' in breach reports, the "
+        "CLI and the dashboard.",
+    )
+    supervisory_authority: str = Field(
+        default="supervisory authority",
+        min_length=1,
+        max_length=128,
+        description="The name of the supervisory authority notified under Art. 33(1) when "
+        "KVWATCH_OPERATOR_ROLE=controller (its notification is due at the incident's "
+        "deadline).",
+    )
     signing_key_dir: Path | None = Field(
         default=None,
         description="The directory of the Ed25519 keys that sign reports, notices, audit "

@@ -234,6 +234,11 @@ class CollectorClient:
         path = f"/v1/incidents/{incident_id}/assessment"
         return dict(self._json("GET", path, timeout_s=120))
 
+    def incident_case(self, incident_id: int) -> JSON:
+        """The incident's case register: each party's notification status and the decisions
+        (collector.cases)."""
+        return dict(self._json("GET", f"/v1/incidents/{incident_id}/case"))
+
     def incident_notice(self, incident_id: int, tenant: str) -> bytes:
         """The PDF notice to one tenant (admin; audited)."""
         r = self._send(

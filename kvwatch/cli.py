@@ -11,6 +11,7 @@ import typer
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach, report_notice, report_verify
 from kvwatch.cli_casefile import incidents_export
+from kvwatch.cli_cases import notify_app  # noqa: F401 - registers incidents' case commands
 from kvwatch.cli_common import (
     DEBUG,
     EXIT_COULD_NOT_RUN,

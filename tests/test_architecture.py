@@ -80,6 +80,7 @@ COLLECTOR_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "collector.partitions",
             "collector.reports.breach_rows",
             "collector.lost_rows",
+            "collector.cases.repository",
         ),
     ),
     (

@@ -77,6 +77,12 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, "admin"),
     ("GET", "/v1/incidents/{incident_id}/assessment"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
+    # the case register names tenants: operators read it, only admin changes it
+    ("GET", "/v1/incidents/{incident_id}/case"): _allow(200, *OPERATORS),
+    ("POST", "/v1/incidents/{incident_id}/facts"): _allow(200, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/decisions"): _allow(201, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/notifications"): _allow(201, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/notifications/steps"): _allow(200, "admin"),
     ("GET", "/v1/verifications"): _allow(200, "ingest", *READERS),
     # the limit in force: the gateway reads it with its ingest token
     ("GET", "/v1/limits"): _allow(200, "ingest", *READERS),
@@ -355,6 +361,22 @@ def _body(w: World, op: Operation) -> Any:
             "comment": "authz matrix",
         },
         ("POST", "/v1/incidents/{incident_id}/close"): lambda: {"reason": "authz matrix"},
+        ("POST", "/v1/incidents/{incident_id}/facts"): lambda: {
+            "field": "deadline_at",
+            "at": (w.now + timedelta(days=3)).isoformat(),
+            "why": "authz matrix",
+        },
+        ("POST", "/v1/incidents/{incident_id}/decisions"): lambda: {
+            "kind": "other",
+            "status": "open",
+            "what": "authz matrix",
+            "why": "authz matrix",
+        },
+        ("POST", "/v1/incidents/{incident_id}/notifications"): lambda: {"party": ACME},
+        ("POST", "/v1/incidents/{incident_id}/notifications/steps"): lambda: {
+            "notice_id": _prepared_notice(w),
+            "step": "approve",
+        },
         ("POST", "/v1/verifications"): lambda: {
             "deployment_id": DEP,
             "model_id": MODEL,
@@ -371,6 +393,13 @@ def _body(w: World, op: Operation) -> Any:
         return None
     assert op.key in bodies, f"no valid body for {op.key}: add one to _body()"
     return bodies[op.key]()
+
+
+def _prepared_notice(w: World) -> str:
+    """A notice just prepared (by admin), for a step to approve."""
+    r = w.client("admin").post(f"/v1/incidents/{w.incident_id}/notifications", json={"party": ACME})
+    assert r.status_code == 201, r.text
+    return str(r.json()["notice_id"])
 
 
 def _otlp_json(w: World) -> dict[str, Any]:

@@ -334,3 +334,43 @@ def test_pages_refresh_on_their_own(dashboards: Dashboards, page: Page) -> None:
     generated = page.get_by_text("Generated ", exact=False).first
     first = generated.inner_text()
     expect(generated).not_to_have_text(first, timeout=15_000)
+
+
+def test_the_incident_page_shows_each_party_and_the_decision_register(
+    seeded: h.Seeded, dashboards: Dashboards, page: Page, artifacts: Path
+) -> None:
+    """A decision recorded and a notice prepared, approved and sent through the API: the
+    incident page shows each party's due time and steps, and the register."""
+    base = f"/v1/incidents/{seeded.incident_id}"
+    with httpx.Client(
+        base_url=seeded.url, headers={"Authorization": f"Bearer {seeded.admin}"}, timeout=60
+    ) as admin:
+        r = admin.post(
+            f"{base}/decisions",
+            json={
+                "kind": "containment",
+                "status": "done",
+                "what": "prompts over the pool refused at the gateway",
+                "why": "no further stale reads",
+                "by": "on-call",
+            },
+        )
+        assert r.status_code == 201, r.text
+        parties = admin.get(f"{base}/case").json()["parties"]
+        assert parties, "the seeded incident has parties"
+        party = parties[0]["party"]
+        r = admin.post(f"{base}/notifications", json={"party": party, "by": "on-call"})
+        assert r.status_code == 201, r.text
+        nid = r.json()["notice_id"]
+        for step in ({"step": "approve"}, {"step": "send", "channel": "email to the DPO"}):
+            r = admin.post(f"{base}/notifications/steps", json={"notice_id": nid, **step})
+            assert r.status_code == 200, r.text
+    visit(
+        page,
+        f"{dashboards.main.url}/incident",
+        "Notification of each party",
+        "Decision register",
+        cells=(party, "sent", "email to the DPO", "prompts over the pool refused at the gateway"),
+        charts=0,
+    )
+    shot(page, artifacts, "incident-case-register")

@@ -223,7 +223,7 @@ def test_erasure_leaves_neither_name_nor_request_ids_anywhere(
     assert out["request_ids"] == len(ids)
     assert out["removed"]["requests"] == 2  # one in each of the demo's deployments
     assert out["rewritten"]["verifications"] == 1 and out["rewritten"]["incidents"] == 1
-    assert out["audit_log"]["redacted"] >= 3  # token.create, silence.create, report.notice...
+    assert out["audit_log"]["redacted"] >= 3  # token.create, silence.create, notice.draft...
     assert out["audit_log"]["named_in_hashed_fields"] == []
     assert "hash" in out["kept"]["audit_log"]
     assert HOOLI not in res.stdout and not ids & set(res.stdout.split())

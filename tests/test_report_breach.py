@@ -452,10 +452,25 @@ def test_a_window_names_only_the_deployments_where_data_crossed(env: Env) -> Non
     assert "lab-hardened" not in report["account"]
 
 
-def test_late_report_asks_for_a_reason(env: Env) -> None:
-    svc = BreachService(env.db, Settings(database_url=env.c.db_url, dpo_contact="dpo@x.example"))
+def test_late_report_asks_for_a_reason(env: Env, tmp_path: Path) -> None:
+    """Late is judged from the notification register (a controller's notice sent after its
+    due time), not from when the report is generated."""
+    from collector.cases.notifications import NotificationService
+
+    settings = Settings(
+        database_url=env.c.db_url, dpo_contact="dpo@x.example", signing_key_dir=tmp_path
+    )
+    svc = BreachService(env.db, settings)
     with env.db.read() as conn:
         deadline = conn.execute(select(m.Incident.deadline_at)).scalar_one()
+    unsent = to_document(
+        svc.build(BreachScope(incident_id=env.incident_id), now=deadline + timedelta(hours=1))
+    )
+    assert unsent["timeline"]["late"] is False  # generated late, but nothing was sent late
+    notices = NotificationService(env.db, settings)
+    nid = notices.prepare(env.incident_id, "acme", by="a", now=deadline).notification.notice_id
+    notices.step(nid, "approve", by="b", now=deadline)
+    notices.step(nid, "send", by="b", channel="email", now=deadline + timedelta(minutes=1))
     late = to_document(
         svc.build(BreachScope(incident_id=env.incident_id), now=deadline + timedelta(hours=1))
     )
@@ -560,7 +575,7 @@ def test_tenant_notices_name_no_one_else(env: Env, tmp_path: Path) -> None:
     assert not out.exists()
     with env.db.read() as conn:
         actions = conn.execute(
-            select(m.AuditEntry.action).where(m.AuditEntry.action == "report.notice")
+            select(m.AuditEntry.action).where(m.AuditEntry.action == "notice.draft")
         ).all()
     assert len(actions) == 6
 

@@ -59,6 +59,9 @@ def open_or_link(
             "deployment_id": dep,
             "alert_id": alert.id,
             "rule": rule.name,
+            # The incident's facts as first known: collector.cases.facts checks the
+            # database's values against these and every later logged change.
+            "awareness_at": iso(now_us),
             "deadline_at": iso(deadline),
         },
     )

@@ -43,8 +43,16 @@ class AuditLog:
         self.period_s = period_s  # KVWATCH_AUDIT_CHECKPOINT_S
 
     def verify(self) -> ChainCheck:
+        """The chain, then every incident's awareness and deadline against their latest
+        logged values (:func:`collector.cases.facts.check`)."""
+        from collector.cases import facts
+
         with self.db.read() as conn:
-            return verify(conn)
+            check = verify(conn)
+            wrong = facts.check(conn) if check.ok else []
+        if wrong:
+            return ChainCheck(False, check.entries, None, facts.describe(wrong))
+        return check
 
     def verify_keyed(self, key_set: dict[str, Any], now: datetime) -> KeyedCheck:
         """The chain and its signed checkpoints against ``key_set`` (the published keys)."""

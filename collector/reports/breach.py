@@ -37,6 +37,8 @@ from sqlalchemy import BigInteger, Connection, select, type_coerce
 
 from collector import deployment_facts
 from collector import models as m
+from collector.cases.facts import as_logged
+from collector.cases.status import PartyStatus, late_parties, party_status
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
 from collector.limits import Limits
@@ -287,10 +289,13 @@ def _new_report_id() -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Stamp:
-    """When a report is generated, and why late when it is."""
+    """When a report is generated, why late when it is, and the parties whose notice was
+    sent after its due time (from the notification register, never from ``now``)."""
 
     now: datetime
     late_reason: str | None
+    sent_late: tuple[PartyStatus, ...] = ()
+    deadline_rule: str = "GDPR Art. 33(1): 72 hours from awareness"
 
 
 class BreachService:
@@ -401,6 +406,16 @@ class BreachService:
         ).one_or_none()
         if inc is None:
             raise NotFound(f"no incident {scope.incident_id}")
+        # Lateness from the notification register: what was sent when, against when it was
+        # due (collector.cases.status), so a report generated later says the same.
+        statuses = party_status(conn, inc.id, self.settings)
+        logged_facts = as_logged(conn, inc.id, inc.awareness_at, inc.deadline_at)
+        stamp = _Stamp(
+            stamp.now,
+            stamp.late_reason,
+            tuple(late_parties(statuses)),
+            _deadline_rule(self.settings),
+        )
         prev_close = previous_close(conn, inc.deployment_id, inc.id)
         lo = to_micros(scope.since) if scope.since else (prev_close or 0)
         hi = to_micros(scope.until) if scope.until else (inc.closed_at or to_micros(stamp.now) + 1)
@@ -448,8 +463,9 @@ class BreachService:
             deps=deps,
             model_ids=model_ids,
             incident=incident,
-            awareness_us=inc.awareness_at,
-            deadline_us=inc.deadline_at,
+            # as the audit log records them: a database edit does not move a report's clock
+            awareness_us=logged_facts[0],
+            deadline_us=logged_facts[1],
             series=series,
             window_us=(lo, hi),
             stamp=stamp,
@@ -917,7 +933,7 @@ def _timeline(
         times += [agg.first_ts]
     if agg.last_ts is not None:
         times += [agg.last_ts]
-    late = deadline_us is not None and to_micros(stamp.now) > deadline_us
+    late = deadline_us is not None and bool(stamp.sent_late)
     return Timeline(
         first_event_at=iso(min(times)) if times else None,
         last_event_at=iso(max(times)) if times else None,
@@ -925,15 +941,34 @@ def _timeline(
         last_stale_read_at=reads[-1].ts if reads else None,
         awareness_at=iso(awareness_us),
         deadline_at=iso(deadline_us),
-        deadline_rule="GDPR Art. 33(1): 72 hours from awareness",
+        deadline_rule=stamp.deadline_rule,
         late=late,
         late_reason=(
             stamp.late_reason
-            or f"{NEEDS_PERSON}: generated after the 72-hour deadline; Art. 33(1) requires "
-            "the reasons for the delay"
+            or f"{NEEDS_PERSON}: "
+            + "; ".join(
+                f"the notice to {s.party} was sent at {s.sent_at}, due {s.due_at}"
+                for s in stamp.sent_late
+            )
+            + "; Art. 33 requires the reasons for the delay"
         )
         if late
         else None,
+    )
+
+
+def _deadline_rule(settings: Settings) -> str:
+    """What the timeline's deadline is, and what "late" is judged by, for the operator's role."""
+    if settings.operator_role == "controller":
+        return (
+            "GDPR Art. 33(1): 72 hours from awareness, to the supervisory authority; late when "
+            "its notification was sent after the deadline"
+        )
+    return (
+        "GDPR Art. 33(2): each controller without undue delay (kvwatch target "
+        f"{settings.controller_notice_target_h:g} h from awareness); late when a controller's "
+        "notice was sent after it. The deadline is the incident's Art. 33(1) 72 hours, the "
+        "controllers' own clock."
     )
 
 

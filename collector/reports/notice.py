@@ -65,9 +65,12 @@ class NoticeService:
                 conn,
                 now_us=to_micros(now),
                 actor=created_by,
-                action="report.notice",
+                # A file for someone to review, not a notification: preparing, approving
+                # and sending one are the steps of collector.cases.notifications.
+                action="notice.draft",
                 subject=f"incident:{incident_id}",
                 detail={
+                    "sent": False,
                     "tenant": tenant,
                     "kind": doc["kind"],
                     "assessment_evidence_sha256": report.evidence_sha256,

@@ -181,6 +181,70 @@ def _pool(c: CollectorClient, inc: JSON, doc: JSON) -> None:
     )
 
 
+def _case(c: CollectorClient, inc: JSON) -> None:
+    """Each party's notification (due, prepared, approved, sent, acknowledged, deletion
+    confirmed, late) and the decision register, as the collector decides them
+    (collector/cases/status.py): this page computes nothing of its own."""
+    case = c.incident_case(inc["id"])
+    st.subheader("Notification of each party")
+    rows = [
+        {
+            # What a person checks first on the left (the grid draws the columns in view)
+            "party": p["party"],
+            "kind": p["party_kind"],
+            "state": p["state"],
+            "channel": p["channel"] or "-",
+            "late": "late" if p["late"] else ("overdue" if p["overdue"] else "no"),
+            "due": ui.when(p["due_at"]),
+            "sent": ui.when(p["sent_at"]) if p["sent_at"] else "-",
+            "hours from awareness": "-" if p["sent_after_h"] is None else f"{p['sent_after_h']:g}",
+            "acknowledged": ui.when(p["acknowledged_at"]) if p["acknowledged_at"] else "-",
+            "deletion confirmed": (
+                ui.when(p["deletion_confirmed_at"])
+                if p["deletion_confirmed_at"]
+                else ("-" if p["party_kind"] in ("received", "both") else "n/a")
+            ),
+            "prepared": ui.when(p["prepared_at"]) if p["prepared_at"] else "-",
+            "approved": ui.when(p["approved_at"]) if p["approved_at"] else "-",
+            "notice": p["notice_id"] or "-",
+        }
+        for p in case["parties"]
+    ]
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, use_container_width=True)
+        st.caption(
+            "Due: "
+            + "; ".join(sorted({p["due_rule"] for p in case["parties"]}))
+            + ". Steps: `kvwatch incidents notify prepare|approve|send|ack|confirm-deletion`."
+        )
+    else:
+        st.info("No party to notify: no cross-tenant read in this incident.")
+    st.subheader("Decision register (Art. 33(5))")
+    decisions = case["decisions"]
+    if not decisions:
+        st.info("No decision recorded yet: `kvwatch incidents decide`.")
+        return
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {
+                    "#": d["id"],
+                    "when": ui.when(d["at"]),
+                    "by": d["by"],
+                    "kind": d["kind"],
+                    "status": d["status"] + (" (superseded)" if d["superseded"] else ""),
+                    "what": d["what"],
+                    "why": d["why"],
+                }
+                for d in decisions
+            ]
+        ),
+        hide_index=True,
+        use_container_width=True,
+        column_config={"what": st.column_config.TextColumn(width="large")},
+    )
+
+
 def _actions(c: CollectorClient, inc: JSON, doc: JSON) -> None:
     st.subheader("Write it down")
     if ui.token_scope(c) != "admin":
@@ -284,6 +348,7 @@ def render(c: CollectorClient) -> None:
     _cause(doc)
     _reads(doc)
     _pool(c, inc, doc)
+    _case(c, inc)
     _actions(c, inc, doc)
 
 
