@@ -251,8 +251,10 @@ def _tenant_view(c: CollectorClient) -> None:
                             "request": r["request_id"],
                             "first seen": ui.when(r["first_seen"]),
                             "prompt tokens": r["prompt_tokens"],
+                            # the extent in tokens: the answer that read the tenant's
+                            # prompt, or the tenant's own answer that may hold another's
+                            "answer tokens": r.get("reader_answer_tokens", r["completion_tokens"]),
                             "read at": ui.when(r["read_at"]),
-                            "pages": r["pages"],
                             who.replace("_", " "): r[who],
                         }
                         for r in view[rows]
