@@ -72,8 +72,8 @@ SUMMARY_NOTES = [
     (
         "Declared population",
         "the persons whose data the exposed requests' tenant or route carries, as the data map "
-        "declares it (shown only where it declares one for every exposed request): an upper "
-        "context, not the number concerned.",
+        "declares it (shown only where it declares one for every exposed request): not the "
+        "number of persons concerned.",
     ),
     (
         "Special categories",

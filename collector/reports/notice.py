@@ -318,12 +318,11 @@ def _legal_basis(kind: str, processor: bool) -> str:
     recipient asked to delete, not the controller of breached data."""
     if kind == "received":
         return (
-            "As your processor we inform you that answers to your requests may contain "
-            "another customer's data, and ask you to delete them and confirm. Your own data "
-            "was not disclosed, so nothing here is yours to notify under GDPR Art. 33 or 34."
+            "As your processor we ask you to delete the answers that may contain another "
+            "customer's data, and to confirm to us that you have."
             if processor
-            else "We inform you that answers to your requests may contain another customer's "
-            "data, and ask you to delete them and confirm. Your own data was not disclosed."
+            else "We ask you to delete the answers that may contain another customer's data, "
+            "and to confirm to us that you have."
         )
     basis = (
         "GDPR Art. 33(2): as your processor we notify you, the controller, without undue "
@@ -395,8 +394,10 @@ def _receiver_deletion(
         )
     elif total == 1:
         n = asked[0]
-        text = f"The customer whose request read your data was asked on {n.sent_at} to delete " + (
-            f"what it received, and confirmed on {n.deletion_confirmed_at} that it has."
+        text = (
+            f"The customer whose request read your data was asked on {_when(n.sent_at)} to delete "
+        ) + (
+            f"what it received, and confirmed on {_when(n.deletion_confirmed_at)} that it has."
             if n.deletion_confirmed_at
             else "what it received; it has not confirmed the deletion yet."
         )
@@ -491,8 +492,14 @@ def _check_names_no_one_else(doc: dict[str, Any], report: BreachReport, tenant: 
         raise NoticeLeak(f"the notice for {tenant!r} would name {len(leaked)} other party ids")
 
 
-Block = tuple[str, Any]  # ("h", title), ("p", text), ("small", text), ("list", items),
-# ("table", (headings, rows, widths))
+# ("h", title), ("p", text), ("label", text), ("small", text), ("list", items), ("draft",
+# reasons), ("table", (headings, rows, widths))
+Block = tuple[str, Any]
+
+
+def _when(at: str | None) -> str:
+    """An instant as a person reads it in a notice: to the second, UTC."""
+    return "-" if not at else at.replace("T", " ").rstrip("Z")[:19] + " UTC"
 
 
 def _tokens(n: int | None) -> str:
@@ -513,10 +520,9 @@ def _blocks(doc: dict[str, Any]) -> tuple[str, list[Block]]:
     )
     out: list[Block] = []
     if doc.get("draft", True):
-        out += [
-            ("h", "DRAFT: review before sending"),
-            ("list", [f"{why}." for why in doc.get("draft_because", [])]),
-        ]
+        out.append(
+            ("draft", [f"{why[:1].upper()}{why[1:]}." for why in doc.get("draft_because", [])])
+        )
     out.append(
         (
             "p",
@@ -561,7 +567,7 @@ def _blocks(doc: dict[str, Any]) -> tuple[str, list[Block]]:
             ),
             (
                 "p",
-                "Extent: your prompts that were read, "
+                "Extent, in tokens: your prompts whose pages were read, "
                 f"{_tokens(extent.get('your_prompt_tokens_read'))}; the answers to the "
                 "requests that read them, which may contain fragments of them, "
                 f"{_tokens(extent.get('answer_tokens_that_may_contain_your_data'))}.",
@@ -600,7 +606,7 @@ def _blocks(doc: dict[str, Any]) -> tuple[str, list[Block]]:
             ),
             (
                 "p",
-                "Extent: your answers that may contain another customer's data, "
+                "Extent, in tokens: your answers that may contain another customer's data, "
                 + _tokens(extent.get("your_answer_tokens_that_may_contain_another_customers_data"))
                 + ".",
             ),
@@ -611,9 +617,9 @@ def _blocks(doc: dict[str, Any]) -> tuple[str, list[Block]]:
     done, still_open = doc.get("measures_done") or [], doc.get("measures_open") or []
     if done or still_open:
         out += [
-            ("p", "Done:" if done else "No measure is recorded as done yet."),
-            ("list", [f"{m['what']} ({short_time(m['at'])} UTC)" for m in done]),
-            ("p", "Still open:" if still_open else "Nothing is recorded as still open."),
+            ("label", "Done:") if done else ("p", "No measure is recorded as done yet."),
+            ("list", [f"{m['what']} ({_when(m['at'])})" for m in done]),
+            ("label", "Still open:") if still_open else ("p", "Nothing is recorded as still open."),
             ("list", [m["what"] for m in still_open]),
         ]
     else:
@@ -633,10 +639,14 @@ def to_markdown(doc: dict[str, Any]) -> str:
     title, blocks = _blocks(doc)
     lines = [f"# {title}", ""]
     for kind, body in blocks:
-        if kind == "h":
+        if kind == "draft":
+            lines += ["> **DRAFT: review before sending**", ">", *(f"> - {x}" for x in body), ""]
+        elif kind == "h":
             lines += [f"## {body}", ""]
         elif kind == "list":
             lines += [*(f"- {x}" for x in body), ""]
+        elif kind == "label":
+            lines += [f"**{body}**", ""]
         elif kind == "table":
             headings, rows, _ = body
             lines += [
@@ -658,12 +668,25 @@ def render_pdf(doc: dict[str, Any]) -> bytes:
     pdf.add_page()
     pdf.h1(title)
     for kind, body in blocks:
-        if kind == "h":
+        if kind == "draft":
+            # unmissable, and only on a draft: a sent notice carries no review marker
+            pdf.set_text_color(192, 57, 43)
+            pdf.set_font("DejaVu", "B", 11)
+            pdf.cell(0, 7, "DRAFT: review before sending", new_x="LMARGIN", new_y="NEXT")
+            for x in body:
+                pdf.para(f"- {x}")
+            pdf.set_text_color(0, 0, 0)
+            pdf.ln(2)
+        elif kind == "h":
             pdf.ln(2)
             pdf.h1(body)
         elif kind == "list":
             for x in body:
                 pdf.para(f"- {x}")
+            pdf.ln(1.5)
+        elif kind == "label":
+            pdf.set_font("DejaVu", "B", 9)
+            pdf.multi_cell(0, 5, body, new_x="LMARGIN", new_y="NEXT")
         elif kind == "table":
             pdf.grid(*body)
         elif kind == "small":
@@ -671,6 +694,7 @@ def render_pdf(doc: dict[str, Any]) -> bytes:
             pdf.para(body, 8)
         else:
             pdf.para(body)
+            pdf.ln(1.5)
     pdf.ln(8)
     pdf.para("Signature: ______________________________    Date: ______________")
     return bytes(pdf.output())
