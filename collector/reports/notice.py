@@ -3,10 +3,13 @@
 Most operators of multi-tenant inference are processors for their tenants: under GDPR
 Art. 33(2) they notify each affected controller (the tenant) without undue delay, and the
 tenant runs its own 72 hours. A notice says what happened to *that tenant's* requests: for an
-exposed tenant, which of its requests' KV was read, when, how many pages, by "another customer
-of the service"; for a receiving tenant, which of its requests read another customer's KV,
-with the request to delete what those answers returned. The measures and the contact point
-follow.
+exposed tenant, which of its requests' KV was read, when, by "another customer of the
+service", the extent in tokens (its prompt, and the answer that may contain it), and whether
+that customer was asked to delete what it received and confirmed it; for a tenant that only
+received another customer's data, that its own data was not disclosed (not a breach of its
+data), which of its requests read another's KV, and the request to delete those answers; a
+tenant on both sides gets both parts. The measures are the decision register's, done and
+still open, never more; the contact point follows. Only a draft carries the review marker.
 
 Invariant: a notice never carries another tenant's identity or request ids. It is built from
 the breach assessment of the incident and checked against it before it is returned (every
