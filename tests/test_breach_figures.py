@@ -139,9 +139,9 @@ def test_the_figures_count_what_was_exposed(case: Case) -> None:
     # the records concerned: the one exposed request, never the reader's own request
     assert doc["affected_requests"]["count"] == 2  # either side: still reported as such
     assert items["records"] == (
-        "1 exposed request (prompts whose KV-cache pages another tenant's request read; what "
-        "each held is not stored). Counted apart: 1 receiving request that read them, whose "
-        "answers may contain fragments of those prompts."
+        "1 exposed request (a prompt whose KV-cache pages another tenant's request read; what "
+        "it held is not stored). Counted apart: 1 receiving request that read it, whose "
+        "answers may contain fragments of that prompt."
     )
     # the nature: 10 pages held another tenant's data, 732 no one's; never "742 pages" alone
     assert items["nature"] == (
@@ -168,7 +168,7 @@ def test_the_figures_count_what_was_exposed(case: Case) -> None:
         r"tenant's data, 732 no one's",
         text,
     )
-    assert "1 exposed request (prompts whose KV-cache pages" in text
+    assert "1 exposed request (a prompt whose KV-cache pages" in text
     assert "carried" not in text and "2 requests" not in text
 
 

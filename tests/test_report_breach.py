@@ -178,8 +178,8 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert checklist["contact"]["needs_person"] is True
     assert checklist["contact"]["value"] == "needs a person"
     # the records concerned are the exposed ones (r-exposed), never the request that read them
-    assert checklist["records"]["value"].startswith("1 exposed request (prompts whose")
-    assert "Counted apart: 1 receiving request that read them" in checklist["records"]["value"]
+    assert checklist["records"]["value"].startswith("1 exposed request (a prompt whose")
+    assert "Counted apart: 1 receiving request that read it" in checklist["records"]["value"]
     assert checklist["records"]["needs_person"] is False
     steps = [x["step"] for x in report["cause"]]
     assert steps == ["pool_below_advertised", "prefill_rejected", "stale_read_cross_tenant"]

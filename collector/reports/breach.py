@@ -773,7 +773,9 @@ class BreachService:
                 "33(3)(a)",
                 "Categories of data subjects and of personal data records",
                 (
-                    "Data subjects: tenants (and their end users); data: "
+                    "Data subjects: the persons the exposed prompts are about (the tenants' "
+                    "end users, staff or customers; tenants are controllers, not data "
+                    "subjects); data: "
                     + (", ".join(cat_names) if cat_names else "no category tags on the requests")
                 ),
                 "data" if cat_names else "person",
@@ -1081,11 +1083,19 @@ def records_statement(t: Tenants, ar: AffectedRequests) -> str:
             f"none exposed: no cross-tenant stale read in scope ({_count(ar.count, 'request')} "
             "in scope)"
         )
+    one = t.exposed_requests == 1
     return (
-        f"{_count(t.exposed_requests, 'exposed request')} (prompts whose KV-cache pages "
-        "another tenant's request read; what each held is not stored). Counted apart: "
-        f"{_count(t.receiving_requests, 'receiving request')} that read them, whose answers "
-        "may contain fragments of those prompts."
+        f"{_count(t.exposed_requests, 'exposed request')} ("
+        + (
+            "a prompt whose KV-cache pages another tenant's request read; what it held is "
+            if one
+            else "prompts whose KV-cache pages another tenant's request read; what each held is "
+        )
+        + "not stored). Counted apart: "
+        f"{_count(t.receiving_requests, 'receiving request')} that read "
+        + ("it" if one else "them")
+        + ", whose answers may contain fragments of "
+        + ("that prompt." if one else "those prompts.")
     )
 
 

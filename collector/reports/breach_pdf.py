@@ -282,10 +282,10 @@ def render_pdf(report: BreachReport) -> bytes:
         pdf.ln(2)
         pdf.h1("Notices to tenants this implies (Art. 33(2))")
         pdf.grid(
-            ["tenant", "its data was", "written by"],
+            ["tenant", "concerns", "written by"],
             [
-                [n.tenant, {"exposed": "read by another", "received": "sent another's",
-                            "both": "both"}[n.kind], n.command]
+                [n.tenant, {"exposed": "its data was read", "received": "it received "
+                            "another's data", "both": "both"}[n.kind], n.command]
                 for n in report.notices
             ],
             [34, 36, 120],
