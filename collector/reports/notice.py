@@ -291,9 +291,9 @@ def build_notice(
         ],
         "extent": _extent(exposed, received, request, answer_tokens),
         "please_delete": (
-            "The answers to your requests listed under 'your requests that read another' may "
-            "contain fragments of another customer's data. Please delete those answers and "
-            "anything derived from them, and confirm to us that you have."
+            "The answers to your requests listed under 'Your requests that read another "
+            "customer's data' may contain fragments of that customer's data. Please delete "
+            "those answers and anything derived from them, and confirm to us that you have."
             if received
             else None
         ),
