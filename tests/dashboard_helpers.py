@@ -260,7 +260,12 @@ def seeded_collector(tmp: Path) -> Iterator[Seeded]:
     db_url = f"sqlite:///{tmp / 'kvwatch.db'}"
     migrate.upgrade(db_url)
     settings = Settings(
-        database_url=db_url, auto_migrate=False, rollup_interval_s=0.2, notify_enabled=False
+        database_url=db_url,
+        auto_migrate=False,
+        rollup_interval_s=0.2,
+        notify_enabled=False,
+        # a notice without a contact point is a draft, and a draft is not sent
+        dpo_contact="Data protection officer, dpo@operator.example",
     )
     with serve_in_thread(create_app(settings)) as url:
         yield seed(url, db_url)

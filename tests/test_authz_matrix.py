@@ -596,7 +596,10 @@ def test_a_tenant_token_is_refused_the_other_tenant_by_filter_and_id(
     (inc,) = _ok(c.get("/v1/incidents"))
     side = "received" if tenant == GLOBEX else "exposed"
     assert (inc["id"], inc["concerns"]) == (world.incident_id, side)
-    assert inc["summary"].startswith("This incident concerns your data")
+    assert inc["summary"].startswith(
+        "This incident concerns "
+        + ("data your requests received" if side == "received" else "your data")
+    )
     view = _ok(c.get(f"/v1/incidents/{world.incident_id}"))
     assert view["tenant"] == tenant and view["concerns"] == side
     key = "read_by_another" if side == "exposed" else "that_read_another"

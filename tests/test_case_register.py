@@ -47,7 +47,21 @@ class Env:
     keys: Path
 
     def settings(self, **kw: Any) -> Settings:
+        kw.setdefault("dpo_contact", "Data protection officer, dpo@operator.example")
         return Settings(database_url=self.c.db_url, signing_key_dir=self.keys, **kw)
+
+    def record_a_measure(self, now: datetime) -> None:
+        """A tenant notice states the measures from the register; with none it is a draft,
+        which is not approved or sent."""
+        DecisionService(self.db).decide(
+            self.incident_id,
+            kind="containment",
+            status="done",
+            what="prompts above the prefill pool refused at the gateway",
+            why="no further stale reads",
+            by="on-call",
+            now=now,
+        )
 
 
 @pytest.fixture
@@ -212,7 +226,14 @@ def test_processor_notifies_each_controller_step_by_step(env: Env, tmp_path: Pat
     assert "Art. 33(2)" in st["acme"].due_rule
 
     t = aware + timedelta(hours=1)
+    # nothing recorded in the decision register yet: the notice is a draft, not approved
+    draft = svc.prepare(env.incident_id, "acme", by="alice", now=t)
+    assert draft.notice["draft"] is True and draft.notice["draft_because"]
+    with pytest.raises(Conflict, match="is a draft"):
+        svc.step(draft.notification.notice_id, "approve", by="bob", now=t)
+    env.record_a_measure(t)
     acme = svc.prepare(env.incident_id, "acme", by="alice", now=t)
+    assert acme.notice["draft"] is False
     globex = svc.prepare(env.incident_id, "globex", by="alice", now=t)
     assert acme.notification.notice_id.startswith("ntc_")
     assert acme.notice["notice_id"] == acme.notification.notice_id
@@ -380,6 +401,7 @@ def test_a_report_regenerated_five_days_later_says_what_the_original_said(env: E
     s = env.settings()
     svc = NotificationService(env.db, s)
     inc = _incident(env)
+    env.record_a_measure(inc.awareness_at + timedelta(minutes=30))
     for party in ("acme", "globex"):  # each controller told within the target
         p = svc.prepare(
             env.incident_id, party, by="alice", now=inc.awareness_at + timedelta(hours=1)

@@ -134,6 +134,19 @@ def _the_demos_incident_as_a_dpo_reads_it(out: Path, incident_id: int, tmp: Path
     assert tenants["receiving_count"] == 1
     assert first["data_categories"]["data_subjects"] is None
     assert first["art34"]["verdict"] == "undetermined"
+    # the records concerned: hooli's one exposed request, not massive-dynamic's own as well
+    checklist = {x["key"]: x["value"] for x in first["checklist"]}
+    assert checklist["records"].startswith("1 exposed request (")
+    assert "Counted apart: 1 receiving request" in checklist["records"]
+    # the nature: the pages that held hooli's data apart from those that held no one's
+    reads = first["stale_reads"]["items"]
+    crossed = sum(s["page_count"] for s in reads if s["cross_tenant"])
+    no_one = sum(s["page_count"] for s in reads if not s["previous_tenant"])
+    assert crossed and no_one  # the demo's reader read both
+    assert f"covered {crossed:,} pages that held another tenant's data" in checklist["nature"]
+    assert f"covered {no_one:,} pages that held no one's data" in checklist["nature"]
+    assert f"{crossed + no_one:,} pages" not in checklist["nature"]
+    assert "carried" not in json.dumps(first) and "may contain" in checklist["nature"]
 
     (route,) = {i["route"] for i in first["affected_requests"]["items"] if i["tenant"] == "hooli"}
     datamap = tmp / "datamap.yaml"
@@ -152,6 +165,30 @@ def _the_demos_incident_as_a_dpo_reads_it(out: Path, incident_id: int, tmp: Path
     mapped = json.loads(path.read_text())
     assert mapped["art34"]["verdict"] == "yes"
     assert "health" in " ".join(mapped["art34"]["reasons"])
+
+    # hooli's route declared as HR records for 1,200 persons: the leaked HR complaint's risk
+    # stays undetermined (categories cannot rule out sensitive content), and 1,200 is the
+    # population, not the persons concerned
+    datamap.write_text(
+        f"entries:\n  - tenant: hooli\n    route: {route}\n    categories: [hr_records]\n"
+        "    population: 1200\n"
+    )
+    r = kvwatch(
+        "report",
+        "breach",
+        "--incident",
+        str(incident_id),
+        "--out",
+        str(tmp / "hr"),
+        env={**env, "KVWATCH_DATA_MAP": str(datamap)},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (path,) = (tmp / "hr").glob("breach-*.json")
+    hr = json.loads(path.read_text())
+    assert hr["art34"]["verdict"] == "undetermined"
+    assert "cannot rule out special or sensitive content" in " ".join(hr["art34"]["reasons"])
+    cats = hr["data_categories"]
+    assert (cats["population"], cats["data_subjects"]) == (1200, None)
 
     for tenant, other in (("hooli", "massive-dynamic"), ("massive-dynamic", "hooli")):
         notice = tmp / f"notice-{tenant}.json"

@@ -101,7 +101,7 @@ def table(at: AppTest, column: str) -> Any:
 def problems(at: AppTest) -> list[str]:
     """Error boxes other than the fleet's red status and a tenant's incident banner (data,
     not failures)."""
-    data = ("**Why red", "**This incident concerns your data")
+    data = ("**Why red", "**This incident concerns")
     return [e.value for e in at.error if not e.value.startswith(data)]
 
 
@@ -220,19 +220,22 @@ def test_a_tenant_is_told_an_open_incident_concerns_its_data(
     the open incident concerns its data, with a link to its own side of it."""
     at = open_page(env, seeded.url, seeded.tenant, page)
     if page == "views/incident.py":  # the page itself says it, in full
+        # the receiving tenant is told what it is: it received another's data, its own was
+        # not disclosed
         assert [e.value for e in at.error] == [
-            "**This incident concerns your data: your requests read KV-cache pages that held "
-            "another customer's data; the answers may contain it and are to be deleted.**"
+            "**This incident concerns data your requests received: they read KV-cache pages "
+            "that held another customer's data; the answers may contain it and are to be "
+            "deleted. Your own data was not disclosed.**"
         ]
         return
     (banner,) = [e.value for e in at.error if "(/incident?id=" in e.value]
-    assert banner.startswith("**This incident concerns your data")
-    assert "your requests read KV-cache pages that held another customer's data" in banner
+    assert banner.startswith("**This incident concerns data your requests received")
+    assert "they read KV-cache pages that held another customer's data" in banner
     assert f"(/incident?id={seeded.incident_id})" in banner
     assert not [o for o in h.OTHERS if o in banner]
     # an operator's token gets no such banner: the incident is on its own pages
     at = open_page(env, seeded.url, seeded.admin, page)
-    assert not [e for e in at.error if "concerns your data" in e.value]
+    assert not [e for e in at.error if "This incident concerns" in e.value]
 
 
 def test_verifications(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
@@ -353,7 +356,8 @@ def test_a_tenant_token_sees_only_its_tenant(
     if page in ("views/alerts.py", "views/reports.py"):
         assert "not available to a tenant-scoped token" in t
     if page == "views/incident.py":  # its own side of the (now closed) incident
-        assert "This incident concerns your data" in t and "delete those answers" in t
+        assert "This incident concerns data your requests received" in t
+        assert "Your own data was not disclosed" in t and "delete those answers" in t
         rows = table(at, "data of")
         assert set(rows["request"]) == {"r-victim"} and "r-exposed" not in t
         assert set(rows["data of"]) == {"another customer of the service"}
@@ -502,7 +506,7 @@ def test_incident_view_for_the_person_on_call(env: pytest.MonkeyPatch, seeded: h
     t = text(at)
     assert re.fullmatch(r"2 d 23 h \d+ min", metric(at, "Time left"))
     assert metric(at, "Exposed tenants") == "1" and metric(at, "Receiving tenants") == "1"
-    assert metric(at, "Data subjects") == "unknown"
+    assert metric(at, "Data subjects concerned") == "unknown"
     cause = table(at, "step")
     assert "stale_read_cross_tenant" in set(cause["step"])
     reads = table(at, "reader request")

@@ -158,6 +158,7 @@ def test_incident_report_through_the_api(env: Env) -> None:
         "special": ["health"],
         "data_map": None,
         "data_subjects": None,
+        "population": None,
     }
     # tenants are customers, not data subjects: labelled counts, subjects unknown
     assert (t["exposed_count"], t["exposed_requests"]) == (1, 1)
@@ -181,7 +182,9 @@ def test_incident_report_through_the_api(env: Env) -> None:
     checklist = {x["key"]: x for x in report["checklist"]}
     assert checklist["contact"]["needs_person"] is True
     assert checklist["contact"]["value"] == "needs a person"
-    assert checklist["records"]["value"] == "2 requests"
+    # the records concerned are the exposed ones (r-exposed), never the request that read them
+    assert checklist["records"]["value"].startswith("1 exposed request (a prompt whose")
+    assert "Counted apart: 1 receiving request that read it" in checklist["records"]["value"]
     assert checklist["records"]["needs_person"] is False
     steps = [x["step"] for x in report["cause"]]
     assert steps == ["pool_below_advertised", "prefill_rejected", "stale_read_cross_tenant"]
@@ -217,7 +220,9 @@ def test_incident_report_through_the_api(env: Env) -> None:
     text = _pdf_checks(p.content, report)
     assert re.search(r"Affected requests\s*2\b", text)
     assert re.search(r"Largest prompt \(tokens\)\s*700,000", text)
-    assert re.search(r"1 cross-tenant, 3 pages", text)
+    assert re.search(
+        r"1 \(1 cross-tenant\); 3 pages read, of which 3 held another tenant's data", text
+    )
     assert re.search(r"Exposed tenants\s*1\b", text) and re.search(r"Receiving tenants\s*1\b", text)
     assert re.search(r"Art. 34 high risk\s*yes", text)
     assert tl["deadline_at"] in text
@@ -382,41 +387,56 @@ def test_undeclared_categories_make_art34_undetermined_never_no(collector: Colle
 
 
 def test_a_data_map_declares_what_tags_do_not(collector: Collector, tmp_path: Path) -> None:
-    """The same untagged incident, with a data map declaring special: [health] and 1,200
-    persons for acme's route: high risk, and why; subjects as declared. A bad map is a clear
-    error naming file, line and field."""
+    """The same untagged incident, with a data map declaring special: [health] and a
+    population of 1,200 persons for acme's route: high risk, and why. The population is stated
+    as what it is (the persons behind the route), never as the persons concerned, which stay
+    unknown: in the JSON, the checklist and the PDF. A bad map is a clear error naming file,
+    line and field."""
     events = [e for e in _events() if not isinstance(e, ev.RequestAdmitted)]
     events += [f.admitted(4, "r-exposed", tenant="acme", prompt=5_000)]
     with collector.client(collector.ingest) as ingest:
         r = ingest.post("/v1/events", json=[f.as_json(e) for e in events])
         assert r.status_code == 200, r.text
     datamap = tmp_path / "datamap.yaml"
-    datamap.write_text(
-        "entries:\n"
-        "  - tenant: acme\n"
-        "    route: /v1/chat/completions\n"
-        "    categories: [hr_records]\n"
-        "    special: [health]\n"
-        "    data_subjects: 1200\n"
-    )
     db = Database(collector.db_url)
     try:
         with db.read() as conn:
             (incident_id,) = conn.execute(select(m.Incident.id)).scalars().all()
         service = BreachService(db, Settings(database_url=collector.db_url, data_map=datamap))
-        built = service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
-        report = to_document(built)
-        cats = report["data_categories"]
-        assert cats["special"] == ["health"] and cats["exposed_undeclared"] == 0
-        assert cats["exposed"] == {"health": 1, "hr_records": 1}
-        assert cats["data_subjects"] == 1200 and cats["data_map"] == str(datamap)
+        # population is the key; data_subjects, its earlier name, reads the same
+        for key in ("population", "data_subjects"):
+            datamap.write_text(
+                "entries:\n"
+                "  - tenant: acme\n"
+                "    route: /v1/chat/completions\n"
+                "    categories: [hr_records]\n"
+                "    special: [health]\n"
+                f"    {key}: 1200\n"
+            )
+            built = service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+            report = to_document(built)
+            cats = report["data_categories"]
+            assert cats["special"] == ["health"] and cats["exposed_undeclared"] == 0
+            assert cats["exposed"] == {"health": 1, "hr_records": 1}
+            assert (cats["population"], cats["data_subjects"]) == (1200, None)
+            assert cats["data_map"] == str(datamap)
         assert report["art34"]["verdict"] == "yes" and "health" in report["art34"]["reasons"][0]
         subjects = {x["key"]: x for x in report["checklist"]}["subjects"]["value"]
-        assert subjects.startswith("1,200 (declared in the data map")
+        assert subjects.startswith("unknown: kvwatch stores no prompt text")
+        assert (
+            f"Declared population behind the exposed requests: 1,200 persons (data map "
+            f"{datamap}): whose data that traffic carries, not the number concerned." in subjects
+        )
         text = _pdf_checks(render_pdf(built), report)
-        assert re.search(r"Data subjects\s*1,200 \(declared in the data map", text), text[:3000]
+        assert re.search(r"Data subjects concerned\s*unknown", text), text[:3000]
+        assert re.search(r"Declared population\s*1,200 persons \(declared in the data map", text)
+        assert not re.search(r"Data subjects\S*\s*1,200", text)
         assert re.search(r"Art. 34 high risk\s*yes", text)
 
+        datamap.write_text("entries:\n  - tenant: acme\n    population: 5\n    data_subjects: 5\n")
+        with pytest.raises(InvalidInput) as bad:
+            service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
+        assert "give population only" in str(bad.value)
         datamap.write_text("entries:\n  - categories: [x]\n    colour: red\n")
         with pytest.raises(InvalidInput) as bad:
             service.build(BreachScope(incident_id=incident_id), now=datetime.now(UTC))
@@ -455,6 +475,7 @@ def test_a_window_names_only_the_deployments_where_data_crossed(env: Env) -> Non
 def test_late_report_asks_for_a_reason(env: Env, tmp_path: Path) -> None:
     """Late is judged from the notification register (a controller's notice sent after its
     due time), not from when the report is generated."""
+    from collector.cases.decisions import DecisionService
     from collector.cases.notifications import NotificationService
 
     settings = Settings(
@@ -468,6 +489,15 @@ def test_late_report_asks_for_a_reason(env: Env, tmp_path: Path) -> None:
     )
     assert unsent["timeline"]["late"] is False  # generated late, but nothing was sent late
     notices = NotificationService(env.db, settings)
+    DecisionService(env.db).decide(
+        env.incident_id,
+        kind="containment",
+        status="done",
+        what="prompts above the pool refused",
+        why="no further stale reads",
+        by="on-call",
+        now=deadline,
+    )
     nid = notices.prepare(env.incident_id, "acme", by="a", now=deadline).notification.notice_id
     notices.step(nid, "approve", by="b", now=deadline)
     notices.step(nid, "send", by="b", channel="email", now=deadline + timedelta(minutes=1))
@@ -556,7 +586,9 @@ def test_tenant_notices_name_no_one_else(env: Env, tmp_path: Path) -> None:
     acme = json.loads(texts["acme.json"])
     assert acme["kind"] == "exposed" and acme["please_delete"] is None
     (read,) = acme["your_requests_read_by_another"]
-    assert (read["request_id"], read["pages"], read["prompt_tokens"]) == ("r-exposed", 3, 5_000)
+    # the extent in tokens, never pages
+    assert (read["request_id"], read["prompt_tokens"]) == ("r-exposed", 5_000)
+    assert "pages" not in read and acme["extent"]["your_prompt_tokens_read"] == 5_000
     globex = json.loads(texts["globex.json"])
     assert globex["kind"] == "received" and "delete" in globex["please_delete"]
     assert "Please delete" in texts["globex.pdf"] and "Please delete" not in texts["acme.pdf"]
@@ -642,7 +674,8 @@ def test_the_pdf_wraps_at_word_boundaries_and_explains_its_figures(
         "Stale reads:",
         "Exposed tenants, requests:",
         "Receiving tenants, requests:",
-        "Data subjects:",
+        "Data subjects concerned:",
+        "Declared population:",
         "Special categories:",
         "never written / no one:",
         "10-741 (732 pages)",
@@ -808,7 +841,11 @@ def test_a_schema_2_report_still_verifies_and_renders(env: Env, tmp_path: Path, 
         # (schema 2 hashed its deployments' limit figures with the rest, and counted no
         # statuses)
         ar = {k: v for k, v in today["affected_requests"].items() if k != "by_status"}
-        old_words = dict(today, tenants=t, affected_requests=ar, schema_version=2)
+        # (nor the data map's population apart from the persons concerned)
+        dc = {k: v for k, v in today["data_categories"].items() if k != "population"}
+        old_words = dict(
+            today, tenants=t, affected_requests=ar, data_categories=dc, schema_version=2
+        )
         assert evidence_digest(old_words) == doc["evidence_sha256"]
         assert dep.limit is not None and dep.limits_in_force[0].source == "pool"
     else:  # before the limits in force: the rule it had then, in its own words

@@ -26,7 +26,7 @@ from typing import Any
 from collector import audit
 from collector.cases import repository as repo
 from collector.cases import status
-from collector.cases.register import Notification, notifications_for
+from collector.cases.register import Notification, decisions_for, notifications_for
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
 from collector.reports.breach import BreachScope, BreachService
@@ -186,7 +186,21 @@ class NotificationService:
         if kind == status.AUTHORITY:
             body = authority_notice(report, self.settings, now)
         else:
-            body = build_notice(report, party, self.settings, now)
+            # Built as it will be sent (draft=False): what is approved is what goes out. It
+            # stays a draft while the register records no measure or no contact point is
+            # set, and a draft is not approved (see step()).
+            with self.db.read() as conn:
+                decisions = decisions_for(conn, incident_id)
+                earlier = notifications_for(conn, incident_id)
+            body = build_notice(
+                report,
+                party,
+                self.settings,
+                now,
+                decisions=decisions,
+                notifications=earlier,
+                draft=False,
+            )
         doc = {"notice_id": nid, **body}
         data = notice_bytes(doc)
         sha = sha256_bytes(data)
@@ -279,6 +293,8 @@ class NotificationService:
                     raise Conflict(f"notice {notice_id}: deletion already confirmed")
             else:
                 need, new, (at_col, by_col) = _FLOW[step]
+                if step in ("approve", "send"):
+                    _refuse_a_draft(notice_id, str(row.notice))
                 if row.state != need:
                     raise Conflict(
                         f"notice {notice_id} is {row.state}: {step} needs a {need} notice"
@@ -306,6 +322,19 @@ class NotificationService:
             return next(
                 n for n in notifications_for(conn, row.incident_id) if n.notice_id == notice_id
             )
+
+
+def _refuse_a_draft(notice_id: str, stored: str) -> None:
+    """A notice that says it is a draft (no measure recorded, no contact point) is not
+    approved or sent: record what is missing, then prepare it again."""
+    doc = json.loads(stored)
+    if doc.get("draft"):
+        because = "; ".join(r.rstrip(". ") for r in doc.get("draft_because") or [])
+        raise Conflict(
+            f"notice {notice_id} is a draft ({because or 'it says so'}). Record what is missing "
+            "(kvwatch incidents decide; KVWATCH_DPO_CONTACT), then prepare it again.",
+            {"notice_id": notice_id, "draft_because": doc.get("draft_because") or []},
+        )
 
 
 def write_files(out: Path, notice_id: str, data: bytes, signature: str | None) -> list[Path]:

@@ -38,6 +38,7 @@ from sqlalchemy import BigInteger, Connection, select, type_coerce
 from collector import deployment_facts
 from collector import models as m
 from collector.cases.facts import as_logged
+from collector.cases.register import Decision, decisions_for
 from collector.cases.status import PartyStatus, late_parties, party_status
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
@@ -68,6 +69,7 @@ from collector.reports.breach_model import (
     Timeline,
     VerificationEntry,
     evidence_digest,
+    page_split,
     to_document,
 )
 from collector.reports.breach_rows import CSV_COLUMNS, AffectedRequest, RowFilter, csv_row
@@ -716,7 +718,14 @@ class BreachService:
             kind="breach",
             generated_at=iso(stamp.now),
             schema_version=SCHEMA_VERSION,
-            checklist=self._checklist(tenants, stale_reads, affected, categories, involved),
+            checklist=self._checklist(
+                tenants,
+                stale_reads,
+                affected,
+                categories,
+                involved,
+                decisions_for(conn, incident.id) if incident is not None else [],
+            ),
             art34=_art34(categories, stale_reads),
             account="",
             notices=(),
@@ -733,7 +742,7 @@ class BreachService:
         map_special: set[str] = set()
         undeclared = {(d, r) for d, r in exposed_keys if r}
         hit_entries: set[int] = set()
-        subjects_known = bool(undeclared)
+        population_known = bool(undeclared)
         for r in agg.listed:
             key = (r.deployment_id, r.request_id)
             if key not in exposed_keys:
@@ -745,8 +754,8 @@ class BreachService:
             if r.data_categories or said.any:
                 undeclared.discard(key)
             entries = [i for i, e in enumerate(dm.entries) if e.matches(labels)]
-            if not any(dm.entries[i].data_subjects is not None for i in entries):
-                subjects_known = False
+            if not any(dm.entries[i].declared_population is not None for i in entries):
+                population_known = False
             hit_entries.update(entries)
         return DataCategories(
             affected=dict(sorted(agg.categories.items())),
@@ -759,9 +768,12 @@ class BreachService:
                 )
             ),
             data_map=dm.source,
-            data_subjects=(
-                sum(dm.entries[i].data_subjects or 0 for i in hit_entries)
-                if subjects_known
+            # The persons the exposed prompts concern cannot be counted without their text,
+            # which is never stored: unknown. The map's population is a different figure.
+            data_subjects=None,
+            population=(
+                sum(dm.entries[i].declared_population or 0 for i in hit_entries)
+                if population_known
                 else None
             ),
         )
@@ -773,17 +785,11 @@ class BreachService:
         ar: AffectedRequests,
         cats: DataCategories,
         involved: Sequence[str],
+        decisions: Sequence[Decision],
     ) -> tuple[ChecklistItem, ...]:
         dpo = self.settings.dpo_contact.strip()
-        nature = (
-            f"Confidentiality breach: {sr.cross_tenant} cross-tenant stale KV-cache page "
-            f"reads ({sr.count} stale reads, {sr.pages} pages) on "
-            f"{', '.join(involved) or 'no deployment'}: "
-            "responses carried fragments of other tenants' prompts."
-            if sr.cross_tenant
-            else f"No cross-tenant stale read recorded; {ar.count} requests in scope are at "
-            "risk (prompts in the scope's range)."
-        )
+        in_force = [d for d in decisions if not d.superseded]
+        nature = nature_statement(sr, ar, involved)
         cat_names = sorted(set(cats.affected) | set(cats.exposed))
         return (
             _item(
@@ -798,7 +804,9 @@ class BreachService:
                 "33(3)(a)",
                 "Categories of data subjects and of personal data records",
                 (
-                    "Data subjects: tenants (and their end users); data: "
+                    "Data subjects: the persons the exposed prompts are about (the tenants' "
+                    "end users, staff or customers; tenants are controllers, not data "
+                    "subjects); data: "
                     + (", ".join(cat_names) if cat_names else "no category tags on the requests")
                 ),
                 "data" if cat_names else "person",
@@ -808,16 +816,7 @@ class BreachService:
                 "subjects",
                 "33(3)(a)",
                 "Approximate number of data subjects concerned",
-                (
-                    f"{cats.data_subjects:,} (declared in the data map {cats.data_map}). "
-                    if cats.data_subjects is not None
-                    else "unknown: kvwatch cannot know how many persons a prompt concerns. "
-                )
-                + "Customers "
-                f"(controllers) involved: {t.exposed_count} exposed tenant(s) "
-                f"({t.exposed_requests} request(s) whose KV was read), "
-                f"{t.receiving_count} receiving tenant(s) "
-                f"({t.receiving_requests} request(s) that read it)",
+                subjects_statement(cats, t),
                 "person",
                 "the exposed tenants must say whom their exposed prompts concern",
             ),
@@ -825,7 +824,7 @@ class BreachService:
                 "records",
                 "33(3)(a)",
                 "Approximate number of personal data records concerned",
-                f"{ar.count} requests",
+                records_statement(t, ar),
                 "data",
             ),
             _item(
@@ -840,7 +839,8 @@ class BreachService:
                 "consequences",
                 "33(3)(c)",
                 "Likely consequences of the breach",
-                "Disclosure of prompt contents of the exposed tenants to the receiving tenants"
+                "Possible disclosure of the exposed tenants' prompts to the receiving tenants: "
+                "the answers they received may contain fragments of them"
                 + (
                     f"; special categories involved: {', '.join(cats.special)}"
                     if cats.special
@@ -850,17 +850,40 @@ class BreachService:
                 "partial",
                 "a person must assess the harm to the data subjects",
             ),
-            _item(
-                "measures",
-                "33(3)(d)",
-                "Measures taken or proposed to address the breach and mitigate its effects",
-                "Proposed: cap the served context at the verified safe context (kvwatch verify); "
-                "switch to clean rejection (no KV transfer for rejected prefills); zero or "
-                "salt reused pages; inform the exposed and receiving tenants.",
-                "partial",
-                "a person must record the measures actually taken",
-            ),
+            _measures_item(in_force),
         )
+
+
+def _measures_item(decisions: Sequence[Decision]) -> ChecklistItem:
+    """Art. 33(3)(d) from the decision register (the same entries the notices list): what is
+    done and what is still open; with nothing recorded, the usual proposals, for a person."""
+    title = "Measures taken or proposed to address the breach and mitigate its effects"
+    if not decisions:
+        return _item(
+            "measures",
+            "33(3)(d)",
+            title,
+            "Proposed: cap the served context at the verified safe context (kvwatch verify); "
+            "switch to clean rejection (no KV transfer for rejected prefills); zero or "
+            "salt reused pages; inform the exposed and receiving tenants.",
+            "partial",
+            "no decision is recorded: record the measures taken (kvwatch incidents decide)",
+        )
+    done = [f"{d.what} ({d.at[:10]}, {d.by})" for d in decisions if d.status == "done"]
+    still = [f"{d.what} ({d.at[:10]}, {d.by})" for d in decisions if d.status != "done"]
+    parts = []
+    if done:
+        parts.append("Done: " + "; ".join(done) + ".")
+    if still:
+        parts.append("Still open: " + "; ".join(still) + ".")
+    return _item(
+        "measures",
+        "33(3)(d)",
+        title,
+        " ".join(parts),
+        "data",
+        "from the incident's decision register (Art. 33(5))",
+    )
 
 
 @dataclass(slots=True)
@@ -1027,8 +1050,11 @@ def _item(
 def _art34(cats: DataCategories, sr: StaleReads) -> Art34:
     """Decision support for Art. 34: ``high_risk`` True, False or None (undetermined).
 
-    Absence of category tags is not absence of risk: when exposed requests declare no data
-    categories, high risk is undetermined, never "no"."""
+    Categories can make it "yes" (a special category exposed across tenants) or leave it
+    undetermined; they never make it "no" by themselves: kvwatch never stores the text, so
+    special or sensitive content in an exposed prompt cannot be ruled out from categories,
+    declared or tagged, and absence of tags is not absence of risk. "No" only when no data
+    crossed tenants; a person's own Art. 34 decision belongs in the decision register."""
     special = cats.special
     undeclared = cats.exposed_undeclared
     cross = sr.cross_tenant > 0
@@ -1038,31 +1064,132 @@ def _art34(cats: DataCategories, sr: StaleReads) -> Art34:
         reasons = [
             f"cross-tenant exposure of special-category data ({', '.join(special)}): Art. 9/10"
         ]
-    elif cross and undeclared:
-        high = None
-        reasons = [
-            f"{undeclared} exposed request(s) declare no data categories: what they held is "
-            "unknown, so the risk is undetermined; a person must assess the exposed prompts"
-        ]
     elif cross:
-        high = False
-        reasons = [
-            "the exposed requests declare only non-special categories "
-            f"({', '.join(sorted(cats.exposed)) or 'none'}): not high risk by this rule; "
-            "cross-tenant exposure did occur"
-        ]
+        high = None
+        reasons = []
+        if undeclared:
+            reasons.append(
+                f"{undeclared} exposed request(s) declare no data categories: what they held "
+                "is unknown, so the risk is undetermined; a person must assess the exposed "
+                "prompts"
+            )
+        if cats.exposed:
+            reasons.append(
+                "the exposed requests declare only non-special categories "
+                f"({', '.join(sorted(cats.exposed))}): categories alone cannot rule out "
+                "special or sensitive content in a prompt, and kvwatch never stores the "
+                "text, so the risk is undetermined, not low; a person must assess the "
+                "exposed prompts with the exposed tenant"
+            )
+        if not reasons:  # cross-tenant reads whose previous writers are not in the evidence
+            reasons.append(
+                "what the exposed requests held is not recorded: the risk is undetermined; a "
+                "person must assess the exposed prompts"
+            )
     else:
         high = False
-        reasons = ["no cross-tenant exposure recorded in scope"]
+        reasons = ["no cross-tenant exposure recorded in scope: no data crossed tenants"]
     return Art34(
         high_risk=high,
         verdict="undetermined" if high is None else "yes" if high else "no",
         communicate_to_subjects=high,
         reasons=tuple(reasons),
-        rule="high risk if special-category data was exposed across tenants; undetermined "
-        "when exposed requests declare no categories",
+        rule="high risk if special-category data was exposed across tenants; otherwise "
+        "undetermined whenever data crossed tenants (categories, declared or not, cannot rule "
+        "out special or sensitive content: the text is never stored); no only when no data "
+        "crossed tenants",
         needs_person=True,
         note="decision support only: a person decides under Art. 34(1) and (3)",
+    )
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``1 page``, ``742 pages``: a figure with its noun agreeing."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def nature_statement(sr: StaleReads, ar: AffectedRequests, involved: Sequence[str]) -> str:
+    """Art. 33(3)(a), the nature of the breach: the pages that held another tenant's data
+    apart from those that held the reader's own tenant's or no one's (a page never written
+    since the pool was made), so that the pages read are never all cited as disclosed."""
+    split = page_split(sr)
+    where = ", ".join(involved) or "no deployment"
+    if not sr.cross_tenant:
+        text = (
+            f"No cross-tenant stale read recorded; {_count(ar.count, 'request')} in scope "
+            "(prompts in the scope's range) are at risk."
+        )
+        if sr.count:
+            text += (
+                f" {_count(sr.count, 'stale read')} covered {_count(sr.pages, 'page')}, none "
+                "of which held another tenant's data."
+            )
+        return text
+    other = sr.count - sr.cross_tenant
+    text = (
+        f"Confidentiality breach on {where}: {_count(sr.cross_tenant, 'cross-tenant stale')} "
+        f"KV-cache {'read' if sr.cross_tenant == 1 else 'reads'} covered "
+        f"{_count(split.other_tenant, 'page')} that held another tenant's data; the answers "
+        "to the reading requests may contain fragments of that tenant's prompts."
+    )
+    held = []
+    if split.same_tenant:
+        held.append(f"{_count(split.same_tenant, 'page')} of the reading tenant's own data")
+    if split.no_one:
+        held.append(
+            f"{_count(split.no_one, 'page')} that held no one's data (never written since the "
+            "KV pool was made)"
+        )
+    if other and held:
+        text += (
+            f" {_count(other, 'other stale read')} covered " + " and ".join(held) + ": no data "
+            "crossed tenants there."
+        )
+    return text
+
+
+def records_statement(t: Tenants, ar: AffectedRequests) -> str:
+    """Art. 33(3)(a), the records concerned: the exposed requests (whose prompts' KV another
+    tenant's request read), never the requests that read them, which are their own figure."""
+    if not t.exposed_requests:
+        return (
+            f"none exposed: no cross-tenant stale read in scope ({_count(ar.count, 'request')} "
+            "in scope)"
+        )
+    one = t.exposed_requests == 1
+    return (
+        f"{_count(t.exposed_requests, 'exposed request')} ("
+        + (
+            "a prompt whose KV-cache pages another tenant's request read; what it held is "
+            if one
+            else "prompts whose KV-cache pages another tenant's request read; what each held is "
+        )
+        + "not stored). Counted apart: "
+        f"{_count(t.receiving_requests, 'receiving request')} that read "
+        + ("it" if one else "them")
+        + ", whose answers may contain fragments of "
+        + ("that prompt." if one else "those prompts.")
+    )
+
+
+def subjects_statement(cats: DataCategories, t: Tenants) -> str:
+    """Art. 33(3)(a), the data subjects concerned: unknown (never the data map's population,
+    which is stated apart, as what it is); then the customers involved."""
+    text = (
+        "unknown: kvwatch stores no prompt text and cannot count the persons the exposed "
+        "prompts concern; the exposed tenants (the controllers) can."
+    )
+    if cats.population is not None:
+        text += (
+            f" Declared population behind the exposed requests: {cats.population:,} persons "
+            f"(data map {cats.data_map}): whose data that traffic carries, not the number "
+            "concerned."
+        )
+    return (
+        text + " Customers (controllers) involved: "
+        f"{t.exposed_count} exposed tenant(s) ({t.exposed_requests} request(s) whose KV was "
+        f"read), {t.receiving_count} receiving tenant(s) ({t.receiving_requests} request(s) "
+        "that read it)"
     )
 
 
@@ -1160,6 +1287,12 @@ def plain_account(report: BreachReport) -> str:
         parts.append(
             f"No cross-tenant stale read is recorded in scope on {deps}; "
             f"{report.affected_requests.count} request(s) are in scope."
+        )
+    split = page_split(sr)
+    if sr.cross_tenant and split.no_one:
+        parts.append(
+            f"Of the {sr.pages:,} pages read, {split.other_tenant:,} held another tenant's "
+            f"data; {split.no_one:,} had never been written (no one's data)."
         )
     known = ", ".join(sorted(cats.exposed)) or "none declared"
     parts.append(

@@ -15,7 +15,10 @@ read it), in ``tenants`` and its rows. 2 also had ``victims``/``victim_count`` (
 tenants) and rows' ``readers``/``sources``; :func:`from_document` reads a schema-2 document as
 a schema-3 report (its ``schema_version`` stays 2). 1 listed every affected request in the
 JSON and had no figures to recount its CSV against: it is not read (its JSON still verifies,
-:func:`evidence_digest` needs no types).
+:func:`evidence_digest` needs no types). Schema 3 later added ``data_categories.population``
+(a default, so the shape only grew): a document written before it read its data map's
+population into ``data_subjects``, and :func:`from_document` reads that number as the
+population, the persons concerned unknown.
 """
 
 from __future__ import annotations
@@ -120,7 +123,13 @@ class DataCategories(msgspec.Struct, frozen=True, kw_only=True):
     exposed_undeclared: int  # exposed requests that declare no category: their data is unknown
     special: tuple[str, ...]
     data_map: str | None
-    data_subjects: int | None  # persons the exposed data concerns, only as the data map declares
+    #: persons the exposed data concerns: None (unknown) unless determinable; the data map's
+    #: population is never this figure (a route serving 1,200 persons may carry one of them)
+    data_subjects: int | None
+    #: the declared population behind the exposed requests (the data map's ``population`` of
+    #: every entry they match, summed), None unless it declares one for every exposed request.
+    #: Documents written before it carried the population as ``data_subjects``: read back here.
+    population: int | None = None
 
 
 class StaleRead(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,8 +152,29 @@ class StaleRead(msgspec.Struct, frozen=True, kw_only=True):
 class StaleReads(msgspec.Struct, frozen=True, kw_only=True):
     count: int
     cross_tenant: int
-    pages: int
+    pages: int  # every page read, whatever it held: see :func:`page_split`
     items: tuple[StaleRead, ...]
+
+
+class PageSplit(msgspec.Struct, frozen=True, kw_only=True):
+    """The pages stale reads covered, by what they held: another tenant's data (a
+    cross-tenant read), the reader's own tenant's, or no one's (never written since the pool
+    was made)."""
+
+    other_tenant: int
+    same_tenant: int
+    no_one: int
+
+
+def page_split(sr: StaleReads) -> PageSplit:
+    """The one count of what the pages read held, from the stale reads themselves (every
+    stale read in scope is listed): the nature statement, the account and the PDF read it."""
+    items = sr.items
+    return PageSplit(
+        other_tenant=sum(s.page_count for s in items if s.cross_tenant),
+        same_tenant=sum(s.page_count for s in items if not s.cross_tenant and s.previous_tenant),
+        no_one=sum(s.page_count for s in items if not s.cross_tenant and not s.previous_tenant),
+    )
 
 
 class ConfigEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -357,6 +387,15 @@ def from_document(doc: Mapping[str, Any]) -> BreachReport:
         )
     try:
         body = dict(doc)
+        cats = doc.get("data_categories")
+        if isinstance(cats, Mapping) and "population" not in cats:
+            # written before the population was told apart: its data_subjects was the data
+            # map's population, never a count of the persons concerned
+            body["data_categories"] = {
+                **cats,
+                "population": cats.get("data_subjects"),
+                "data_subjects": None,
+            }
         if version == 2:  # in schema 3's words; written before the limits in force, or after
             body["tenants"] = _tenants_from_v2(doc["tenants"])
             body["deployments"] = [

@@ -26,6 +26,8 @@ from collector.reports.breach_model import (
     ChartWindow,
     DataCategories,
     Point,
+    StaleReads,
+    page_split,
 )
 from collector.reports.pdf import ReportPdf, figure, short_time
 from collector.timefmt import parse_iso
@@ -48,7 +50,8 @@ SUMMARY_NOTES = [
     (
         "Stale reads",
         "reads of KV pages the reading request did not write; cross-tenant: last written by "
-        "another tenant's request; pages: all pages those reads covered. The previous "
+        "another tenant's request; pages: all pages those reads covered, then how many held "
+        "another tenant's data and how many no one's (never written). The previous "
         "tenant is the probe's page ledger's last recorded writer of those pages, not what "
         "the engine's own block tables say.",
     ),
@@ -58,13 +61,19 @@ SUMMARY_NOTES = [
     ),
     (
         "Receiving tenants, requests",
-        "the tenants and requests that read another tenant's KV pages (their answers may hold it).",
+        "the tenants and requests that read another tenant's KV pages (their answers may contain "
+        "it): counted apart from the exposed requests, the records concerned.",
     ),
     (
-        "Data subjects",
+        "Data subjects concerned",
         "the persons the exposed prompts concern: kvwatch stores no prompt text and cannot "
-        "count them; the exposed tenant (the controller) can. A number is shown only where "
-        "the data map declares one for every exposed request.",
+        "count them; the exposed tenant (the controller) can.",
+    ),
+    (
+        "Declared population",
+        "the persons whose data the exposed requests' tenant or route carries, as the data map "
+        "declares it (shown only where it declares one for every exposed request): not the "
+        "number of persons concerned.",
     ),
     (
         "Special categories",
@@ -79,10 +88,29 @@ SUMMARY_NOTES = [
 
 
 def _data_subjects(cats: DataCategories) -> str:
-    declared = cats.data_subjects
-    if declared is None:
+    if cats.data_subjects is None:
         return "unknown (a prompt may concern any number of persons)"
-    return f"{declared:,} (declared in the data map {cats.data_map or ''})".replace(" )", ")")
+    return f"{cats.data_subjects:,}"
+
+
+def _population(cats: DataCategories) -> str:
+    if cats.population is None:
+        return "not declared"
+    where = f" in the data map {cats.data_map}" if cats.data_map else ""
+    return f"{cats.population:,} persons (declared{where}; not the number concerned)"
+
+
+def _stale_reads(sr: StaleReads) -> str:
+    split = page_split(sr)
+    held = [f"{split.other_tenant:,} held another tenant's data"]
+    if split.same_tenant:
+        held.append(f"{split.same_tenant:,} the reader's own tenant's")
+    if split.no_one:
+        held.append(f"{split.no_one:,} no one's")
+    return (
+        f"{sr.count} ({sr.cross_tenant} cross-tenant); {sr.pages:,} pages read, of which "
+        + ", ".join(held)
+    )
 
 
 def _chart(
@@ -196,13 +224,14 @@ def summary_rows(report: BreachReport) -> list[tuple[str, Any]]:
         # lost: the probe that admitted it went away before it finished
         ("By status", ", ".join(f"{k} {n:,}" for k, n in ar.by_status.items()) or "—"),
         ("Largest prompt (tokens)", ar.max_prompt_tokens),
-        ("Stale reads", f"{sr.count} ({sr.cross_tenant} cross-tenant, {sr.pages} pages)"),
+        ("Stale reads", _stale_reads(sr)),
         ("Where data crossed", ", ".join(report.involved_deployments) or "none"),
         ("Exposed tenants", tn.exposed_count),
-        ("Exposed requests", tn.exposed_requests),
+        ("Exposed requests (records concerned)", tn.exposed_requests),
         ("Receiving tenants", tn.receiving_count),
         ("Receiving requests", tn.receiving_requests),
-        ("Data subjects", _data_subjects(cats)),
+        ("Data subjects concerned", _data_subjects(cats)),
+        ("Declared population", _population(cats)),
         ("Special categories", _special(cats)),
         ("First event", tl.first_event_at),
         ("Last event", tl.last_event_at),
@@ -219,7 +248,7 @@ _SUMMARY_PATHS = {
     "Affected requests": "affected_requests.count",
     "Largest prompt (tokens)": "affected_requests.max_prompt_tokens",
     "Exposed tenants": "tenants.exposed_count",
-    "Exposed requests": "tenants.exposed_requests",
+    "Exposed requests (records concerned)": "tenants.exposed_requests",
     "Receiving tenants": "tenants.receiving_count",
     "Receiving requests": "tenants.receiving_requests",
     "Awareness": "timeline.awareness_at",
@@ -274,6 +303,14 @@ def render_pdf(report: BreachReport) -> bytes:
     if (inc := report.incident) is not None:
         head.append(("Incident", f"#{inc.id} {inc.title} ({inc.state})"))
     head.append(("Evidence SHA-256", report.evidence_sha256))
+    # The signature cannot be inside the bytes it signs: say where it is and how to check it.
+    head.append(
+        (
+            "Signature",
+            f"breach-{rid}.sig (Ed25519 JWS over this PDF, its JSON and CSV, and every "
+            "conclusion): kvwatch report verify with the published key set",
+        )
+    )
     pdf.kv(head, mono={"Evidence SHA-256"})
     pdf.ln(4)
     pdf.h1("Summary")
@@ -295,10 +332,10 @@ def render_pdf(report: BreachReport) -> bytes:
         pdf.ln(2)
         pdf.h1("Notices to tenants this implies (Art. 33(2))")
         pdf.grid(
-            ["tenant", "its data was", "written by"],
+            ["tenant", "concerns", "written by"],
             [
-                [n.tenant, {"exposed": "read by another", "received": "sent another's",
-                            "both": "both"}[n.kind], n.command]
+                [n.tenant, {"exposed": "its data was read", "received": "it received "
+                            "another's data", "both": "both"}[n.kind], n.command]
                 for n in report.notices
             ],
             [34, 36, 120],

@@ -75,7 +75,8 @@ class ReportPdf(FPDF):
                 self.set_font("DejaVuMono", "", 8)
             else:
                 self.set_font("DejaVu", "", 9)
-            self.multi_cell(0, 6, figure(v), new_x="LMARGIN", new_y="NEXT")
+            # ragged right: a justified value holding a long path opens wide gaps
+            self.multi_cell(0, 6, figure(v), new_x="LMARGIN", new_y="NEXT", align="L")
         self.set_font("DejaVu", "", 9)
 
     def grid(self, headings: list[str], rows: list[list[Any]], widths: list[int]) -> None:

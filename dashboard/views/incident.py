@@ -35,8 +35,22 @@ def _tenants(doc: JSON) -> None:
     c.metric("Receiving tenants", t["receiving_count"], help="Their requests read it.")
     d.metric("Receiving requests", t["receiving_requests"])
     e, f, g = st.columns(3)
-    subjects = doc["data_categories"].get("data_subjects")
-    e.metric("Data subjects", "unknown" if subjects is None else f"{subjects:,}")
+    cats = doc["data_categories"]
+    # a document written before the population was told apart carried it as data_subjects:
+    # a population, never the persons concerned
+    subjects = cats.get("data_subjects") if "population" in cats else None
+    population = cats["population"] if "population" in cats else cats.get("data_subjects")
+    e.metric(
+        "Data subjects concerned",
+        "unknown" if subjects is None else f"{subjects:,}",
+        help="kvwatch stores no prompt text: the exposed tenant can say whom its prompts concern."
+        + (
+            f" Declared population behind the exposed requests: {population:,} persons "
+            "(the data map), not the number concerned."
+            if population is not None
+            else ""
+        ),
+    )
     f.metric("Special categories", ", ".join(doc["data_categories"]["special"]) or "none declared")
     g.metric("Art. 34 high risk", doc["art34"].get("verdict", "-"))
 
@@ -315,8 +329,10 @@ def _tenant_view(c: CollectorClient) -> None:
                             "request": r["request_id"],
                             "first seen": ui.when(r["first_seen"]),
                             "prompt tokens": r["prompt_tokens"],
+                            # the extent in tokens: the answer that read the tenant's
+                            # prompt, or the tenant's own answer that may hold another's
+                            "answer tokens": r.get("reader_answer_tokens", r["completion_tokens"]),
                             "read at": ui.when(r["read_at"]),
-                            "pages": r["pages"],
                             who.replace("_", " "): r[who],
                         }
                         for r in view[rows]
