@@ -11,9 +11,15 @@ from dashboard import ui
 from dashboard.client import JSON
 
 
-def incident_card(inc: JSON, now: datetime) -> None:
+def incident_card(inc: JSON, now: datetime, case: JSON | None = None) -> None:
+    """The incident's clock. With its case document (``GET /v1/incidents/{id}/case``) the
+    clock is the operator's own duty as the collector decides it for the role
+    (collector/cases/status.py ``duty``): as processor, each customer without undue delay
+    (Art. 33(2)); as controller, the authority by the deadline (Art. 33(1))."""
     awareness = ui.parse_time(inc["awareness_at"])
-    deadline = ui.parse_time(inc["deadline_at"])
+    duty = (case or {}).get("duty")
+    due_text = duty["due_at"] if duty else inc["deadline_at"]
+    deadline = ui.parse_time(due_text)
     with st.container(border=True):
         st.markdown(f"**#{inc['id']} {inc['title']}**")
         st.caption(
@@ -25,17 +31,32 @@ def incident_card(inc: JSON, now: datetime) -> None:
             return
         left = deadline - now
         a, b = st.columns(2)
-        a.metric("Notification deadline (Art. 33)", ui.when(inc["deadline_at"]))
-        if left > timedelta(0):
+        if duty and duty["role"] == "processor":
+            a.metric("Tell each customer by (Art. 33(2))", ui.when(due_text))
+        elif duty:
+            a.metric("Notify the authority by (Art. 33(1))", ui.when(due_text))
+        else:
+            a.metric("Notification deadline (Art. 33)", ui.when(due_text))
+        all_sent = duty is not None and not duty["pending"]
+        if all_sent:
+            b.metric("Notified", "every party")
+        elif left > timedelta(0):
             b.metric("Time left", ui.span(left))
         else:
             b.metric("Overdue by", ui.span(left))
+        if duty:
+            pending = ", ".join(duty["pending"]) or "none"
+            st.caption(f"{duty['rule']}. Not yet sent: {pending}.")
+            if duty.get("controller_clock"):
+                st.caption(duty["controller_clock"])
         total = (deadline - awareness).total_seconds()
         elapsed = min(max((now - awareness).total_seconds() / total, 0.0), 1.0) if total else 1.0
+        if all_sent:
+            return
         st.progress(elapsed, text=f"{elapsed:.0%} of the notification window used")
         if left <= timedelta(0):
             st.error(
-                f"**The deadline passed {ui.span(left)} ago.** A late notification must say "
+                f"**The due time passed {ui.span(left)} ago.** A late notification must say "
                 "why it is late (the breach report asks for the reason)."
             )
         elif left < timedelta(hours=24):

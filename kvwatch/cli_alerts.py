@@ -266,22 +266,32 @@ def incidents_list(
     state: Annotated[str | None, typer.Option(help="open | closed")] = None,
     database_url: DbUrl = None,
 ) -> None:
-    """Incidents, newest first: when kvwatch became aware of each, and its notification
-    deadline (GDPR Art. 33; 72 hours by default)."""
+    """Incidents, newest first: when kvwatch became aware of each, and by when to notify: as
+    processor (the default) each affected customer without undue delay (GDPR Art. 33(2),
+    KVWATCH_CONTROLLER_NOTICE_TARGET_H), as controller the authority within 72 hours
+    (Art. 33(1)); and which parties were not yet sent a notice."""
+    from collector.cases.api_view import case_view
+
+    now = _now()
     with database(database_url) as (db, s):
         incidents = _service(db, s.policy_packs_dir).list_incidents(state)
-    now = _now()
-    t = table("id", "state", "deployment", "aware since", "Art. 33 deadline", "title")
+        duties = {i["id"]: case_view(db, s, i["id"], now=now)["duty"] for i in incidents}
+    t = table("id", "state", "deployment", "aware since", "notify by", "not sent", "title")
     for i in incidents:
+        d = duties[i["id"]]
         t.add_row(
             str(i["id"]),
             i["state"],
             i["deployment_id"],
             to_second(i["awareness_at"]),
-            moment(i["deadline_at"], now) if i["state"] == "open" else to_second(i["deadline_at"]),
+            moment(d["due_at"], now) if i["state"] == "open" else to_second(d["due_at"]),
+            ", ".join(d["pending"]) or "-",
             i["title"],
         )
     stdout_console().print(t)
+    rules = sorted({d["rule"] for d in duties.values()})
+    for rule in rules:
+        err.print(f"notify by: {rule}")
 
 
 @incidents_app.command("close")

@@ -289,6 +289,10 @@ def _report(
         probes = c.get("/v1/probes").raise_for_status().json()
         alerts = c.get("/v1/alerts", params={"limit": 1000}).raise_for_status().json()
         incidents = c.get("/v1/incidents").raise_for_status().json()
+        duties = {
+            i["id"]: c.get(f"/v1/incidents/{i['id']}/case").raise_for_status().json()["duty"]
+            for i in incidents
+        }
 
     t = Table(title="Engines: advertised context against each KV pool")
     for col in ("deployment", "node", "advertised", "pool", "pool/advertised"):
@@ -354,8 +358,9 @@ def _report(
     for inc in incidents:
         console.print(
             f"[bold red]incident {inc['id']}[/] on {inc['deployment_id']}: {inc['title']}; "
-            f"aware {inc['awareness_at']}, GDPR Art. 33 notification due by "
-            f"[bold]{inc['deadline_at']}[/]"
+            f"aware {inc['awareness_at']}; notify by [bold]{duties[inc['id']]['due_at']}[/] "
+            f"({duties[inc['id']]['rule']}; not yet sent: "
+            f"{', '.join(duties[inc['id']]['pending']) or 'none'})"
         )
     drops = sum(stats["dropped"].values())
     console.print(

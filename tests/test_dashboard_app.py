@@ -201,11 +201,18 @@ def test_alerts_and_incident_deadline(env: pytest.MonkeyPatch, seeded: h.Seeded)
         headers={"Authorization": f"Bearer {seeded.admin}"},
     ).json()
     assert f"#{seeded.incident_id} {incident['title']}" in t
-    deadline = datetime.fromisoformat(incident["deadline_at"].replace("Z", "+00:00"))
-    assert metric(at, "Notification deadline (Art. 33)") == deadline.strftime(
-        "%Y-%m-%d %H:%M:%S UTC"
-    )
-    assert re.fullmatch(r"2 d 23 h \d+ min", metric(at, "Time left"))
+    case = httpx.get(
+        f"{seeded.url}/v1/incidents/{seeded.incident_id}/case",
+        headers={"Authorization": f"Bearer {seeded.admin}"},
+    ).json()
+    # the default role is processor: the clock is each customer's notice (Art. 33(2)),
+    # KVWATCH_CONTROLLER_NOTICE_TARGET_H (24 h) from awareness, not the 72 hours
+    due = datetime.fromisoformat(case["duty"]["due_at"].replace("Z", "+00:00"))
+    aware = datetime.fromisoformat(incident["awareness_at"].replace("Z", "+00:00"))
+    assert due - aware == timedelta(hours=24)
+    assert metric(at, "Tell each customer by (Art. 33(2))") == due.strftime("%Y-%m-%d %H:%M:%S UTC")
+    assert re.fullmatch(r"23 h \d+ min", metric(at, "Time left"))
+    assert "Not yet sent: " in t and case["duty"]["pending"][0] in t
     alerts = table(at, "rule")
     assert {"stale_page_read", "pool_below_advertised", "context_pressure"} <= set(alerts["rule"])
     assert set(alerts["state"]) == {"firing"}

@@ -63,7 +63,7 @@ def test_the_incident_by_hand_runs_as_written(tmp_path: Path) -> None:
     assert "reporting to http://127.0.0.1:" in (work / "legacy.log").read_text()
     # hardened: the over-pool prompt is refused in OpenAI's shape
     assert '"code":"context_length_exceeded"' in out, out
-    assert "Art. 33 deadline" in out and "lab-legacy" in out
+    assert "notify by" in out and "Art. 33(2)" in out and "lab-legacy" in out
 
     db = Database(f"sqlite:///{work / 'by-hand.db'}")
     try:

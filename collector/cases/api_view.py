@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from collector.cases.register import decisions_for
-from collector.cases.status import incident_facts, party_status
+from collector.cases.status import duty, incident_facts, party_status
 from collector.db import Database
 from collector.settings import Settings
 from collector.timefmt import iso
@@ -27,6 +27,8 @@ def case_view(
         "role": settings.operator_role,
         "awareness_at": iso(inc.awareness_at),
         "deadline_at": iso(inc.deadline_at),
+        # the operator's own clock: what "notify by" means for this role
+        "duty": asdict(duty(settings, inc, parties)),
         "parties": [asdict(p) for p in parties],
         "decisions": [asdict(d) for d in decisions],
     }

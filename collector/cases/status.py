@@ -197,3 +197,52 @@ def _status(
 def late_parties(statuses: list[PartyStatus]) -> list[PartyStatus]:
     """The parties whose notice, counted for the incident's lateness, was sent late."""
     return [s for s in statuses if s.counts and s.late]
+
+
+@dataclass(frozen=True, slots=True)
+class Duty:
+    """The operator's own notification clock for an incident, decided once from the role and
+    the parties: what every view shows as "notify by" (the incident card, ``kvwatch incidents
+    list``, the demo, the case document).
+
+    As processor: each affected customer (controller) without undue delay (Art. 33(2)), so
+    ``due_at`` is the earliest due time of a counting party not yet sent a notice (or, all
+    sent, the earliest due time), and ``controller_clock`` says the 72 hours are the
+    controller's own, from its awareness. As controller: the supervisory authority by the
+    incident's logged deadline (Art. 33(1)). ``pending`` names the counting parties not yet
+    sent a notice."""
+
+    role: str
+    due_at: str
+    rule: str
+    pending: tuple[str, ...]
+    controller_clock: str | None
+
+
+def duty(settings: Settings, inc: IncidentFacts, statuses: list[PartyStatus]) -> Duty:
+    counting = [p for p in statuses if p.counts]
+    pending = tuple(p.party for p in counting if p.sent_at is None)
+    if settings.operator_role == "controller":
+        return Duty(
+            role="controller",
+            due_at=str(iso(inc.deadline_at)),
+            rule="GDPR Art. 33(1): the supervisory authority within 72 hours of awareness",
+            pending=pending,
+            controller_clock=None,
+        )
+    dues = [p.due_at for p in counting if p.sent_at is None] or [p.due_at for p in counting]
+    target_us = int(settings.controller_notice_target_h * 3600e6)
+    due = min(dues) if dues else str(iso(inc.awareness_at + target_us))
+    return Duty(
+        role="processor",
+        due_at=due,
+        rule=(
+            "GDPR Art. 33(2): each affected customer (the controller) without undue delay; "
+            f"kvwatch's target {settings.controller_notice_target_h:g} h from awareness"
+        ),
+        pending=pending,
+        controller_clock=(
+            "Each customer's own 72 hours to its supervisory authority (Art. 33(1)) start "
+            "when it becomes aware, at the latest on our notice."
+        ),
+    )

@@ -54,7 +54,7 @@ def incidents(c: CollectorClient) -> None:
         st.success("No open incidents.", icon=":material/check_circle:")
     now = datetime.now(UTC)
     for inc in open_:
-        incident_card(inc, now)
+        incident_card(inc, now, c.incident_case(inc["id"]))
     closed = [i for i in items if i["state"] != "open"]
     if closed:
         with st.expander(f"Closed incidents ({len(closed)})"):

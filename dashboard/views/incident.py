@@ -357,7 +357,7 @@ def render(c: CollectorClient) -> None:
         st.success("No incidents.", icon=":material/check_circle:")
         return
     inc = _choose(incidents)
-    incident_card(inc, datetime.now(UTC))
+    incident_card(inc, datetime.now(UTC), c.incident_case(inc["id"]))
     doc = c.incident_assessment(inc["id"])
     st.markdown(doc.get("account") or "")
     _tenants(doc)
