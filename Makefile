@@ -7,6 +7,9 @@ BIN    := $(VENV)/bin
 TORCH           ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 DEMO_DIR        ?= kvwatch-demo
+# --no-compile: pip byte-compiles every module it installs (torch's alone is ~2/3 of its
+# install time); Python compiles the few a process imports on first import instead.
+PIP     := $(BIN)/pip install --quiet --disable-pip-version-check --no-compile
 STAMP   := $(VENV)/.kvwatch-installed
 RUNTIME := $(VENV)/.kvwatch-runtime
 
@@ -21,16 +24,16 @@ $(RUNTIME): pyproject.toml Makefile
 	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see docs/gpu.md for CUDA)"
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	@echo "==> [3/3] installing kvwatch and its runtime dependencies"
 	# flock: the engine venvs install this checkout editable too, maybe at the same time
-	flock .editable.lock $(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine]'
+	flock .editable.lock $(PIP) -e '.[engine]'
 	touch $(RUNTIME)
 
 # What the tests and linters add: pytest and its plugins, mypy, ruff, playwright...
 $(STAMP): $(RUNTIME)
 	@echo "==> installing the development tools (tests, lint, types)"
-	flock .editable.lock $(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
+	flock .editable.lock $(PIP) -e '.[engine,dev]'
 	touch $(STAMP)
 
 runtime: $(RUNTIME)
