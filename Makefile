@@ -49,10 +49,13 @@ demo: $(RUNTIME)
 	@echo "==> running the demo (kvwatch demo --dir $(DEMO_DIR))"
 	$(BIN)/kvwatch demo --dir $(DEMO_DIR)
 
-# The three venvs build side by side (mostly downloads and unpacking): minutes off CI.
+# The three venvs build side by side (mostly downloads and unpacking): minutes off CI. Lint
+# starts as soon as .venv is ready and each engine's suite as soon as its venv is, while the
+# other venvs still build; then the main suite, which needs every venv and the cores.
+# --output-sync: each target's output in one piece, not interleaved.
 test:
-	$(MAKE) -j3 setup engines
-	$(MAKE) lint pytest pytest-engines
+	$(MAKE) -j3 --output-sync=target lint pytest-engines
+	$(MAKE) pytest
 
 # Two workers, a test module each at a time (module fixtures stay shared); the tests marked
 # serial (one restarts PostgreSQL, which every other test uses; the live vLLM server's times
@@ -64,8 +67,9 @@ pytest: setup engines
 	$(BIN)/python -m pytest -m serial
 
 # Tests that drive the engines' own classes in-process run inside each engine's venv.
-pytest-engines: engines
-	$(foreach e,$(ENGINES),.venv-$(e)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$(e) &&) true
+pytest-engines: $(ENGINES:%=pytest-engines-%)
+pytest-engines-%: .venv-%/.kvwatch-installed
+	.venv-$*/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$*
 
 lint: setup docs
 	$(BIN)/ruff check .
