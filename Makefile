@@ -13,28 +13,28 @@ PIP     := $(BIN)/pip install --quiet --disable-pip-version-check --no-compile
 STAMP   := $(VENV)/.kvwatch-installed
 RUNTIME := $(VENV)/.kvwatch-runtime
 
+COMMA   := ,
+
 ENGINES := vllm sglang
 ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 
 .PHONY: runtime setup engines demo test pytest pytest-engines lint docs docs-config dashboards clean
 
-# What the demo needs: torch's CPU wheel and kvwatch with its runtime dependencies. Each
-# step says what it installs (pip itself stays quiet).
-$(RUNTIME): pyproject.toml Makefile
+# What the demo needs (runtime): torch's CPU wheel and kvwatch with its runtime dependencies;
+# what the tests and linters add (setup): pytest and its plugins, mypy, ruff, playwright...
+# setup installs both in one pass (a second pip pass re-resolves everything and rebuilds the
+# editable install: tens of seconds), and counts as runtime too. Each step says what it
+# installs (pip itself stays quiet).
+$(RUNTIME) $(STAMP): EXTRAS = $(if $(filter $@,$(STAMP)),engine$(COMMA)dev,engine)
+$(RUNTIME) $(STAMP): pyproject.toml Makefile
 	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see docs/gpu.md for CUDA)"
 	$(PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	@echo "==> [3/3] installing kvwatch and its runtime dependencies"
+	@echo "==> [3/3] installing kvwatch and its runtime dependencies$(if $(filter $@,$(STAMP)),$(COMMA) and the development tools (tests, lint, types))"
 	# flock: the engine venvs install this checkout editable too, maybe at the same time
-	flock .editable.lock $(PIP) -e '.[engine]'
-	touch $(RUNTIME)
-
-# What the tests and linters add: pytest and its plugins, mypy, ruff, playwright...
-$(STAMP): $(RUNTIME)
-	@echo "==> installing the development tools (tests, lint, types)"
-	flock .editable.lock $(PIP) -e '.[engine,dev]'
-	touch $(STAMP)
+	flock .editable.lock $(PIP) -e '.[$(EXTRAS)]'
+	touch $(RUNTIME) $@
 
 runtime: $(RUNTIME)
 setup: $(STAMP)
