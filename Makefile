@@ -7,31 +7,34 @@ BIN    := $(VENV)/bin
 TORCH           ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 DEMO_DIR        ?= kvwatch-demo
+# --no-compile: pip byte-compiles every module it installs (torch's alone is ~2/3 of its
+# install time); Python compiles the few a process imports on first import instead.
+PIP     := $(BIN)/pip install --quiet --disable-pip-version-check --no-compile
 STAMP   := $(VENV)/.kvwatch-installed
 RUNTIME := $(VENV)/.kvwatch-runtime
+
+COMMA   := ,
 
 ENGINES := vllm sglang
 ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 
 .PHONY: runtime setup engines demo test pytest pytest-engines lint docs docs-config dashboards clean
 
-# What the demo needs: torch's CPU wheel and kvwatch with its runtime dependencies. Each
-# step says what it installs (pip itself stays quiet).
-$(RUNTIME): pyproject.toml Makefile
+# What the demo needs (runtime): torch's CPU wheel and kvwatch with its runtime dependencies;
+# what the tests and linters add (setup): pytest and its plugins, mypy, ruff, playwright...
+# setup installs both in one pass (a second pip pass re-resolves everything and rebuilds the
+# editable install: tens of seconds), and counts as runtime too. Each step says what it
+# installs (pip itself stays quiet).
+$(RUNTIME) $(STAMP): EXTRAS = $(if $(filter $@,$(STAMP)),engine$(COMMA)dev,engine)
+$(RUNTIME) $(STAMP): pyproject.toml Makefile
 	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see docs/gpu.md for CUDA)"
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	@echo "==> [3/3] installing kvwatch and its runtime dependencies"
+	$(PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	@echo "==> [3/3] installing kvwatch and its runtime dependencies$(if $(filter $@,$(STAMP)),$(COMMA) and the development tools (tests, lint, types))"
 	# flock: the engine venvs install this checkout editable too, maybe at the same time
-	flock .editable.lock $(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine]'
-	touch $(RUNTIME)
-
-# What the tests and linters add: pytest and its plugins, mypy, ruff, playwright...
-$(STAMP): $(RUNTIME)
-	@echo "==> installing the development tools (tests, lint, types)"
-	flock .editable.lock $(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
-	touch $(STAMP)
+	flock .editable.lock $(PIP) -e '.[$(EXTRAS)]'
+	touch $(RUNTIME) $@
 
 runtime: $(RUNTIME)
 setup: $(STAMP)
@@ -46,10 +49,13 @@ demo: $(RUNTIME)
 	@echo "==> running the demo (kvwatch demo --dir $(DEMO_DIR))"
 	$(BIN)/kvwatch demo --dir $(DEMO_DIR)
 
-# The three venvs build side by side (mostly downloads and unpacking): minutes off CI.
+# The three venvs build side by side (mostly downloads and unpacking): minutes off CI. Lint
+# starts as soon as .venv is ready and each engine's suite as soon as its venv is, while the
+# other venvs still build; then the main suite, which needs every venv and the cores.
+# --output-sync: each target's output in one piece, not interleaved.
 test:
-	$(MAKE) -j3 setup engines
-	$(MAKE) lint pytest pytest-engines
+	$(MAKE) -j3 --output-sync=target lint pytest-engines
+	$(MAKE) pytest
 
 # Two workers, a test module each at a time (module fixtures stay shared); the tests marked
 # serial (one restarts PostgreSQL, which every other test uses; the live vLLM server's times
@@ -61,8 +67,9 @@ pytest: setup engines
 	$(BIN)/python -m pytest -m serial
 
 # Tests that drive the engines' own classes in-process run inside each engine's venv.
-pytest-engines: engines
-	$(foreach e,$(ENGINES),.venv-$(e)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$(e) &&) true
+pytest-engines: $(ENGINES:%=pytest-engines-%)
+pytest-engines-%: .venv-%/.kvwatch-installed
+	.venv-$*/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$*
 
 lint: setup docs
 	$(BIN)/ruff check .

@@ -370,8 +370,17 @@ def _start_server(
     return server
 
 
+#: the tiny model this process has written (seeded: every write is the same model), which
+#: every later server of the process loads (~5 s of CPU each to write it again)
+_tiny: Path | None = None
+
+
 def _tiny_model(workdir: Path) -> Path:
-    """The tests' tiny Llama, written into ``workdir`` by .venv-vllm (both servers load it)."""
+    """The tests' tiny Llama, written by .venv-vllm into ``workdir`` the first time a process
+    asks, and that copy afterwards (servers only read it)."""
+    global _tiny
+    if _tiny is not None and (_tiny / "config.json").exists():
+        return _tiny
     model_dir = workdir / "tiny-llama"
     subprocess.run(
         [str(VLLM_PY), str(TINY_MODEL_SCRIPT), str(model_dir)],
@@ -380,6 +389,7 @@ def _tiny_model(workdir: Path) -> Path:
         timeout=300,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
+    _tiny = model_dir
     return model_dir
 
 

@@ -15,12 +15,18 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+# One intra-op thread for torch (the demo's reference engine): its tensors are tiny, and
+# beside another test worker on a 2-core machine a second thread only spins. The demo's
+# CPU time there: ~28-37 s with torch's default, ~11.5 s with one thread.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def kvwatch(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
     return subprocess.run(
         [sys.executable, "-m", "kvwatch.cli", *args],
         capture_output=True,
         text=True,
-        env=os.environ | (env or {}),
+        env=os.environ | ONE_THREAD | (env or {}),
         cwd=cwd,
         timeout=300,
     )

@@ -139,7 +139,9 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     (cwd / ".venv").symlink_to(Path(sys.prefix))
     (cwd / "deploy").symlink_to(ROOT / "deploy")  # a checkout's: the Prometheus rules
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVWATCH_")}
-    env |= {"PYTHONUNBUFFERED": "1", "HOME": str(cwd), "COLUMNS": "100"}
+    # OMP_NUM_THREADS: one torch thread for the demo's and the pages' reference engines
+    # (tiny tensors; beside another test worker on 2 cores a second thread only spins)
+    env |= {"PYTHONUNBUFFERED": "1", "HOME": str(cwd), "COLUMNS": "100", "OMP_NUM_THREADS": "1"}
     demo = subprocess.run(
         [str(Path(sys.prefix) / "bin" / "kvwatch"), "demo", "--dir", "kvwatch-demo"],
         cwd=cwd,
