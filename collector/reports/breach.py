@@ -1247,8 +1247,9 @@ def implied_notices(report: BreachReport) -> tuple[Notice, ...]:
             else "exposed"
             if tenant in exposed
             else "received",
-            command=f"kvwatch report notice --incident {report.incident.id} "
-            f"--tenant {tenant} --out notice-{tenant}.pdf",
+            # the register's steps: prepared (signed, stored), then approved and sent
+            command=f"kvwatch incidents notify prepare {report.incident.id} "
+            f"--party {tenant} --by NAME --out notices",
         )
         for tenant in sorted(exposed | receiving)
     )

@@ -82,7 +82,11 @@ SUMMARY_NOTES = [
     ),
     (
         "Awareness, deadline",
-        "when the incident was opened (the operator's awareness), and 72 hours later.",
+        "when the incident was opened (the operator's awareness), and 72 hours later (Art. "
+        "33(1)), as the audit log records them (a change is logged with who and why). Late: "
+        "judged from the notices recorded as sent (kvwatch incidents notify), never from when "
+        "this report was generated; the deadline rule says whose notice counts for the "
+        "operator's role.",
     ),
 ]
 
@@ -237,6 +241,7 @@ def summary_rows(report: BreachReport) -> list[tuple[str, Any]]:
         ("Last event", tl.last_event_at),
         ("Awareness", tl.awareness_at),
         ("Art. 33 deadline", tl.deadline_at),
+        ("Deadline rule", tl.deadline_rule),
         ("Late", "yes" if tl.late else "no"),
         ("Late reason", tl.late_reason),
         ("Art. 34 high risk", a34.verdict),
