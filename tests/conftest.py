@@ -163,6 +163,9 @@ def make_token(db_url: str, kind: str, **kw: str | None) -> str:
         db.dispose()
 
 
+DPO_CONTACT = "Data protection officer, dpo@operator.example"
+
+
 @pytest.fixture
 def collector(db_url: str) -> Iterator[Collector]:
     """The real collector app, served by uvicorn on 127.0.0.1 in a thread."""
@@ -177,6 +180,8 @@ def collector(db_url: str) -> Iterator[Collector]:
         max_body_bytes=1024 * 1024,
         auto_migrate=False,
         rollup_interval_s=0.2,
+        # as an operator sets it: a notice without a contact point is a draft, never sent
+        dpo_contact=DPO_CONTACT,
     )
     with serve_in_thread(create_app(settings)) as url:
         yield Collector(url, db_url, make_token(db_url, "admin"), make_token(db_url, "ingest"))

@@ -396,7 +396,11 @@ def _body(w: World, op: Operation) -> Any:
 
 
 def _prepared_notice(w: World) -> str:
-    """A notice just prepared (by admin), for a step to approve."""
+    """A notice just prepared (by admin), for a step to approve: with a measure recorded,
+    so that it is not a draft (a draft is not approved)."""
+    measure = {"kind": "containment", "status": "done", "what": "refused", "why": "stop it"}
+    r = w.client("admin").post(f"/v1/incidents/{w.incident_id}/decisions", json=measure)
+    assert r.status_code == 201, r.text
     r = w.client("admin").post(f"/v1/incidents/{w.incident_id}/notifications", json={"party": ACME})
     assert r.status_code == 201, r.text
     return str(r.json()["notice_id"])

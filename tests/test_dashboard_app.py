@@ -511,7 +511,8 @@ def test_incident_view_for_the_person_on_call(env: pytest.MonkeyPatch, seeded: h
     then the assessment and a tenant's notice written from it."""
     at = open_page(env, seeded.url, seeded.admin, "views/incident.py")
     t = text(at)
-    assert re.fullmatch(r"2 d 23 h \d+ min", metric(at, "Time left"))
+    # processor (the default): the clock is each customer's notice, 24 h from awareness
+    assert re.fullmatch(r"23 h \d+ min", metric(at, "Time left"))
     assert metric(at, "Exposed tenants") == "1" and metric(at, "Receiving tenants") == "1"
     assert metric(at, "Data subjects concerned") == "unknown"
     cause = table(at, "step")

@@ -275,7 +275,13 @@ def test_a_tenant_sees_its_own_side_of_the_incident(
 ) -> None:
     """The reading tenant's token: a banner on every page, and on the incident page its own
     requests, the other party never named."""
-    visit(page, f"{dashboards.tenant.url}/", "This incident concerns your data", "open it")
+    visit(
+        page,
+        f"{dashboards.tenant.url}/",
+        "This incident concerns data your requests received",
+        "Your own data was not disclosed",
+        "open it",
+    )
     visit(
         page,
         f"{dashboards.tenant.url}/incident",

@@ -206,19 +206,20 @@ def test_a_report_build_killed_midway_leaves_nothing_half_written(
         n, intact = _reports_and_audit(db_url)
         assert intact and n in (stored, stored + 1), (delay, n)
         stored = n
-        _assert_whole(out)
+        _assert_whole(out, db_url)
     # The next run starts clean and completes.
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert _reports_and_audit(db_url) == (stored + 1, True)
-    _assert_whole(out)
+    _assert_whole(out, db_url)
     finished = [p for p in out.iterdir() if not p.name.endswith(".part")]
     assert len({p.stem for p in finished}) <= stored + 1 and len(finished) >= 3
 
 
-def _assert_whole(out: Path) -> None:
+def _assert_whole(out: Path, db_url: str) -> None:
     """Every report file in ``out`` is whole: its JSON parses and its hash holds, its CSV
-    verifies against it, its PDF ends as a PDF ends."""
+    verifies against it (and both against the signature, with the keys of ``db_url``'s
+    collector), its PDF ends as a PDF ends."""
     if not out.exists():
         return
     for path in out.iterdir():
@@ -231,7 +232,9 @@ def _assert_whole(out: Path) -> None:
             path.suffix == ".csv" and path.with_suffix(".json").exists()
         ):
             verified = subprocess.run(
-                [*KVWATCH, "report", "verify", str(path)], capture_output=True, text=True
+                [*KVWATCH, "report", "verify", str(path), "--database-url", db_url],
+                capture_output=True,
+                text=True,
             )
             assert verified.returncode == 0, verified.stdout + verified.stderr
 

@@ -37,7 +37,7 @@ from collector.settings import Settings
 from engine_probe import events as ev
 from kvwatch.cli import app as cli
 from tests import factories as f
-from tests.conftest import Collector
+from tests.conftest import DPO_CONTACT, Collector
 from tests.pdf_helpers import assert_renders
 
 T0 = f.T0
@@ -180,8 +180,9 @@ def test_incident_report_through_the_api(env: Env) -> None:
     assert tl["late"] is False and tl["late_reason"] is None
     assert _when(tl["deadline_at"]) - _when(tl["awareness_at"]) == timedelta(hours=72)
     checklist = {x["key"]: x for x in report["checklist"]}
-    assert checklist["contact"]["needs_person"] is True
-    assert checklist["contact"]["value"] == "needs a person"
+    # the collector's KVWATCH_DPO_CONTACT (tests/conftest.py), as Art. 33(3)(b) asks
+    assert checklist["contact"]["needs_person"] is False
+    assert checklist["contact"]["value"] == DPO_CONTACT
     # the records concerned are the exposed ones (r-exposed), never the request that read them
     assert checklist["records"]["value"].startswith("1 exposed request (a prompt whose")
     assert "Counted apart: 1 receiving request that read it" in checklist["records"]["value"]
