@@ -18,32 +18,39 @@ COMMA   := ,
 ENGINES := vllm sglang
 ENGINE_STAMPS := $(ENGINES:%=.venv-%/.kvwatch-installed)
 
-.PHONY: runtime setup engines demo test pytest pytest-engines lint docs docs-config dashboards clean
+.PHONY: runtime setup engines wheels demo test pytest pytest-engines lint docs docs-config docs-runbooks dashboards clean
 
 # What the demo needs (runtime): torch's CPU wheel and kvwatch with its runtime dependencies;
 # what the tests and linters add (setup): pytest and its plugins, mypy, ruff, playwright...
 # setup installs both in one pass (a second pip pass re-resolves everything and rebuilds the
 # editable install: tens of seconds), and counts as runtime too. Each step says what it
 # installs (pip itself stays quiet).
+# pip stays quiet for minutes on a cold cache: a line every 10 s says it is still at work
+HEARTBEAT := bash -c '( while sleep 10; do echo "    ... still installing ($$SECONDS s)"; done ) & beat=$$!; "$$@"; rc=$$?; kill $$beat; exit $$rc' heartbeat
 $(RUNTIME) $(STAMP): EXTRAS = $(if $(filter $@,$(STAMP)),engine$(COMMA)dev,engine)
 $(RUNTIME) $(STAMP): pyproject.toml Makefile
 	@echo "==> [1/3] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/3] installing $(TORCH) (the CPU wheel; see docs/gpu.md for CUDA)"
-	$(PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	@$(HEARTBEAT) $(PIP) $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	@echo "==> [3/3] installing kvwatch and its runtime dependencies$(if $(filter $@,$(STAMP)),$(COMMA) and the development tools (tests, lint, types))"
-	# flock: the engine venvs install this checkout editable too, maybe at the same time
-	flock .editable.lock $(PIP) -e '.[$(EXTRAS)]'
+	@$(HEARTBEAT) $(PIP) -e '.[$(EXTRAS)]'
 	touch $(RUNTIME) $@
 
 runtime: $(RUNTIME)
 setup: $(STAMP)
 
 # One venv per real engine (their pins conflict with each other and with ours).
-.venv-%/.kvwatch-installed: engines/%/nodeps.txt engines/%/requirements.txt engines/build-venv.sh pyproject.toml
+.venv-%/.kvwatch-installed: engines/%/nodeps.txt engines/%/requirements.txt engines/build-venv.sh pyproject.toml probe/pyproject.toml
 	PYTHON=$(PYTHON) TORCH='$(TORCH)' TORCH_INDEX_URL='$(TORCH_INDEX_URL)' bash engines/build-venv.sh $*
 
 engines: $(ENGINE_STAMPS)
+
+# The two distributions, as a release publishes them: kvwatch (collector, dashboard, CLI) and
+# kvwatch-probe (what runs inside an engine: probe/pyproject.toml), into dist/.
+wheels: setup
+	$(BIN)/python -m build --wheel --outdir dist .
+	$(BIN)/python -m build --wheel --outdir dist probe
 
 demo: $(RUNTIME)
 	@echo "==> running the demo (kvwatch demo --dir $(DEMO_DIR))"
@@ -71,18 +78,26 @@ pytest-engines: $(ENGINES:%=pytest-engines-%)
 pytest-engines-%: .venv-%/.kvwatch-installed
 	.venv-$*/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/engines tests/engines/$*
 
-lint: setup docs
+# docs runs inside the recipe, after setup: as a prerequisite it would ask for the runtime
+# venv, which make -j would build beside setup's, two pips in one venv at once
+lint: setup
+	$(MAKE) --no-print-directory docs
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml): --strict fails on a broken link or anchor, or a page
 # missing from the nav. docs/configuration.md is generated from the settings classes.
-docs: setup
+docs: $(RUNTIME)
+	@$(BIN)/python -c "import mkdocs" 2>/dev/null || $(HEARTBEAT) $(PIP) -e '.[engine,docs]'
 	$(BIN)/mkdocs build --strict --site-dir site
 
 docs-config: setup
 	$(BIN)/python -m kvwatch.docs_config > docs/configuration.md
+
+# docs/runbooks.md is generated from the runbooks the package ships (policies/runbooks/).
+docs-runbooks: setup
+	$(BIN)/python -m kvwatch.docs_runbooks > docs/runbooks.md
 
 # The Grafana dashboards (deploy/grafana/*.json) are generated: edit generate.py, then this.
 dashboards: setup

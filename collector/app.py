@@ -27,12 +27,18 @@ from collector.api import (
     traces,
 )
 from collector.api import cases as cases_api
+from collector.api import runbooks as runbooks_api
 from collector.api import schedules as schedules_api
 from collector.api import tokens as tokens_api
 from collector.api.bodies import LimitBody
+from collector.bus.ingest import BusIngest
+from collector.bus.monitor import BusMonitor, bus_problem
+from collector.bus.monitor import fact as bus_fact
+from collector.bus.publisher import BusPublisher
 from collector.db import Database
 from collector.fleet import FleetService
 from collector.ingest import IngestService
+from collector.installation import Identity
 from collector.limits import Limits
 from collector.lost import LostRequests
 from collector.metrics import CollectorMetrics
@@ -82,10 +88,18 @@ def create_app(
         max_deployments=settings.metrics_max_deployments,
         min_requests=settings.metrics_min_requests,
     )
+    bus = BusPublisher(settings, metrics.registry) if settings.bus_url is not None else None
+    monitor = BusMonitor(settings, metrics.registry) if bus is not None else None
     authenticator = Authenticator(
-        db, ttl_s=settings.token_cache_s, use_audit_s=settings.token_use_audit_s
+        db,
+        ttl_s=settings.token_cache_s,
+        use_audit_s=settings.token_use_audit_s,
+        # with the bus, ingest must outlive a database outage: known tokens stay valid
+        grace_s=settings.bus_auth_grace_s if bus is not None else 0.0,
     )
-    alerting = AlertingService(db, rules)
+    alerting = AlertingService(db, rules, identity=Identity.of(settings))
+    if monitor is not None:
+        alerting.evaluator.bus_facts = lambda: bus_fact(monitor.latest)
     ingester = IngestService(
         db, settings, metrics, authenticator, alerting if settings.policies_enabled else None
     )
@@ -168,7 +182,7 @@ def create_app(
         version="1",
         description="Ingests probe events; serves deployments, requests, pool samples and "
         "page events. Every endpoint but /healthz, /readyz and /metrics needs a bearer token.",
-        lifespan=_lifespan(settings, db, maintainer, workers, freeze_heap),
+        lifespan=_lifespan(settings, db, maintainer, workers, freeze_heap, bus, monitor),
     )
     errors.install(app)
     app.add_middleware(LimitBody, limit=settings.max_request_bytes)
@@ -184,10 +198,14 @@ def create_app(
     app.state.verify_schedules = verifications
     app.state.lost_requests = lost  # its pass, with time passed in: close_silent(now)
 
-    app.include_router(ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter))
+    trace_ingest = TraceIngest(ingester, settings, metrics.registry)
+    via_bus = None if bus is None else BusIngest(ingester, trace_ingest, bus)
+    app.state.bus = bus
+    app.state.bus_monitor = monitor
     app.include_router(
-        traces.build_router(TraceIngest(ingester, settings, metrics.registry), ingest_limiter)
+        ingest.build_router(ingester, settings.max_body_bytes, ingest_limiter, via_bus)
     )
+    app.include_router(traces.build_router(trace_ingest, ingest_limiter, via_bus))
     app.include_router(reads.build_router(ReadService(db)))
     notices = NoticeService(db, settings)
     app.include_router(alerts.build_router(alerting, notices, settings.max_evidence_bytes))
@@ -201,8 +219,16 @@ def create_app(
     )
     app.include_router(dashboard.build_router(FleetService(db, cards), StatsService(db, limits)))
     app.include_router(tokens_api.build_router(TokenService(db)))
+    app.include_router(runbooks_api.build_router())
     token = settings.metrics_token.get_secret_value() if settings.metrics_token else None
-    app.include_router(health.build_router(metrics, db.ping, metrics_token=token))
+    app.include_router(
+        health.build_router(
+            metrics,
+            db.ping,
+            metrics_token=token,
+            bus_problem=None if bus is None else lambda: bus_problem(bus, monitor),
+        )
+    )
     openapi.install(app)
     return app
 
@@ -213,9 +239,12 @@ def _lifespan(
     maintainer: Periodic | None,
     workers: tuple[Periodic | Dispatcher | None, ...],
     freeze_heap: bool,
+    bus: BusPublisher | None,
+    monitor: BusMonitor | None,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """Migrate (when told to) and make the partitions, start the workers; at shutdown, stop
-    them and close the database's connections."""
+    """Migrate (when told to) and make the partitions, connect to the ingest bus (when
+    there is one), start the workers; at shutdown, stop them, close the bus connection
+    (after in-flight publishes) and the database's connections."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -223,6 +252,10 @@ def _lifespan(
             await anyio.to_thread.run_sync(migrate.upgrade, settings.database_url)
         if maintainer is not None:
             await anyio.to_thread.run_sync(maintainer.run_once)
+        if bus is not None:
+            await bus.start()
+            if monitor is not None:
+                monitor.start(bus.js, lambda: bus.connected)
         for worker in workers:
             if worker is not None:
                 worker.start()
@@ -238,6 +271,10 @@ def _lifespan(
             for worker in workers:
                 if worker is not None:
                     await anyio.to_thread.run_sync(worker.shutdown, 10.0)
+            if monitor is not None:
+                await monitor.stop()
+            if bus is not None:
+                await bus.close()
             db.dispose()
 
     return lifespan

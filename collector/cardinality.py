@@ -85,18 +85,11 @@ class NewNames:
         """Record the batch's new names for ``lineage``, or raise :class:`TooManyNewNames`
         (inside the caller's transaction, before anything of the batch is written).
         ``names``: ``names_of(events)``, when the caller has it already."""
-        wanted = (names_of(events) if names is None else names) - self._known
+        wanted = self.unknown(names_of(events) if names is None else names)
         if not wanted:
             return
         lv = m.LabelValue
-        have = {
-            (k, d, v)
-            for k, d, v in conn.execute(
-                select(lv.kind, lv.deployment_id, lv.value).where(
-                    tuple_(lv.kind, lv.deployment_id, lv.value).in_(sorted(wanted))
-                )
-            )
-        }
+        have = self._stored(conn, wanted)
         new = wanted - have
         if new:
             self._check(conn, lineage, new, now_us)
@@ -115,11 +108,42 @@ class NewNames:
                     for k, d, v in sorted(new)
                 ],
             )
-        if len(self._known) > _KNOWN_MAX:
-            self._known.clear()
         # Only names already committed by someone are remembered here; this batch's own may
         # still roll back, and are learnt again from the table next time.
+        self._remember(have)
+
+    def check(self, conn: Connection, lineage: int, names: set[Name], now_us: int) -> None:
+        """What :meth:`admit` would decide, recording nothing: raises
+        :class:`TooManyNewNames` when the batch's new names would pass the limits. The
+        ingest bus asks before publishing, so a batch over them is answered 429 (and kept by
+        its probe) as direct ingest answers it; the writer's :meth:`admit` stays the rule."""
+        wanted = self.unknown(names)
+        if not wanted:
+            return
+        have = self._stored(conn, wanted)
+        if wanted - have:
+            self._check(conn, lineage, wanted - have, now_us)
+        self._remember(have)
+
+    def unknown(self, names: set[Name]) -> set[Name]:
+        """The names not known to be stored already (those need a look at the table)."""
+        return names - self._known
+
+    def _remember(self, have: set[Name]) -> None:
+        if len(self._known) > _KNOWN_MAX:
+            self._known.clear()
         self._known |= have
+
+    def _stored(self, conn: Connection, wanted: set[Name]) -> set[Name]:
+        lv = m.LabelValue
+        return {
+            (k, d, v)
+            for k, d, v in conn.execute(
+                select(lv.kind, lv.deployment_id, lv.value).where(
+                    tuple_(lv.kind, lv.deployment_id, lv.value).in_(sorted(wanted))
+                )
+            )
+        }
 
     def _check(self, conn: Connection, lineage: int, new: set[Name], now_us: int) -> None:
         lv = m.LabelValue

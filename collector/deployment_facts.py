@@ -33,9 +33,12 @@ from policies.facts import (
     PREFIX_HISTORY_MAX,
     PREFIX_HISTORY_S,
     VerificationResult,
+    VerificationRunFact,
     clock_period,
 )
 
+#: the longest a verification run may be announced for (``POST /v1/verification-runs``)
+MAX_RUN_S = 3600.0
 _CONFIG_HISTORY = 64  # per deployment: configs are stored only when they change
 
 
@@ -368,8 +371,10 @@ def deployment_facts(
     tenants: dict[str, int],
     deployments: Iterable[str],
     max_verification_age_s: float | None = None,
+    open_incidents: Iterable[str] = (),
 ) -> dict[str, DeploymentFacts]:
     out = {}
+    incidents = set(open_incidents)
     for dep in deployments:
         out[dep] = DeploymentFacts(
             deployment_id=dep,
@@ -379,8 +384,18 @@ def deployment_facts(
             passing={model: v for (d, model), v in verified.passing.items() if d == dep},
             decided={model: v for (d, model), v in verified.decided.items() if d == dep},
             max_verification_age_s=max_verification_age_s,
+            open_incident=dep in incidents,
         )
     return out
+
+
+def open_incident_deployments(conn: Connection, deployments: Iterable[str] | None) -> set[str]:
+    """The deployments (of these; None: any) with an open incident."""
+    i = m.Incident
+    q = select(i.deployment_id).where(i.state == "open").distinct()
+    if deployments is not None:
+        q = q.where(i.deployment_id.in_(sorted(deployments)))
+    return set(conn.execute(q).scalars())
 
 
 def load(
@@ -389,9 +404,11 @@ def load(
     max_verification_age_s: float | None,
     *,
     tenants: bool = False,
+    incidents: bool = False,
 ) -> dict[str, DeploymentFacts]:
     """What is known of these deployments (every one: ``None``), as the rules see it:
-    what every reader of the limit in force loads (``collector.limits``)."""
+    what every reader of the limit in force loads (``collector.limits``). ``tenants``,
+    ``incidents``: also the tenant counts and which have an open incident (the timer's rules)."""
     deployments = None if deployments is None else set(deployments)
     configs = node_configs(conn, deployments)
     verified = verdicts(conn, deployments)
@@ -403,7 +420,8 @@ def load(
         | set(conn.execute(select(m.Deployment.id)).scalars())
     )
     counts = tenant_counts(conn, deps) if tenants else {}
-    return deployment_facts(configs, verified, counts, deps, max_verification_age_s)
+    open_now = open_incident_deployments(conn, deployments) if incidents else set()
+    return deployment_facts(configs, verified, counts, deps, max_verification_age_s, open_now)
 
 
 def fold_configs(
@@ -474,7 +492,7 @@ def timer_facts(
     ``now`` and ``evidence_after_s`` (``policies.kinds.telemetry.probe_evidence_after``),
     the probes quiet at least that long, and the other probes of their deployments, carry
     the evidence that they should be sending (see :class:`policies.ProbeFact`)."""
-    facts = load(conn, None, max_verification_age_s, tenants=True)
+    facts = load(conn, None, max_verification_age_s, tenants=True, incidents=True)
     rows = list(
         conn.execute(
             text(
@@ -559,3 +577,36 @@ def _sample_period(conn: Connection, probe: Any) -> float | None:
     node = samples[0].node
     mine = [(s.ts / _US, int(s.used_tokens)) for s in samples if s.node == node]
     return clock_period(mine[:_CADENCE_SAMPLES])
+
+
+def verification_runs(
+    conn: Connection, deployments: Iterable[str], since_us: int, until_us: int
+) -> list[VerificationRunFact]:
+    """The verification runs of these deployments whose time overlaps [since, until]: the
+    runs a batch's events may belong to (indexed by deployment and start; a run lasts at
+    most ``MAX_RUN_S``, so an older start cannot reach the batch)."""
+    deps = sorted(deployments)
+    if not deps:
+        return []
+    t = m.VerificationRun.__table__
+    rows = conn.execute(
+        select(t.c.deployment_id, t.c.tenants, t.c.started_at, t.c.ends_at, t.c.finished_at).where(
+            t.c.deployment_id.in_(deps),
+            t.c.started_at <= until_us,
+            t.c.started_at >= since_us - int(MAX_RUN_S * 1e6),
+        )
+    )
+    out = []
+    for r in rows:
+        until = as_datetime(r.finished_at if r.finished_at is not None else r.ends_at)
+        if to_micros(until) < since_us:
+            continue
+        out.append(
+            VerificationRunFact(
+                deployment_id=r.deployment_id,
+                tenants=frozenset(json.loads(r.tenants)),
+                started_at=as_datetime(r.started_at),
+                until=until,
+            )
+        )
+    return out

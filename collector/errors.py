@@ -21,6 +21,8 @@ class CollectorError(Exception):
 
     status = 500
     code = "internal"
+    #: seconds, answered as ``Retry-After`` (a 503 that says when to come back)
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, details: Any = None):
         super().__init__(message)
@@ -87,3 +89,21 @@ class TransientConflict(Unavailable):
     """A deadlock or serialization failure between concurrent writers: safe to retry."""
 
     code = "conflict_retry"
+
+
+class BusUnavailable(Unavailable):
+    """The ingest bus (NATS JetStream) did not acknowledge a batch: not reachable, no stream
+    leader (an election), or it timed out. Nothing was accepted: retry later."""
+
+    code = "bus_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int, details: Any = None):
+        super().__init__(message, details)
+        self.retry_after_s = retry_after_s
+
+
+class BusFull(BusUnavailable):
+    """The ingest stream is at its limits (bytes, batches): the writers are behind. The probe
+    spools and retries after ``Retry-After``."""
+
+    code = "bus_full"

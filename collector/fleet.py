@@ -1,13 +1,19 @@
 """The fleet: every deployment's limits at a glance, with a status a person can act on.
 
 Status is ``red`` when a pool is smaller than the advertised context (the incident's
-precondition), the latest verification found the endpoint unsafe, a verification is stale
+precondition; ``amber`` where ``policies.limits.small_pool_mitigated`` says a verified limit
+that fits the pool makes it an overstated context, as the rule says), the latest
+verification found the endpoint unsafe, a verification is stale
 against the running config, or a critical alert fires; ``amber`` when a model has no passing
 verification, a source a producer watches is silent (``telemetry_gap``'s ``source_silent``:
 listed in ``silent_sources``, its reason a line of its own), or a warning fires; ``green``
 otherwise. ``reasons`` says which, in the limits
-card's words. A deployment known only from its verifications (an endpoint watched from
-outside) is listed with what they say.
+card's words, an open incident first. A deployment known only from its verifications (an
+endpoint watched from outside) is listed with what they say.
+
+Deployments come in the order a person should look at them: those with an open incident,
+then red, amber, green (more critical alerts first), then by name. Each lists its open
+incidents for as long as they are open.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from collector import lost_rows as lost
 from collector import models as m
 from collector.db import Database
 from collector.reports.limits import LimitsService
-from collector.timefmt import parse_iso, to_micros
+from collector.timefmt import as_datetime, parse_iso, to_micros
+from policies.limits import from_json, small_pool_mitigated
 
 _RANK = {"green": 0, "amber": 1, "red": 2}
 
@@ -68,19 +75,39 @@ class FleetService:
                         }
                     )
             i = m.Incident
-            incidents = dict(
-                conn.execute(
-                    select(i.deployment_id, sa.func.count())
-                    .where(i.state == "open")
-                    .group_by(i.deployment_id)
-                ).all()
-            )
+            incidents: dict[str, list[dict[str, Any]]] = {}
+            for r in conn.execute(
+                select(
+                    i.id, i.deployment_id, i.title, i.opened_at, i.deadline_at, i.acked_by, i.owner
+                )
+                .where(i.state == "open")
+                .order_by(i.id)
+            ):
+                incidents.setdefault(r.deployment_id, []).append(
+                    {
+                        "id": r.id,
+                        "title": r.title,
+                        "opened_at": r.opened_at,
+                        "deadline_at": r.deadline_at,
+                        "acked_by": r.acked_by,
+                        "owner": r.owner,
+                    }
+                )
             lost_recently = lost.recent(conn, to_micros(now) - lost.RECENT_S * 1_000_000)
         out = []
         for dep, last_seen in deps:
             card = self.limits.card(dep, now)
             models = []
-            reasons: list[tuple[str, str]] = []
+            open_here = incidents.get(dep, [])
+            # an open incident is why a deployment is red before anything else is
+            reasons: list[tuple[str, str]] = [
+                (
+                    "red",
+                    f"open incident #{x['id']}: {x['title']}, opened "
+                    f"{as_datetime(x['opened_at']):%Y-%m-%d %H:%M:%S} UTC",
+                )
+                for x in open_here
+            ]
             for mod in card["models"]:
                 v = mod["verified"]
                 age = None
@@ -105,9 +132,13 @@ class FleetService:
                 )
                 name = mod["model_id"]
                 if pool is not None and adv is not None and pool < adv:
-                    reasons.append(
-                        ("red", f"{name}: pool {pool:,} tokens < advertised context {adv:,}")
-                    )
+                    small = f"{name}: pool {pool:,} tokens < advertised context {adv:,}"
+                    lim = from_json(mod["limit_in_force"])
+                    if small_pool_mitigated(lim, pool, bool(open_here)):
+                        # the rule's own answer (a warning then): one decision, both places
+                        reasons.append(("amber", f"{small}, refused past it (verified)"))
+                    else:
+                        reasons.append(("red", small))
                 said = mod["verdict"]
                 if said["status"] in ("unsafe", "failed", "stale"):
                     reasons.append(("red", f"{name}: {said['text']}"))
@@ -133,7 +164,9 @@ class FleetService:
                     "models": models,
                     "firing_alerts": crit + warn,
                     "critical_alerts": crit,
-                    "open_incidents": int(incidents.get(dep, 0)),
+                    "open_incidents": len(open_here),
+                    # linked for as long as they are open (not only while an alert fires)
+                    "incidents": open_here,
                     "silent_sources": sources,
                     # requests closed as lost (their probe gone) in the last RECENT_S
                     "lost_requests": {
@@ -142,4 +175,14 @@ class FleetService:
                     },
                 }
             )
+        # What needs a person first: an open incident, then red, amber, green; more critical
+        # alerts first within a colour; then by name.
+        out.sort(
+            key=lambda d: (
+                not d["open_incidents"],
+                -_RANK[d["status"]],
+                -d["critical_alerts"],
+                d["deployment_id"],
+            )
+        )
         return {"generated_at": now, "deployments": out}

@@ -21,7 +21,9 @@ from collector.errors import (
     Forbidden,
     InvalidInput,
     PayloadTooLarge,
+    TooManyNewNames,
     TransientConflict,
+    Unavailable,
     UnsupportedMediaType,
 )
 from collector.metrics import CollectorMetrics
@@ -124,6 +126,22 @@ class IngestService:
         ordered = all(a.seq < b.seq for a, b in pairwise(events))
         rows = shape_rows(events) if ordered else None
         return PreparedBatch(events, rows, names_of(events), started)
+
+    def check_names(self, principal: Principal, batch: PreparedBatch, now: datetime) -> None:
+        """Would storing ``batch`` pass the token's new-name limits? Raises
+        :class:`TooManyNewNames` (429) if not; records nothing. For the ingest bus, which
+        answers before anything is stored: a database it cannot read skips the check (the
+        writer's transaction enforces the limits all the same)."""
+        if not self.names.unknown(batch.names):
+            return  # every name already stored: nothing to look up
+        try:
+            with self.db.read() as conn:
+                self.names.check(conn, principal.lineage, batch.names, micros(now))
+        except TooManyNewNames as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            raise
+        except Unavailable:
+            return
 
     def store_batch(
         self, principal: Principal, batch: PreparedBatch, now: datetime

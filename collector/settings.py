@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -56,6 +57,9 @@ class ScrapeTarget(BaseModel):
         if not is_valid_id(v):
             raise ValueError(f"{v!r} is not a valid id")
         return v
+
+
+_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def _entry(index: object, url: object) -> str:
@@ -290,6 +294,23 @@ class Settings(BaseSettings):
         default="",
         description="The collector's URL as people reach it (links in notifications).",
     )
+    dashboard_url: str | None = Field(
+        default=None,
+        description="The dashboard's URL as people reach it: every notification links to "
+        "the dashboard's page for its alert (/alerts?id=N) or incident (/incident?id=N), and "
+        "to the rule's runbook (/runbook?kind=K). Unset: notifications link to the API "
+        "(public_url) and carry no runbook link unless a rule names one.",
+    )
+    instance: str | None = Field(
+        default=None,
+        description="This installation's name in everything it sends out (the "
+        "kvwatch_instance label of alerts and incidents, their fingerprints, the 'instance' "
+        "of webhook documents), so two installations never merge or resolve each other's "
+        "alerts in Alertmanager or a pager. Unset: the id generated for the database when it "
+        "was created (every replica of one database shares it); set it when two "
+        "installations started from a copy of one database. Letters, digits, '._-', at "
+        "most 64.",
+    )
 
     scrape_targets: Annotated[list[ScrapeTarget], NoDecode] = Field(
         default_factory=list,
@@ -317,6 +338,118 @@ class Settings(BaseSettings):
         "first present wins) that name a span's deployment. The SDKs' default service.name "
         "(unknown_service...) names none; a deployment-scoped token's spans then belong to "
         "its deployment, and an unscoped token's are refused.",
+    )
+
+    # The ingest bus (docs/scaling.md): unset, collectors store what they accept themselves.
+    bus_url: SecretStr | None = Field(
+        default=None,
+        description="NATS server(s) of the ingest bus, comma-separated "
+        "(`nats://host:4222,nats://host2:4222`; `tls://` for TLS). Set, `kvwatch serve` "
+        "publishes every accepted batch to a JetStream stream and `kvwatch writer` "
+        "processes store it. Never printed (a URL may hold a user and password).",
+    )
+    bus_stream: str = Field(
+        default="KVWATCH_INGEST",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="The JetStream stream accepted batches are published to.",
+    )
+    bus_subject: str = Field(
+        default="kvwatch.ingest",
+        pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$",
+        description="Subject prefix; a batch goes to `<prefix>.<partition>`.",
+    )
+    bus_partitions: int = Field(
+        default=4,
+        ge=1,
+        le=256,
+        description="Partitions of the stream: a deployment's batches all go to one "
+        "(in order); up to this many are written at once. Change it only while the stream "
+        "is drained.",
+    )
+    bus_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=5,
+        description="Replicas of the stream; unset: 3 where the cluster has 3 nodes or "
+        "more, else as many as it has.",
+    )
+    bus_max_bytes: int = Field(
+        default=1 << 30,
+        ge=1 << 20,
+        description="Bytes the stream holds unwritten before ingest answers 503 "
+        "(Retry-After) and probes spool.",
+    )
+    bus_max_msgs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Batches the stream holds unwritten before ingest answers 503; unset: "
+        "no count limit (bytes still apply).",
+    )
+    bus_max_age_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Age after which the stream drops an unwritten batch; unset: never "
+        "(a batch waits for a writer however long it takes).",
+    )
+    bus_dedupe_window_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long the stream remembers a batch's message id to drop a retried "
+        "publish; a retry later than this is a duplicate the store drops.",
+    )
+    bus_connect_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a collector or writer starting up tries to reach the bus (and "
+        "have its stream set up) before it gives up with an error.",
+    )
+    bus_publish_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How long ingest waits for the stream's acknowledgement before answering 503.",
+    )
+    bus_retry_after_s: int = Field(
+        default=5,
+        ge=1,
+        description="Retry-After of the 503 ingest answers when the stream is full or unreachable.",
+    )
+    bus_ack_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a batch fetched by a writer stays its own before the stream "
+        "hands it to another writer (a writer killed mid-batch).",
+    )
+    bus_user: str | None = Field(default=None, description="NATS user name.")
+    bus_password: SecretStr | None = Field(
+        default=None, description="NATS password. Never printed."
+    )
+    bus_nkey_seed_file: Path | None = Field(
+        default=None, description="File holding the NATS nkey seed (nkey authentication)."
+    )
+    bus_creds_file: Path | None = Field(
+        default=None, description="NATS credentials file (JWT and nkey seed)."
+    )
+    bus_tls_ca_file: Path | None = Field(
+        default=None, description="CA bundle that signed the NATS servers' certificates."
+    )
+    bus_tls_cert_file: Path | None = Field(
+        default=None, description="Client certificate for NATS (mutual TLS)."
+    )
+    bus_tls_key_file: Path | None = Field(
+        default=None, description="Client certificate's key for NATS (mutual TLS)."
+    )
+    bus_auth_grace_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="With the bus, how long a token already known stays valid while the "
+        "database is unreachable, so an outage does not reach the probes (revocation waits "
+        "for the database).",
+    )
+    bus_status_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often a collector reads the stream's and consumers' state "
+        "(/metrics, the bus_lag rule).",
     )
 
     @field_validator("otlp_tenant_attributes", "otlp_deployment_attributes", mode="before")
@@ -363,6 +496,30 @@ class Settings(BaseSettings):
                 raise ValueError(f"{_entry(i, t.url)} repeats entry {seen[key]}")
             seen[key] = i
         return targets
+
+    @field_validator("dashboard_url", mode="before")
+    @classmethod
+    def _dashboard_url(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        v = v.strip().rstrip("/")
+        if not v:
+            return None
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v
+
+    @field_validator("instance", mode="before")
+    @classmethod
+    def _instance(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        v = v.strip()
+        if not v:
+            return None
+        if not _INSTANCE.fullmatch(v):
+            raise ValueError("use letters, digits, '.', '_' or '-', at most 64 characters")
+        return v
 
     @field_validator("database_url")
     @classmethod

@@ -38,6 +38,7 @@ from collector.errors import (
     InvalidInput,
     NotFound,
     Unauthorized,
+    Unavailable,
 )
 from collector.timefmt import as_micros, iso, now_micros
 
@@ -358,10 +359,15 @@ def record_use(conn: Connection, principal: Principal, *, now_us: int, every_us:
     return bool(claimed)
 
 
+def _expired(principal: Principal) -> bool:
+    return principal.expires_at_us is not None and principal.expires_at_us <= now_micros()
+
+
 class Authenticator:
     """Resolves bearer tokens, remembering valid ones for ``ttl_s`` seconds so a busy probe
     does not cost a database round trip per batch. Unknown tokens are never cached (a flood
-    of guesses must not grow memory); a revoked token stops working within ``ttl_s``.
+    of guesses must not grow memory); a revoked token stops working within ``ttl_s`` (within
+    ``ttl_s + grace_s`` when the database is unreachable and ``grace_s`` is set).
 
     Use is audited: the first use of a token in every ``use_audit_s`` writes a ``token.use``
     entry (a busy ingest token would otherwise flood the log). Failing to write it never
@@ -373,9 +379,11 @@ class Authenticator:
         ttl_s: float = 5.0,
         max_entries: int = 10_000,
         use_audit_s: float = 3600.0,
+        grace_s: float = 0.0,
     ):
         self.db = db
         self.ttl_s = ttl_s
+        self.grace_s = grace_s
         self.max_entries = max_entries
         self.use_audit_s = use_audit_s
         self._cache: dict[str, tuple[float, Principal]] = {}
@@ -386,8 +394,15 @@ class Authenticator:
         hit = self._cache.get(authorization) if authorization else None
         if hit is not None and hit[0] > now:
             return hit[1]
-        with self.db.read() as conn:
-            principal = authenticate(conn, authorization)
+        try:
+            with self.db.read() as conn:
+                principal = authenticate(conn, authorization)
+        except Unavailable:
+            # ``grace_s`` (the ingest bus): a token confirmed less than that long ago stays
+            # valid through a database outage; its revocation waits for the database.
+            if hit is not None and now < hit[0] + self.grace_s and not _expired(hit[1]):
+                return hit[1]
+            raise
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
         assert authorization is not None  # authenticate() refused a missing header

@@ -34,6 +34,7 @@ from collector import audit
 from collector import models as m
 from collector.alerting.service import AlertingService
 from collector.db import Database
+from collector.deployment_facts import MAX_RUN_S
 from collector.errors import InvalidInput, NotFound
 from collector.timefmt import iso, to_micros
 from engine_probe.events import is_valid_id
@@ -328,8 +329,21 @@ class VerifyScheduleService:
         )
         vid: int | None = None
         result: str | None = None
+        announced: dict[str, Any] | None = None
+        by = f"schedule:{r.id}"
         try:
             keys = read_keys(r.keys_ref, self._environ())
+            # its prompts are the run's own, not the endpoint's traffic, for as long as its
+            # claim lasts (the run is recorded, or the announcement ended, before that)
+            announced = self.alerting.announce_verification_run(
+                {
+                    "deployment_id": r.deployment_id,
+                    "tenants": sorted(keys),
+                    "max_duration_s": min(MAX_RUN_S, r.budget * r.timeout_s / 4 + 300),
+                },
+                by,
+                datetime.now(UTC),
+            )
             outcome = self.verifier(run, keys)
         except KeysUnavailable as exc:
             outcome = RunOutcome(None, str(exc))
@@ -337,14 +351,18 @@ class VerifyScheduleService:
             log.exception("verify schedule %s failed", r.id)
             outcome = RunOutcome(None, f"{type(exc).__name__}: {exc}")
         now = datetime.now(UTC)
+        if announced is not None and outcome.verification is None:
+            self.alerting.end_verification_run(announced["id"], None, now)
         if outcome.verification is not None:
             values = dict(outcome.verification)
+            if announced is not None:
+                values["run_id"] = announced["id"]
             values["evidence"] = {
                 **(values.get("evidence") or {}),
                 "schedule_id": r.id,
                 "trigger": trigger,
             }
-            doc = self.alerting.add_verification(values, f"schedule:{r.id}", now)
+            doc = self.alerting.add_verification(values, by, now)
             vid, result = doc["id"], doc["result"]
         else:
             result = "error"

@@ -38,6 +38,11 @@ PAGES = [
         icon=":material/emergency:",
     ),
     st.Page(
+        HERE / "views" / "runbook.py",
+        title="Runbook",
+        icon=":material/menu_book:",
+    ),
+    st.Page(
         HERE / "views" / "verifications.py",
         title="Verifications",
         icon=":material/verified:",
@@ -96,28 +101,35 @@ def _scope_caption() -> str | None:
     }[scope]
 
 
-def tenant_banner() -> None:
-    """A tenant-scoped token is told, on every page, that an open incident concerns its data."""
+def incident_banner() -> None:
+    """Every page says that an incident is open, and links to it: to a tenant-scoped token,
+    the incidents that concern its data; to everyone else, every open incident."""
     if ui.token() is None:
         return
     try:
         with ui.collector(timeout_s=5) as c:
-            if ui.token_scope(c) != "tenant":
-                return
-            mine = c.incidents(state="open", limit=20)
+            tenant = ui.token_scope(c) == "tenant"
+            open_now = c.incidents(state="open", limit=20)
     except DashboardError:
         return  # the page says what is wrong, in full
-    for inc in mine:
-        st.error(
-            f"**{inc['summary']}** Incident #{inc['id']}, opened {ui.when(inc['opened_at'])}: "
-            f"[open it](/incident?id={inc['id']})",
-            icon=":material/emergency:",
-        )
+    for inc in open_now:
+        if tenant:
+            text = f"**{inc['summary']}** Incident #{inc['id']}, opened {ui.when(inc['opened_at'])}"
+        else:
+            who = (
+                f"acknowledged by {inc['acked_by']}" if inc.get("acked_by") else "not acknowledged"
+            )
+            text = (
+                f"**Open incident #{inc['id']}**: {inc['title']}. Opened "
+                f"{ui.when(inc['opened_at'])}, {who}"
+                + (f", owner {inc['owner']}" if inc.get("owner") else "")
+            )
+        st.error(f"{text}: [open it](/incident?id={inc['id']})", icon=":material/emergency:")
 
 
 st.set_page_config(page_title="kvwatch", page_icon=":material/shield:", layout="wide")
 page = st.navigation(PAGES)
 sidebar()
 if page.url_path != "incident":  # the incident page says it in full
-    tenant_banner()
+    incident_banner()
 page.run()

@@ -7,6 +7,7 @@ a chart read on its own still says what the lines mean.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -90,15 +91,71 @@ def _with_when(df: pd.DataFrame, column: str = "time") -> pd.DataFrame:
     return df.assign(when=pd.to_datetime(df[column], utc=True).dt.strftime("%Y-%m-%d %H:%M UTC"))
 
 
-def _steps(df: pd.DataFrame, keys: list[str], bucket_s: float | None) -> pd.DataFrame:
+def _steps(
+    df: pd.DataFrame, keys: list[str], bucket_s: float | None, *, break_gaps: bool = False
+) -> pd.DataFrame:
     """``df`` with, per series (``keys``), its last row repeated at the end of its last
     bucket: a value stands for a whole bucket, so a step-after line draws every bucket as
-    wide as it is, and a series of one bucket is a segment, not a dot."""
+    wide as it is, and a series of one bucket is a segment, not a dot.
+
+    ``break_gaps``: for counts of events (prompts per bucket), where a bucket without a row
+    had none, each run of consecutive buckets is a ``segment`` of its own (ended at its last
+    bucket's end), so no flat line bridges the empty buckets between. A gauge (the pool's
+    occupancy) holds its value between samples and is drawn through."""
     if df.empty or not bucket_s:
-        return df
-    last = df.sort_values("time").groupby(keys, as_index=False, dropna=False).tail(1).copy()
-    last["time"] = last["time"] + pd.Timedelta(seconds=bucket_s)
-    return pd.concat([df, last], ignore_index=True)
+        return df.assign(segment=0)
+    step = pd.Timedelta(seconds=bucket_s)
+    ordered = df.sort_values([*keys, "time"]).reset_index(drop=True)
+    same_series = (ordered[keys] == ordered[keys].shift()).all(axis=1)
+    starts = ~same_series
+    if break_gaps:
+        # a bucket that follows its predecessor by more than one bucket starts a new run
+        starts |= ordered["time"] - ordered["time"].shift() > step * 1.5
+    ordered["segment"] = starts.cumsum()
+    last = ordered.groupby("segment", as_index=False).tail(1).copy()
+    last["time"] = last["time"] + step
+    return pd.concat([ordered, last], ignore_index=True)
+
+
+MARKERS = {"incident opened": CRIT, "stale read": "#7b1fa2"}
+
+
+def markers_frame(items: Sequence[tuple[Any, ...]], window: Window | None) -> pd.DataFrame:
+    """Incident annotations from ``(time, marker, label, …)`` items (``marker``: a key of
+    :data:`MARKERS`): those inside ``window`` only (a marker outside would stretch the
+    axis)."""
+    rows = [
+        {"time": t, "marker": kind, "label": label}
+        for t, kind, label, *_ in items
+        if window is None or window[0] <= t <= window[1]
+    ]
+    df = pd.DataFrame(rows, columns=["time", "marker", "label"])
+    df["time"] = pd.to_datetime(df["time"], utc=True)
+    return df
+
+
+def _marker_layers(markers: pd.DataFrame | None, x: alt.X) -> list[alt.Chart]:
+    """A vertical rule at each marker, its colour saying what it is, its label at the top."""
+    if markers is None or markers.empty:
+        return []
+    color = alt.Color(
+        "marker:N",
+        title=None,
+        scale=alt.Scale(domain=list(MARKERS), range=list(MARKERS.values())),
+        legend=alt.Legend(orient="top"),
+    )
+    data = _with_when(markers)
+    rule = (
+        alt.Chart(data)
+        .mark_rule(strokeWidth=2, opacity=0.85)
+        .encode(x=x, color=color, tooltip=["marker:N", "label:N", alt.Tooltip("when:N")])
+    )
+    text = (
+        alt.Chart(data)
+        .mark_text(align="left", baseline="top", dx=3, dy=2, fontSize=10, fontWeight="bold")
+        .encode(x=x, y=alt.value(0), text="label:N", color=alt.Color("marker:N", legend=None))
+    )
+    return [rule, text]
 
 
 def _across(df: pd.DataFrame, keys: list[str], window: Window | None) -> pd.DataFrame:
@@ -170,26 +227,40 @@ def prompt_timeline(
     critical: int | None,
     window: Window | None = None,
     bucket_s: float | None = None,
+    markers: pd.DataFrame | None = None,
 ) -> AnyChart:
     """Largest and p99 prompt per route and time bucket (each a step as wide as its bucket,
-    with a point at its start), against the 80% and 100% lines.
+    with a point at its start; no line across buckets without requests), against the 80%
+    and 100% lines, with incident markers (:func:`markers_frame`).
+
+    p99 is drawn wide and pale under the thin max line, with its own point shape, so it shows
+    where the two coincide (a bucket of a few requests), not only where they differ.
 
     Columns: ``time``, ``route``, ``stat`` (max | p99), ``tokens``, ``requests``."""
     x = _time_x(window)
     y = alt.Y("tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s"))
     color = alt.Color("route:N", title="route", legend=alt.Legend(orient="bottom"))
+    stat_scale = alt.Scale(domain=["max", "p99"])
     lines = (
-        alt.Chart(_steps(df, ["route", "stat"], bucket_s))
+        alt.Chart(_steps(df, ["route", "stat"], bucket_s, break_gaps=True))
         .mark_line(interpolate="step-after")
         .encode(
             x=x,
             y=y,
             color=color,
+            detail="segment:N",
+            strokeWidth=alt.StrokeWidth(
+                "stat:N", title="prompt", scale=alt.Scale(domain=["max", "p99"], range=[1.5, 5])
+            ),
+            opacity=alt.Opacity(
+                "stat:N", scale=alt.Scale(domain=["max", "p99"], range=[1, 0.45]), legend=None
+            ),
             strokeDash=alt.StrokeDash(
                 "stat:N",
-                title=None,
                 scale=alt.Scale(domain=["max", "p99"], range=[[1, 0], [4, 3]]),
+                legend=None,
             ),
+            order=alt.Order("stat:N", sort="descending"),  # p99 first, max drawn over it
         )
     )
     points = _bucket_points(
@@ -203,10 +274,11 @@ def prompt_timeline(
             alt.Tooltip("tokens:Q", format=","),
             alt.Tooltip("requests:Q", format=","),
         ],
-    )
+    ).encode(shape=alt.Shape("stat:N", scale=stat_scale, legend=None))
     layers: list[alt.Chart] = [lines, points]
     if warn is not None and critical is not None:
         layers.extend(_threshold_rules(_lines(warn, critical), "y"))
+    layers.extend(_marker_layers(markers, x))
     return alt.layer(*layers).resolve_scale(color="independent").properties(height=280)
 
 
@@ -275,10 +347,14 @@ def prompt_histogram(df: pd.DataFrame, warn: int | None, critical: int | None) -
 
 
 def pool_occupancy(
-    df: pd.DataFrame, window: Window | None = None, bucket_s: float | None = None
+    df: pd.DataFrame,
+    window: Window | None = None,
+    bucket_s: float | None = None,
+    markers: pd.DataFrame | None = None,
 ) -> AnyChart:
     """Tokens in use per node over time (bucket max as a step as wide as its bucket, the mean
-    in the tooltip), and each node's capacity as a dashed line across the whole chart.
+    in the tooltip), each node's capacity as a dashed line across the whole chart, and
+    incident markers (:func:`markers_frame`): the stale reads where the pool ran full.
     Columns: ``time``, ``node``, ``used_max``, ``used_avg``, ``capacity``."""
     x = _time_x(window)
     color = alt.Color("node:N", title="node (role)", legend=alt.Legend(orient="bottom"))
@@ -286,13 +362,13 @@ def pool_occupancy(
     steps = (
         alt.Chart(_steps(df, ["node"], bucket_s))
         .mark_line(interpolate="step-after")
-        .encode(x=x, y=y, color=color)
+        .encode(x=x, y=y, color=color, detail="segment:N")
     )
     used = _bucket_points(
         df,
         x,
         y,
-        color,
+        alt.Color("node:N", legend=None),  # the steps' legend says it
         [
             "node:N",
             alt.Tooltip("used_max:Q", title="used (max)", format=","),
@@ -307,21 +383,26 @@ def pool_occupancy(
         .encode(
             x=x,
             y="capacity:Q",
-            color=color,
+            color=alt.Color("node:N", legend=None),
             tooltip=["node:N", alt.Tooltip("capacity:Q", format=",")],
         )
     )
-    return alt.layer(capacity, steps, used).properties(height=260)
+    layers = [capacity, steps, used, *_marker_layers(markers, x)]
+    return alt.layer(*layers).resolve_scale(color="independent").properties(height=260)
 
 
-def page_events(df: pd.DataFrame, window: Window | None = None) -> AnyChart:
+def page_events(
+    df: pd.DataFrame, window: Window | None = None, markers: pd.DataFrame | None = None
+) -> AnyChart:
     """Page events per time bucket, stacked by kind (stale reads in red), each bar as wide as
-    its bucket. Columns: ``time``, ``end``, ``kind``, ``events``, ``pages``, ``cross_tenant``."""
-    return (
+    its bucket, with incident markers (:func:`markers_frame`).
+    Columns: ``time``, ``end``, ``kind``, ``events``, ``pages``, ``cross_tenant``."""
+    x = _time_x(window)
+    bars = (
         alt.Chart(_with_when(df))
         .mark_bar()
         .encode(
-            x=_time_x(window),
+            x=x,
             x2="end:T",
             y=alt.Y("events:Q", title="events", stack=True),
             color=alt.Color(
@@ -339,8 +420,47 @@ def page_events(df: pd.DataFrame, window: Window | None = None) -> AnyChart:
                 alt.Tooltip("cross_tenant:Q", title="cross-tenant", format=","),
             ],
         )
-        .properties(height=220)
     )
+    layers = [bars, *_marker_layers(markers, x)]
+    return alt.layer(*layers).resolve_scale(color="independent").properties(height=220)
+
+
+SEVERITY_COLORS = {"critical": CRIT, "warning": WARN, "info": "#1f77b4"}
+
+
+def alert_timeline(
+    df: pd.DataFrame, window: Window | None = None, markers: pd.DataFrame | None = None
+) -> AnyChart:
+    """Each alert as a bar from when it became active to when it resolved (or now), one row
+    per rule and deployment, coloured by severity, with incident markers: what was firing
+    when the incident opened.
+    Columns: ``time`` (start), ``end``, ``row``, ``severity``, ``id``, ``state``."""
+    x = _time_x(window)
+    bars = (
+        alt.Chart(_with_when(df))
+        .mark_bar(height=10, cornerRadius=2)
+        .encode(
+            x=x,
+            x2="end:T",
+            y=alt.Y("row:N", title=None, sort=None, axis=alt.Axis(labelLimit=320)),
+            color=alt.Color(
+                "severity:N",
+                title=None,
+                scale=alt.Scale(domain=list(SEVERITY_COLORS), range=list(SEVERITY_COLORS.values())),
+                legend=alt.Legend(orient="bottom"),
+            ),
+            tooltip=[
+                "id:Q",
+                "row:N",
+                "severity:N",
+                "state:N",
+                alt.Tooltip("when:N", title="since"),
+            ],
+        )
+    )
+    layers = [bars, *_marker_layers(markers, x)]
+    # a band per row (a fixed pixel height would squeeze many rows into one)
+    return alt.layer(*layers).resolve_scale(color="independent").properties(height=alt.Step(22))
 
 
 def verification_history(df: pd.DataFrame) -> AnyChart:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Literal, Self
+from urllib.parse import quote
 
 import httpx
 
@@ -219,6 +220,9 @@ class CollectorClient:
         p = _params(state=state, severity=severity, deployment_id=deployment_id, limit=limit)
         return list(self._json("GET", "/v1/alerts", params=p))
 
+    def alert(self, alert_id: int) -> JSON:
+        return dict(self._json("GET", f"/v1/alerts/{alert_id}"))
+
     def silences(self) -> list[JSON]:
         return list(self._json("GET", "/v1/silences"))
 
@@ -259,6 +263,10 @@ class CollectorClient:
 
     def rules(self) -> list[JSON]:
         return list(self._json("GET", "/v1/rules"))
+
+    def runbook(self, kind: str) -> JSON:
+        """A rule kind's runbook: ``{"kind", "markdown"}``."""
+        return dict(self._json("GET", f"/v1/runbooks/{quote(kind, safe='')}"))
 
     def reports(self, *, kind: str | None = None, limit: int = 100) -> list[JSON]:
         """Stored reports (breach ``rpt_…`` and review ``rev_…``), newest first."""
@@ -318,6 +326,29 @@ class CollectorClient:
     def close_incident(self, incident_id: int, *, reason: str, by: str | None = None) -> JSON:
         body = _params(reason=reason, by=by)
         return dict(self._json("POST", f"/v1/incidents/{incident_id}/close", body=body))
+
+    # the on-call workflow of one incident (collector/alerting/incident_workflow.py)
+
+    def ack_incident(self, incident_id: int, *, by: str | None = None) -> JSON:
+        return dict(self._json("POST", f"/v1/incidents/{incident_id}/ack", body=_params(by=by)))
+
+    def assign_incident(self, incident_id: int, owner: str, *, by: str | None = None) -> JSON:
+        body = _params(owner=owner, by=by)
+        return dict(self._json("POST", f"/v1/incidents/{incident_id}/owner", body=body))
+
+    def note_incident(self, incident_id: int, text: str, *, by: str | None = None) -> JSON:
+        body = _params(text=text, by=by)
+        return dict(self._json("POST", f"/v1/incidents/{incident_id}/notes", body=body))
+
+    def link_alert(self, incident_id: int, alert_id: int, *, by: str | None = None) -> JSON:
+        body = _params(alert_id=alert_id, by=by)
+        return dict(self._json("POST", f"/v1/incidents/{incident_id}/links", body=body))
+
+    def unlink_alert(self, incident_id: int, alert_id: int) -> JSON:
+        return dict(self._json("DELETE", f"/v1/incidents/{incident_id}/links/{alert_id}"))
+
+    def incident_timeline(self, incident_id: int) -> list[JSON]:
+        return list(self._json("GET", f"/v1/incidents/{incident_id}/timeline"))
 
     def create_breach_report(
         self,

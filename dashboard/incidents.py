@@ -8,7 +8,11 @@ from datetime import datetime, timedelta
 import streamlit as st
 
 from dashboard import ui
-from dashboard.client import JSON
+from dashboard.client import JSON, CollectorClient
+from dashboard.errors import TokenRejected
+
+# (when, a key of charts.MARKERS, label, its deployment)
+Marker = tuple[datetime, str, str, str | None]
 
 
 def incident_card(inc: JSON, now: datetime, case: JSON | None = None) -> None:
@@ -26,6 +30,9 @@ def incident_card(inc: JSON, now: datetime, case: JSON | None = None) -> None:
             f"{inc['deployment_id'] or 'no deployment'} · cause `{inc['cause_rule']}` · "
             f"opened {ui.when(inc['opened_at'])} · aware since {ui.when(inc['awareness_at'])}"
         )
+        if inc["state"] == "closed":
+            _closed(inc, duty)
+            return
         if deadline is None or awareness is None:
             st.warning("This incident has no notification deadline recorded.")
             return
@@ -61,3 +68,49 @@ def incident_card(inc: JSON, now: datetime, case: JSON | None = None) -> None:
             )
         elif left < timedelta(hours=24):
             st.warning(f"**Less than a day left:** {ui.span(left)}.")
+
+
+def _closed(inc: JSON, duty: JSON | None) -> None:
+    """A closed incident: who closed it, when and why, in place of the clock (its countdown
+    ended with it). Notices still owed are said: closing does not discharge them."""
+    a, b = st.columns(2)
+    a.metric("Closed", ui.when(inc["closed_at"]))
+    b.metric("Closed by", inc["closed_by"] or "-")
+    st.success(
+        f"**Closed.** Why: {inc['close_reason'] or 'no reason recorded'}",
+        icon=":material/check_circle:",
+    )
+    if duty and duty["pending"]:
+        st.warning(
+            f"Closed with notices not yet sent: {', '.join(duty['pending'])} ({duty['rule']})."
+        )
+
+
+def incident_markers(
+    c: CollectorClient, window: tuple[datetime, datetime], deployment: str | None
+) -> list[Marker]:
+    """What every chart of a page marks (``charts.markers_frame`` keeps each chart's own
+    range): each incident's opening and each stale read in the window, of ``deployment`` or
+    all. Read once per page; a token that may not read one of them gets the other."""
+    since, until = window
+    out: list[Marker] = []
+    try:
+        incidents = c.incidents(limit=200)
+    except TokenRejected as exc:
+        if not exc.forbidden:
+            raise
+        incidents = []
+    for inc in incidents:
+        at = ui.parse_time(inc.get("opened_at"))
+        if at is None or (deployment is not None and inc.get("deployment_id") != deployment):
+            continue
+        out.append((at, "incident opened", f"incident #{inc['id']}", inc.get("deployment_id")))
+    reads = c.page_events(
+        kind="page.stale_read", since=since, until=until, deployment_id=deployment, limit=200
+    )["items"]
+    for r in reads:
+        at = ui.parse_time(r["ts"])
+        if at is not None:
+            label = "stale read, cross-tenant" if r.get("cross_tenant") else "stale read"
+            out.append((at, "stale read", label, r.get("deployment_id")))
+    return out

@@ -12,6 +12,9 @@ This package never imports torch (the adapters that need it live in ``adapters/`
 
 from __future__ import annotations
 
+#: kvwatch's version, one place: both distributions read it (pyproject.toml, probe/)
+__version__ = "0.1.0"
+
 import importlib
 from typing import TYPE_CHECKING, Any
 

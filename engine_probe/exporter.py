@@ -734,7 +734,7 @@ class Exporter:
         if token_refused or status in _UNAVAILABLE:
             if token_refused:
                 scope = " and its deployment scope" if status == 403 else ""
-                said += f" (check KVWATCH_INGEST_TOKEN{scope}; events are kept and retried)"
+                said += f" (check KVWATCH_INGEST_TOKEN{scope}; {self._kept_where()})"
             self._failed(said, resp)
             return _Retry(body, n)
         self._failed(f"{said} (a batch refused {self._max_attempts} times is dead-lettered)", resp)
@@ -860,11 +860,23 @@ class Exporter:
         log.error(
             "kvwatch probe %s: the collector refused its token: %s (%s). This is a "
             "configuration error, not an outage: set KVWATCH_INGEST_TOKEN to a valid token "
-            "(kvwatch tokens list / rotate). Events are kept in the spool and sent once it is.",
+            "(kvwatch tokens list / rotate). Until then: %s.",
             self._url,
             what,
             said,
+            self._kept_where(),
         )
+
+    def _kept_where(self) -> str:
+        """Where undelivered events wait, said the same way everywhere: without a spool
+        directory they live in memory, and a stop before delivery drops them (counted as
+        ``shutdown``), so "kept" alone would promise what the stop then breaks."""
+        if isinstance(self._backlog, _MemoryBacklog):
+            return (
+                "events are kept in memory and retried, and lost if the process stops first "
+                "(KVWATCH_PROBE_SPOOL_DIR keeps them on disk)"
+            )
+        return "events are kept in the spool and retried"
 
     def _succeeded(self, resp: httpx.Response, n: int) -> None:
         self._refused_status = None

@@ -10,6 +10,7 @@ import typer
 
 from kvwatch.cli_alerts import alerts_app, incidents_app, policies_app, silences_app
 from kvwatch.cli_breach import breach, report_notice, report_verify
+from kvwatch.cli_bus import BusUrl, bus_app, bus_settings, check_bus, writer
 from kvwatch.cli_casefile import incidents_export
 from kvwatch.cli_cases import notify_app  # noqa: F401 - registers incidents' case commands
 from kvwatch.cli_common import (
@@ -94,8 +95,11 @@ def serve(
         int | None, typer.Option(help="Processes sharing the port [KVWATCH_WORKERS].")
     ] = None,
     database_url: DbUrl = None,
+    bus: BusUrl = None,
 ) -> None:
-    """Run the collector (HTTP API, ingest, /metrics, scheduled verifications and scrapes)."""
+    """Run the collector (HTTP API, ingest, /metrics, scheduled verifications and scrapes).
+    With ``--bus``, accepted batches are published to the ingest bus (NATS JetStream) and
+    ``kvwatch writer`` processes store them (docs/scaling.md)."""
     import os
 
     import uvicorn
@@ -105,7 +109,9 @@ def serve(
     from kvwatch.embedded import collector_app
     from kvwatch.scheduled_scrape import scrape_target
 
-    settings = collector_settings(database_url)
+    settings = collector_settings(database_url) if not bus else bus_settings(bus, database_url)
+    if settings.bus_url is not None:
+        check_bus(settings)  # one line, not a traceback, for a bus that cannot be used
     try:
         # Here, once, as a bad setting is: a worker process whose app cannot be built would
         # be started again and again.
@@ -121,10 +127,17 @@ def serve(
         _database_ready(settings, collector.state.db)
         app_or_path: object = collector
     else:
-        # Workers build their own app from the environment; migrate once, here, first.
+        # Workers build their own app from the environment; migrate once, here, first. The
+        # rule packs too are loaded here once: a worker whose packs do not load would die
+        # with a traceback and be started again, and again (one line here instead).
+        from policies import load_ruleset
+
+        load_ruleset(settings.policy_packs_dir)
         _database_ready(settings, None)
         os.environ["KVWATCH_DATABASE_URL"] = settings.database_url
         os.environ["KVWATCH_AUTO_MIGRATE"] = "false"
+        if bus:
+            os.environ["KVWATCH_BUS_URL"] = bus
         app_or_path = "kvwatch.embedded:collector_app"
     stop_cleanly_on_sigterm()
     uvicorn.run(
@@ -136,6 +149,10 @@ def serve(
         log_level="info",
         access_log=False,
     )
+
+
+app.command("writer")(writer)
+app.add_typer(bus_app, name="bus")
 
 
 def _database_ready(settings: Settings, db: Database | None) -> None:

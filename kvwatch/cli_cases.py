@@ -14,7 +14,17 @@ import typer
 
 from collector.timefmt import parse_bounded
 from kvwatch.cli_alerts import incidents_app
-from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err, stdout_console, table, to_second
+from kvwatch.cli_common import (
+    Col,
+    DbUrl,
+    KvwatchTyper,
+    WideOpt,
+    database,
+    err,
+    stdout_console,
+    table,
+    to_second,
+)
 
 notify_app = KvwatchTyper(
     help="Notify each party: prepare, approve, send, ack, confirm-deletion, list.",
@@ -206,15 +216,18 @@ def notify_confirm_deletion(
 
 
 @notify_app.command("list")
-def notify_list(incident_id: int, database_url: DbUrl = None) -> None:
-    """Each party of the incident: due, prepared, approved, sent, acknowledged, late."""
+def notify_list(incident_id: int, wide: WideOpt = False, database_url: DbUrl = None) -> None:
+    """Each party of the incident: due, prepared, approved, sent, acknowledged, late (at 80
+    columns the party, when due, state, when sent and late: --wide shows every column)."""
     from collector.cases.notifications import NotificationService
 
     with database(database_url) as (db, s):
         rows = NotificationService(db, s).status(incident_id, now=_now())
     t = table(
-        "party", "kind", "due", "notice", "state", "sent", "channel", "ack", "deleted", "late"
-    )
+        "party", Col("kind", wide=True), Col("due", nowrap=True), Col("notice", wide=True),
+        Col("state", nowrap=True), Col("sent", nowrap=True), Col("channel", wide=True),
+        Col("ack", wide=True), Col("deleted", wide=True), Col("late", nowrap=True), wide=wide,
+    )  # fmt: skip
     for r in rows:
         t.add_row(
             r.party,

@@ -11,12 +11,13 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -189,13 +190,69 @@ def stdout_console() -> Console:
     return Console(width=200 if piped else None)
 
 
-def table(*headers: str) -> Table:
-    """A table that never loses a character: a cell wraps at spaces, and a word wider than its
-    column (an id, a name, a matcher) folds onto the next lines whole, never cut with '…'."""
-    t = Table()
-    for header in headers:
-        t.add_column(header, overflow="fold")
-    return t
+@dataclass(frozen=True)
+class Col:
+    """A column of a :class:`Listing`. ``wide``: left out where the terminal is too narrow for
+    every column (``--wide`` keeps it). ``nowrap``: a short value that reads as one token (an
+    id, a state, a rule's name), never broken across lines; the other columns give way."""
+
+    header: str
+    wide: bool = False
+    nowrap: bool = False
+
+
+class Listing:
+    """What a ``list`` command prints: a table that fits the terminal and never loses a
+    character.
+
+    Where every column fits (a pipe without COLUMNS is 200 wide), every column is shown, so a
+    row stays one line for grep. Where they do not, the columns marked ``wide`` are left out
+    (a dim line under the table names them and ``--wide``), so an 80-column terminal gets the
+    columns a person triages with, one or two lines a row, instead of every cell wrapped to a
+    few letters. A cell wraps at spaces; a word wider than its column (a long deployment id)
+    folds onto the next lines whole, never cut with '…'.
+    """
+
+    def __init__(self, *columns: str | Col, wide: bool = False) -> None:
+        self.columns = [c if isinstance(c, Col) else Col(c) for c in columns]
+        self.wide = wide
+        self.rows: list[tuple[str, ...]] = []
+
+    def add_row(self, *cells: str) -> None:
+        if len(cells) != len(self.columns):
+            raise ValueError(f"{len(cells)} cells for {len(self.columns)} columns")
+        self.rows.append(cells)
+
+    def _table(self, keep: list[int]) -> Table:
+        t = Table()
+        for i in keep:
+            c = self.columns[i]
+            t.add_column(c.header, overflow="fold", no_wrap=c.nowrap)
+        for row in self.rows:
+            t.add_row(*(row[i] for i in keep))
+        return t
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        every = list(range(len(self.columns)))
+        full = self._table(every)
+        # measured unbounded: a table's measurement is capped at the width it is given
+        natural = console.measure(full, options=options.update_width(1 << 20)).maximum
+        if self.wide or natural <= options.max_width or not any(c.wide for c in self.columns):
+            yield full
+            return
+        keep = [i for i in every if not self.columns[i].wide]
+        yield self._table(keep)
+        left_out = ", ".join(c.header for c in self.columns if c.wide)
+        yield Text(f"(not shown at this width: {left_out}; --wide shows them)", style="dim")
+
+
+def table(*columns: str | Col, wide: bool = False) -> Listing:
+    """A :class:`Listing` of these columns (``wide``: every column, whatever the width)."""
+    return Listing(*columns, wide=wide)
+
+
+# The options every list command takes, with one meaning each.
+WideOpt = Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal.")]
 
 
 def relative(when: str | None, now: datetime) -> str:
@@ -406,6 +463,8 @@ class KvwatchGroup(KvwatchSubgroup):
         except Exception as exc:
             line = _database_failure(exc, _database_url.get())
             if line is None:
+                line = _pack_failure(exc)
+            if line is None:
                 raise
             if ctx.meta.get(DEBUG):
                 traceback.print_exception(exc)
@@ -413,6 +472,17 @@ class KvwatchGroup(KvwatchSubgroup):
             raise typer.Exit(EXIT_COULD_NOT_RUN) from None
         finally:
             _database_url.reset(token)
+
+
+def _pack_failure(exc: BaseException) -> str | None:
+    """A rule pack that does not load (``KVWATCH_POLICY_PACKS_DIR``), met by a command that
+    loads the packs (``kvwatch serve``, ``kvwatch writer``): every problem, one line each,
+    naming file, line and field. None for any other exception."""
+    from policies.errors import PackError
+
+    if not isinstance(exc, PackError):
+        return None
+    return "the rule packs do not load (KVWATCH_POLICY_PACKS_DIR):\n" + str(exc)
 
 
 def probe_settings_or_exit(**overrides: Any) -> ProbeSettings:

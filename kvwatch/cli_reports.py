@@ -14,7 +14,16 @@ import typer
 
 from collector.errors import CollectorError
 from collector.timefmt import iso, parse_bounded
-from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err, stdout_console, table
+from kvwatch.cli_common import (
+    Col,
+    DbUrl,
+    KvwatchTyper,
+    WideOpt,
+    database,
+    err,
+    stdout_console,
+    table,
+)
 
 # `kvwatch report breach` (kvwatch/cli_breach.py) joins this app: kvwatch/cli.py registers it
 # with `report_app.command("breach")(breach)`.
@@ -67,10 +76,12 @@ def report_inventory(
     ] = None,
     deployment: Annotated[str | None, typer.Option(help="Only this deployment.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    wide: WideOpt = False,
     database_url: DbUrl = None,
 ) -> None:
-    """Which tenants and routes called MODEL in [SINCE, UNTIL): requests, distinct prompts,
-    requests with prompts of at least N tokens, the largest prompt, first and last seen."""
+    """Which deployments, tenants and routes called MODEL in [SINCE, UNTIL): requests, distinct
+    prompts, requests with prompts of at least N tokens, the largest prompt, first and last seen
+    (at 80 columns without the route and first seen: --wide)."""
     from collector.reports.inventory import InventoryQuery, InventoryService
 
     q = InventoryQuery(
@@ -85,12 +96,18 @@ def report_inventory(
     if as_json:
         print(_dumps(doc))
         return
-    cols = ["tenant", "route", "requests", "prompts"]
+    cols: list[str | Col] = ["deployment", "tenant", Col("route", wide=True), "requests", "prompts"]
     if min_prompt_tokens is not None:
         cols.append(f"prompt ≥ {min_prompt_tokens}")
-    t = table(*cols, "max prompt", "first seen", "last seen")
+    t = table(*cols, "max prompt", Col("first seen", wide=True), "last seen", wide=wide)
     for r in doc["rows"]:
-        cells = [r["tenant"], r["route"] or "", str(r["requests"]), str(r["prompts"])]
+        cells = [
+            r["deployment_id"],
+            r["tenant"],
+            r["route"] or "",
+            str(r["requests"]),
+            str(r["prompts"]),
+        ]
         if min_prompt_tokens is not None:
             cells.append(str(r["at_or_above"]))
         mx = r["max_prompt_tokens"]

@@ -10,9 +10,12 @@ from typing import Annotated
 
 import typer
 
+from collector.tokens import TokenKind
 from kvwatch.cli_common import (
+    Col,
     DbUrl,
     KvwatchTyper,
+    WideOpt,
     database,
     err,
     relative,
@@ -40,7 +43,7 @@ def _seconds(value: str | None, option: str) -> float | None:
 
 @tokens_app.command("create")
 def tokens_create(
-    kind: Annotated[str, typer.Option(help="ingest | read | admin")],
+    kind: Annotated[TokenKind, typer.Option(help="What the token may do.")],
     tenant: Annotated[str | None, typer.Option(help="Scope a read token to one tenant.")] = None,
     deployment: Annotated[
         str | None, typer.Option(help="Scope an ingest token to one deployment.")
@@ -81,10 +84,12 @@ def tokens_create(
 @tokens_app.command("list")
 def tokens_list(
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    wide: WideOpt = False,
     database_url: DbUrl = None,
 ) -> None:
     """Every token: id, kind, scope, name, created, how long ago it was last used, how long
-    until it expires, state. Never a secret. 'last used' is exact to within
+    until it expires, state (at 80 columns without created and last used: --wide). Never a
+    secret. 'last used' is exact to within
     KVWATCH_TOKEN_USE_AUDIT_S (one audit entry per period)."""
     from collector.tokens import TokenService
 
@@ -94,7 +99,11 @@ def tokens_list(
         print(json.dumps(docs, indent=2))
         return
     now = datetime.now(UTC)
-    rows = table("id", "kind", "scope", "name", "created", "last used", "expires", "state")
+    rows = table(
+        Col("id", nowrap=True), Col("kind", nowrap=True), "scope", "name",
+        Col("created", wide=True), Col("last used", wide=True), "expires",
+        Col("state", nowrap=True), wide=wide,
+    )  # fmt: skip
     for d in docs:
         scope = (
             f"tenant={d['tenant']}"

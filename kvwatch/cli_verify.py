@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from kvwatch.cli_common import DbUrl, KvwatchTyper, err
+from kvwatch.cli_common import DbUrl, KvwatchTyper, WideOpt, err
 
 if TYPE_CHECKING:
     from collector.verify_schedules import VerifyScheduleService
@@ -202,6 +202,18 @@ def verify(
         why = "--no-upload" if no_upload else "KVWATCH_COLLECTOR_URL is not set"
         err.print(f"The result stays here ({why}).")
 
+    run_id: int | None = None
+    if uploading:
+        from kvwatch.verify.upload import announce
+
+        run_id, why = announce(settings, sorted(keys))
+        if run_id is None:
+            err.print(
+                f"[yellow]warning:[/] the run could not announce itself ({escape(why)}): its "
+                "prompts count as the endpoint's own traffic and may raise its alerts",
+                highlight=False,
+            )
+
     report = _run_with_progress(options)
 
     for line in report.summary_lines():
@@ -210,13 +222,17 @@ def verify(
     if uploading and report.result != "error":
         from kvwatch.verify import upload
 
-        upload_result = upload(report, settings)
+        upload_result = upload(report, settings, run_id=run_id)
         if upload_result.ok:
             err.print(
                 f"uploaded: {escape(upload_result.detail)} (deployment {settings.deployment_id})"
             )
         else:
             err.print(f"[red]upload failed:[/] {escape(upload_result.detail)}")
+    if run_id is not None and (upload_result is None or not upload_result.ok):
+        from kvwatch.verify.upload import end_run
+
+        end_run(settings, run_id)
     if json_file is not None:
         _write_json(json_file, report, upload_result, settings.deployment_id, uploading)
 
@@ -360,10 +376,12 @@ def schedule_add(
 @schedule_app.command("list")
 def schedule_list(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    wide: WideOpt = False,
     database_url: DbUrl = None,
 ) -> None:
-    """The scheduled verifications, with each one's last run."""
-    from kvwatch.cli_common import moment, stdout_console, table
+    """The scheduled verifications, with each one's last run (at 80 columns without the
+    model, the deployment and where keys come from: --wide)."""
+    from kvwatch.cli_common import Col, moment, stdout_console, table
     from policies.durations import format_duration
 
     with contextmanager(_schedules)(database_url) as (service, _):
@@ -374,7 +392,11 @@ def schedule_list(
         return
     now = datetime.now(UTC)
     # every: the schedule's period as configured (format_duration's exact form)
-    t = table("id", "endpoint", "model", "deployment", "every", "keys from", "next", "last")
+    t = table(
+        Col("id", nowrap=True), "endpoint", Col("model", wide=True),
+        Col("deployment", wide=True), Col("every", nowrap=True), Col("keys from", wide=True),
+        "next", "last", wide=wide,
+    )  # fmt: skip
     for d in docs:
         last = "never"
         if d["last_finished_at"]:

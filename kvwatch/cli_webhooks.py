@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from sqlalchemy import Connection
 
 from collector.timefmt import now_micros
-from kvwatch.cli_common import DbUrl, KvwatchTyper, database, err
+from kvwatch.cli_common import (
+    Col,
+    DbUrl,
+    KvwatchTyper,
+    WideOpt,
+    database,
+    err,
+    stdout_console,
+    table,
+)
 
 webhooks_app = KvwatchTyper(
     help="Notification endpoints (signed webhooks, Alertmanager) and signature checks.",
@@ -31,7 +41,11 @@ def add(
     name: Annotated[str, typer.Argument(help="A unique name for the endpoint.")],
     url: Annotated[str, typer.Argument(help="http(s) URL (Alertmanager: its base URL).")],
     kind: Annotated[
-        str, typer.Option(help="webhook (signed POSTs) | alertmanager (its /api/v2/alerts).")
+        str,
+        typer.Option(
+            help="webhook (signed POSTs) | alertmanager (its /api/v2/alerts) | pagerduty "
+            "(Events API v2: https://events.pagerduty.com/v2/enqueue, --secret ROUTING_KEY)."
+        ),
     ] = "webhook",
     format: Annotated[
         str | None,
@@ -43,7 +57,11 @@ def add(
         str, typer.Option(help="Least severity sent: info | warning | critical.")
     ] = "info",
     secret: Annotated[
-        str | None, typer.Option(help="A whsec_ signing secret to use instead of a new one.")
+        str | None,
+        typer.Option(
+            help="A whsec_ signing secret to use instead of a new one; for pagerduty, the "
+            "service's routing key (required)."
+        ),
     ] = None,
     database_url: DbUrl = None,
 ) -> None:
@@ -71,20 +89,46 @@ def add(
 
 
 @webhooks_app.command("list")
-def list_(database_url: DbUrl = None) -> None:
-    """List endpoints: state, pending messages, why one is disabled."""
+def list_(
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    wide: WideOpt = False,
+    database_url: DbUrl = None,
+) -> None:
+    """List endpoints: state, pending messages, why one is disabled (at 80 columns without the
+    kind and format: --wide). Never a secret."""
     from collector.notify.outbox import list_endpoints
 
     with _db(database_url, write=False) as conn:
         endpoints = list_endpoints(conn)
+    if as_json:
+        for e in endpoints:
+            print(json.dumps(_endpoint_doc(e), sort_keys=True))
+        return
     if not endpoints:
         err.print("no endpoints")
+        return
+    t = table(
+        Col("name", nowrap=True), Col("kind", wide=True), Col("format", wide=True),
+        Col("least", nowrap=True), "url", Col("pending", nowrap=True), "state", wide=wide,
+    )  # fmt: skip
     for e in endpoints:
         state = "enabled" if e.enabled else f"DISABLED ({e.disabled_reason})"
-        print(
-            f"{e.name}\t{e.kind}\t{e.format}\t>={e.min_severity}\t{e.url}\t"
-            f"pending={e.pending}\t{state}"
-        )
+        t.add_row(e.name, e.kind, e.format, e.min_severity, e.url, str(e.pending), state)
+    stdout_console().print(t)
+
+
+def _endpoint_doc(e: Any) -> dict[str, Any]:
+    """An endpoint as JSON: what the table shows, never its secret."""
+    return {
+        "name": e.name,
+        "kind": e.kind,
+        "format": e.format,
+        "min_severity": e.min_severity,
+        "url": e.url,
+        "pending": e.pending,
+        "enabled": e.enabled,
+        "disabled_reason": e.disabled_reason,
+    }
 
 
 @webhooks_app.command("remove")

@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
@@ -40,6 +40,9 @@ from engine_probe import Probe, ProbeSettings
 from kvwatch import synthetic
 from kvwatch.embedded import serve_in_thread
 from kvwatch.scheduled_scrape import scrape_target
+
+if TYPE_CHECKING:
+    from refengine.engine import Engine
 
 console = Console()
 
@@ -58,6 +61,11 @@ SECRETS: dict[str, str] = {
 }
 LONG_TENANT = "massive-dynamic"
 ROUTE = "/v1/completions"
+MODEL = "glm-lab"
+DEMO_POST_TIMEOUT_S = 120.0
+#: the tenants kvwatch verify sends its synthetic prompts as, on the hardened engine: tenants
+#: of its own, so that its run (announced to the collector) hides no customer's traffic
+VERIFIER_KEYS = {"verifier-a": "sk-demo-verifier-a", "verifier-b": "sk-demo-verifier-b"}
 
 
 @dataclass
@@ -108,10 +116,20 @@ def run_demo(out_dir: Path | None) -> int:
                 deployment_id="lab-legacy",
                 probe_spool_dir=out / "spool",
                 probe_flush_interval_s=0.05,
+                # the collector is in this process: a slow answer is a loaded machine, not
+                # an outage, and the normal path must not warn of a backlog
+                probe_request_timeout_s=DEMO_POST_TIMEOUT_S,
             )
         )
         started = time.perf_counter()
-        replays = [_replay(mode, probe) for mode in ("legacy", "hardened")]
+        engines = {mode: _engine(mode, probe) for mode in ("legacy", "hardened")}
+        verified = _verify(engines["hardened"], url, ingest_token)
+        replays = []
+        for mode, engine in engines.items():
+            console.print(f"replaying the incident on lab-{mode}: five tenants, then one prompt "
+                          "longer than the prefill pool...")  # fmt: skip
+            replays.append(_replay(mode, engine))
+        console.print("waiting for the probe to deliver what it holds...")
         probe.force_flush(30)
         deadline = time.monotonic() + 30
         while probe.stats()["sent"] < probe.stats()["emitted"] and time.monotonic() < deadline:
@@ -121,7 +139,11 @@ def run_demo(out_dir: Path | None) -> int:
         stats = probe.stats()
         _await_resolved(url, admin_token, synthetic.DEPLOYMENT)
         summary = _report(url, admin_token, stats, replays, elapsed)
+        summary["verification"] = verified
+        summary["fleet"] = _side_by_side(url, admin_token, [rp.deployment for rp in replays])
         summary["synthetic"] = day.to_json()
+        if summary["incidents"]:
+            console.print("writing the breach assessment (JSON, CSV, PDF) and its case file...")
         breach_pdf = _breach_report(url, admin_token, summary["incidents"], out)
     shutil.rmtree(out / "spool", ignore_errors=True)
     shutil.rmtree(out / "spool-synthetic", ignore_errors=True)
@@ -178,6 +200,7 @@ def _synthetic_day(url: str, ingest_token: str, out: Path) -> synthetic.Day:
             deployment_id=synthetic.DEPLOYMENT,
             probe_spool_dir=out / "spool-synthetic",
             probe_flush_interval_s=0.05,
+            probe_request_timeout_s=DEMO_POST_TIMEOUT_S,
         )
     )
     end = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
@@ -227,17 +250,15 @@ def _kvwatch_exe() -> str:
     return "kvwatch"
 
 
-def _replay(mode: str, probe: Probe) -> Replay:
-    """Ordinary traffic from five tenants, then one prompt longer than the prefill pool."""
+def _engine(mode: str, probe: Probe) -> Engine:
+    """The reference engine with the incident's sizing, its probe attached (as ``lab-MODE``)."""
     import torch
 
     from engine_probe.adapters.refengine import attach
     from refengine.config import EngineConfig
     from refengine.engine import Engine
-    from refengine.errors import ContextLengthExceeded
 
     torch.manual_seed(0)
-    deployment = f"lab-{mode}"
     engine = Engine(
         EngineConfig(
             mode=mode,  # type: ignore[arg-type]
@@ -245,10 +266,85 @@ def _replay(mode: str, probe: Probe) -> Replay:
             advertised_context=ADVERTISED,
             pool_tokens=PREFILL_POOL,
             decode_pool_tokens=DECODE_POOL,
-            model_id="glm-lab",
+            model_id=MODEL,
         )
     )
-    attach(engine, probe, deployment_id=deployment)
+    attach(engine, probe, deployment_id=f"lab-{mode}")
+    return engine
+
+
+def _verify(engine: Engine, url: str, ingest_token: str) -> dict[str, Any]:
+    """The hardened engine verified from outside, as ``kvwatch verify`` does it: over its
+    OpenAI API, the run announced to the collector first (its own prompts raise nothing),
+    the verdict uploaded. What the fix is worth: a verified safe context on its card."""
+    from kvwatch.verify.run import VerifyOptions, verify
+    from kvwatch.verify.upload import VerifierSettings, announce, end_run, upload
+    from refengine.server import create_app as engine_app
+
+    deployment = "lab-hardened"
+    console.print(f"verifying {deployment} from outside (kvwatch verify, synthetic prompts)...")
+    settings = VerifierSettings(
+        collector_url=url, ingest_token=ingest_token, deployment_id=deployment
+    )
+    run_id, why = announce(settings, sorted(VERIFIER_KEYS))
+    if run_id is None:
+        console.print(f"[yellow]the run could not announce itself: {why}[/]")
+    started = time.perf_counter()
+    with serve_in_thread(engine_app(engine, tenant_keys=VERIFIER_KEYS)) as engine_url:
+        report = verify(
+            VerifyOptions(endpoint=f"{engine_url}/v1", model=MODEL, tenant_keys=VERIFIER_KEYS)
+        )
+    uploaded = upload(report, settings, run_id=run_id)
+    if not uploaded.ok and run_id is not None:
+        end_run(settings, run_id)
+    console.print(
+        f"  {deployment}: {report.result.upper()}, verified safe context "
+        f"{report.verified_safe_context or 0:,} tokens, {report.requests} requests in "
+        f"{time.perf_counter() - started:.1f}s"
+        + ("" if uploaded.ok else f" [red](not recorded: {uploaded.detail})[/]")
+    )
+    return {
+        "deployment": deployment,
+        "result": report.result,
+        "verified_safe_context": report.verified_safe_context,
+        "recorded": uploaded.ok,
+    }
+
+
+def _side_by_side(url: str, token: str, deployments: list[str]) -> dict[str, dict[str, Any]]:
+    """The same sizing, the two engines: each one's status, why and limit in force, as the
+    fleet decides them (``GET /v1/fleet``: one decision, shown here as on the dashboard)."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
+        fleet = c.get("/v1/fleet").raise_for_status().json()["deployments"]
+    cards = {d["deployment_id"]: d for d in fleet if d["deployment_id"] in deployments}
+    t = Table(title="Side by side: the same sizing, the two rejection paths")
+    t.add_column("deployment", no_wrap=True)
+    t.add_column("status", no_wrap=True)
+    t.add_column("why")
+    t.add_column("limit in force")
+    colour = {"red": "red", "amber": "yellow", "green": "green"}
+    for dep in deployments:
+        d = cards[dep]
+        limits = "; ".join(m["limit_in_force"]["text"] for m in d["models"]) or "-"
+        t.add_row(
+            dep,
+            f"[bold {colour[d['status']]}]{d['status'].upper()}[/]",
+            "\n".join(d["reasons"]) or "nothing firing",
+            limits,
+        )
+    console.print(t)
+    return {
+        dep: {k: cards[dep][k] for k in ("status", "reasons", "open_incidents")}
+        | {"limits": [m["limit_in_force"]["text"] for m in cards[dep]["models"]]}
+        for dep in deployments
+    }
+
+
+def _replay(mode: str, engine: Engine) -> Replay:
+    """Ordinary traffic from five tenants, then one prompt longer than the prefill pool."""
+    from refengine.errors import ContextLengthExceeded
+
+    deployment = f"lab-{mode}"
     answers = {}
     # as if through the engine's completions endpoint: a route lets a data map (or a rule)
     # single out one tenant's traffic, as it would on a real endpoint
@@ -281,6 +377,8 @@ def _report(
             .raise_for_status()
             .json()["items"]
         ]
+        # the replay's own: the verifier's synthetic prompts are stored too (its run's)
+        requests = [r for r in requests if r["tenant"] not in VERIFIER_KEYS]
         stale = (
             c.get("/v1/page-events", params={"kind": "page.stale_read", "limit": 1000})
             .raise_for_status()

@@ -30,16 +30,28 @@ def _include(
 _DIALECT = [""]
 
 
+# How long a process waits for another one's SQLite migration (sqlite3's busy timeout).
+_SQLITE_WAIT_S = 600.0
+
+
 def run_migrations_online() -> None:
-    engine = create_engine(url)
+    sqlite = url.startswith("sqlite")
+    engine = create_engine(url, connect_args={"timeout": _SQLITE_WAIT_S} if sqlite else {})
     _DIALECT[0] = engine.dialect.name
-    if engine.dialect.name == "sqlite":
+    if sqlite:
         # All migrations in one real transaction: killed half-way, nothing was applied.
         sqlite_explicit_transactions(engine)
     with engine.connect() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_LOCK})
             conn.commit()
+        elif sqlite:
+            # The write lock before alembic reads the version: two processes migrating one
+            # new file (a collector and a dashboard started together) take turns, and the
+            # second finds the schema current. A deferred BEGIN let both read "empty" and the
+            # second fail on a column the first had added, or on "database is locked".
+            conn = conn.execution_options(kvwatch_immediate=True)
+            conn.begin()
         try:
             context.configure(
                 connection=conn,
@@ -50,6 +62,8 @@ def run_migrations_online() -> None:
             )
             with context.begin_transaction():
                 context.run_migrations()
+            if conn.in_transaction():  # the SQLite transaction begun above is ours to commit
+                conn.commit()
         finally:
             if conn.dialect.name == "postgresql":
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_LOCK})

@@ -12,6 +12,8 @@ from policies.errors import PackError, PackErrors, PolicyError, RuleError
 from policies.evaluate import Evaluation, RuleHealth, evaluate_batch, evaluate_timer
 from policies.facts import (
     BatchFacts,
+    BusFact,
+    BusPartitionFact,
     DeploymentFacts,
     NodeConfig,
     PrefixHitFact,
@@ -31,6 +33,8 @@ __all__ = [
     "SEVERITIES",
     "AlertState",
     "BatchFacts",
+    "BusFact",
+    "BusPartitionFact",
     "DeploymentFacts",
     "Evaluation",
     "NodeConfig",

@@ -161,6 +161,9 @@ class DeploymentFacts:
     #: the rule pack's maximum verification age (``verification_missing_or_stale``'s
     #: ``max_age``), which the limit in force applies; None: no maximum
     max_verification_age_s: float | None = None
+    #: an incident of the deployment is open (a leak was seen, whatever a verification
+    #: said); loaded where a rule weighs it (a batch with configs, the timer)
+    open_incident: bool = False
 
     def prefill_pool_tokens(self) -> int | None:
         """The smallest pool a prompt must fit in: the prefill (or monolithic) nodes'."""
@@ -277,6 +280,48 @@ def superseded(probes: Iterable[ProbeFact]) -> dict[str, str]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class VerificationRunFact:
+    """A verification announced on a deployment: from ``started_at`` until ``until`` (its
+    finish, else its announced end), the requests and page events of ``tenants`` alone are
+    its own prompts (``collector.models.VerificationRun``)."""
+
+    deployment_id: str
+    tenants: frozenset[str]
+    started_at: datetime
+    until: datetime
+
+
+def event_tenants(e: ev.Event) -> set[str]:
+    """Every tenant an event names: its ``tenant``, or a page or cache event's reader and the
+    tenant whose pages it read (the fields named ``*tenant``)."""
+    names = (getattr(e, f, None) for f in type(e).__struct_fields__ if f.endswith("tenant"))
+    return {n for n in names if isinstance(n, str) and n}
+
+
+def without_verification_traffic(
+    events: Sequence[ev.Event], runs: Sequence[VerificationRunFact]
+) -> list[ev.Event]:
+    """The events the rules evaluate: all but a verification's own traffic, an event of a
+    run's deployment, within its time, whose tenants are all the run's (one tenant of the
+    fleet's own among them and it is evaluated: a verification never hides another tenant's
+    request or a read of another tenant's pages). Events naming no tenant (pool samples,
+    configs) are always evaluated."""
+    if not runs:
+        return list(events)
+
+    def own(e: ev.Event) -> bool:
+        tenants = event_tenants(e)
+        return bool(tenants) and any(
+            r.deployment_id == e.deployment_id
+            and r.started_at <= e.ts <= r.until
+            and tenants <= r.tenants
+            for r in runs
+        )
+
+    return [e for e in events if not own(e)]
+
+
 def index_by_type(events: Iterable[ev.Event]) -> dict[type, list[ev.Event]]:
     """Events grouped by their type, each group in the order given."""
     index: dict[type, list[ev.Event]] = {}
@@ -318,7 +363,31 @@ class BatchFacts:
 @dataclass(frozen=True, slots=True)
 class TimerFacts:
     """What the timer sees: every known deployment and probe (with, for quiet probes, the
-    evidence of :class:`ProbeFact`)."""
+    evidence of :class:`ProbeFact`), and the ingest bus where there is one."""
 
     deployments: Mapping[str, DeploymentFacts] = field(default_factory=dict)
     probes: Sequence[ProbeFact] = ()
+    bus: BusFact | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BusPartitionFact:
+    """One partition of the ingest bus: how long its oldest batch not yet stored has waited
+    (``lag_s``; 0 when none waits), how many wait, how many were handed out again."""
+
+    partition: int
+    lag_s: float
+    pending: int
+    redelivered: int
+
+
+@dataclass(frozen=True, slots=True)
+class BusFact:
+    """The latest reading of the ingest bus (``collector.bus.monitor``): its stream, when it
+    was read, and its partitions; ``error`` says why it could not be read (then no
+    partitions)."""
+
+    stream: str
+    read_at: datetime
+    partitions: Sequence[BusPartitionFact] = ()
+    error: str | None = None

@@ -21,6 +21,9 @@ from policies.rule import Rule
 from policies.signals import Signal
 
 State = Literal["pending", "firing", "resolved"]
+#: an incident's states: open until a person closes it (the API's, the CLI's and the
+#: dashboard's filters take these)
+IncidentState = Literal["open", "closed"]
 
 
 @dataclass(frozen=True, slots=True)

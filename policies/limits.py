@@ -352,3 +352,19 @@ def verification_max_age_s(rules: Iterable[Any]) -> float | None:
 
 def by_model(limits: Iterable[LimitInForce]) -> Mapping[str, LimitInForce]:
     return {lim.model_id: lim for lim in limits}
+
+
+def small_pool_mitigated(limit: LimitInForce | None, pool_tokens: int, open_incident: bool) -> bool:
+    """Whether a pool smaller than the advertised context is only an overstated context, not
+    the incident's first link: the limit in force is verified (a passing, current
+    verification showed prompts past it refused cleanly), fits the pool, and no incident of
+    the deployment is open (a leak seen since says otherwise, whatever the verification
+    said). The rule ``pool_below_advertised`` (warning instead of critical) and the fleet's
+    status (amber instead of red) both ask this."""
+    return (
+        not open_incident
+        and limit is not None
+        and limit.verified
+        and limit.tokens is not None
+        and limit.tokens <= pool_tokens
+    )

@@ -19,6 +19,7 @@ A pack::
         labels: {team: platform}
         annotations: {runbook: "https://...?deployment={deployment_id}"}
         params: {warn_ratio: 0.8}       # the kind's parameters
+        runbook_url: https://wiki.example/kv  # optional: replaces the kind's runbook link
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -63,6 +65,7 @@ class RuleSpec(msgspec.Struct, forbid_unknown_fields=True, rename={"for_": "for"
     labels: dict[str, str] = {}
     annotations: dict[str, str] = {}
     params: dict[str, Any] = {}
+    runbook_url: str | None = None
 
 
 class PackSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -262,6 +265,10 @@ def _rule(
                 )
             else:
                 params = None
+    bad_url = rs is not None and rs.runbook_url is not None and not _is_http_url(rs.runbook_url)
+    if bad_url:
+        assert rs is not None
+        problems.add(doc.error((*at, "runbook_url"), f"not an http(s) URL: {rs.runbook_url!r}"))
     durations = {}
     if rs is not None:
         durations["for"] = problems.attempt(partial(_seconds, doc, (*at, "for"), rs.for_))
@@ -269,7 +276,7 @@ def _rule(
             durations["resolve_after"] = problems.attempt(
                 partial(_seconds, doc, (*at, "resolve_after"), rs.resolve_after)
             )
-    if rs is None or kind is None or params is None or None in durations.values():
+    if rs is None or bad_url or kind is None or params is None or None in durations.values():
         return None
     resolve = durations.get("resolve_after")
     return Rule(
@@ -283,7 +290,14 @@ def _rule(
         labels=dict(rs.labels),
         annotations=dict(rs.annotations),
         source=f"{doc.path}:{doc.line_of(at)}",
+        runbook_url=rs.runbook_url,
     )
+
+
+def _is_http_url(value: str) -> bool:
+    """A link a person's browser and a receiver can follow: http(s) with a host."""
+    parts = urlsplit(value)
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and value.strip() == value
 
 
 def load_pack(path: str | Path) -> RulePack:

@@ -32,7 +32,8 @@ class Rule:
     ``for_s``: how long an alert stays pending before it fires. ``resolve_after_s``: for
     event rules, how long without an occurrence before the alert resolves. ``group_by``,
     ``repeat_interval_s``, ``incident_deadline_s`` and ``reminders_before_s`` come from the
-    pack. ``source`` is ``file:line`` of the rule, for messages.
+    pack. ``source`` is ``file:line`` of the rule, for messages. ``runbook_url``: the pack's
+    own runbook for this rule, overriding the kind's (``collector.runbooks.runbook_url``).
     """
 
     name: str
@@ -50,6 +51,7 @@ class Rule:
     reminders_before_s: tuple[float, ...] = ()
     pack: str = "default"
     source: str = ""
+    runbook_url: str | None = None
 
     def signal(
         self,

@@ -74,6 +74,9 @@ BLOCK_SIZE = 32
 KV_EVENTS_TOPIC = "kvwatch-tiny"
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 420.0
+#: every test of a live engine server: the first to run starts the server in its setup, which
+#: on a loaded 2-core machine can take longer than the suite's 300 s per test
+SERVER_TEST_TIMEOUT = pytest.mark.timeout(int(START_TIMEOUT_S) + 180)
 #: the tenant whose first request's KV writes the probe is told to lose (a test-only fault:
 #: reads of those blocks must be reported as stale reads); no other test may use it
 FAULT_TENANT = "vsrv-injected-fault"
@@ -280,6 +283,10 @@ def _start_server(
         "KVWATCH_INGEST_TOKEN": collector.ingest,
         "KVWATCH_DEPLOYMENT_ID": DEPLOYMENT,
         "KVWATCH_PROBE_FLUSH_INTERVAL_S": "0.2",
+        # the collector runs in a thread of the test process, beside an engine that keeps a
+        # 2-core machine busy: a slow answer is load, not an outage (10 s, the default, sent
+        # the probe into backoff for the whole of a loaded CI run's wait)
+        "KVWATCH_PROBE_REQUEST_TIMEOUT_S": "60",
         # the plugin's default spool/journal directory is per user: keep this server's in
         # its own workdir (another test's killed engine must not be adopted here)
         "XDG_STATE_HOME": str(workdir / "state"),

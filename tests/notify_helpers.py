@@ -1,16 +1,24 @@
-"""A real webhook receiver on 127.0.0.1 and notification documents, for the notify tests."""
+"""A real webhook receiver on 127.0.0.1, a real Alertmanager, and notification documents,
+for the notify tests."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+import httpx
+import pytest
 
 from collector import timefmt
 from collector.notify.signing import WebhookVerificationError, verify
@@ -221,3 +229,55 @@ def incident_doc(
             "close_reason": "contained" if state == "closed" else None,
         },
     }
+
+
+AM_BIN = "/usr/bin/prometheus-alertmanager"
+
+
+@contextmanager
+def running_alertmanager(tmp_path: Path, config: str) -> Iterator[str]:
+    """Debian's Alertmanager (``.ci/run`` installs it) on a free loopback port, clustering
+    off, with this configuration; yields its URL. Skipped where it is not installed, failed
+    in CI."""
+    if not os.path.exists(AM_BIN):
+        if os.environ.get("CI"):
+            pytest.fail(f"{AM_BIN} is missing: .ci/run installs prometheus-alertmanager")
+        pytest.skip(f"{AM_BIN} not installed (apt-get install prometheus-alertmanager)")
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(config)
+    port = free_port()
+    log_path = tmp_path / "alertmanager.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(
+        [
+            AM_BIN,
+            f"--config.file={path}",
+            f"--storage.path={tmp_path / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                pytest.fail(f"Alertmanager did not become ready:\n{log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from kvwatch.gateway.isolation import derive_salt
-from tests.engine_servers import SglangServer, sglang_server, tokens, wait_for  # noqa: F401
+from tests.engine_servers import SERVER_TEST_TIMEOUT, SglangServer, sglang_server, tokens, wait_for  # noqa: F401
 from tests.engine_servers import collector_get as get
 from tests.engine_servers import gateway_in_front as gateway
 
-pytestmark = pytest.mark.slow  # as every test of the run's one SGLang server
+pytestmark = [pytest.mark.slow, SERVER_TEST_TIMEOUT]  # as every test of the run's one SGLang server
 
 SECRET = "gateway-sglang-test-secret-" + "7" * 16
 # tenants only this module uses: other modules send requests to the same server

@@ -4,8 +4,6 @@ which ``.ci/run`` installs) started on a free loopback port."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,14 +20,12 @@ from collector.notify.dispatcher import Dispatcher
 from collector.notify.outbox import add_endpoint, enqueue
 from collector.notify.payloads import AM_ZERO_TIME, am_fingerprint, render
 from collector.settings import Settings
-from kvwatch.embedded import free_port
 from tests import factories as f
 from tests.conftest import Collector
-from tests.notify_helpers import Receiver, alert_doc, incident_doc, iso
+from tests.notify_helpers import Receiver, alert_doc, incident_doc, iso, running_alertmanager
 
 pytestmark = pytest.mark.slow
 
-AM_BIN = "/usr/bin/prometheus-alertmanager"
 US = 1_000_000
 V4_KEYS = {
     "version",
@@ -69,14 +65,8 @@ class Alertmanager:
 def alertmanager(tmp_path: Path) -> Iterator[Alertmanager]:
     """A real Alertmanager on 127.0.0.1, clustering off. Alerts go to a null receiver, except
     alertname="kv_shape", which it sends on as its own webhook (v4) to a local receiver."""
-    if not os.path.exists(AM_BIN):
-        if os.environ.get("CI"):
-            pytest.fail(f"{AM_BIN} is missing: .ci/run installs prometheus-alertmanager")
-        pytest.skip(f"{AM_BIN} not installed (apt-get install prometheus-alertmanager)")
     hook = Receiver().start()
-    config = tmp_path / "alertmanager.yml"
-    config.write_text(
-        f"""
+    config = f"""
 route:
   receiver: "null"
   routes:
@@ -90,43 +80,10 @@ receivers:
     webhook_configs:
       - url: {hook.url}/am
 """
-    )
-    port = free_port()
-    log = (tmp_path / "alertmanager.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            AM_BIN,
-            f"--config.file={config}",
-            f"--storage.path={tmp_path / 'am-data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                tail = (tmp_path / "alertmanager.log").read_text()[-2000:]
-                pytest.fail(f"Alertmanager did not become ready:\n{tail}")
-            time.sleep(0.1)
-        yield Alertmanager(url, hook)
+        with running_alertmanager(tmp_path, config) as url:
+            yield Alertmanager(url, hook)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
         hook.stop()
 
 

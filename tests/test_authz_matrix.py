@@ -75,6 +75,16 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/incidents"): _allow(200, *READERS),
     ("GET", "/v1/incidents/{incident_id}"): _allow(200, *READERS),
     ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, "admin"),
+    # the on-call workflow: operators read the timeline, only admin acts. The matrix runs
+    # the operations in the API's order, so the world's incident is closed (by .../close,
+    # above) before these: past the token check, admin gets the refusal that acknowledging,
+    # owning and linking are for open incidents; a note is taken on a closed one too.
+    ("POST", "/v1/incidents/{incident_id}/ack"): _allow(409, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/owner"): _allow(409, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/notes"): _allow(200, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/links"): _allow(409, "admin"),
+    ("DELETE", "/v1/incidents/{incident_id}/links/{alert_id}"): _allow(409, "admin"),
+    ("GET", "/v1/incidents/{incident_id}/timeline"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}/assessment"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
     # the case register names tenants: operators read it, only admin changes it
@@ -87,12 +97,17 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     # the limit in force: the gateway reads it with its ingest token
     ("GET", "/v1/limits"): _allow(200, "ingest", *READERS),
     ("POST", "/v1/verifications"): _allow(201, "ingest", "admin"),
+    # a verification announces its run with the token it uploads with
+    ("POST", "/v1/verification-runs"): _allow(201, "ingest", "admin"),
+    ("POST", "/v1/verification-runs/{run_id}/end"): _allow(200, "ingest", "admin"),
     # the evidence names tenants: admin only
     ("GET", "/v1/verifications/{verification_id}"): _allow(200, "admin"),
     ("GET", "/v1/verify-schedules"): _allow(200, "admin"),
     ("POST", "/v1/verify-schedules"): _allow(201, "admin"),
     ("DELETE", "/v1/verify-schedules/{schedule_id}"): _allow(200, "admin"),
     ("GET", "/v1/rules"): _allow(200, *OPERATORS),
+    # a runbook names no tenant: any reader
+    ("GET", "/v1/runbooks/{kind}"): _allow(200, *READERS),
     ("GET", "/v1/tokens"): _allow(200, "admin"),
     ("POST", "/v1/tokens"): _allow(201, "admin"),
     ("POST", "/v1/tokens/{ref}/revoke"): _allow(200, "admin"),
@@ -128,6 +143,7 @@ class World:
     report_id: str
     schedule_id: int
     verification_id: int
+    run_id: int
     spare_tokens: dict[str, int]  # a token for the matrix to revoke, one to rotate
     request_ids: dict[str, set[str]]
     seq: int = 0
@@ -253,6 +269,8 @@ def world(collector: Collector) -> Iterator[World]:
             admin.post("/v1/reports", json={"kind": "breach", "incident_id": incident["id"]}), 201
         )
         schedule = _ok(admin.post("/v1/verify-schedules", json=_schedule_body()), 201)
+        # tenants of no traffic here: the run hides nothing the matrix reads
+        run = _ok(ingest.post("/v1/verification-runs", json=_run_body()), 201)
         spares = {
             op: _ok(admin.post("/v1/tokens", json={"kind": "read"}), 201)["token"]["id"]
             for op in ("revoke", "rotate")
@@ -268,6 +286,7 @@ def world(collector: Collector) -> Iterator[World]:
         report_id=str(report["report_id"]),
         schedule_id=int(schedule["id"]),
         verification_id=int(verification["id"]),
+        run_id=int(run["id"]),
         spare_tokens=spares,
         seq=max(e.seq for e in traffic),
         request_ids={
@@ -333,6 +352,8 @@ def _path(w: World, op: Operation) -> str:
         report_id=w.report_id,
         schedule_id=w.schedule_id,
         verification_id=w.verification_id,
+        run_id=w.run_id,
+        kind="stale_page_read",
         ref=w.spare_tokens["rotate" if op.path.endswith("/rotate") else "revoke"],
     )
 
@@ -361,6 +382,10 @@ def _body(w: World, op: Operation) -> Any:
             "comment": "authz matrix",
         },
         ("POST", "/v1/incidents/{incident_id}/close"): lambda: {"reason": "authz matrix"},
+        ("POST", "/v1/incidents/{incident_id}/ack"): lambda: {"by": "authz matrix"},
+        ("POST", "/v1/incidents/{incident_id}/owner"): lambda: {"owner": "authz matrix"},
+        ("POST", "/v1/incidents/{incident_id}/notes"): lambda: {"text": "authz matrix"},
+        ("POST", "/v1/incidents/{incident_id}/links"): lambda: {"alert_id": w.alert_id},
         ("POST", "/v1/incidents/{incident_id}/facts"): lambda: {
             "field": "deadline_at",
             "at": (w.now + timedelta(days=3)).isoformat(),
@@ -383,6 +408,8 @@ def _body(w: World, op: Operation) -> Any:
             "passed": True,
             "verified_safe_context": 600_000,
         },
+        ("POST", "/v1/verification-runs"): _run_body,
+        ("POST", "/v1/verification-runs/{run_id}/end"): lambda: None,
         ("POST", "/v1/reports"): lambda: {"kind": "breach", "incident_id": w.incident_id},
         ("POST", "/v1/verify-schedules"): _schedule_body,
         ("POST", "/v1/tokens"): lambda: {"kind": "read"},
@@ -393,6 +420,10 @@ def _body(w: World, op: Operation) -> Any:
         return None
     assert op.key in bodies, f"no valid body for {op.key}: add one to _body()"
     return bodies[op.key]()
+
+
+def _run_body() -> dict[str, Any]:
+    return {"deployment_id": DEP, "tenants": ["authz-verifier-a", "authz-verifier-b"]}
 
 
 def _prepared_notice(w: World) -> str:

@@ -301,6 +301,18 @@ def test_processor_notifies_each_controller_step_by_step(env: Env, tmp_path: Pat
     )
     assert v.claims["conclusions"]["tenant"] == "acme"
     assert v.claims["conclusions"]["incident.id"] == env.incident_id
+    # all of it is signed: a forged contact point or legal basis is named by its path
+    name = acme.notification.notice_id
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    doc = json.loads((out / f"{name}.json").read_text())
+    doc["contact"], doc["legal_basis"] = "someone else", "none"
+    (forged / f"{name}.json").write_text(json.dumps(doc))
+    (forged / f"{name}.sig").write_text(sig)
+    res = run(env, "report", "verify", str(forged / f"{name}.json"), "--keys", str(env.keys))
+    assert res.exit_code == 1, res.output
+    assert "contact: signed" in res.output and "legal_basis: signed" in res.output
+    assert "not signed" not in res.output
     assert sha256_bytes(notice_bytes(acme.notice)) == acme.notification.notice_sha256
     # sent (now) within 12 h of awareness (the incident opened now): not late
     st = {p.party: p for p in svc.status(env.incident_id)}

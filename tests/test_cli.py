@@ -60,6 +60,16 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     assert not {"stale_page_read", "rejected_prefill_kv_transfer"} & set(
         fired.get(hardened["deployment"], [])
     )
+    # the hardened engine verified from outside: its own prompts raised nothing, and the two
+    # engines side by side, as the fleet decides them: legacy red, hardened amber (its
+    # context overstated, refusals past the pool verified), nothing critical on it
+    assert summary["verification"]["result"] == "pass" and summary["verification"]["recorded"]
+    side = summary["fleet"]
+    assert side[legacy["deployment"]]["status"] == "red"
+    assert side[legacy["deployment"]]["open_incidents"] == 1
+    assert side[hardened["deployment"]]["status"] == "amber", side
+    assert side[hardened["deployment"]]["limits"][0].startswith("10,640 tokens (verified")
+    assert "Side by side" in r.stdout
     (incident,) = summary["incidents"]
     assert incident["deployment_id"] == legacy["deployment"] and incident["state"] == "open"
     pdf = Path(summary["artefacts"]["breach_report_pdf"])
@@ -76,7 +86,8 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
         ).fetchone()
         assert stale == legacy["stale_reads"] > 0
         (rejected,) = conn.execute(
-            "SELECT count(*) FROM requests WHERE reject_reason = 'pool_exhausted'"
+            "SELECT count(*) FROM requests WHERE reject_reason = 'pool_exhausted' "
+            "AND tenant NOT LIKE 'verifier-%'"
         ).fetchone()
         assert rejected == 2  # the long prompt, in both modes
         # no text anywhere: the requests table has counts and labels only
@@ -98,7 +109,10 @@ def test_demo_replays_the_incident_and_leaves_database_summary_and_commands(
     second = json.loads((out / "summary.json").read_text())
     with sqlite3.connect(out / "kvwatch.db") as conn:
         per_deployment = dict(
-            conn.execute("SELECT deployment_id, count(*) FROM requests GROUP BY deployment_id")
+            conn.execute(
+                "SELECT deployment_id, count(*) FROM requests "
+                "WHERE tenant NOT LIKE 'verifier-%' GROUP BY deployment_id"
+            )
         )
     assert per_deployment == {
         legacy["deployment"]: 6,
@@ -236,7 +250,9 @@ def test_tokens_create_prints_the_token_alone_on_the_last_line(tmp_path: Path) -
 def test_cli_errors_are_clear(tmp_path: Path) -> None:
     env = {"KVWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'k.db'}"}
     r = kvwatch("tokens", "create", "--kind", "root", env=env)
-    assert r.returncode == 2 and "token kind must be one of" in r.stderr
+    assert r.returncode == 2 and "'root' is not one of 'ingest', 'read', 'admin'" in " ".join(
+        r.stderr.replace("│", " ").split()
+    ), r.stderr
     r = kvwatch("tokens", "create", "--kind", "admin", "--tenant", "acme", env=env)
     assert r.returncode == 2 and "scopes read tokens only" in r.stderr
     r = kvwatch("db", "upgrade", env={"KVWATCH_DATABASE_URL": "mysql://nope"})
@@ -247,10 +263,14 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
 def test_acknowledging_or_closing_twice_changes_nothing_and_says_so(collector: Any) -> None:
     """One rule for repeated operator actions: the first stands, the second exits 0 saying
     nothing changed (acking twice used to overwrite silently, closing twice to exit 2)."""
+    from engine_probe.events import utcnow
     from tests import factories as f
 
+    # a read of now: one at the factories' fixed past would be resolved by the next policy
+    # tick (its resolve_after counts from the event's own time), maybe between the two acks
     with collector.client(collector.ingest) as c:
-        assert c.post("/v1/events", json=[f.as_json(f.stale_read(1))]).status_code == 200
+        fresh = f.stale_read(1, ts=utcnow())
+        assert c.post("/v1/events", json=[f.as_json(fresh)]).status_code == 200
     with collector.client(collector.admin) as c:
         (alert,) = c.get("/v1/alerts", params={"rule": "stale_page_read"}).json()
         (incident,) = c.get("/v1/incidents").json()

@@ -225,3 +225,35 @@ def test_a_client_that_leaves_mid_upload_is_one_info_line(
     with collector.client(collector.admin) as admin:
         assert admin.get("/v1/verifications").json() == []
         assert admin.get("/v1/probes").json() == []
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_rule_pack_that_does_not_load_stops_serve_without_a_traceback(
+    tmp_path: Path, workers: str
+) -> None:
+    """An operator pack naming a rule the default pack defines already: the collector refuses
+    to start, naming the file, the line and the clash, in lines a person reads. With worker
+    processes too (each died with a traceback, and was started again, and again)."""
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    (packs / "ops.yaml").write_text(
+        "pack: ops\nrules:\n  - name: bus_lag\n    kind: bus_lag\n    params: {lag_after: 2s}\n"
+    )
+    env = os.environ | {
+        "KVWATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'kv.db'}",
+        "KVWATCH_POLICY_PACKS_DIR": str(packs),
+    }
+    env.pop("KVWATCH_DEBUG", None)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvwatch.cli", "serve", "--port", str(free_port()),
+         "--workers", workers],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == EXIT_COULD_NOT_RUN, out
+    assert "Traceback" not in out, out
+    assert "error: the rule packs do not load (KVWATCH_POLICY_PACKS_DIR):" in r.stderr
+    assert f"{packs / 'ops.yaml'}:3" in r.stderr and "already defined" in r.stderr

@@ -70,6 +70,11 @@ def test_tables_at_80_columns_show_every_id_whole(collector: Any) -> None:
     assert_fits_80_uncut(alerts)
     col = columns(alerts)
     assert LONG_DEPLOYMENT in col["deployment"] and "stale_page_read" in col["rule"]
+    # the columns a person triages with; the rest named, and --wide brings them
+    assert "summary" not in col and "--wide" in alerts, alerts
+    assert "stale_page_read" in ANSI.sub("", alerts)  # a rule's name is never broken
+    wide = kvwatch(db, "alerts", "list", "--wide").stdout
+    assert "summary" in columns(wide) and "--wide" not in wide
 
     tokens = kvwatch(db, "tokens", "list").stdout
     assert_fits_80_uncut(tokens)
@@ -107,6 +112,7 @@ def test_ages_and_time_left_read_one_way(collector: Any) -> None:
     kvwatch(db, "tokens", "create", "--kind", "read", "--name", "quarterly", "--expires-in", "90d")
     col = columns(kvwatch(db, "tokens", "list").stdout)
     assert "in89d23h" in col["expires"], col  # the new token: 90 days less a few seconds
+    col = columns(kvwatch(db, "tokens", "list", "--wide").stdout)
     assert re.search(r"\d+sago", col["lastused"]), col  # the admin token, just now
     assert "never" in col["lastused"]  # the new one
 
@@ -142,3 +148,33 @@ def test_an_expired_silence_shows_when_it_ended_and_that_it_was_expired(collecto
     # Expiring it again changes nothing, and says so (exit 0).
     again = kvwatch(db, "silences", "expire", sid, "--by", "kim")
     assert "already expired" in again.stderr and "nothing changed" in again.stderr, again.stderr
+
+
+def test_a_listing_at_80_columns_is_a_line_or_two_a_row(collector: Any) -> None:
+    """Many alerts of long rules and summaries: at 80 columns each row stays short (the
+    narrow columns, words never split), where every column squeezed into 80 took a dozen."""
+    with collector.client(collector.ingest) as c:
+        ts = datetime.now(UTC)
+        events = [f.stale_read(i, dep=f"deployment-{i}", ts=ts) for i in range(1, 13)]
+        assert c.post("/v1/events", json=[f.as_json(e) for e in events]).status_code == 200
+    out = ANSI.sub("", kvwatch(collector.db_url, "alerts", "list").stdout)
+    assert_fits_80_uncut(out)
+    rows = [ln for ln in out.splitlines() if ln.startswith("│")]
+    assert 12 <= len(rows) <= 24, out
+
+
+@pytest.mark.parametrize(
+    ("args", "allowed"),
+    [
+        (["alerts", "list", "--state", "fiiring"], "'pending', 'firing', 'resolved'"),
+        (["alerts", "list", "--severity", "high"], "'info', 'warning', 'critical'"),
+        (["incidents", "list", "--state", "opened"], "'open', 'closed'"),
+        (["tokens", "create", "--kind", "root"], "'ingest', 'read', 'admin'"),
+    ],
+)
+def test_a_value_outside_an_options_choices_exits_2_naming_them(
+    db_url: str, args: list[str], allowed: str
+) -> None:
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "200", "KVWATCH_DATABASE_URL": db_url})
+    assert r.exit_code == 2, r.output
+    assert allowed in " ".join(r.output.split()), r.output

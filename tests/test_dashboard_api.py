@@ -108,6 +108,7 @@ def test_prompt_token_stats_match_the_ingested_requests(collector: Collector) ->
         "source": "verified",
         "stale": False,
         "deployment_id": "glm-prod",
+        "deployments": ["glm-prod"],  # every deployment serving it (the charts' markers)
         "warn_line": 480_000,
         "critical_line": SAFE,
     }

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -196,6 +197,13 @@ def visit(page: Page, url: str, *texts: str, cells: tuple[str, ...] = (), charts
         expect(drawn.nth(charts - 1)).to_be_attached()
     # Streamlit shows a script error as an exception box: a page must never have one.
     expect(page.locator("[data-testid='stException']")).to_have_count(0)
+
+
+def settle(page: Page) -> None:
+    """Until Streamlit has finished running the page (its status widget says 'Running...'
+    while it does)."""
+    page.wait_for_timeout(300)  # the rerun a change just asked for has started
+    expect(page.get_by_test_id("stStatusWidget").get_by_text("Running")).to_have_count(0)
 
 
 def shot(page: Page, artifacts: Path, name: str) -> Path:
@@ -380,3 +388,79 @@ def test_the_incident_page_shows_each_party_and_the_decision_register(
         charts=0,
     )
     shot(page, artifacts, "incident-case-register")
+
+
+def test_the_incident_is_acknowledged_owned_and_annotated_from_its_page(
+    seeded: h.Seeded, dashboards: Dashboards, page: Page, artifacts: Path
+) -> None:
+    """The on-call section: acknowledge, assign, note from the page; the collector records
+    each (the API reads them back) and the page's timeline shows them in order."""
+    url = f"{dashboards.main.url}/incident?id={seeded.incident_id}"
+    visit(page, url, "On call", "Linked alerts", "Timeline", "Runbook")
+    # a text box outside a form commits on Enter with a rerun of the page; a click that lands
+    # during that rerun is lost, so each one waits for the page to settle (as a person's does)
+    page.get_by_role("textbox", name="Your name", exact=True).fill("ana")
+    page.get_by_role("textbox", name="Your name", exact=True).press("Enter")
+    settle(page)
+    page.get_by_role("button", name="Acknowledge", exact=True).click()
+    expect(page.get_by_text("Incident acknowledged.", exact=False)).to_be_visible()
+    settle(page)
+    page.get_by_role("textbox", name="Owner", exact=True).fill("ana")
+    page.get_by_role("button", name="Assign", exact=True).click()
+    expect(page.get_by_text("Owner assigned.", exact=False)).to_be_visible()
+    page.get_by_role("textbox", name="Note", exact=True).fill(
+        "gateway refuses prompts over the pool"
+    )
+    page.get_by_role("button", name="Add note", exact=True).click()
+    expect(page.get_by_text("Note added.", exact=False)).to_be_visible()
+    with httpx.Client(
+        base_url=seeded.url, headers={"Authorization": f"Bearer {seeded.admin}"}, timeout=60
+    ) as admin:
+        inc = admin.get(f"/v1/incidents/{seeded.incident_id}").json()
+        timeline = admin.get(f"/v1/incidents/{seeded.incident_id}/timeline").json()
+    assert inc["acked_by"] == "ana" and inc["owner"] == "ana"
+    mine = [e["kind"] for e in timeline if e["actor"] == "ana"]
+    assert mine == ["incident.ack", "incident.owner", "incident.note"], timeline
+    # the page shows who is on it (the timeline's grid draws only the rows in view, so its
+    # order is checked through the API above)
+    visit(page, url, "On call", "Acknowledged", "Owner")
+    expect(page.get_by_test_id("stMetricValue").filter(has_text="ana").first).to_be_visible()
+    shot(page, artifacts, "incident-oncall")
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_closed_incident_reads_closed_and_an_unknown_id_is_refused(
+    collector: Any, page: Page, artifacts: Path, tmp_path: Path
+) -> None:
+    """A closed incident shows who closed it, when and why, and no countdown; a link to an
+    incident that does not exist says so instead of showing another one; the alerts table
+    links each alert to its incident's page."""
+    from engine_probe.events import utcnow
+    from tests import factories as f
+
+    with collector.client(collector.ingest) as c:
+        read = f.stale_read(1, dep="closed-dep", ts=utcnow())
+        assert c.post("/v1/events", json=[f.as_json(read)]).status_code == 200
+    with collector.client(collector.admin) as c:
+        (inc,) = c.get("/v1/incidents").json()
+        r = c.post(
+            f"/v1/incidents/{inc['id']}/close",
+            json={"by": "dana", "reason": "engine upgraded; no stale read since"},
+        )
+        assert r.status_code == 200, r.text
+    d = ready(launch(collector.url, collector.admin, tmp_path / "dashboard.log"))
+    try:
+        visit(page, f"{d.url}/incident?id={inc['id']}", "Closed by", "dana",
+              "engine upgraded; no stale read since")  # fmt: skip
+        expect(page.get_by_text("Time left")).to_have_count(0)
+        expect(page.get_by_text("of the notification window used")).to_have_count(0)
+        shot(page, artifacts, "incident-closed")
+
+        visit(page, f"{d.url}/incident?id=99", "No incident #99 here")
+        expect(page.get_by_text("Cause chain, from the evidence")).to_have_count(0)
+
+        # a link column's cell holds its target (the grid draws the id, #N, on its canvas)
+        visit(page, f"{d.url}/alerts", "Alerts",
+              cells=("stale_page_read", f"/incident?id={inc['id']}"))  # fmt: skip
+    finally:
+        stop(d)

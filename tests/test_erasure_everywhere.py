@@ -65,7 +65,7 @@ def found(values: list[tuple[str, str, str]], needles: set[str]) -> set[tuple[st
 def replay_demo(c: Collector, spool: Path) -> None:
     """``kvwatch demo``'s replay (both modes), its probe sending to this collector."""
     from engine_probe import Probe, ProbeSettings
-    from kvwatch.demo import _replay
+    from kvwatch.demo import _engine, _replay
 
     probe = Probe(
         ProbeSettings(
@@ -79,7 +79,7 @@ def replay_demo(c: Collector, spool: Path) -> None:
     )
     try:
         for mode in ("legacy", "hardened"):
-            _replay(mode, probe)
+            _replay(mode, _engine(mode, probe))
         probe.force_flush(30)
         deadline = time.monotonic() + 30
         while probe.stats()["sent"] < probe.stats()["emitted"]:

@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from kvwatch.gateway.isolation import derive_salt
-from tests.engine_servers import VllmServer, tokens, vllm_server, wait_for  # noqa: F401
+from tests.engine_servers import SERVER_TEST_TIMEOUT, VllmServer, tokens, vllm_server, wait_for  # noqa: F401
 from tests.engine_servers import gateway_in_front as gateway
 
 # serial and slow, as every test of the run's one vLLM server (tests/test_vllm_server.py)
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 
 SECRET = "gateway-vllm-test-secret-" + "5" * 16
 # tenants only this module uses: other modules send requests to the same server

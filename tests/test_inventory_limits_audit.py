@@ -5,6 +5,7 @@ config and verification, and a tampered audit log caught and named."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from datetime import timedelta
@@ -421,3 +422,56 @@ def test_a_limits_card_keeps_a_long_model_id_inside_the_page(collector: Collecto
         r = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "pdf"})
     assert r.status_code == 200, r.text
     assert_renders(r.content)
+
+
+def test_inventory_names_the_deployment(collector: Collector) -> None:
+    """One model on two deployments: the same tenant and route are two rows, each naming the
+    deployment that served it, in the API and in the CLI's table."""
+    chat = "/v1/chat/completions"
+    send(collector, f.admitted(1, "p1", "acme", 600_000, route=chat, dep="glm-prod"))
+    send(collector, f.admitted(1, "s1", "acme", 20, route=chat, dep="glm-stage", probe="probe-b"))
+    params = {"model_id": MODEL, "since": SINCE, "until": UNTIL}
+    with collector.client(collector.admin) as h:
+        doc = h.get("/v1/inventory", params=params).json()
+    got = {
+        (x["deployment_id"], x["tenant"], x["route"]): x["max_prompt_tokens"] for x in doc["rows"]
+    }
+    assert got == {("glm-prod", "acme", chat): 600_000, ("glm-stage", "acme", chat): 20}
+    with collector.client(collector.admin) as h:
+        one = h.get("/v1/inventory", params={**params, "deployment_id": "glm-stage"}).json()
+    assert [x["deployment_id"] for x in one["rows"]] == ["glm-stage"]
+    res = cli(
+        "report", "inventory", "--model", MODEL, "--since", SINCE, "--until", UNTIL,
+        "--database-url", collector.db_url,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "deployment" in res.stdout and "glm-prod" in res.stdout and "glm-stage" in res.stdout
+
+
+def test_a_limits_card_leads_with_the_open_incident(collector: Collector) -> None:
+    """A stale page read opens an incident on glm-prod: the card (JSON, Markdown, PDF) names it
+    before any verdict, so "not verified" never stands alone for a deployment that leaked."""
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    send(collector, f.config(1, ts=now), f.stale_read(2, ts=now))
+    with collector.client(collector.admin) as h:
+        (inc,) = h.get("/v1/incidents").json()
+        card = h.get("/v1/deployments/glm-prod/limits-card").json()
+        md = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "md"}).text
+        pdf = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "pdf"}).content
+    said = card["open_incident"]
+    assert said["id"] == inc["id"] and said["text"].startswith(f"OPEN INCIDENT #{inc['id']}: ")
+    assert said["title"] == inc["title"] and "opened " in said["text"]
+    assert card["models"][0]["verdict"]["status"] == "not_verified"
+    assert md.index(said["text"]) < md.index(card["models"][0]["verdict"]["text"])
+    assert_renders(pdf)
+    text = " ".join(
+        " ".join((p.extract_text() or "").split()) for p in pypdf.PdfReader(io.BytesIO(pdf)).pages
+    )
+    assert text.index(f"OPEN INCIDENT #{inc['id']}") < text.index("Model glm-5.3")
+    # closed: the card goes back to the verification alone
+    with collector.client(collector.admin) as h:
+        r = h.post(f"/v1/incidents/{inc['id']}/close", json={"reason": "test traffic, not a leak"})
+        assert r.status_code == 200, r.text
+        assert h.get("/v1/deployments/glm-prod/limits-card").json()["open_incident"] is None

@@ -25,13 +25,13 @@ from typer.testing import CliRunner
 from kvwatch.cli import app
 from kvwatch.kv_events import BlockStored, Decoded, Stream
 from tests import engine_servers
-from tests.engine_servers import KV_EVENTS_TOPIC, VllmServer, tokens, wait_for
+from tests.engine_servers import KV_EVENTS_TOPIC, SERVER_TEST_TIMEOUT, VllmServer, tokens, wait_for
 
 vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
 
 KVWATCH = str(Path(sys.executable).parent / "kvwatch")
 # serial: the run's one vLLM server is started in the serial phase (tests/test_vllm_server.py)
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 
 # tenants and sessions only this module uses
 A, B, W = "kvev-tenant-a", "kvev-tenant-b", "kvev-tenant-warm"

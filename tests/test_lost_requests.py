@@ -186,7 +186,9 @@ def test_silence_past_the_bound_loses_open_requests(c: Collector) -> None:
         fresh = LostRequests(db, 300, listening_since=now + timedelta(seconds=200))
         assert fresh.close_silent(now + timedelta(seconds=301)).lost == 0
         assert status(c)["r-open"] == ("admitted", None)
-        sweep = LostRequests(db, lost_after_s=300)
+        # Listening since `now`, not since it is built: on a loaded machine the calls above
+        # can take over a second, which would move the bound past now + 301 s.
+        sweep = LostRequests(db, lost_after_s=300, listening_since=now)
         assert sweep.close_silent(now + timedelta(seconds=200)).lost == 0
         assert status(c)["r-open"] == ("admitted", None)
         done = sweep.close_silent(now + timedelta(seconds=301))

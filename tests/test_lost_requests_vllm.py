@@ -30,6 +30,7 @@ import pytest
 from collector.db import Database
 from collector.lost import LostRequests
 from tests.engine_servers import (
+    SERVER_TEST_TIMEOUT,
     VllmServer,
     _need_venv,
     _start_collector,
@@ -37,7 +38,7 @@ from tests.engine_servers import (
     _stop,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 LOST_AFTER_S = 300.0  # KVWATCH_PROBE_LOST_AFTER_S's default
 CLIENTS = 10  # more than --max-num-seqs 8: some always queued
 GRACE_S = 5.0  # before SIGKILL (Kubernetes waits 30 s; the tiny model drains faster)
@@ -98,7 +99,8 @@ def test_sigterm_mid_request_leaves_rows_that_are_closed_as_lost(doomed: VllmSer
             [(r["status"], r["completion_tokens"]) for r in _rows(doomed)],
             doomed.log_tail(),
         )
-        time.sleep(0.05)
+        # not faster: each read is work for the collector that the probe's batches wait on
+        time.sleep(0.5)
     # What `kill`, systemd or Kubernetes does: SIGTERM to the server's main process (vLLM
     # stops its engine core itself), then, after a grace period, SIGKILL to what is left.
     doomed.process.send_signal(signal.SIGTERM)

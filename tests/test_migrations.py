@@ -150,3 +150,22 @@ def test_0014_makes_stored_rows_agree_with_the_one_cross_tenant(db_url: str) -> 
         "unknown": True,
         "own": False,
     }
+
+
+def test_processes_migrating_one_new_database_at_once_take_turns(db_url: str) -> None:
+    """A collector and a dashboard started together on a new database: three processes
+    upgrade at once, each exits 0 and the schema is applied once (on SQLite a deferred BEGIN
+    let two read 'empty': 'duplicate column name' or 'database is locked')."""
+    import subprocess
+    import sys
+
+    code = "import sys; from collector import migrate; migrate.upgrade(sys.argv[1])"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, db_url], stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    for p in procs:
+        _, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-2000:]
+    assert migrate.current_heads(db_url) == {ScriptDirectory.from_config(
+        migrate.alembic_config(db_url)).get_current_head()}  # fmt: skip

@@ -22,15 +22,25 @@ from tests.conftest import free_port, make_token
 pytestmark = pytest.mark.slow
 
 
-def start_collector(db_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = os.environ | {"KVWATCH_DATABASE_URL": db_url, "KVWATCH_AUTO_MIGRATE": "false"}
+# How long a process may take to start serving. It imports pandas, fpdf and the app (seen
+# taking 19 s on a slow 2-core machine): a start is judged a failure only well past that.
+START_TIMEOUT_S = 120
+
+
+def start_collector(
+    db_url: str, port: int, log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``kvwatch serve`` as a process, ready; ``env``: more settings (the ingest bus)."""
+    env = (
+        os.environ | {"KVWATCH_DATABASE_URL": db_url, "KVWATCH_AUTO_MIGRATE": "false"} | (env or {})
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvwatch.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"collector exited: {log.read_text()[-2000:]}")

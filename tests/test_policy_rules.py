@@ -45,6 +45,21 @@ class Env:
         assert r.status_code == 200, r.text
         return list(r.json())
 
+    def verification(self, passed: bool, safe: int | None) -> None:
+        """A verification of glm-5.3 on glm-prod, measured under the factories' config."""
+        r = self.ingest.post(
+            "/v1/verifications",
+            json={
+                "deployment_id": "glm-prod",
+                "model_id": "glm-5.3",
+                "passed": passed,
+                "verified_safe_context": safe,
+                "engine_version": "0.5.21",
+                "pool_capacity_tokens": 681_280,
+            },
+        )
+        assert r.status_code == 201, r.text
+
     def tick(self, after: timedelta = timedelta(0)) -> None:
         self.service.tick(datetime.now(UTC) + after)
 
@@ -78,22 +93,23 @@ def test_context_pressure_against_the_unverified_bound_then_the_verified_one(env
     assert "681,280 tokens" in warn["annotations"]["summary"]
 
     # A verification measured under these settings sets the bound instead.
-    r = env.ingest.post(
-        "/v1/verifications",
-        json={
-            "deployment_id": "glm-prod",
-            "model_id": "glm-5.3",
-            "passed": True,
-            "verified_safe_context": 500_000,
-            "engine_version": "0.5.21",
-            "pool_capacity_tokens": 681_280,
-        },
-    )
-    assert r.status_code == 201, r.text
+    env.verification(True, 500_000)
     env.send(f.admitted(env.next(), "r-verified", prompt=450_000, probe=env.probe))  # 90%
     verified = [a for a in env.alerts("context_pressure") if a["labels"]["verified"] == "true"]
     assert [a["severity"] for a in verified] == ["warning"]
     assert verified[0]["value"] == pytest.approx(0.9)
+    # over the verified limit and refused: the verified refusal did its work, a warning
+    route = {"route": "/v1/chat/completions", "probe": env.probe}
+    env.send(f.rejected(env.next(), "r-refused", prompt=520_000, **route))  # 104%
+    verified = [a for a in env.alerts("context_pressure") if a["labels"]["verified"] == "true"]
+    assert [a["severity"] for a in verified] == ["warning"], verified
+    # refused, then answered all the same (the incident's path): critical, verified or not
+    env.send(
+        f.rejected(env.next(), "r-leaked", prompt=520_000, **route),
+        f.finished(env.next(), "r-leaked", prompt_tokens=520_000, model_id="glm-5.3", **route),
+    )
+    verified = [a for a in env.alerts("context_pressure") if a["labels"]["verified"] == "true"]
+    assert sorted(a["severity"] for a in verified) == ["critical", "warning"], verified
 
 
 def test_pool_rules_fire_and_resolve_with_the_config(env: Env) -> None:
@@ -112,6 +128,42 @@ def test_pool_rules_fire_and_resolve_with_the_config(env: Env) -> None:
     assert env.alerts("pool_headroom")[0]["state"] == "resolved"
     history = env.admin.get(f"/v1/alerts/{head['id']}").json()["history"]
     assert [h["to"] for h in history] == ["firing", "resolved"]
+
+
+def test_a_small_pool_whose_refusals_are_verified_is_a_warning_until_that_stops_holding(
+    env: Env,
+) -> None:
+    """The small pool is the incident's first link (critical); a passing verification whose
+    safe context fits the pool shows prompts past it are refused cleanly, so the advertised
+    context is overstated, not unsafe (a warning); once a verification fails, critical again.
+    One alert fires at a time: severity is a label, the other one resolves."""
+
+    def firing() -> list[str]:
+        return [a["severity"] for a in env.alerts("pool_below_advertised", "firing")]
+
+    env.send(cfg(env))  # 681,280 < 1,048,576
+    assert firing() == ["critical"]
+    env.verification(True, 600_000)
+    env.tick()
+    assert firing() == ["warning"], env.alerts("pool_below_advertised")
+    (warn,) = env.alerts("pool_below_advertised", "firing")
+    assert "overstated, not unsafe" in warn["annotations"]["summary"], warn
+    fleet = env.admin.get("/v1/fleet").json()["deployments"]
+    (dep,) = [d for d in fleet if d["deployment_id"] == "glm-prod"]
+    # the fleet says the same (its status stays red here for the engine's advisory)
+    assert any(r.endswith("refused past it (verified)") for r in dep["reasons"]), dep
+    # a leak seen since: an open incident says otherwise, whatever the verification said
+    env.send(f.stale_read(env.next(), probe=env.probe, ts=datetime.now(UTC)))
+    env.tick()
+    assert firing() == ["critical"], env.alerts("pool_below_advertised")
+    (incident,) = env.admin.get("/v1/incidents").json()
+    r = env.admin.post(f"/v1/incidents/{incident['id']}/close", json={"reason": "contained"})
+    assert r.status_code == 200, r.text
+    env.tick()
+    assert firing() == ["warning"]
+    env.verification(False, None)  # a leak found: the rejection path is not what it was
+    env.tick()
+    assert firing() == ["critical"], env.alerts("pool_below_advertised")
 
 
 def test_verification_missing_pends_fires_and_resolves_and_drift_makes_it_stale(env: Env) -> None:

@@ -416,6 +416,7 @@ def test_403_keeps_the_data_until_the_token_is_fixed(
     assert len(loud) == 1 and "refused its token" in loud[0].getMessage(), loud
     assert "KVWATCH_INGEST_TOKEN" in loud[0].getMessage()
     assert "configuration error, not an outage" in loud[0].getMessage()
+    assert "kept in the spool" in loud[0].getMessage()
     fake_collector.status_override = None
     wait_for(lambda: len(fake_collector.events()) == 4, what="delivery with the fixed token")
     assert used_tokens(delivered(fake_collector, probe.probe_id)) == [0, 1, 2, 3]
@@ -642,3 +643,21 @@ def test_a_forked_child_gets_its_own_probe_id_and_seq_space(
     assert used_tokens(by_probe[parent_id]) == [0, 1, 2, 3, 4, 10, 11]
     assert [e.seq for e in by_probe[child["id"]]] == [1, 2, 3, 4]  # 4: probe.stopped
     assert used_tokens(by_probe[child["id"]]) == [50, 51, 52]
+
+
+def test_a_refused_token_without_a_spool_says_the_events_wait_in_memory_only(
+    fake_collector: Any, make_probe: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without KVWATCH_PROBE_SPOOL_DIR the refused events wait in memory: the line says so,
+    and that a stop first loses them (it had said "kept", and the stop then counted them
+    lost), naming the setting that keeps them on disk."""
+    caplog.set_level(logging.INFO, logger="engine_probe.exporter")
+    probe = make_probe(settings(fake_collector, probe_batch_size=2))
+    fake_collector.status_override = 401
+    pool(probe, used=1)
+    probe.force_flush(2)
+    wait_for(lambda: fake_collector.statuses.count(401) >= 1, what="the refusal")
+    (loud,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "kept in memory" in loud and "lost if the process stops first" in loud, loud
+    assert "KVWATCH_PROBE_SPOOL_DIR" in loud
+    assert "kept in the spool" not in loud

@@ -30,6 +30,7 @@ from collector.db import Database
 from kvwatch.cli import app as cli
 from tests import factories as f
 from tests.conftest import Collector
+from tests.pdf_helpers import assert_renders
 
 T0 = f.T0
 MODEL = "glm-5.3"
@@ -299,3 +300,82 @@ def test_a_review_is_stored_audited_and_served_like_a_breach_report(
     r = admin.post("/v1/reports", json={"kind": "review", "model_id": MODEL, **WINDOW})
     assert r.status_code == 422 and "model_id" in r.text
     assert len(admin.get("/v1/reports").json()["items"]) == 1
+
+
+def test_review_chart_axes_fit_the_data(collector: Collector, admin: httpx.Client) -> None:
+    """A one-week review: each highlighted route's chart spans that week, not the two years
+    either side that a single point gets by default."""
+    import matplotlib.dates as mdates
+    import matplotlib.pyplot as plt
+
+    from collector.reports.review_pdf import chart_figure
+
+    week_end = SINCE + timedelta(days=7)
+    doc = admin.get(
+        "/v1/review", params={"since": SINCE.isoformat(), "until": week_end.isoformat()}
+    )
+    high = [r for r in doc.json()["rows"] if r["highlighted"]]
+    assert high and all(len(r["trend"]["weeks"]) == 1 for r in high)
+    for row in high:
+        fig = chart_figure(row, week_end)
+        assert fig is not None
+        try:
+            lo, hi = (mdates.num2date(v) for v in fig.axes[0].get_xlim())
+        finally:
+            plt.close(fig)
+        assert SINCE - timedelta(days=1) <= lo and hi <= week_end + timedelta(days=1), (lo, hi)
+    pdf = admin.get(
+        "/v1/review",
+        params={"since": SINCE.isoformat(), "until": week_end.isoformat(), "format": "pdf"},
+    )
+    assert pdf.status_code == 200 and "Highlighted routes" in _pdf_text(
+        pdf.content,
+        pdf.headers["content-disposition"]
+        .split('"')[1]
+        .removeprefix("review-")
+        .removesuffix(".pdf"),
+    )
+
+
+def test_review_leads_with_incidents_and_not_with_a_refusal(collector: Collector) -> None:
+    """glm-prod leaked (a stale page read opened an incident); glm-stage refused two prompts
+    past its pool, as it should. The review lists the incident first, puts glm-prod's rows
+    first, and highlights nothing on glm-stage: a refused prompt never occupied the context."""
+    from datetime import UTC, datetime
+
+    now = datetime.now(UTC)
+    prod = [f.config(1, ts=now), f.admitted(2, "p1", prompt=5_000, ts=now)]
+    prod.append(f.stale_read(3, ts=now))
+    stage = [
+        f.config(1, probe="probe-b", dep="glm-stage", ts=now),
+        f.admitted(2, "s1", prompt=1_000, probe="probe-b", dep="glm-stage", ts=now),
+        f.rejected(3, "s2", prompt=700_000, probe="probe-b", dep="glm-stage", ts=now),
+        f.rejected(4, "s3", prompt=900_000, probe="probe-b", dep="glm-stage", ts=now),
+    ]
+    with collector.client(collector.ingest) as ingest:
+        for batch in (stage, prod):  # stage first: its rows must not lead by name alone
+            r = ingest.post("/v1/events", json=[f.as_json(e) for e in batch])
+            assert r.status_code == 200, r.text
+    window = {
+        "since": (now - timedelta(hours=1)).isoformat(),
+        "until": (now + timedelta(hours=1)).isoformat(),
+    }
+    with collector.client(collector.admin) as admin:
+        (inc,) = admin.get("/v1/incidents").json()
+        doc = admin.get("/v1/review", params=window).json()
+        pdf = admin.get("/v1/review", params={**window, "format": "pdf"})
+    assert [(i["id"], i["deployment_id"], i["state"]) for i in doc["incidents"]] == [
+        (inc["id"], "glm-prod", "open")
+    ]
+    assert doc["incidents"][0]["deadline_at"] and doc["incidents"][0]["opened_at"]
+    assert doc["rows"][0]["deployment_id"] == "glm-prod"
+    stage_rows = [r for r in doc["rows"] if r["deployment_id"] == "glm-stage"]
+    assert sum(r["requests"] for r in stage_rows) == 3
+    assert sum(r["refused_requests"] for r in stage_rows) == 2
+    assert {r["max_prompt_tokens"] for r in stage_rows} <= {1_000, None}
+    assert not any(r["highlighted"] for r in stage_rows)
+    assert_renders(pdf.content)
+    reader = pypdf.PdfReader(io.BytesIO(pdf.content))
+    text = " ".join(" ".join((p.extract_text() or "").split()) for p in reader.pages)
+    assert text.index("Incidents in the window") < text.index("p99 slope/wk")
+    assert inc["title"] in text and "glm-prod" in text

@@ -121,6 +121,14 @@ class FakeEngine:
                     body, ctype = engine.text.encode(), "text/plain; version=0.0.4"
                 elif self.path == "/server_info":
                     body, ctype = json.dumps(engine.server_info).encode(), "application/json"
+                elif self.path.startswith("/guarded/"):  # an API key in front, as vLLM's
+                    body, ctype = b'{"error": "Unauthorized"}', "application/json"
+                    self.send_response(401)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 else:
                     body, ctype = b"<html>not found</html>", "text/html"
                     self.send_response(404)
@@ -249,6 +257,7 @@ def test_one_scrape_stores_config_and_pool_and_the_pool_rule_fires(
         ("nothing_listens", "cannot reach http://127.0.0.1:"),
         ("wrong_engine", "vllm:cache_config_info not found at http://127.0.0.1:"),
         ("not_metrics", "answered HTTP 404"),
+        ("needs_a_key", "answered HTTP 401 (the engine's own API key is needed: --api-key"),
         ("no_collector", "KVWATCH_COLLECTOR_URL is not set"),
         ("bad_deployment", "--deployment"),
     ],
@@ -266,6 +275,8 @@ def test_bad_targets_exit_2_and_say_what_is_wrong(
         args[3] = "vllm"
     elif case == "not_metrics":
         args[1] = f"{engine.url}/nothing/metrics"
+    elif case == "needs_a_key":
+        args[1] = f"{engine.url}/guarded/metrics"
     elif case == "no_collector":
         env = _env(None)
     elif case == "bad_deployment":

@@ -21,14 +21,14 @@ from collector.db import Database
 from kvwatch.embedded import serve_in_thread
 from kvwatch.scheduled_scrape import scrape_target
 from tests import engine_servers
-from tests.engine_servers import VllmServer, wait_for
+from tests.engine_servers import SERVER_TEST_TIMEOUT, VllmServer, wait_for
 
 vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
 
 KVWATCH = str(Path(sys.executable).parent / "kvwatch")
 # serial: the run's one vLLM server is started in the serial phase for tests/test_vllm_server.py;
 # these tests run there too, so the run starts it once (about 40 s of a core) instead of twice
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 
 
 def _scrape(server: VllmServer, *args: str) -> subprocess.CompletedProcess[str]:

@@ -34,13 +34,14 @@ from tests.engine_servers import (
     FAULT_TENANT,
     PD_DECODE_POOL_TOKENS,
     PD_PREFILL_POOL_TOKENS,
+    SERVER_TEST_TIMEOUT,
     SglangPair,
     sglang_pair_fixture,
     wait_for,
 )
 from tests.engine_servers import collector_get as get
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, SERVER_TEST_TIMEOUT]
 
 A, B = "pd-tenant-a", "pd-tenant-b"
 #: the incident's two tenants: VICTIM's KV fills decode's pool; READER's prefill sends one

@@ -19,6 +19,7 @@ import pytest
 
 from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
+    SERVER_TEST_TIMEOUT,
     SGLANG_POOL_TOKENS,
     SglangServer,
     sglang_server,
@@ -33,7 +34,7 @@ from tests.sglang_gateway_checks import (  # noqa: F401
     test_salted_per_tenant_no_prefix_is_shared_and_the_tenant_reaches_the_probe,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, SERVER_TEST_TIMEOUT]
 
 A, B = "ssrv-tenant-a", "ssrv-tenant-b"
 

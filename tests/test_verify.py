@@ -18,8 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 from typer.testing import CliRunner
 
+from collector import models as m
+from collector.db import Database
 from engine_probe.adapters.refengine import attach
 from engine_probe.probe import Probe
 from engine_probe.settings import ProbeSettings
@@ -319,7 +322,8 @@ def serve_handler(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
 
 @contextmanager
 def fake_collector(status: int = 201, answer: str = '{"id": "v-1"}') -> Iterator[tuple[str, list]]:
-    """A collector that records every POSTed body and answers ``status`` with ``answer``."""
+    """A collector that records every verification POSTed and answers ``status`` with
+    ``answer``; a run's announcement gets run 1, its end 200."""
     received: list[Any] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -327,9 +331,13 @@ def fake_collector(status: int = 201, answer: str = '{"id": "v-1"}') -> Iterator
         wbufsize = -1
 
         def do_POST(self) -> None:
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            data = answer.encode()
-            self.send_response(status)
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            code, data = status, answer.encode()
+            if self.path.startswith("/v1/verification-runs"):
+                code, data = (200, b"{}") if self.path.endswith("/end") else (201, b'{"id": 1}')
+            else:
+                received.append(json.loads(raw))
+            self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -572,6 +580,16 @@ def test_upload_reaches_the_collector_tied_to_the_engine_config(
     assert ran.report["upload"]["ok"] is True
     assert ran.report["upload"]["verification_id"] == record["id"]
     assert token not in json.dumps(record) + ran.stdout + ran.stderr
+    # it announced itself before its first prompt, with its tenants, and the record ended it
+    db = Database(collector.db_url)
+    try:
+        with db.read() as conn:
+            (run,) = conn.execute(select(m.VerificationRun)).all()
+    finally:
+        db.dispose()
+    assert run.deployment_id == deployment and json.loads(run.tenants) == sorted(keys)
+    assert run.verification_id == record["id"] and run.finished_at is not None
+    assert "could not announce" not in ran.stderr
 
 
 def test_a_failed_upload_after_a_pass_exits_2_with_the_result_printed(tmp_path: Path) -> None:

@@ -90,9 +90,10 @@ def test_caching_off_is_said_not_taken_for_isolation(tmp_path: Any) -> None:
     p = prefix(ran)
     assert ran.code == 0, ran.stdout
     assert p["verdict"] == "caching_off"
-    assert "WARNING" in ran.stdout and "isolation between tenants is not demonstrated" in (
-        ran.stdout
-    )
+    # said, as a note (no risk, only no evidence): not a warning on every such run
+    assert "WARNING" not in ran.stdout, ran.stdout
+    assert "note: the owner's repeated prefix was never served from a cache" in ran.stdout
+    assert "isolation with caching on is not demonstrated" in " ".join(ran.stdout.split())
 
 
 def test_the_phase_can_be_skipped_and_says_so(tmp_path: Any) -> None:

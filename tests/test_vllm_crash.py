@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench.vllm_crash import crash_run
-from tests.engine_servers import _need_venv
+from tests.engine_servers import SERVER_TEST_TIMEOUT, _need_venv
 
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 
 
 def test_a_sigkilled_vllm_engine_core_loses_no_finish_record(tmp_path: Path) -> None:

@@ -17,12 +17,18 @@ from typing import Any
 import pytest
 
 from tests import engine_servers
-from tests.engine_servers import VllmServer, start_replica, stop_replica, wait_for
+from tests.engine_servers import (
+    SERVER_TEST_TIMEOUT,
+    VllmServer,
+    start_replica,
+    stop_replica,
+    wait_for,
+)
 
 vllm_server = engine_servers.vllm_server  # the run's one server, shared with other modules
 
 # serial: beside the run's one vLLM server, a second engine needs the cores to itself
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 
 TENANTS = ("vrep-tenant-a", "vrep-tenant-b")
 

@@ -23,6 +23,7 @@ import pytest
 from tests.engine_servers import (  # noqa: F401
     FAULT_TENANT,
     REPLICA_PROBES,
+    SERVER_TEST_TIMEOUT,
     VllmServer,
     tokens,
     vllm_server,
@@ -31,7 +32,7 @@ from tests.engine_servers import (  # noqa: F401
 
 # serial: whether a client's disconnect lands mid-answer depends on the server keeping up
 # with a sub-second decode; beside another worker's tests it sometimes cannot (CI, twice).
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = [pytest.mark.slow, pytest.mark.serial, SERVER_TEST_TIMEOUT]
 
 # tenants only this module uses: other modules may send requests to the same server
 A, B, OVER, PAR = "vsrv-tenant-a", "vsrv-tenant-b", "vsrv-tenant-over", "vsrv-tenant-par"

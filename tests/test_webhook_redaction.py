@@ -5,6 +5,7 @@ password, and deliveries still carry it. Real CLI, real databases, a real receiv
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -66,11 +67,13 @@ def test_webhooks_list_hides_the_password_and_delivery_still_uses_it(
     )
     assert plain.exit_code == 0, plain.output
 
-    listed = runner.invoke(app, ["webhooks", "list", "--database-url", db_url])
+    listed = runner.invoke(app, ["webhooks", "list", "--json", "--database-url", db_url])
     assert listed.exit_code == 0, listed.output
-    rows = {line.split("\t")[0]: line.split("\t") for line in listed.stdout.splitlines()}
-    assert rows["secops"][4] == f"http://alice:***@{hostport}/hooks/kv?team=sre"
-    assert rows["plain"][4] == f"http://{hostport}/hooks/plain"  # nothing to hide: as stored
+    rows = {doc["name"]: doc for doc in map(json.loads, listed.stdout.splitlines())}
+    assert rows["secops"]["url"] == f"http://alice:***@{hostport}/hooks/kv?team=sre"
+    assert rows["plain"]["url"] == f"http://{hostport}/hooks/plain"  # nothing to hide: as stored
+    table = runner.invoke(app, ["webhooks", "list", "--database-url", db_url])
+    assert table.exit_code == 0 and f"alice:***@{hostport}" in table.stdout, table.output
     for result in (added, listed):
         assert PASSWORD not in result.output and "hunter2" not in result.output
     assert f"http://alice:***@{hostport}/hooks/kv?team=sre" in added.stderr

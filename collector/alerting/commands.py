@@ -165,6 +165,53 @@ class OperatorCommands:
             self.notifier.incident(conn, incident_id, "incident.closed", now_us)
             return incident_with_alerts(conn, incident_id)
 
+    def announce_verification_run(
+        self, values: dict[str, Any], by: str, now: datetime
+    ) -> dict[str, Any]:
+        """A verification about to send its prompts: from now until it is recorded (with
+        this run's id) or ``max_duration_s`` passes, the requests and page events of the
+        deployment naming only its tenants are its own and the rules do not evaluate them
+        (``collector.models.VerificationRun``). Audited: a window in which some traffic is
+        not evaluated is an operator-visible decision."""
+        now_us = to_micros(now)
+        tenants = sorted(set(values["tenants"]))
+        row = {
+            "deployment_id": values["deployment_id"],
+            "tenants": json.dumps(tenants),
+            "started_at": now_us,
+            "ends_at": now_us + int(values["max_duration_s"] * 1e6),
+            "finished_at": None,
+            "created_by": by,
+            "verification_id": None,
+        }
+        with self.db.write() as conn:
+            r = repo.insert_verification_run(conn, row)
+            audit.append(
+                conn,
+                now_us=now_us,
+                actor=by,
+                action="verification.run",
+                subject=f"verification-run:{r.id}",
+                detail={
+                    "deployment_id": r.deployment_id,
+                    "tenants": tenants,
+                    "ends_at": iso(r.ends_at),
+                },
+            )
+        return docs.verification_run_doc(r)
+
+    def end_verification_run(
+        self, run_id: int, deployment_id: str | None, now: datetime
+    ) -> dict[str, Any]:
+        """End a run now (at most at its announced end); ending an ended one changes nothing.
+        NotFound for no run of that id (of ``deployment_id``, where given)."""
+        with self.db.write() as conn:
+            r = repo.get_verification_run(conn, run_id)
+            if r is None or deployment_id not in (None, r.deployment_id):
+                raise NotFound(f"no verification run {run_id}")
+            repo.finish_verification_run(conn, run_id, r.deployment_id, None, to_micros(now))
+            return docs.verification_run_doc(repo.get_verification_run(conn, run_id))
+
     def add_verification(self, values: dict[str, Any], by: str, now: datetime) -> dict[str, Any]:
         """Record a verification (from ``kvwatch verify`` or an operator). The timer's next
         pass re-evaluates verification and context rules against it.
@@ -176,6 +223,7 @@ class OperatorCommands:
         sweep saw (the evidence records the clamp)."""
         now_us = to_micros(now)
         row = dict(values)
+        run_id = row.pop("run_id", None)
         row["verified_at"] = to_micros(row.get("verified_at") or now)
         evidence = dict(row.get("evidence") or {})
         row.update(created_at=now_us, created_by=by)
@@ -204,6 +252,14 @@ class OperatorCommands:
                 deployment_upsert_sql(conn.dialect.name), [(row["deployment_id"], now_us, now_us)]
             )
             vid = repo.insert_verification(conn, row)
+            if run_id is not None and not repo.finish_verification_run(
+                conn, run_id, row["deployment_id"], vid, now_us
+            ):
+                raise InvalidInput(
+                    f"run_id {run_id}: no unfinished verification run of deployment "
+                    f"{row['deployment_id']!r} has that id",
+                    {"field": "run_id"},
+                )
             audit.append(
                 conn,
                 now_us=now_us,

@@ -66,6 +66,7 @@ def incident_doc(r: Any, remind_before_s: int | None = None) -> dict[str, Any]:
         "title": r.title,
         "state": r.state,
         "cause_rule": r.cause_rule,
+        "first_alert_id": r.first_alert_id,
         "opened_at": iso(r.opened_at),
         "awareness_at": iso(r.awareness_at),
         "deadline_at": iso(r.deadline_at),
@@ -74,6 +75,9 @@ def incident_doc(r: Any, remind_before_s: int | None = None) -> dict[str, Any]:
         "closed_at": iso(r.closed_at),
         "closed_by": r.closed_by,
         "close_reason": r.close_reason,
+        "acked_at": iso(r.acked_at),
+        "acked_by": r.acked_by,
+        "owner": r.owner,
     }
 
 
@@ -81,6 +85,18 @@ def group_key(labels: dict[str, str], group_by: tuple[str, ...]) -> tuple[str, d
     """Alertmanager's way of naming a group: ``{a="x",b="y"}`` over the group-by labels."""
     chosen = {k: labels.get(k, "") for k in group_by}
     return label_string(chosen), chosen
+
+
+def verification_run_doc(r: Any) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "deployment_id": r.deployment_id,
+        "tenants": json.loads(r.tenants),
+        "started_at": iso(r.started_at),
+        "ends_at": iso(r.ends_at),
+        "finished_at": iso(r.finished_at),
+        "verification_id": r.verification_id,
+    }
 
 
 def verification_doc(v: Any, *, evidence: bool = True) -> dict[str, Any]:

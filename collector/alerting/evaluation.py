@@ -8,8 +8,9 @@ Alertmanager re-send and incident reminders; one replica at a time runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from engine_probe import events as ev
 from policies import (
     AlertState,
     BatchFacts,
+    BusFact,
     NodeConfig,
     Rule,
     RuleSet,
@@ -40,7 +42,7 @@ from policies import (
     on_tick,
 )
 from policies.evaluate import RuleHealth
-from policies.facts import index_by_type
+from policies.facts import index_by_type, without_verification_traffic
 from policies.kinds.prefix import needs_prefix_history
 from policies.kinds.telemetry import probe_evidence_after
 from policies.limits import verification_max_age_s
@@ -83,6 +85,9 @@ class Evaluator:
         self.max_verification_age_s = verification_max_age_s(rules.enabled())
         self.facts = facts
         self.notifier = notifier
+        #: the ingest bus's latest reading, for the timer's ``bus_lag`` rule (set by the app
+        #: when it runs with a bus; the bus is not in the database)
+        self.bus_facts: Callable[[], BusFact | None] | None = None
 
     def on_batch(
         self,
@@ -92,9 +97,15 @@ class Evaluator:
         gaps: Sequence[SeqGapFact],
         now: datetime,
     ) -> PassResult:
-        """Evaluate a batch's new events (already stored in ``conn``'s transaction)."""
+        """Evaluate a batch's new events (already stored in ``conn``'s transaction), but a
+        verification's own prompts (:func:`policies.facts.without_verification_traffic`)."""
         now_us = to_micros(now)
         deps = {e.deployment_id for e in events}
+        if events:
+            stamps = [to_micros(e.ts) for e in events]
+            runs = F.verification_runs(conn, deps, min(stamps), max(stamps))
+            if runs:
+                events = without_verification_traffic(events, runs)
         by_type = index_by_type(events)
         pairs = F.tenant_pairs(by_type)
         new_tenants = self.facts.new_tenants(pairs)
@@ -103,6 +114,7 @@ class Evaluator:
         configs = F.fold_configs(prior, config_events)
         # tenant counts matter only to rules that look at configs: read them when some came
         tenants = F.tenant_counts(conn, deps) if config_events else {}
+        incidents = F.open_incident_deployments(conn, deps) if config_events else set()
         # the readers of cross-tenant prefix hits: their recent history, if a rule weighs it
         hits = cast(list[ev.PrefixCacheHit], by_type.get(ev.PrefixCacheHit, []))
         readers = {(e.deployment_id, e.reader_tenant) for e in hits if e.cross_tenant}
@@ -115,7 +127,12 @@ class Evaluator:
             by_type=by_type,
             events=events,
             deployments=F.deployment_facts(
-                configs, self.facts.verifications(deps), tenants, deps, self.max_verification_age_s
+                configs,
+                self.facts.verifications(deps),
+                tenants,
+                deps,
+                self.max_verification_age_s,
+                incidents,
             ),
             prior_configs=prior,
             seq_gaps=gaps,
@@ -150,6 +167,8 @@ class Evaluator:
                 probe_evidence_after(self.rules.enabled()),
                 self.max_verification_age_s,
             )
+            if self.bus_facts is not None:
+                facts = dataclasses.replace(facts, bus=self.bus_facts())
             evaluation = evaluate_timer(self.rules, facts, now)
             result = self._apply(conn, evaluation.signals, now)
             repo.record_health(
@@ -216,6 +235,7 @@ class Evaluator:
             opened = incidents.open_or_link(conn, alert, s, rule, now_us, self.notifier)
             if opened is not None:
                 result.incidents_opened.append(opened)
+        incidents.link_firing(conn, changes, now_us)
         return result
 
     def _store_step(

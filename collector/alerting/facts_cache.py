@@ -4,6 +4,12 @@ the (deployment, tenant) pairs already recorded. Shared by the ingest threads be
 
 A batch's additions are remembered only once its transaction commits (:meth:`committed`): a
 rolled-back and retried batch must not find them remembered and skip storing them.
+
+Invariant: facts read before a :meth:`forget` are never remembered after it. A batch that
+read a deployment's verifications while a new one was being committed would otherwise put
+the old ones back into the cache after the writer's ``forget`` and keep them for ``ttl_s``
+(a verified limit judged as unverified for the next prompts). Each ``forget`` moves an
+epoch on; a load remembers what it read only if the epoch it started in is still current.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class FactsCache:
         self._facts: dict[str, tuple[float, dict[tuple[str, str], NodeConfig], F.Verdicts]] = {}
         self._known_tenants: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._epoch = 0  # moved on by forget(): loads begun before it are not remembered
 
     def prior_configs(
         self, conn: Connection, events: Sequence[ev.Event]
@@ -45,6 +52,7 @@ class FactsCache:
         stale = set()
         now = time.monotonic()
         with self._lock:
+            epoch = self._epoch
             for d in deps:
                 hit = self._facts.get(d)
                 if fresh or hit is None or now - hit[0] > self.ttl_s:
@@ -56,6 +64,8 @@ class FactsCache:
             verified = F.verdicts(conn, stale)
             with self._lock:
                 for d in stale:
+                    if self._epoch != epoch:
+                        break  # forgotten while reading: the next batch reads again
                     mine = {k: v for k, v in loaded.items() if k[0] == d}
                     self._facts[d] = (now, mine, verified.of(d))
             out.update(loaded)
@@ -97,8 +107,11 @@ class FactsCache:
             self._remember_configs(configs)
 
     def forget(self, deployment_id: str | None = None) -> None:
-        """Drop cached facts (all, or one deployment's): the next batch reads them again."""
+        """Drop cached facts (all, or one deployment's): the next batch reads them again,
+        and a read already under way is not remembered. Call it after the change committed
+        (a batch reading between a ``forget`` and the commit would see the old facts)."""
         with self._lock:
+            self._epoch += 1
             if deployment_id is None:
                 self._facts.clear()
             else:

@@ -7,13 +7,15 @@ are the notifier's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Connection
 
 from collector import audit
 from collector.alerting import repository as repo
-from collector.alerting.notifications import Notifier
+from collector.alerting.incident_workflow import link_related
+from collector.alerting.notifications import Change, Notifier
 from collector.timefmt import iso
 from policies import Rule, Signal
 
@@ -65,5 +67,21 @@ def open_or_link(
             "deadline_at": iso(deadline),
         },
     )
+    # its causes on the deployment, before the notice that lists the incident's alerts
+    link_related(conn, incident_id, dep, now_us)
     notifier.incident(conn, incident_id, "incident.opened", now_us)
     return incident_id
+
+
+def link_firing(conn: Connection, changes: Sequence[Change], now_us: int) -> None:
+    """Alerts that began firing in this pass on a deployment with an open incident join it
+    (:func:`~collector.alerting.incident_workflow.link_related` decides which)."""
+    by_dep: dict[str, list[int]] = {}
+    for c in changes:
+        a = c.alert
+        if c.transition == "firing" and a.deployment_id and a.incident_id is None:
+            by_dep.setdefault(a.deployment_id, []).append(a.id)
+    for dep, ids in by_dep.items():
+        current = repo.open_incident_for(conn, dep)
+        if current is not None:
+            link_related(conn, current.id, dep, now_us, alert_ids=ids)

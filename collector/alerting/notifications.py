@@ -19,9 +19,13 @@ from sqlalchemy import Connection
 
 from collector.alerting import docs
 from collector.alerting import repository as repo
+from collector.installation import INSTANCE_LABEL, Identity
 from collector.notify.outbox import enqueue
+from collector.notify.payloads import incident_labels
+from collector.runbooks import runbook_url
 from collector.timefmt import as_micros, iso
 from policies import Rule, RuleSet, severity_rank
+from policies.signals import fingerprint
 
 # Alertmanager ends an alert at its endsAt unless it is sent again (the sender sets endsAt an
 # hour ahead): every firing alert is re-sent to Alertmanager endpoints this often, as
@@ -42,9 +46,42 @@ class Change:
 
 
 class Notifier:
-    def __init__(self, rules: RuleSet):
+    """``identity``: the installation's name and dashboard, stamped on every document as it
+    is queued (see :mod:`collector.installation`)."""
+
+    def __init__(self, rules: RuleSet, identity: Identity | None = None):
         self.rules = rules
+        self.identity = identity or Identity()
         self._am_resent_us = 0
+
+    def _alerts(self, conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
+        """The contract's AlertDocs as sent: labelled with the installation, fingerprinted
+        over those labels, linked to the dashboard and the rule's runbook."""
+        instance = self.identity.instance(conn)
+        out = []
+        for a in rows:
+            d = docs.notification_alert(docs.alert_doc(a))
+            d["labels"] = {**d["labels"], INSTANCE_LABEL: instance}
+            d["fingerprint"] = fingerprint(d["labels"])
+            d["url"] = self.identity.alert_url(a.id)
+            d["runbook_url"] = self._runbook(a.rule, a.kind)
+            out.append(d)
+        return out
+
+    def _incident(self, conn: Connection, inc: Any, remind: int | None) -> dict[str, Any]:
+        d = docs.incident_doc(inc, remind)
+        d["instance"] = self.identity.instance(conn)
+        d["fingerprint"] = fingerprint(incident_labels(d))
+        d["url"] = self.identity.incident_url(inc.id)
+        rule = self.rules.rule(inc.cause_rule)
+        d["runbook_url"] = self._runbook(inc.cause_rule, rule.kind if rule else None)
+        return d
+
+    def _runbook(self, rule_name: str, kind: str | None) -> str | None:
+        rule = self.rules.rule(rule_name)
+        if rule is None and kind is not None:  # a rule removed from the packs: its kind's
+            rule = Rule(name=rule_name, kind=kind, severity="info", params=None)
+        return None if rule is None else runbook_url(rule, self.identity.dashboard_url)
 
     def notify(
         self, conn: Connection, changes: Sequence[Change], now_us: int, kind: str | None = None
@@ -78,9 +115,10 @@ class Notifier:
             doc = {
                 "type": event_type,
                 "created_at": iso(now_us),
+                "instance": self.identity.instance(conn),
                 "group_key": key,
                 "group_labels": chosen,
-                "alerts": [docs.notification_alert(docs.alert_doc(a)) for a in alerts],
+                "alerts": self._alerts(conn, alerts),
                 "incident": None,
             }
             sent += enqueue(conn, doc, severity=severity, now_us=now_us)
@@ -127,9 +165,10 @@ class Notifier:
         doc: dict[str, Any] = {
             "type": "alert.repeat",
             "created_at": iso(now_us),
+            "instance": self.identity.instance(conn),
             "group_key": None,
             "group_labels": {},
-            "alerts": [docs.notification_alert(docs.alert_doc(a)) for a in firing],
+            "alerts": self._alerts(conn, firing),
             "incident": None,
         }
         severity = max((a.severity for a in firing), key=severity_rank)
@@ -148,17 +187,14 @@ class Notifier:
         """A notice about one incident (opened, closed, a reminder) with its alerts;
         ``kinds`` limits it to those endpoint kinds (the re-send to Alertmanager)."""
         inc = repo.get_incident(conn, incident_id)
-        alerts = [
-            docs.notification_alert(docs.alert_doc(a))
-            for a in repo.incident_alerts(conn, incident_id)
-        ]
         doc = {
             "type": event_type,
             "created_at": iso(now_us),
+            "instance": self.identity.instance(conn),
             "group_key": None,
             "group_labels": {"deployment_id": inc.deployment_id},
-            "alerts": alerts,
-            "incident": docs.incident_doc(inc, remind),
+            "alerts": self._alerts(conn, repo.incident_alerts(conn, incident_id)),
+            "incident": self._incident(conn, inc, remind),
         }
         return enqueue(conn, doc, severity="critical", now_us=now_us, kinds=kinds)
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Table, and_, bindparam, insert, select, update
+from sqlalchemy import Connection, Table, and_, bindparam, case, insert, select, update
 
 from collector import models as m
 
@@ -16,6 +16,7 @@ T: Table = m.AlertTransition.__table__  # type: ignore[assignment]
 S: Table = m.Silence.__table__  # type: ignore[assignment]
 INC: Table = m.Incident.__table__  # type: ignore[assignment]
 H: Table = m.RuleHealth.__table__  # type: ignore[assignment]
+RUN: Table = m.VerificationRun.__table__  # type: ignore[assignment]
 
 
 def alerts_by_fingerprint(
@@ -255,6 +256,38 @@ V: Table = m.Verification.__table__  # type: ignore[assignment]
 
 def insert_verification(conn: Connection, values: dict[str, Any]) -> int:
     return int(conn.execute(insert(V).values(**values).returning(V.c.id)).scalar_one())
+
+
+def insert_verification_run(conn: Connection, values: dict[str, Any]) -> Any:
+    t = RUN
+    rid = conn.execute(insert(t).values(**values).returning(t.c.id)).scalar_one()
+    return conn.execute(select(t).where(t.c.id == rid)).one()
+
+
+def get_verification_run(conn: Connection, run_id: int) -> Any:
+    return conn.execute(select(RUN).where(RUN.c.id == run_id)).first()
+
+
+def finish_verification_run(
+    conn: Connection, run_id: int, deployment_id: str, verification_id: int | None, now_us: int
+) -> bool:
+    """Set the run's end to now (at most its announced end), once, with the verification it
+    recorded (None: it reached no verdict); False when no unfinished run of that id and
+    deployment exists."""
+    t = RUN
+    done = conn.execute(
+        update(t)
+        .where(
+            t.c.id == run_id,
+            t.c.deployment_id == deployment_id,
+            t.c.finished_at.is_(None),
+        )
+        .values(
+            finished_at=case((t.c.ends_at < now_us, t.c.ends_at), else_=now_us),
+            verification_id=verification_id,
+        )
+    )
+    return done.rowcount == 1
 
 
 def list_verifications(conn: Connection, deployment_id: str | None, limit: int) -> list[Any]:

@@ -27,21 +27,33 @@ from sqlalchemy import Connection
 from collector.alerting.commands import OperatorCommands
 from collector.alerting.evaluation import Evaluator, PassResult
 from collector.alerting.facts_cache import FACTS_TTL_S, FactsCache
+from collector.alerting.incident_workflow import IncidentWorkflow
 from collector.alerting.notifications import Notifier
 from collector.alerting.queries import AlertQueries
+from collector.alerting.timeline import incident_timeline
 from collector.db import Database
+from collector.installation import Identity
+from collector.timefmt import to_micros
 from engine_probe import events as ev
 from policies import NodeConfig, RuleSet, SeqGapFact
 
 
 class AlertingService:
-    def __init__(self, db: Database, rules: RuleSet, *, facts_ttl_s: float = FACTS_TTL_S):
+    def __init__(
+        self,
+        db: Database,
+        rules: RuleSet,
+        *,
+        facts_ttl_s: float = FACTS_TTL_S,
+        identity: Identity | None = None,
+    ):
         self.db = db
         self.rules = rules
         self.facts = FactsCache(facts_ttl_s)
-        self.notifier = Notifier(rules)
+        self.notifier = Notifier(rules, identity)
         self.evaluator = Evaluator(db, rules, self.facts, self.notifier)
         self.commands = OperatorCommands(db, self.facts, self.notifier)
+        self.workflow = IncidentWorkflow(db, self.notifier)
         self.queries = AlertQueries(db, rules)
 
     # ------------------------------------------------------------------ the ingest path
@@ -97,6 +109,42 @@ class AlertingService:
         self, incident_id: int, by: str, reason: str, now: datetime
     ) -> dict[str, Any]:
         return self.commands.close_incident(incident_id, by, reason, now)
+
+    def ack_incident(self, incident_id: int, by: str, now: datetime) -> dict[str, Any]:
+        return self.workflow.ack(incident_id, by, now)
+
+    def assign_incident(
+        self, incident_id: int, owner: str, by: str, now: datetime
+    ) -> dict[str, Any]:
+        return self.workflow.assign(incident_id, owner, by, now)
+
+    def note_incident(self, incident_id: int, text: str, by: str, now: datetime) -> dict[str, Any]:
+        return self.workflow.note(incident_id, text, by, now)
+
+    def link_alert(self, incident_id: int, alert_id: int, by: str, now: datetime) -> dict[str, Any]:
+        return self.workflow.link(incident_id, alert_id, by, now)
+
+    def unlink_alert(
+        self, incident_id: int, alert_id: int, by: str, now: datetime
+    ) -> dict[str, Any]:
+        return self.workflow.unlink(incident_id, alert_id, by, now)
+
+    def incident_timeline(self, incident_id: int, now: datetime) -> list[dict[str, Any]]:
+        with self.db.read() as conn:
+            return incident_timeline(conn, incident_id, to_micros(now))
+
+    def announce_verification_run(
+        self, values: dict[str, Any], by: str, now: datetime
+    ) -> dict[str, Any]:
+        return self.commands.announce_verification_run(values, by, now)
+
+    def end_verification_run(
+        self, run_id: int, deployment_id: str | None, now: datetime
+    ) -> dict[str, Any]:
+        """A run that records no verification (it reached no verdict, its upload failed)
+        ends now all the same; ``deployment_id``: the caller's, where its token is bound to
+        one (another deployment's run is not found)."""
+        return self.commands.end_verification_run(run_id, deployment_id, now)
 
     def add_verification(self, values: dict[str, Any], by: str, now: datetime) -> dict[str, Any]:
         """Record a verification, then evaluate at once: a failed verdict alerts (and its

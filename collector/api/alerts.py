@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
@@ -13,10 +13,13 @@ from pydantic import BaseModel, Field
 from collector.alerting.service import AlertingService
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
+from collector.deployment_facts import MAX_RUN_S
 from collector.errors import Forbidden, InvalidInput, PayloadTooLarge
 from collector.reports.notice import NoticeService
 from collector.tokens import Principal
 from policies.durations import parse_duration
+from policies.lifecycle import IncidentState, State
+from policies.signals import Severity
 
 _ERRORS = params.errors(401, 403, 404, 409, 413, 422, 503)
 Text = Annotated[str, Field(min_length=1, max_length=2000)]
@@ -48,6 +51,22 @@ class CloseIn(BaseModel):
     by: Who | None = None
 
 
+class ByIn(BaseModel):
+    by: Who | None = Field(default=None, description="Who (default: the token's name)")
+
+
+class OwnerIn(ByIn):
+    owner: Who
+
+
+class NoteIn(ByIn):
+    text: Annotated[str, Field(min_length=1, max_length=4000)]
+
+
+class LinkIn(ByIn):
+    alert_id: Annotated[int, Field(ge=1, le=2**63 - 1)]
+
+
 class VerificationIn(BaseModel):
     deployment_id: Annotated[
         str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
@@ -62,6 +81,23 @@ class VerificationIn(BaseModel):
     cuda_graphs: bool | None = None
     verified_at: datetime | None = None
     evidence: dict[str, Any] = Field(default_factory=dict)
+    #: the run this verification announced (``POST /v1/verification-runs``): recording it
+    #: ends the run's window
+    run_id: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None
+
+
+_DEPLOYMENT = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+=-]*$")
+_TENANT = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")
+
+
+class VerificationRunIn(BaseModel):
+    """A verification about to send its prompts, and the tenants whose keys it sends them
+    with: their traffic on the deployment until the run is recorded (or ``max_duration_s``
+    passes) is the run's own."""
+
+    deployment_id: Annotated[str, _DEPLOYMENT]
+    tenants: Annotated[list[Annotated[str, _TENANT]], Field(min_length=1, max_length=32)]
+    max_duration_s: Annotated[float, Field(gt=0, le=MAX_RUN_S)] = 900.0
 
 
 _aware = params.aware
@@ -89,8 +125,8 @@ def build_router(
     @r.get("/v1/alerts", responses=_ERRORS, summary="Alerts, newest first")
     async def list_alerts(
         who: Caller,
-        state: Literal["pending", "firing", "resolved"] | None = None,
-        severity: Literal["info", "warning", "critical"] | None = None,
+        state: State | None = None,
+        severity: Severity | None = None,
         rule: str | None = None,
         deployment_id: str | None = None,
         before_id: Annotated[
@@ -162,7 +198,7 @@ def build_router(
     @r.get("/v1/incidents", responses=_ERRORS, summary="Incidents, newest first")
     async def list_incidents(
         who: Caller,
-        state: Literal["open", "closed"] | None = None,
+        state: IncidentState | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
         tenant = _tenant(who)
@@ -196,6 +232,60 @@ def build_router(
         return await in_thread(
             service.close_incident, incident_id, by, body.reason, datetime.now(UTC)
         )
+
+    @r.post(
+        "/v1/incidents/{incident_id}/ack",
+        responses=_ERRORS,
+        summary="Acknowledge an incident: someone is on it (the first acknowledgement stands)",
+    )
+    async def ack_incident(
+        incident_id: Id, who: Caller, body: ByIn | None = None
+    ) -> dict[str, Any]:
+        who.require("admin")
+        by = (body.by if body else None) or who.label
+        return await in_thread(service.ack_incident, incident_id, by, datetime.now(UTC))
+
+    @r.post("/v1/incidents/{incident_id}/owner", responses=_ERRORS, summary="Give it an owner")
+    async def assign_incident(incident_id: Id, body: OwnerIn, who: Caller) -> dict[str, Any]:
+        who.require("admin")
+        by = body.by or who.label
+        return await in_thread(
+            service.assign_incident, incident_id, body.owner, by, datetime.now(UTC)
+        )
+
+    @r.post("/v1/incidents/{incident_id}/notes", responses=_ERRORS, summary="Add a note")
+    async def note_incident(incident_id: Id, body: NoteIn, who: Caller) -> dict[str, Any]:
+        who.require("admin")
+        by = body.by or who.label
+        return await in_thread(service.note_incident, incident_id, body.text, by, datetime.now(UTC))
+
+    @r.post("/v1/incidents/{incident_id}/links", responses=_ERRORS, summary="Link an alert")
+    async def link_alert(incident_id: Id, body: LinkIn, who: Caller) -> dict[str, Any]:
+        who.require("admin")
+        by = body.by or who.label
+        return await in_thread(
+            service.link_alert, incident_id, body.alert_id, by, datetime.now(UTC)
+        )
+
+    @r.delete(
+        "/v1/incidents/{incident_id}/links/{alert_id}",
+        responses=_ERRORS,
+        summary="Unlink an alert (not linked back automatically)",
+    )
+    async def unlink_alert(incident_id: Id, alert_id: Id, who: Caller) -> dict[str, Any]:
+        who.require("admin")
+        return await in_thread(
+            service.unlink_alert, incident_id, alert_id, who.label, datetime.now(UTC)
+        )
+
+    @r.get(
+        "/v1/incidents/{incident_id}/timeline",
+        responses=_ERRORS,
+        summary="Everything that happened to the incident and around it, oldest first",
+    )
+    async def incident_timeline(incident_id: Id, who: Caller) -> list[dict[str, Any]]:
+        _operator(who)
+        return await in_thread(service.incident_timeline, incident_id, datetime.now(UTC))
 
     @r.get("/v1/verifications", responses=_ERRORS, summary="Verifications, newest first")
     async def list_verifications(
@@ -237,6 +327,34 @@ def build_router(
                 {"field": "evidence", "limit_bytes": max_evidence_bytes},
             )
         return await in_thread(service.add_verification, values, who.label, datetime.now(UTC))
+
+    @r.post(
+        "/v1/verification-runs",
+        responses=_ERRORS,
+        status_code=201,
+        summary="Announce a verification run (its own traffic is not evaluated)",
+    )
+    async def announce_verification_run(body: VerificationRunIn, who: Caller) -> dict[str, Any]:
+        who.require("admin", "ingest")
+        if who.kind == "ingest" and who.deployment_id not in (None, body.deployment_id):
+            raise Forbidden(f"this ingest token is bound to deployment {who.deployment_id!r}")
+        return await in_thread(
+            service.announce_verification_run, body.model_dump(), who.label, datetime.now(UTC)
+        )
+
+    @r.post(
+        "/v1/verification-runs/{run_id}/end",
+        responses=_ERRORS,
+        summary="End a verification run that records no verification",
+    )
+    async def end_verification_run(run_id: Id, who: Caller) -> dict[str, Any]:
+        who.require("admin", "ingest")
+        return await in_thread(
+            service.end_verification_run,
+            run_id,
+            who.deployment_id if who.kind == "ingest" else None,
+            datetime.now(UTC),
+        )
 
     @r.get("/v1/rules", responses=_ERRORS, summary="The rules in force and their health")
     async def list_rules(who: Caller) -> list[dict[str, Any]]:

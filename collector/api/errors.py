@@ -14,9 +14,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from collector.errors import CollectorError
 
 
-def error(status: int, code: str, message: str, details: Any = None) -> JSONResponse:
+def error(
+    status: int,
+    code: str,
+    message: str,
+    details: Any = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(
-        {"error": {"code": code, "message": message, "details": details}}, status_code=status
+        {"error": {"code": code, "message": message, "details": details}},
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -43,7 +51,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(CollectorError)
     async def _collector_error(_: Request, exc: CollectorError) -> JSONResponse:
-        return error(exc.status, exc.code, exc.message, exc.details)
+        headers = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        return error(exc.status, exc.code, exc.message, exc.details, headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

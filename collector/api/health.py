@@ -19,10 +19,17 @@ from collector.metrics import CollectorMetrics
 
 
 def build_router(
-    metrics: CollectorMetrics, ping: Callable[[], None], *, metrics_token: str | None = None
+    metrics: CollectorMetrics,
+    ping: Callable[[], None],
+    *,
+    metrics_token: str | None = None,
+    bus_problem: Callable[[], str | None] | None = None,
 ) -> APIRouter:
     """``ping``: raises a :class:`CollectorError` when the database does not answer.
-    ``metrics_token`` (KVWATCH_METRICS_TOKEN): if set, /metrics needs it as a bearer token."""
+    ``metrics_token`` (KVWATCH_METRICS_TOKEN): if set, /metrics needs it as a bearer token.
+    ``bus_problem`` (with the ingest bus): why the bus cannot take batches, or None. Then
+    readiness is the bus's: ingest needs the bus, not the database (a database outage is
+    said in ``detail`` and leaves the collector ready)."""
     r = APIRouter()
     expected = None if metrics_token is None else f"Bearer {metrics_token}".encode()
 
@@ -41,10 +48,20 @@ def build_router(
 
     @r.get("/readyz", response_model=s.Health, responses={503: {"model": s.Health}})
     async def readyz() -> Any:
+        database = None
         try:
             await in_thread(ping)
         except CollectorError as exc:
-            return JSONResponse({"status": "unavailable", "detail": exc.message}, 503)
+            database = exc.message
+        if bus_problem is not None:
+            problem = bus_problem()
+            if problem is not None:
+                return JSONResponse({"status": "unavailable", "detail": problem}, 503)
+            if database is not None:
+                return {"status": "ok", "detail": f"ingest goes to the bus; {database}"}
+            return {"status": "ok"}
+        if database is not None:
+            return JSONResponse({"status": "unavailable", "detail": database}, 503)
         return {"status": "ok"}
 
     return r

@@ -19,17 +19,22 @@ from collector.api import schemas as s
 from collector.api.bodies import read_producer_body
 from collector.api.caller import in_thread
 from collector.api.openapi import EVENTS_SCHEMA
+from collector.bus.ingest import BusIngest
 from collector.ingest import IngestService
 
 _ERRORS = params.errors(401, 403, 422, 503)
 
 
 def build_router(
-    ingest: IngestService, max_body_bytes: int, limiter: anyio.CapacityLimiter
+    ingest: IngestService,
+    max_body_bytes: int,
+    limiter: anyio.CapacityLimiter,
+    bus: BusIngest | None = None,
 ) -> APIRouter:
     """``limiter``: how many batches are written at once. Decoding runs outside it, with
     at most one batch more in hand than there are writers, so decoded batches waiting for
-    the writer stay few."""
+    the writer stay few. ``bus``: accepted batches are published to the ingest bus instead
+    of stored here (``kvwatch serve --bus``)."""
     in_hand = anyio.CapacityLimiter(limiter.total_tokens + 1)
     r = APIRouter()
 
@@ -63,6 +68,8 @@ def build_router(
         body = await read_producer_body(request, max_body_bytes, who.token_id)
         ctype = request.headers.get("content-type", "")
         now = datetime.now(UTC)
+        if bus is not None:
+            return (await bus.events(who, body, ctype, now)).as_dict()
         async with in_hand:
             # Decoding and shaping touch no database: outside the write limiter.
             batch = await anyio.to_thread.run_sync(ingest.prepare, who, body, ctype, now)

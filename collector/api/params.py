@@ -22,7 +22,8 @@ _DESCRIPTIONS = {
     409: "Not in a state that allows this",
     413: "Body or document over its size limit",
     422: "Invalid parameters",
-    503: "Database unavailable; retry",
+    503: "The database (or, with the ingest bus, the bus) is unavailable, or the bus is "
+    "full; retry (after Retry-After when given)",
 }
 
 

@@ -65,11 +65,11 @@ def build_router(
     @r.get(
         "/v1/inventory",
         responses=_ERRORS,
-        summary="Requests to a model in a window, per tenant and route",
-        description="Per (tenant, route): requests whose first event lies in [since, until), "
-        "prompts (distinct: a prompt that several requests share counts once), how many "
-        "requests had at least min_prompt_tokens prompt tokens, the largest prompt, first and "
-        "last seen. A tenant-scoped read token sees only its own tenant's rows.",
+        summary="Requests to a model in a window, per deployment, tenant and route",
+        description="Per (deployment, tenant, route): requests whose first event lies in "
+        "[since, until), prompts (distinct: a prompt that several requests share counts once), "
+        "how many requests had at least min_prompt_tokens prompt tokens, the largest prompt, "
+        "first and last seen. A tenant-scoped read token sees only its own tenant's rows.",
     )
     async def get_inventory(
         model_id: Annotated[str, Query(min_length=1, max_length=256)],

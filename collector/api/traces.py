@@ -19,6 +19,7 @@ from collector.api import params
 from collector.api import schemas as s
 from collector.api.bodies import read_producer_body
 from collector.api.caller import in_thread
+from collector.bus.ingest import BusIngest
 from collector.otlp import wire
 from collector.otlp.service import TraceIngest
 
@@ -44,8 +45,11 @@ _EXPORT_RESPONSE = {
 }
 
 
-def build_router(traces: TraceIngest, limiter: anyio.CapacityLimiter) -> APIRouter:
-    """``limiter``: how many requests are written at once (shared with ``/v1/events``)."""
+def build_router(
+    traces: TraceIngest, limiter: anyio.CapacityLimiter, bus: BusIngest | None = None
+) -> APIRouter:
+    """``limiter``: how many requests are written at once (shared with ``/v1/events``).
+    ``bus``: accepted requests are published to the ingest bus instead of stored here."""
     r = APIRouter()
 
     @r.post(
@@ -95,9 +99,12 @@ def build_router(traces: TraceIngest, limiter: anyio.CapacityLimiter) -> APIRout
         ctype = request.headers.get("content-type", "")
         encoding = request.headers.get("content-encoding", "")
         now = datetime.now(UTC)
-        result = await anyio.to_thread.run_sync(
-            traces.export, who, body, ctype, encoding, now, limiter=limiter
-        )
+        if bus is not None:
+            result = await bus.spans(who, body, ctype, encoding, now)
+        else:
+            result = await anyio.to_thread.run_sync(
+                traces.export, who, body, ctype, encoding, now, limiter=limiter
+            )
         mime = wire.media_type(ctype)
         return Response(
             wire.encode_response(mime, len(result.refused), result.error_message),

@@ -30,7 +30,7 @@ from collector.cases.register import Notification, decisions_for, notifications_
 from collector.db import Database
 from collector.errors import Conflict, InvalidInput, NotFound
 from collector.reports.breach import BreachScope, BreachService
-from collector.reports.breach_model import BreachReport, to_document
+from collector.reports.breach_model import BreachReport, flatten, to_document
 from collector.reports.notice import build_notice
 from collector.settings import Settings
 from collector.signing import sha256_bytes, statement
@@ -50,25 +50,6 @@ _ACTIONS = {
     "ack": "incident.notice_acknowledged",
     "confirm-deletion": "incident.deletion_confirmed",
 }
-# The notice's key fields, signed as conclusions (dotted paths; those absent are left out).
-KEY_FIELDS = (
-    "notice_id",
-    "kind",
-    "tenant",
-    "party",
-    "role",
-    "generated_at",
-    "incident.id",
-    "incident.deployment_id",
-    "incident.state",
-    "incident.our_awareness_at",
-    "timeline.awareness_at",
-    "timeline.deadline_at",
-    "timeline.late",
-    "art34.verdict",
-    "please_delete",
-    "assessment_evidence_sha256",
-)
 _NAME_MAX = 256
 
 
@@ -89,16 +70,13 @@ def notice_bytes(doc: dict[str, Any]) -> bytes:
 
 
 def conclusions(doc: dict[str, Any]) -> dict[str, Any]:
-    """The notice's key fields as dotted JSON paths -> values."""
+    """Everything the notice states, as dotted JSON paths -> values (every scalar: its
+    measures done and still open, its contact point, whether it is a draft, its legal basis,
+    what happened, the extent): a verifier names each path a forgery changed. A notice is
+    small; signing all of it leaves nothing a reader relies on outside the signature."""
     out: dict[str, Any] = {}
-    for path in KEY_FIELDS:
-        node: Any = doc
-        for part in path.split("."):
-            if not isinstance(node, dict) or part not in node:
-                break
-            node = node[part]
-        else:
-            out[path] = node
+    for key, value in doc.items():
+        flatten(value, key, out, frozenset())
     return out
 
 

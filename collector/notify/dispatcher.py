@@ -299,12 +299,13 @@ class Dispatcher:
         """Send the head message and record the outcome. Returns (delivered, lease kept)."""
         now_s = now_us / US
         try:
-            body = payloads.render(
+            requests = payloads.bodies(
                 endpoint.kind,
                 endpoint.format,
                 json.loads(head.data),
                 receiver_name=endpoint.name,
                 external_url=self.settings.public_url,
+                secret=endpoint.secret,
                 now=now_s,
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -320,14 +321,20 @@ class Dispatcher:
             signing.HEADER_ID: head.msg_id,
             signing.HEADER_TIMESTAMP: str(timestamp),
         }
-        if endpoint.kind == "webhook" and endpoint.secret:
-            headers[signing.HEADER_SIGNATURE] = signing.sign(
-                endpoint.secret, head.msg_id, timestamp, body
-            )
         url = endpoint.url
         if endpoint.kind == "alertmanager":
             url = url.rstrip("/") + "/api/v2/alerts"
-        outcome = self._post(url, body, headers)
+        # Several requests (PagerDuty's one event each) stop at the first failure; the
+        # message is retried whole, which the receiver deduplicates by each event's key.
+        outcome = _Outcome(200, None, 0.0)  # nothing for this receiver: done
+        for body in requests:
+            if endpoint.kind == "webhook" and endpoint.secret:
+                headers[signing.HEADER_SIGNATURE] = signing.sign(
+                    endpoint.secret, head.msg_id, timestamp, body
+                )
+            outcome = self._post(url, body, headers)
+            if not outcome.ok:
+                break
         gone = outcome.status_code == 410
         keep = self._record(endpoint, head, outcome, gone, now_us, lease_us)
         if self.metrics is not None:

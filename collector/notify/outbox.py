@@ -13,6 +13,7 @@ deployment that must not reach internal networks should egress through a filteri
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,10 +35,12 @@ DOC_TYPES = (
     "alert.resolved",
     "alert.repeat",
     "incident.opened",
+    "incident.acknowledged",
     "incident.reminder",
     "incident.repeat",
     "incident.closed",
 )
+_ROUTING_KEY = re.compile(r"[A-Za-z0-9]{20,64}")
 MIN_SECRET_BYTES = 24  # the Standard Webhooks minimum for HMAC secrets
 
 
@@ -56,7 +59,12 @@ def enqueue(
 ) -> int:
     """Queue ``doc`` for every enabled endpoint whose ``min_severity`` is at most
     ``severity`` (and whose kind is in ``kinds``, when given), in the caller's transaction.
-    Returns the number of rows written."""
+    Returns the number of rows written.
+
+    An endpoint gets only the alerts at or above its ``min_severity``: a group or a re-send
+    that holds a critical alert and warnings reaches a critical-only receiver with the
+    critical one alone. An incident's notice goes whole (the incident is critical; its linked
+    alerts are its context, not pages of their own)."""
     if severity not in _RANK:
         raise InvalidInput(f"severity must be one of {', '.join(SEVERITIES)}, not {severity!r}")
     if doc.get("type") not in DOC_TYPES:
@@ -66,20 +74,21 @@ def enqueue(
             m.NotifyEndpoint.enabled.is_(True)
         )
     ).all()
-    targets = [
-        e.id
-        for e in endpoints
-        if _RANK.get(e.min_severity, 0) <= _RANK[severity] and (kinds is None or e.kind in kinds)
-    ]
-    if not targets:
-        return 0
-    data = payloads.encode(doc).decode()
-    conn.execute(
-        insert(m.OutboxMessage),
-        [
+    rows = []
+    by_floor: dict[int, str | None] = {}  # one encoding per severity floor
+    for e in endpoints:
+        floor = _RANK.get(e.min_severity, 0)
+        if floor > _RANK[severity] or (kinds is not None and e.kind not in kinds):
+            continue
+        if floor not in by_floor:
+            by_floor[floor] = _encoded_for(doc, floor)
+        data = by_floor[floor]
+        if data is None:
+            continue
+        rows.append(
             {
                 "msg_id": new_msg_id(),
-                "endpoint_id": endpoint_id,
+                "endpoint_id": e.id,
                 "event_type": doc["type"],
                 "data": data,
                 "created_at": now_us,
@@ -87,10 +96,22 @@ def enqueue(
                 "attempts": 0,
                 "next_attempt_at": now_us,
             }
-            for endpoint_id in targets
-        ],
-    )
-    return len(targets)
+        )
+    if rows:
+        conn.execute(insert(m.OutboxMessage), rows)
+    return len(rows)
+
+
+def _encoded_for(doc: dict[str, Any], floor: int) -> str | None:
+    """The document as an endpoint with this severity floor gets it; None: nothing for it."""
+    if doc.get("incident") or not doc.get("alerts"):
+        return payloads.encode(doc).decode()
+    kept = [a for a in doc["alerts"] if _RANK.get(a.get("severity", ""), 0) >= floor]
+    if not kept:
+        return None
+    return payloads.encode(
+        doc if len(kept) == len(doc["alerts"]) else {**doc, "alerts": kept}
+    ).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +159,12 @@ def add_endpoint(
             f"kind must be one of {', '.join(payloads.KINDS)}, not {kind!r}", {"field": "kind"}
         )
     if format is None:
-        format = "alertmanager" if kind == "alertmanager" else "kvwatch"
+        format = {"alertmanager": "alertmanager", "pagerduty": "pagerduty"}.get(kind, "kvwatch")
+    if (kind == "pagerduty") != (format == "pagerduty"):
+        raise InvalidInput(
+            "format: a pagerduty endpoint takes PagerDuty's Events API v2, and only it does",
+            {"field": "format"},
+        )
     if format not in payloads.FORMATS:
         raise InvalidInput(
             f"format must be one of {', '.join(payloads.FORMATS)}, not {format!r}",
@@ -158,6 +184,14 @@ def add_endpoint(
     if kind == "alertmanager":
         if secret is not None:
             raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
+    elif kind == "pagerduty":
+        # the routing (integration) key of a PagerDuty service's Events API v2 integration
+        if not secret or not _ROUTING_KEY.fullmatch(secret):
+            raise InvalidInput(
+                "secret: a pagerduty endpoint needs its service's routing key "
+                "(--secret; letters and digits, 20 to 64)",
+                {"field": "secret"},
+            )
     elif secret is None:
         secret = signing.new_secret()
     elif len(signing.secret_key(secret)) < MIN_SECRET_BYTES:
@@ -198,7 +232,8 @@ def add_endpoint(
             "host": urlsplit(url).hostname,
         },
     )
-    return endpoint_id, secret
+    # a routing key is the operator's own, never echoed
+    return endpoint_id, (secret if kind == "webhook" else None)
 
 
 def check_url(url: str) -> None:

@@ -4,16 +4,24 @@ Pure functions of the document and the endpoint: no clock, no database. A webhoo
 be byte-identical to the first try (same ``webhook-id``, same body, a fresh signature), so
 JSON goes out compact with sorted keys.
 
-Three shapes:
+Four shapes:
 
 * ``kvwatch``: the document itself plus ``"version": 1``.
 * Alertmanager's webhook body, version 4 (what Alertmanager's own ``webhook_config`` sends),
   for receivers written against Alertmanager.
 * Alertmanager API v2 postable alerts, the list a real Alertmanager takes on
   ``POST /api/v2/alerts``, so its routing (PagerDuty, Slack, e-mail) applies unchanged.
+* PagerDuty's Events API v2 (``kind="pagerduty"``): one event per alert, or one for the
+  incident, each a request of its own (the API takes one event per request): ``trigger``
+  while firing or open, ``acknowledge`` when the incident is acknowledged, ``resolve`` when
+  it ends. The ``dedup_key`` is the fingerprint of the labels as sent, installation
+  included, so two installations never merge or resolve each other's pages.
 
 An incident-only document becomes, in both Alertmanager shapes, one alert labelled
-``alertname="KvwatchIncident"``, ``deployment_id``, ``severity="critical"``, ``incident_id``.
+``alertname="KvwatchIncident"``, ``deployment_id``, ``severity="critical"``, ``incident_id``
+and ``kvwatch_instance``. Links (``generatorURL``) go to the dashboard's page when the
+document carries one (``url``), else to the API; a ``runbook_url`` becomes the annotation
+of that name.
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ import msgspec
 
 from collector.timefmt import iso, parse_iso
 
-KINDS = ("webhook", "alertmanager")
-FORMATS = ("kvwatch", "alertmanager")
+KINDS = ("webhook", "alertmanager", "pagerduty")
+FORMATS = ("kvwatch", "alertmanager", "pagerduty")
 KVWATCH_VERSION = 1
 AM_WEBHOOK_VERSION = "4"
 AM_ZERO_TIME = "0001-01-01T00:00:00Z"  # Go's zero time.Time: "not ended" in Alertmanager
@@ -43,6 +51,136 @@ _encoder = msgspec.json.Encoder(order="sorted")
 def encode(obj: Any) -> bytes:
     """Compact JSON with sorted keys: the same object always gives the same bytes."""
     return _encoder.encode(obj)
+
+
+def bodies(
+    endpoint_kind: str,
+    endpoint_format: str,
+    doc: dict[str, Any],
+    *,
+    receiver_name: str,
+    external_url: str,
+    secret: str | None = None,
+    now: float | None = None,
+) -> list[bytes]:
+    """The requests to POST, in order: one for every kind but PagerDuty, whose API takes one
+    event per request (``secret`` is its routing key). Each is deterministic, so a retry of
+    the message sends the same events (PagerDuty deduplicates them by their key)."""
+    if endpoint_kind == "pagerduty":
+        if not secret:
+            raise ValueError("a pagerduty endpoint needs its routing key")
+        return [encode(e) for e in pagerduty_events(doc, routing_key=secret)]
+    return [
+        render(
+            endpoint_kind,
+            endpoint_format,
+            doc,
+            receiver_name=receiver_name,
+            external_url=external_url,
+            now=now,
+        )
+    ]
+
+
+_PD_SEVERITY = {"critical": "critical", "warning": "warning", "info": "info"}
+
+
+def pagerduty_events(doc: dict[str, Any], *, routing_key: str) -> list[dict[str, Any]]:
+    """PagerDuty Events API v2 events for a document (see the module's note)."""
+    source = str(doc.get("instance") or "kvwatch")
+    inc = doc.get("incident")
+    if inc:
+        closed = inc["state"] == "closed"
+        action = (
+            "resolve"
+            if closed
+            else "acknowledge"
+            if doc.get("type") == "incident.acknowledged"
+            else "trigger"
+        )
+        labels = incident_labels(inc)
+        details = {
+            k: inc[k]
+            for k in ("id", "awareness_at", "deadline_at", "cause_rule", "acked_by", "owner")
+            if inc.get(k) is not None
+        }
+        return [
+            _pd_event(
+                routing_key,
+                action,
+                str(inc.get("fingerprint") or am_fingerprint(labels)),
+                summary=str(inc["title"]),
+                source=source,
+                severity="critical",
+                timestamp=str(inc["opened_at"]),
+                component=str(inc["deployment_id"]),
+                klass=str(inc["cause_rule"]),
+                details={**details, "labels": labels},
+                links=_pd_links(inc, "The incident in kvwatch"),
+            )
+        ]
+    out = []
+    for a in doc.get("alerts") or []:
+        annotations = a.get("annotations") or {}
+        labels = a.get("labels") or {}
+        out.append(
+            _pd_event(
+                routing_key,
+                "resolve" if a["state"] == "resolved" else "trigger",
+                str(a["fingerprint"]),
+                summary=str(annotations.get("summary") or a["rule"]),
+                source=source,
+                severity=_PD_SEVERITY.get(str(a.get("severity")), "info"),
+                timestamp=str(a["starts_at"]),
+                component=str(labels.get("deployment_id") or "installation"),
+                klass=str(a["rule"]),
+                details={"labels": labels, "annotations": annotations, "value": a.get("value")},
+                links=_pd_links(a, "The alert in kvwatch"),
+            )
+        )
+    return out
+
+
+def _pd_event(
+    routing_key: str,
+    action: str,
+    dedup_key: str,
+    *,
+    summary: str,
+    source: str,
+    severity: str,
+    timestamp: str,
+    component: str,
+    klass: str,
+    details: dict[str, Any],
+    links: list[dict[str, str]],
+) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "routing_key": routing_key,
+        "event_action": action,
+        "dedup_key": dedup_key,
+    }
+    if action == "trigger":  # acknowledge and resolve take the key alone
+        event["payload"] = {
+            "summary": summary[:1024],  # the API's limit
+            "source": source,
+            "severity": severity,
+            "timestamp": timestamp,
+            "component": component,
+            "group": component,
+            "class": klass,
+            "custom_details": details,
+        }
+        event["links"] = links
+        event["client"] = "kvwatch"
+    return event
+
+
+def _pd_links(item: dict[str, Any], text: str) -> list[dict[str, str]]:
+    links = [{"href": str(item["url"]), "text": text}] if item.get("url") else []
+    if item.get("runbook_url"):
+        links.append({"href": str(item["runbook_url"]), "text": "Runbook"})
+    return links
 
 
 def render(
@@ -154,18 +292,32 @@ def _alerts(doc: dict[str, Any], external_url: str) -> list[dict[str, Any]]:
         {
             "status": "resolved" if a["state"] == "resolved" else "firing",
             "labels": (labels := {str(k): str(v) for k, v in a["labels"].items()}),
-            "annotations": {str(k): str(v) for k, v in a.get("annotations", {}).items()},
+            "annotations": _with_links(a.get("annotations", {}), a),
             "startsAt": a["starts_at"],
             "endsAt": a.get("ends_at"),
-            "generatorURL": f"{base}/v1/alerts/{a['id']}" if base else "",
+            "generatorURL": _link(a, f"{base}/v1/alerts/{a['id']}" if base else ""),
             "fingerprint": am_fingerprint(labels),
         }
         for a in doc.get("alerts") or []
     ]
 
 
+def _link(item: dict[str, Any], api_url: str) -> str:
+    """Where a person opens it: the dashboard's page when the document names one (a
+    ``KVWATCH_DASHBOARD_URL`` was set), else the API's (token-protected) resource."""
+    return str(item.get("url") or api_url)
+
+
+def _with_links(annotations: dict[str, Any], item: dict[str, Any]) -> dict[str, str]:
+    out = {str(k): str(v) for k, v in annotations.items()}
+    # Prometheus's conventional annotation: Alertmanager's templates and pagers show it.
+    if item.get("runbook_url"):
+        out.setdefault("runbook_url", str(item["runbook_url"]))
+    return out
+
+
 def _incident_alert(inc: dict[str, Any], alerts: list[dict[str, Any]], base: str) -> dict[str, Any]:
-    labels = _incident_labels(inc)
+    labels = incident_labels(inc)
     tenants = {
         str(a["labels"][k])
         for a in alerts
@@ -179,8 +331,9 @@ def _incident_alert(inc: dict[str, Any], alerts: list[dict[str, Any]], base: str
         "deadline_at": inc["deadline_at"],
         "affected_tenants": str(len(tenants)),
     }
-    optional = ("remind_before_s", "closed_by", "close_reason")
+    optional = ("remind_before_s", "closed_by", "close_reason", "acked_by", "owner")
     annotations.update({k: str(inc[k]) for k in optional if inc.get(k) is not None})
+    annotations = _with_links(annotations, inc)
     closed = inc["state"] == "closed"
     return {
         "status": "resolved" if closed else "firing",
@@ -188,25 +341,31 @@ def _incident_alert(inc: dict[str, Any], alerts: list[dict[str, Any]], base: str
         "annotations": annotations,
         "startsAt": inc["opened_at"],
         "endsAt": inc.get("closed_at") if closed else None,
-        "generatorURL": f"{base}/v1/incidents/{inc['id']}" if base else "",
+        "generatorURL": _link(inc, f"{base}/v1/incidents/{inc['id']}" if base else ""),
         "fingerprint": am_fingerprint(labels),
     }
 
 
-def _incident_labels(inc: dict[str, Any]) -> dict[str, str]:
-    return {
+def incident_labels(inc: dict[str, Any]) -> dict[str, str]:
+    """The incident's identity as a receiver sees it: with the installation's name
+    (``kvwatch_instance``) when the document carries one, so incident #1 of two
+    installations are two alerts, and closing one resolves only it."""
+    labels = {
         "alertname": INCIDENT_ALERTNAME,
         "deployment_id": str(inc["deployment_id"]),
         "severity": "critical",
         "incident_id": str(inc["id"]),
     }
+    if inc.get("instance"):
+        labels["kvwatch_instance"] = str(inc["instance"])
+    return labels
 
 
 def _group_labels(doc: dict[str, Any]) -> dict[str, str]:
     if not doc.get("incident"):
         return {str(k): str(v) for k, v in (doc.get("group_labels") or {}).items()}
-    labels = _incident_labels(doc["incident"])
-    return {k: labels[k] for k in ("alertname", "deployment_id")}
+    labels = incident_labels(doc["incident"])
+    return {k: labels[k] for k in ("alertname", "deployment_id", "kvwatch_instance") if k in labels}
 
 
 def label_string(labels: dict[str, str]) -> str:

@@ -110,10 +110,8 @@ class TraceIngest:
     ) -> ExportResult:
         started = time.perf_counter()
         metrics = self.ingest.metrics
+        result, requests = self.prepare(principal, body, content_type, content_encoding, now)
         try:
-            raw = wire.inflate(body, content_encoding, self.settings.max_body_bytes)
-            spans = wire.decode(raw, content_type, self.settings.max_batch_events, self._keep)
-            result, requests = self._map(principal, spans, now)
             if requests:
                 self._store(principal, requests, now, result)
         except CollectorError as exc:
@@ -125,6 +123,25 @@ class TraceIngest:
         self.spans.labels("rejected").inc(len(result.refused))
         metrics.batch_seconds.observe(time.perf_counter() - started)
         return result
+
+    def prepare(
+        self,
+        principal: Principal,
+        body: bytes,
+        content_type: str,
+        content_encoding: str,
+        now: datetime,
+    ) -> tuple[ExportResult, list[SpanRequest]]:
+        """Inflate, decode and map an export request: what would be stored, and the spans
+        refused with their reasons. Pure CPU work, touching no database (the ingest bus
+        publishes what this accepts before any is stored)."""
+        try:
+            raw = wire.inflate(body, content_encoding, self.settings.max_body_bytes)
+            spans = wire.decode(raw, content_type, self.settings.max_batch_events, self._keep)
+            return self._map(principal, spans, now)
+        except CollectorError as exc:
+            self.ingest.metrics.rejected.labels(exc.code).inc()
+            raise
 
     def _map(
         self, principal: Principal, spans: Sequence[wire.Span], now: datetime

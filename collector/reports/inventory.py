@@ -1,10 +1,10 @@
 """The inventory: "did any workflow call model M between T1 and T2 with prompts approaching N
-tokens?" Per tenant and route: requests, prompts (distinct: a prompt that several requests
-share, as vLLM's parallel-sampling children do, counts once), how many requests had a prompt
-of at least N tokens, the largest prompt, first and last seen.
+tokens?" Per deployment, tenant and route: requests, prompts (distinct: a prompt that several
+requests share, as vLLM's parallel-sampling children do, counts once), how many requests had a
+prompt of at least N tokens, the largest prompt, first and last seen.
 
 One GROUP BY over the requests of the window (the ``first_ts`` index bounds the scan): the
-answer's size is the number of (tenant, route) pairs, never the number of requests.
+answer's size is the number of (deployment, tenant, route) triples, never the number of requests.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class InventoryQuery:
 
 
 def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
-    """Repository: the per-(tenant, route) aggregates of the window ``[since, until)``."""
+    """Repository: the per-(deployment, tenant, route) aggregates of ``[since, until)``."""
     threshold = q.min_prompt_tokens
     at_or_above = (
         func.sum(case((R.c.prompt_tokens >= threshold, 1), else_=0))
@@ -56,6 +56,7 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
         else None
     )
     cols = [
+        R.c.deployment_id,
         R.c.tenant,
         R.c.route,
         func.count().label("requests"),
@@ -69,8 +70,8 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
     stmt = (
         select(*cols)
         .where(R.c.model_id == q.model_id, m.requests_since(R.c, q.since), R.c.first_ts < q.until)
-        .group_by(R.c.tenant, R.c.route)
-        .order_by(R.c.tenant, R.c.route)
+        .group_by(R.c.deployment_id, R.c.tenant, R.c.route)
+        .order_by(R.c.deployment_id, R.c.tenant, R.c.route)
     )
     if q.deployment_id is not None:
         stmt = stmt.where(R.c.deployment_id == q.deployment_id)
@@ -80,6 +81,8 @@ def inventory_rows(conn: Connection, q: InventoryQuery) -> list[dict[str, Any]]:
     for r in conn.execute(stmt):
         out.append(
             {
+                # one model on two deployments is two answers: which one served the prompt
+                "deployment_id": r.deployment_id,
                 "tenant": r.tenant,
                 "route": r.route,
                 "requests": int(r.requests),

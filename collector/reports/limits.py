@@ -3,8 +3,8 @@
 in plain words (verified safe context and when, ``UNSAFE: cross-tenant leak at ≥ N tokens
 …``, or not verified), the advertised context, the pool capacity of each node, the verified
 safe context with its date and engine version (the latest passing verification), and why
-that verification is stale, if it is. JSON and Markdown here; the PDF
-in :mod:`collector.reports.limits_pdf`."""
+that verification is stale, if it is; an open incident on the deployment comes first. JSON
+and Markdown here; the PDF in :mod:`collector.reports.limits_pdf`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from collector import models as m
+from collector.alerting.repository import open_incident_for
 from collector.db import Database
 from collector.errors import NotFound
 from collector.limits import Limits
@@ -52,6 +53,7 @@ class LimitsService:
             if not deployment_exists(conn, deployment_id):
                 raise NotFound(f"no deployment {deployment_id!r}", {"deployment_id": deployment_id})
             facts, limits = self.limits.facts_and_limits(conn, {deployment_id}, now)
+            incident = open_incident_for(conn, deployment_id)
         d = facts[deployment_id]
         nodes = sorted(d.configs.values(), key=lambda c: (c.model_id, c.role, c.node))
         out_models = []
@@ -102,6 +104,9 @@ class LimitsService:
         return {
             "deployment_id": deployment_id,
             "generated_at": iso(now),
+            # ahead of every verdict: a passing verification says nothing about a leak seen
+            # in production since, and "not verified" alone reads as harmless
+            "open_incident": None if incident is None else _incident(incident),
             "nodes": [
                 {
                     "node": c.node,
@@ -121,6 +126,17 @@ class LimitsService:
             ],
             "models": out_models,
         }
+
+
+def _incident(r: Any) -> dict[str, Any]:
+    opened, deadline = iso(r.opened_at), iso(r.deadline_at)
+    return {
+        "id": r.id,
+        "title": r.title,
+        "opened_at": opened,
+        "deadline_at": deadline,
+        "text": f"OPEN INCIDENT #{r.id}: {r.title}, opened {opened}, deadline {deadline}",
+    }
 
 
 def _prefix_cache(node: dict[str, Any]) -> str:
@@ -159,6 +175,10 @@ def to_markdown(card: dict[str, Any]) -> str:
         f"Generated {card['generated_at']}.",
         "",
     ]
+    # .get: a card stored or served before open incidents were shown has none
+    incident = card.get("open_incident")
+    if incident is not None:
+        lines += [f"**{incident['text']}**", ""]
     for mod in card["models"]:
         v = mod["verified"]
         lines += [f"## Model `{mod['model_id']}`", ""]

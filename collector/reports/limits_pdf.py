@@ -1,6 +1,7 @@
 """The limits card as a PDF, for contracts and reviews: the verdict per model first, in the
 card's own words (UNSAFE in red, a current verification in green, the rest in amber), then
-the figures behind it and the nodes."""
+the figures behind it and the nodes. An open incident on the deployment comes before all of
+it, in red."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ def render_pdf(card: dict[str, Any]) -> bytes:
     pdf.h1(f"Limits card: {card['deployment_id']}")
     pdf.para(f"Generated {card['generated_at']} by kvwatch.")
     pdf.ln(2)
+    incident = card.get("open_incident")  # absent from a card made before incidents showed
+    if incident is not None:
+        pdf.set_text_color(*_COLOURS["unsafe"])
+        pdf.set_font("DejaVu", "B", 11)
+        pdf.multi_cell(0, 7, incident["text"], new_x="LMARGIN", new_y="NEXT")
+        pdf.set_text_color(0, 0, 0)
+        pdf.ln(2)
     if not card["models"]:
         pdf.para("No model of this deployment has reported a configuration or a verification.")
     for mod in card["models"]:

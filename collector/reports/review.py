@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Table, case, func, select, type_coerce
+from sqlalchemy import BigInteger, Connection, Table, case, func, or_, select, type_coerce
 
 from collector import models as m
 from collector.db import Database
@@ -34,6 +34,10 @@ from collector.signing import KeyRing
 from collector.timefmt import iso, to_micros
 
 R: Table = m.Request.__table__  # type: ignore[assignment]
+INC: Table = m.Incident.__table__  # type: ignore[assignment]
+# A refused prompt never occupied the context: counted as a request, never in the max, the
+# p99 or the highlight (a deployment that refused over-long prompts did its job)
+SERVED = R.c.status != "rejected"
 DEFAULT_DAYS = 90
 HIGHLIGHT_RATIO = 0.8
 QUANTILE = 0.99
@@ -54,6 +58,7 @@ CSV_COLUMNS = (
     "highlighted",
     "max_slope_per_week",
     "p99_slope_per_week",
+    "refused_requests",
     "lost_requests",
 )
 
@@ -110,11 +115,15 @@ class ReviewService:
         with self.db.read() as conn:
             groups = self._groups(conn, lo, hi, scope.deployment_id)
             weekly = self._weekly(conn, lo, hi, scope.deployment_id)
+            incidents = self._incidents(conn, since, until, scope.deployment_id)
             deps = sorted({g[0] for g in groups})
             limits = self.limits.in_conn(conn, deps, now)
             rows = []
-            for (dep, route, model), (count, n_tokens, mx, lost) in sorted(
-                groups.items(), key=lambda kv: tuple(x or "" for x in kv[0])
+            # the deployments with an incident in the window lead: that is the quarter's news
+            leading = {i["deployment_id"] for i in incidents}
+            for (dep, route, model), (count, n_tokens, mx, lost, refused) in sorted(
+                groups.items(),
+                key=lambda kv: (kv[0][0] not in leading, *(x or "" for x in kv[0])),
             ):
                 p99 = self._quantile(conn, lo, hi, dep, route, model, n_tokens)
                 series: list[dict[str, Any]] = []
@@ -142,6 +151,7 @@ class ReviewService:
                         "requests": count,
                         # closed by the collector: their probe went away before they ended
                         "lost_requests": lost,
+                        "refused_requests": refused,
                         "max_prompt_tokens": mx,
                         "p99_prompt_tokens": p99,
                         "safe_context": safe,
@@ -176,6 +186,7 @@ class ReviewService:
                 "deployment_id": scope.deployment_id,
                 "weeks": weeks,
             },
+            "incidents": incidents,
             "highlight_ratio": HIGHLIGHT_RATIO,
             "quantile": QUANTILE,
             "totals": {
@@ -213,23 +224,31 @@ class ReviewService:
 
     def _groups(
         self, conn: Connection, lo: int, hi: int, deployment_id: str | None
-    ) -> dict[tuple[str, str | None, str | None], tuple[int, int, int | None, int]]:
+    ) -> dict[tuple[str, str | None, str | None], tuple[int, int, int | None, int, int]]:
+        served = case((SERVED, R.c.prompt_tokens))
         stmt = (
             select(
                 R.c.deployment_id,
                 R.c.route,
                 R.c.model_id,
                 func.count(),
-                func.count(R.c.prompt_tokens),
-                func.max(R.c.prompt_tokens),
+                func.count(served),
+                func.max(served),
                 func.count(case((R.c.status == "lost", 1))),
+                func.count(case((R.c.status == "rejected", 1))),
             )
             .where(*self._where(lo, hi, deployment_id))
             .group_by(R.c.deployment_id, R.c.route, R.c.model_id)
         )
         return {
-            (d, r, mod): (int(n), int(nt), None if mx is None else int(mx), int(lost))
-            for d, r, mod, n, nt, mx, lost in conn.execute(stmt)
+            (d, r, mod): (
+                int(n),
+                int(nt),
+                None if mx is None else int(mx),
+                int(lost),
+                int(refused),
+            )
+            for d, r, mod, n, nt, mx, lost, refused in conn.execute(stmt)
         }
 
     def _weekly(
@@ -245,13 +264,42 @@ class ReviewService:
                 func.count(R.c.prompt_tokens),
                 func.max(R.c.prompt_tokens),
             )
-            .where(*self._where(lo, hi, deployment_id), R.c.prompt_tokens.is_not(None))
+            .where(*self._where(lo, hi, deployment_id), R.c.prompt_tokens.is_not(None), SERVED)
             .group_by(R.c.deployment_id, R.c.route, R.c.model_id, week)
         )
         out: dict[tuple[str, str | None, str | None], dict[int, tuple[int, int | None]]] = {}
         for d, r, mod, w, n, mx in conn.execute(stmt):
             out.setdefault((d, r, mod), {})[int(w)] = (int(n), None if mx is None else int(mx))
         return out
+
+    @staticmethod
+    def _incidents(
+        conn: Connection, since: datetime, until: datetime, deployment_id: str | None
+    ) -> list[dict[str, Any]]:
+        """Incidents open at any moment of ``[since, until)``, oldest first: opened before its
+        end and not closed before its start."""
+        stmt = (
+            select(INC)
+            .where(
+                INC.c.opened_at < until,
+                or_(INC.c.closed_at.is_(None), INC.c.closed_at >= since),
+            )
+            .order_by(INC.c.opened_at, INC.c.id)
+        )
+        if deployment_id is not None:
+            stmt = stmt.where(INC.c.deployment_id == deployment_id)
+        return [
+            {
+                "id": r.id,
+                "deployment_id": r.deployment_id,
+                "title": r.title,
+                "state": r.state,
+                "opened_at": iso(r.opened_at),
+                "deadline_at": iso(r.deadline_at),
+                "closed_at": None if r.closed_at is None else iso(r.closed_at),
+            }
+            for r in conn.execute(stmt)
+        ]
 
     def _quantile(
         self,
@@ -273,6 +321,7 @@ class ReviewService:
                 R.c.route.is_not_distinct_from(route),
                 R.c.model_id.is_not_distinct_from(model),
                 R.c.prompt_tokens.is_not(None),
+                SERVED,
             )
             .order_by(R.c.prompt_tokens)
             .limit(1)

@@ -1,10 +1,12 @@
 """The quarterly review PDF: a cover (report id, generation time, window, totals), the table
 of every route and model against its safe threshold (highlighted rows marked), and one chart
-per highlighted route: weekly max and p99 against the 80% and 100% lines."""
+per highlighted route: weekly max and p99 against the 80% and 100% lines. The incidents open
+at any moment of the window lead the cover."""
 
 from __future__ import annotations
 
 import io
+from datetime import datetime, timedelta
 from typing import Any
 
 import matplotlib
@@ -13,6 +15,7 @@ matplotlib.use("Agg")
 
 import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from collector.reports.pdf import ReportPdf
 from collector.timefmt import parse_iso
@@ -26,7 +29,17 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
 
-def _chart(row: dict[str, Any]) -> bytes | None:
+def chart_span(row: dict[str, Any], until: datetime) -> tuple[datetime, datetime]:
+    """The chart's time axis: from the first week with data to the end of the last one (the
+    window's end at the latest), half a day either side so the end markers show whole.
+    Matplotlib's own limits widen a single point to two years each way."""
+    starts = [parse_iso(w["start"]) for w in row["trend"]["weeks"]]
+    pad = timedelta(hours=12)
+    return min(starts) - pad, min(max(starts) + timedelta(days=7), until) + pad
+
+
+def chart_figure(row: dict[str, Any], until: datetime) -> Figure | None:
+    """The highlighted row's weekly max and p99 against its thresholds (None: no weeks)."""
     weeks = row["trend"]["weeks"]
     if not weeks:
         return None
@@ -42,10 +55,24 @@ def _chart(row: dict[str, Any]) -> bytes | None:
         ax.set_title(f"{row['deployment_id']} {row['route'] or '-'} {row['model_id']}", fontsize=9)
         ax.set_ylabel("prompt tokens", fontsize=8)
         ax.tick_params(labelsize=7)
+        lo, hi = chart_span(row, until)
+        ax.set_xlim(mdates.date2num(lo), mdates.date2num(hi))
+        ax.xaxis.set_major_locator(mdates.AutoDateLocator(minticks=3, maxticks=8))
         ax.xaxis.set_major_formatter(mdates.DateFormatter("%Y-%m-%d"))
         ax.legend(fontsize=7, loc="lower left")
         fig.autofmt_xdate()
         fig.tight_layout()
+        return fig
+    except BaseException:
+        plt.close(fig)
+        raise
+
+
+def _chart(row: dict[str, Any], until: datetime) -> bytes | None:
+    fig = chart_figure(row, until)
+    if fig is None:
+        return None
+    try:
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         return buf.getvalue()
@@ -82,12 +109,33 @@ def render_pdf(review: dict[str, Any]) -> bytes:
             (f"Highlighted (>= {review['highlight_ratio']:.0%})", tot["highlighted"]),
         ]
     )
+    # .get: a review stored before incidents were part of it has none
+    incidents = review.get("incidents", [])
+    pdf.h1("Incidents in the window")
+    pdf.grid(
+        ["#", "deployment", "title", "opened", "state", "deadline"],
+        [
+            [
+                str(i["id"]),
+                i["deployment_id"],
+                i["title"],
+                i["opened_at"],
+                i["state"] if i["closed_at"] is None else f"closed {i['closed_at']}",
+                i["deadline_at"],
+            ]
+            for i in incidents
+        ]
+        or [["", "no incident was open in the window", "", "", "", ""]],
+        [8, 24, 44, 36, 30, 36],
+    )
     pdf.para(
         "p99 is the exact nearest-rank 99th percentile. The threshold is the latest passing "
         "verification of the deployment and model whose settings still match its nodes "
         "(verified), else min(advertised context, prefill pool) (unverified). A row is "
         "highlighted when its max or p99 reaches 80% of the threshold. Slopes are least "
-        "squares over the weekly values, in tokens per week."
+        "squares over the weekly values, in tokens per week. Refused requests (the engine turned "
+        "the prompt away) count as requests but never in the max, the p99 or a highlight. "
+        "Deployments with an incident in the window come first."
     )
     pdf.h1("Routes and models")
     pdf.grid(
@@ -134,7 +182,7 @@ def render_pdf(review: dict[str, Any]) -> bytes:
                 f"{_n(r['p99_prompt_tokens'])} ({_pct(r['p99_ratio'])}) of "
                 f"{_n(r['safe_context'])} ({'verified' if r['verified'] else 'unverified'})"
             )
-            png = _chart(r)
+            png = _chart(r, parse_iso(sc["until"]))
             if png is not None:
                 pdf.image(io.BytesIO(png), w=pdf.epw)
     return bytes(pdf.output())

@@ -70,7 +70,8 @@ def thresholds(
     limits: Mapping[tuple[str, str], LimitInForce], pairs: set[tuple[str, str]]
 ) -> dict[str, dict[str, Any]]:
     """Per model: the smallest limit in force among the deployments serving it (``pairs``
-    of (deployment, model)), and whether it is verified, its source and staleness."""
+    of (deployment, model)), and whether it is verified, its source and staleness; and
+    every deployment serving it in the window (``deployments``)."""
     out: dict[str, dict[str, Any]] = {}
     for dep, model in sorted(pairs):
         lim = limits.get((dep, model))
@@ -90,6 +91,8 @@ def thresholds(
                 "warn_line": int(safe * WARN_RATIO),
                 "critical_line": int(safe * CRITICAL_RATIO),
             }
+    for model, line in out.items():
+        line["deployments"] = sorted(d for d, m in pairs if m == model)
     return out
 
 

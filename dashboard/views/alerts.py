@@ -1,17 +1,18 @@
 """Alerts and incidents: what fires, acknowledging and silencing it, and each incident's
-notification deadline (GDPR Art. 33: 72 hours from awareness) counting down."""
+notification deadline (GDPR Art. 33: 72 hours from awareness) counting down. A link to one
+alert (``/alerts?id=N``) opens with that alert's detail."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import ui
+from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
 from dashboard.errors import BadRequest
-from dashboard.incidents import incident_card
+from dashboard.incidents import incident_card, incident_markers
 
 ANY = "(any)"
 STATES = {"Firing": "firing", "Pending": "pending", "Resolved": "resolved", "All": None}
@@ -22,22 +23,34 @@ def _summary(a: JSON) -> str:
     return str((a.get("annotations") or {}).get("summary", ""))
 
 
+#: the alert tables' columns: each alert's incident a link to its page (``#N``), the summary
+#: wide enough to read
+ALERT_COLUMNS = {
+    "incident": st.column_config.LinkColumn(display_text=r"id=(\d+)$", width="small"),
+    "rule": st.column_config.TextColumn(width="medium"),
+    "summary": st.column_config.TextColumn(width="large"),
+}
+
+
 def alerts_frame(alerts: list[JSON]) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
+                # what a person triages with first, on the left (the grid scrolls sideways)
                 "id": a["id"],
                 "severity": a["severity"],
                 "state": a["state"],
                 "rule": a["rule"],
-                "deployment": a["deployment_id"],
+                "deployment": a["deployment_id"] or "(whole installation)",
+                "incident": (
+                    None if a["incident_id"] is None else f"/incident?id={a['incident_id']}"
+                ),
                 "since": ui.when(a["fired_at"] or a["starts_at"]),
+                "summary": _summary(a),
                 "acknowledged": (
                     f"{a['acked_by']} at {ui.when(a['acked_at'])}" if a["acked"] else "no"
                 ),
                 "silenced": bool(a.get("silenced")),
-                "incident": a["incident_id"],
-                "summary": _summary(a),
             }
             for a in alerts
         ]
@@ -94,7 +107,43 @@ def alerts(c: CollectorClient) -> None:
     crit = sum(1 for a in items if a["severity"] == "critical")
     unacked = sum(1 for a in items if not a["acked"] and a["state"] != "resolved")
     st.caption(f"{len(items)} alert(s): {crit} critical, {unacked} not acknowledged.")
-    st.dataframe(alerts_frame(items), hide_index=True)
+    _timeline(c, items)
+    st.dataframe(alerts_frame(items), hide_index=True, column_config=ALERT_COLUMNS)
+
+
+def _timeline(c: CollectorClient, items: list[JSON]) -> None:
+    """The listed alerts over time, with each incident's opening and stale read marked."""
+    now = datetime.now(UTC)
+    rows = []
+    for a in items:
+        start = ui.parse_time(a["starts_at"])
+        if start is None:
+            continue
+        end = ui.parse_time(a["ends_at"]) or now
+        where = a["deployment_id"] or "whole installation"
+        rows.append(
+            {
+                "time": start,
+                "end": max(end, start + timedelta(seconds=1)),  # a bar, not nothing
+                "row": f"{a['rule']} · {where}",
+                "severity": a["severity"],
+                "id": a["id"],
+                "state": a["state"],
+            }
+        )
+    if not rows:
+        return
+    df = pd.DataFrame(rows)
+    lo, hi = min(df["time"]), max(max(df["end"]), now)
+    # the stale reads an alert reports happened before it fired (event time, then the
+    # collector's pass): the axis reaches back to those of the day before
+    marks = incident_markers(c, (lo - timedelta(days=1), hi), None)
+    lo = min([lo, *(m[0] for m in marks)])
+    pad = max((hi - lo) * 0.03, timedelta(seconds=5))
+    window = (lo - pad, hi + pad)
+    markers = charts.markers_frame(marks, window)
+    st.markdown("**Alerts over time** (bars: active to resolved; rules: incidents, stale reads)")
+    st.altair_chart(charts.alert_timeline(df, window, markers), width="stretch")
 
 
 def silences(c: CollectorClient) -> None:
@@ -123,9 +172,28 @@ def silences(c: CollectorClient) -> None:
     )
 
 
+def linked(c: CollectorClient) -> None:
+    """The alert a link names (``/alerts?id=N``, as notifications link), above everything:
+    whoever followed the link came for that one."""
+    wanted = st.query_params.get("id")
+    if not wanted or not wanted.isdigit():
+        return
+    try:
+        a = c.alert(int(wanted))
+    except BadRequest as e:  # 404 included: a link to an alert since deleted
+        st.warning(f"Alert #{wanted}: {e}")
+        return
+    st.subheader(f"Alert #{a['id']}: {a['rule']} ({a['severity']}, {a['state']})")
+    st.markdown(_summary(a) or "(no summary)")
+    st.dataframe(alerts_frame([a]), hide_index=True, column_config=ALERT_COLUMNS)
+    if a["incident_id"] is not None:
+        st.markdown(f"Part of [incident #{a['incident_id']}](incident?id={a['incident_id']}).")
+
+
 def render(c: CollectorClient) -> None:
     if ui.require_operator(c, "Alerts and incidents") is None:
         return
+    linked(c)
     incidents(c)
     alerts(c)
     silences(c)
@@ -198,7 +266,8 @@ def actions(c: CollectorClient) -> None:
     with left, st.form("ack", clear_on_submit=True, border=True):
         st.markdown("**Acknowledge an alert**")
         labels = {
-            a["id"]: f"#{a['id']} {a['rule']} ({a['severity']}) on {a['deployment_id']}"
+            a["id"]: f"#{a['id']} {a['rule']} ({a['severity']}) on "
+            f"{a['deployment_id'] or 'the whole installation'}"
             for a in open_alerts
         }
         st.selectbox(

@@ -11,6 +11,7 @@ import streamlit as st
 
 from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
+from dashboard.incidents import Marker, incident_markers
 
 _TOKENS = st.column_config.NumberColumn(format="localized")
 
@@ -96,6 +97,7 @@ def model_section(
     line: JSON | None,
     window: tuple[datetime, datetime],
     bucket_s: float,
+    markers: list[Marker],
 ) -> None:
     st.subheader(model)
     if line is None:
@@ -118,7 +120,18 @@ def model_section(
     left, right = st.columns([3, 2])
     with left:
         st.markdown("**Largest and p99 prompt per route over time**")
-        chart = charts.prompt_timeline(timeline_frame(series), warn, crit, window, bucket_s)
+        chart = charts.prompt_timeline(
+            timeline_frame(series),
+            warn,
+            crit,
+            window,
+            bucket_s,
+            # this model's deployments' incidents and stale reads, not another model's
+            charts.markers_frame(
+                [x for x in markers if line is None or x[3] in (*line["deployments"], None)],
+                window,
+            ),
+        )
         st.altair_chart(chart, width="stretch")
     with right:
         st.markdown("**Prompt-size distribution**")
@@ -167,6 +180,7 @@ def render(c: CollectorClient) -> None:
         "(an upper bound: bins are 9% wide).",
     )
     d.metric("At or above 100%", f"{sum(r['at_or_above_critical'] or 0 for r in summary):,}")
+    markers = incident_markers(c, (since, until), deployment)
     for m in sorted({s["model_id"] for s in series if s["model_id"] is not None}):
         # Each model's chart zooms to its own data, in finer buckets; the figures stay the
         # window's.
@@ -183,6 +197,7 @@ def render(c: CollectorClient) -> None:
             lines.get(m),
             zoomed or (since, until),
             own["bucket_seconds"],
+            markers,
         )
         if zoomed is not None:
             ui.zoom_caption(zoomed)

@@ -136,9 +136,15 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
                 f"{ui.when(lost['latest_at'])}.",
                 icon=":material/link_off:",
             )
-        for incident_id in sorted({a["incident_id"] for a in alerts or [] if a.get("incident_id")}):
+        # from the incident itself, for as long as it is open (an alert that resolved no
+        # longer names it)
+        for inc in dep.get("incidents") or []:
+            who = (
+                f"acknowledged by {inc['acked_by']}" if inc["acked_by"] else "not acknowledged"
+            ) + (f", owner {inc['owner']}" if inc["owner"] else ", no owner")
             st.markdown(
-                f"[:material/emergency: Open incident #{incident_id}](/incident?id={incident_id})"
+                f"[:material/emergency: **Open incident #{inc['id']}**](/incident?id={inc['id']})"
+                f" — {inc['title']}; {who}"
             )
         if dep["reasons"]:
             lines = "\n".join(f"- {r}" for r in dep["reasons"])
@@ -191,14 +197,28 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
 def render(c: CollectorClient) -> None:
     fleet = c.fleet()
     deps: list[JSON] = fleet["deployments"]
+    alerts = firing_alerts(c)
+    # Alerts about the installation itself rather than one deployment (the ingest bus's
+    # bus_lag): no card would show them, and they hide events from every card.
+    installation = [] if alerts is None else alerts.get("", [])
+    for a in installation:
+        box = st.error if a["severity"] == "critical" else st.warning
+        summary = a["annotations"].get("summary", "")
+        box(
+            f"**{a['rule']}** ({a['severity']}, whole installation): {summary}",
+            icon=":material/hub:",
+        )
     if not deps:
+        waiting = any(a["kind"] == "bus_lag" for a in installation)
         st.info(
-            "**No deployments yet.** Deployments appear once a probe, the gateway or "
+            "**No deployments stored yet.** Events wait on the ingest bus (above) until a "
+            "writer (`kvwatch writer`) stores them."
+            if waiting
+            else "**No deployments yet.** Deployments appear once a probe, the gateway or "
             "`kvwatch scrape` sends events to this collector.",
             icon=":material/inbox:",
         )
         return
-    alerts = firing_alerts(c)
     col1, col2, col3, col4 = st.columns(4)
     col1.metric("Deployments", len(deps))
     col2.metric(
@@ -207,7 +227,7 @@ def render(c: CollectorClient) -> None:
         help="Pool below advertised context, stale or failed verification, or a critical "
         "alert firing",
     )
-    col3.metric("Firing alerts", sum(d["firing_alerts"] for d in deps))
+    col3.metric("Firing alerts", sum(d["firing_alerts"] for d in deps) + len(installation))
     col4.metric("Open incidents", sum(d["open_incidents"] for d in deps))
     limits = limits_frame(deps)
     if not limits.empty:
@@ -223,7 +243,8 @@ def render(c: CollectorClient) -> None:
 
 ui.page_header(
     "Fleet",
-    "Every deployment's limits at a glance. Red: a pool smaller than the advertised context, "
-    "a stale or failed verification, or a critical alert.",
+    "Every deployment's limits at a glance, those with an open incident first. Red: an open "
+    "incident, a pool smaller than the advertised context, a stale or failed verification, or "
+    "a critical alert.",
 )
 ui.live(render)

@@ -14,13 +14,26 @@ import streamlit as st
 from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
 from dashboard.frames import occupancy_frame
-from dashboard.incidents import incident_card
+from dashboard.incidents import incident_card, incident_markers
 
 
 def _choose(incidents: list[JSON]) -> JSON:
+    """The incident a link names (``?id=N``), else the newest. An id that names none this
+    token may see is said and stops the page: showing another incident under that link
+    (silently the newest) would have a person act on the wrong one."""
     wanted = st.query_params.get("id")
     ids = [i["id"] for i in incidents]
-    index = ids.index(int(wanted)) if wanted and wanted.isdigit() and int(wanted) in ids else 0
+    if wanted is not None and (not wanted.isdigit() or int(wanted) not in ids):
+        st.error(
+            f"No incident #{wanted} here: the link names an incident that does not exist, or "
+            "one this token may not see. Choose one below, or open the [incident list](/alerts).",
+            icon=":material/error:",
+        )
+        st.query_params.clear()
+        if st.button("Show the newest incident"):
+            st.rerun()
+        st.stop()
+    index = ids.index(int(wanted)) if wanted is not None else 0
     labels = {i["id"]: f"#{i['id']} {i['deployment_id']} ({i['state']})" for i in incidents}
     chosen = st.selectbox("Incident", ids, index=index, format_func=lambda i: labels[i])
     st.query_params["id"] = str(chosen)
@@ -174,6 +187,7 @@ def _pool(c: CollectorClient, inc: JSON, doc: JSON) -> None:
         st.info("The incident has no events to place on a time axis.")
         return
     deployments = doc.get("involved_deployments") or [inc["deployment_id"]]
+    markers = incident_markers(c, (lo, hi), None)
     drawn = 0
     for dep in deployments:
         pool = c.pool_samples(since=lo, until=hi, deployment_id=dep, max_points=200)
@@ -181,7 +195,10 @@ def _pool(c: CollectorClient, inc: JSON, doc: JSON) -> None:
             continue
         st.markdown(f"**{dep}**: tokens in use per node (line), capacity (dashed)")
         chart = charts.pool_occupancy(
-            occupancy_frame(pool["items"]), (lo, hi), pool["bucket_seconds"]
+            occupancy_frame(pool["items"]),
+            (lo, hi),
+            pool["bucket_seconds"],
+            charts.markers_frame([x for x in markers if x[3] in (dep, None)], (lo, hi)),
         )
         st.altair_chart(chart, width="stretch")
         drawn += 1
@@ -292,6 +309,152 @@ def _actions(c: CollectorClient, inc: JSON, doc: JSON) -> None:
             )
 
 
+def _oncall(c: CollectorClient, inc: JSON) -> None:
+    """Who is on it, what to do first (the runbook of the rule that opened it), the alerts
+    linked to it, and what happened, in order: all as the collector records them."""
+    full = c.incident(inc["id"])
+    alerts = full.get("alerts") or []
+    opener = next((a for a in alerts if a["id"] == full.get("first_alert_id")), None)
+    st.subheader("On call")
+    a, b, d = st.columns(3)
+    a.metric(
+        "Acknowledged",
+        full["acked_by"] or "not yet",
+        help=f"at {ui.when(full['acked_at'])}"
+        if full["acked_at"]
+        else "Nobody has said they are on it.",
+    )
+    b.metric("Owner", full["owner"] or "nobody")
+    if opener is not None:
+        kind = opener["kind"]
+        d.markdown(f"**Runbook**: [containment first, for {kind}](/runbook?kind={kind})")
+    if alerts:
+        st.markdown(f"**Linked alerts** ({len(alerts)})")
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {
+                        "#": f"/alerts?id={x['id']}",
+                        "rule": x["rule"],
+                        "severity": x["severity"],
+                        "state": x["state"],
+                        "since": ui.when(x["starts_at"]),
+                        "opened it": "yes" if x["id"] == full.get("first_alert_id") else "",
+                    }
+                    for x in alerts
+                ]
+            ),
+            hide_index=True,
+            use_container_width=True,
+            column_config={"#": st.column_config.LinkColumn(display_text=r"id=(\d+)$")},
+        )
+    if ui.token_scope(c) == "admin":
+        _oncall_actions(c, full, alerts)
+    st.subheader("Timeline")
+    entries = c.incident_timeline(inc["id"])
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {
+                    "when": ui.when(e["at"]),
+                    "what": e["kind"],
+                    "who": e["actor"],
+                    "details": e["text"],
+                }
+                for e in entries
+            ],
+            columns=["when", "what", "who", "details"],
+        ),
+        hide_index=True,
+        use_container_width=True,
+        column_config={"details": st.column_config.TextColumn(width="large")},
+    )
+
+
+def _by() -> str | None:
+    return str(st.session_state.get("oncall_by") or "").strip() or None
+
+
+def _oncall_actions(c: CollectorClient, inc: JSON, alerts: list[JSON]) -> None:
+    iid = inc["id"]
+
+    def ack(c: CollectorClient) -> str | None:
+        c.ack_incident(iid, by=_by())
+        return None
+
+    def assign(c: CollectorClient) -> str | None:
+        c.assign_incident(iid, str(st.session_state.get("oncall_owner") or ""), by=_by())
+        return None
+
+    def note(c: CollectorClient) -> str | None:
+        c.note_incident(iid, str(st.session_state.get("oncall_note") or ""), by=_by())
+        return None
+
+    def link(c: CollectorClient) -> str | None:
+        c.link_alert(iid, int(st.session_state["oncall_link"]), by=_by())
+        return None
+
+    def unlink(c: CollectorClient) -> str | None:
+        c.unlink_alert(iid, int(st.session_state["oncall_unlink"]))
+        return None
+
+    ui.show_flash()
+    st.text_input("Your name", key="oncall_by", help="Recorded as who acted. Empty: the token.")
+    open_ = inc["state"] == "open"
+    left, mid, right = st.columns(3)
+    with left, st.form("oncall_ack", border=True):
+        st.markdown("**Acknowledge and own**")
+        st.form_submit_button(
+            "Acknowledge",
+            disabled=not open_ or inc["acked_by"] is not None,
+            on_click=ui.act,
+            args=("Incident acknowledged", ack),
+        )
+        st.text_input("Owner", key="oncall_owner")
+        st.form_submit_button(
+            "Assign", disabled=not open_, on_click=ui.act, args=("Owner assigned", assign)
+        )
+    with mid, st.form("oncall_note", clear_on_submit=True, border=True):
+        st.markdown("**Add a note**")
+        st.text_area("Note", key="oncall_note", max_chars=4000)
+        st.form_submit_button("Add note", on_click=ui.act, args=("Note added", note))
+    with right, st.form("oncall_links", border=True):
+        st.markdown("**Link or unlink an alert**")
+        linked = {a["id"] for a in alerts}
+        candidates = [
+            a
+            for a in c.alerts(deployment_id=inc["deployment_id"], limit=200)
+            if a["id"] not in linked
+        ]
+        st.selectbox(
+            "Alert to link",
+            [a["id"] for a in candidates],
+            format_func=lambda i: f"#{i}",
+            key="oncall_link",
+            placeholder="No other alert on this deployment",
+        )
+        st.form_submit_button(
+            "Link",
+            disabled=not open_ or not candidates,
+            on_click=ui.act,
+            args=("Alert linked", link),
+        )
+        removable = sorted(linked - {inc.get("first_alert_id")})
+        st.selectbox(
+            "Alert to unlink",
+            removable,
+            format_func=lambda i: f"#{i}",
+            key="oncall_unlink",
+            placeholder="Only the alert that opened it is linked",
+        )
+        st.form_submit_button(
+            "Unlink",
+            disabled=not open_ or not removable,
+            on_click=ui.act,
+            args=("Alert unlinked", unlink),
+        )
+
+
 def _tenant_view(c: CollectorClient) -> None:
     """A tenant-scoped token sees the incidents that concern its data, its own side of each
     (the notice's contents: its requests, never the other party)."""
@@ -358,6 +521,7 @@ def render(c: CollectorClient) -> None:
         return
     inc = _choose(incidents)
     incident_card(inc, datetime.now(UTC), c.incident_case(inc["id"]))
+    _oncall(c, inc)
     doc = c.incident_assessment(inc["id"])
     st.markdown(doc.get("account") or "")
     _tenants(doc)

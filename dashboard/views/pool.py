@@ -12,6 +12,7 @@ import streamlit as st
 from dashboard import charts, ui
 from dashboard.client import JSON, CollectorClient
 from dashboard.frames import occupancy_frame
+from dashboard.incidents import incident_markers
 
 _TOKENS = st.column_config.NumberColumn(format="localized")
 _PAGE = 100  # stale reads listed; the breach report has them all
@@ -78,6 +79,7 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
         )
         return
     df = occupancy_frame(pool["items"])
+    markers = incident_markers(c, (since, until), deployment)
     for dep in sorted(df["deployment_id"].unique()):
         own = {**pool, "items": [x for x in pool["items"] if x["deployment_id"] == dep]}
         zoomed, doc = ui.zoomed(
@@ -87,8 +89,13 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
             first=own,
         )
         st.markdown(f"**{dep}**: tokens in use per node (line), capacity (dashed)")
+        shown = zoomed or (since, until)
+        own_markers = [x for x in markers if x[3] in (dep, None)]
         chart = charts.pool_occupancy(
-            occupancy_frame(doc["items"]), zoomed or (since, until), doc["bucket_seconds"]
+            occupancy_frame(doc["items"]),
+            shown,
+            doc["bucket_seconds"],
+            charts.markers_frame(own_markers, shown),
         )
         st.altair_chart(chart, width="stretch")
         if zoomed is not None:
@@ -156,7 +163,8 @@ def page_activity(c: CollectorClient, deployment: str | None) -> None:
     df = pd.DataFrame(items)
     df["time"] = ui.us_to_time(df["bucket_start_us"])
     df["end"] = df["time"] + pd.Timedelta(seconds=stats["bucket_seconds"])
-    st.altair_chart(charts.page_events(df, (since, until)), width="stretch")
+    markers = charts.markers_frame(incident_markers(c, (since, until), deployment), (since, until))
+    st.altair_chart(charts.page_events(df, (since, until), markers), width="stretch")
     st.caption(f"{stats['bucket_seconds']:g}-second buckets.")
     if zoomed is not None:
         ui.zoom_caption(zoomed)

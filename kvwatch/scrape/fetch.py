@@ -151,7 +151,16 @@ class TargetScraper:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 body: bytes = response.read(MAX_BODY_BYTES + 1)
         except urllib.error.HTTPError as exc:
-            hint = " (is the URL the server's root or its /metrics?)" if exc.code == 404 else ""
+            hint = ""
+            if exc.code == 404:
+                hint = " (is the URL the server's root or its /metrics?)"
+            elif exc.code in (401, 403):
+                # vLLM's --api-key guards its API routes (/v1/models): the engine's own key
+                given = "was refused" if self.target.api_key else "is needed"
+                hint = (
+                    f" (the engine's own API key {given}: --api-key, KVWATCH_SCRAPE_API_KEY, "
+                    'or "api_key" in KVWATCH_SCRAPE_TARGETS)'
+                )
             raise TargetUnreachable(f"{shown} answered HTTP {exc.code}{hint}") from None
         except urllib.error.URLError as exc:
             raise TargetUnreachable(f"cannot reach {shown}: {exc.reason}") from None

@@ -357,6 +357,7 @@ def _verdict(
         verdict = "caching_off"
         note = (
             "the owner's repeated prefix was never served from a cache: caching is off (or "
-            "keyed per request), so isolation between tenants is not demonstrated"
+            "keyed per request), so tenants share nothing through it now; isolation with "
+            "caching on is not demonstrated by this run"
         )
     return PrefixResult(verdict, method, prefix_tokens, salt_accepted, comparisons, ph.sent, note)

@@ -289,7 +289,10 @@ class Report:
                     row("", "with each tenant's own cache_salt nothing was shared: salting "
                         "isolates, clients that send none share")  # fmt: skip
             elif p.note:
-                row("", ("WARNING: " if p.verdict != "isolated" else "") + p.note)
+                # caching off is no risk, only no evidence: a note, not a warning that every
+                # run against an engine without a prefix cache would print
+                lead = {"isolated": "", "caching_off": "note: "}.get(p.verdict, "WARNING: ")
+                row("", lead + p.note)
         elif self.prefix_cache_error is not None:
             row("prefix cache", f"not checked: {self.prefix_cache_error}")
         duration = sum(self.durations_s.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from policies.kinds.advisory import EngineVersionAdvisory
 from policies.kinds.base import RuleKind
+from policies.kinds.bus import BusLag
 from policies.kinds.context import ContextPressure
 from policies.kinds.isolation import RejectedPrefillKvTransfer, StalePageRead
 from policies.kinds.pool import PoolBelowAdvertised, PoolHeadroom
@@ -31,6 +32,7 @@ KINDS: dict[str, RuleKind] = {
         PrefixCacheCrossTenant(),
         PrefixProbeSuspected(),
         TelemetryGap(),
+        BusLag(),
     )
 }
 

@@ -35,9 +35,10 @@ class ContextPressure(RuleKind):
     default_resolve_after_s = 3600.0
     description = (
         "Prompt tokens >= warn_ratio of the limit in force per model and route (critical "
-        "at >= critical_ratio): the verified safe context, or for deployments without a "
-        "current one min(advertised context, pool capacity), labelled verified=false "
-        "(policies.limits decides it for every part of kvwatch)."
+        "at >= critical_ratio, unless the limit is verified and the prompt was refused): the "
+        "verified safe context, or for deployments without a current one min(advertised "
+        "context, pool capacity), labelled verified=false (policies.limits decides it for "
+        "every part of kvwatch)."
     )
 
     def check(self, params: ContextPressureParams) -> None:
@@ -50,6 +51,11 @@ class ContextPressure(RuleKind):
         # threshold, worked out once, before doing anything else with it.
         bounds: dict[tuple[str, str], tuple[float, LimitInForce | None]] = {}
         worst: dict[tuple[str, str], tuple[int, str, str | None, LimitInForce, datetime]] = {}
+        refused: set[tuple[str, str]] = set()  # refused, and not answered after all
+        for no in facts.of(ev.RequestRejected):
+            refused.add((no.deployment_id, no.request_id))
+        for done in facts.of(ev.RequestFinished):
+            refused.discard((done.deployment_id, done.request_id))
         for e in cast(list[RequestEvent], facts.of(*_REQUEST_EVENTS)):
             tokens, model = e.prompt_tokens, e.model_id
             if tokens is None or not model:
@@ -83,9 +89,14 @@ class ContextPressure(RuleKind):
         groups: dict[
             tuple[str, str, str, str, Severity], list[tuple[int, LimitInForce, datetime]]
         ] = {}
-        for (dep, _request), (tokens, model, route, lim, at) in worst.items():
+        for (dep, request), (tokens, model, route, lim, at) in worst.items():
             safe = lim.tokens or 0
-            severity: Severity = "critical" if tokens >= p.critical_ratio * safe else rule.severity
+            over = tokens >= p.critical_ratio * safe
+            # Over a verified limit and refused: the refusal a passing verification showed
+            # to be clean did its work; demand past the limit is worth a warning, not a page.
+            # Unverified, a refusal may still have moved KV (the incident's path): critical.
+            clean = lim.verified and (dep, request) in refused
+            severity: Severity = "critical" if over and not clean else rule.severity
             key5 = (dep, model, route or "none", "true" if lim.verified else "false", severity)
             groups.setdefault(key5, []).append((tokens, lim, at))
         for group, sized in groups.items():
