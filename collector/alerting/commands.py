@@ -227,7 +227,15 @@ class OperatorCommands:
         row["verified_at"] = to_micros(row.get("verified_at") or now)
         evidence = dict(row.get("evidence") or {})
         row.update(created_at=now_us, created_by=by)
-        self.facts.forget(row["deployment_id"])
+        try:
+            return self._insert_verification(row, evidence, run_id, by, now_us)
+        finally:
+            # after the commit: a batch read in between must not keep the old verdicts
+            self.facts.forget(row["deployment_id"])
+
+    def _insert_verification(
+        self, row: dict[str, Any], evidence: dict[str, Any], run_id: Any, by: str, now_us: int
+    ) -> dict[str, Any]:
         with self.db.write() as conn:
             configs = [
                 c
