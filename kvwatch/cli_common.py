@@ -23,6 +23,8 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
+from collector import text
+
 if TYPE_CHECKING:
     from collector.db import Database
     from collector.settings import Settings
@@ -221,7 +223,8 @@ class Listing:
     def add_row(self, *cells: str) -> None:
         if len(cells) != len(self.columns):
             raise ValueError(f"{len(cells)} cells for {len(self.columns)} columns")
-        self.rows.append(cells)
+        # a lone surrogate an older version stored cannot be printed: shown as U+FFFD
+        self.rows.append(tuple(text.scrub(c) for c in cells))
 
     def _table(self, keep: list[int]) -> Table:
         t = Table()

@@ -9,12 +9,17 @@ invalid is answered 422 (not 401), and an invalid one never reaches the token st
 use audit. (A FastAPI dependency runs before the route's own parameters are validated; the
 dependency therefore only reads the header, and :class:`CallerRoute` resolves it.)
 
+The same routes refuse a JSON body holding text that cannot be stored and served back (a
+lone surrogate, NUL, a number that is not finite: :mod:`collector.api.text`), and answer a
+result holding such text from an older version's rows with U+FFFD in its place, never a 500.
+
 ``POST /v1/events`` authenticates its own way (:meth:`collector.ingest.IngestService.authenticate`)
 and takes no :data:`Caller`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Coroutine
@@ -24,9 +29,14 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 import anyio
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.dependencies.models import Dependant
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic_core import PydanticSerializationError
 
+from collector import text
 from collector.api.params import Auth, known_params
+from collector.errors import InvalidInput
 from collector.tokens import Principal
 
 P = ParamSpec("P")
@@ -59,6 +69,9 @@ async def _token(request: Request, authorization: Auth = None) -> Principal | _T
 Caller = Annotated[Principal, Depends(_token)]
 
 _RESOLVES = "_kvwatch_resolves_caller"
+# what the endpoint returned, kept for the one case FastAPI cannot serialize it (text an
+# older version stored): CallerRoute then answers it scrubbed instead of a 500
+_RESULT: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("_kvwatch_result")
 
 
 def _resolving_caller(
@@ -76,7 +89,11 @@ def _resolving_caller(
         for name, value in values.items():
             if isinstance(value, _Token):
                 values[name] = await value.principal()
-        return await endpoint(**values)
+        result = await endpoint(**values)
+        box = _RESULT.get(None)
+        if box is not None:
+            box.append(result)
+        return result
 
     setattr(resolved, _RESOLVES, True)
     return resolved
@@ -96,12 +113,45 @@ class CallerRoute(APIRoute):
         handler = super().get_route_handler()
         # (APIRoute builds the handler inside its __init__, with self.dependant already set)
         known = _query_names(self.dependant)
+        takes_body = self.body_field is not None
+        status = self.status_code or 200
 
         async def checked(request: Request) -> Response:
             known_params(request, known)
-            return await handler(request)
+            if takes_body and _is_json(request):
+                await _check_body(request)
+            box: list[Any] = []
+            token = _RESULT.set(box)
+            try:
+                return await handler(request)
+            except (PydanticSerializationError, UnicodeEncodeError):
+                if not box:
+                    raise
+                return JSONResponse(text.scrub(jsonable_encoder(box[0])), status_code=status)
+            finally:
+                _RESULT.reset(token)
 
         return checked
+
+
+def _is_json(request: Request) -> bool:
+    kind = request.headers.get("content-type", "application/json").split(";", 1)[0].strip()
+    return kind == "application/json" or kind.endswith("+json")
+
+
+async def _check_body(request: Request) -> None:
+    """Refuse a body :func:`collector.api.text.check_document` refuses. The parsed body is
+    kept on the request, so FastAPI does not parse it again; a body that is no JSON at all
+    is left to FastAPI's own 422."""
+    if not await request.body():
+        return
+    try:
+        doc = await request.json()
+    except RecursionError:
+        raise InvalidInput("body: nests too deeply", {"field": "body"}) from None
+    except ValueError:
+        return
+    text.check_document(doc)
 
 
 def _query_names(dependant: Dependant) -> set[str]:

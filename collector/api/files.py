@@ -8,13 +8,15 @@ from typing import BinaryIO, Literal
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from collector import text
+
 _MEDIA = {"csv": "text/csv; charset=utf-8", "pdf": "application/pdf"}
 
 
 def attachment(body: bytes | str, name: str, format: Literal["csv", "pdf"]) -> Response:
     """``body`` as the download ``{name}.{format}``."""
     return Response(
-        body,
+        text.encode(body) if isinstance(body, str) else body,
         media_type=_MEDIA[format],
         headers={"Content-Disposition": f'attachment; filename="{name}.{format}"'},
     )

@@ -8,8 +8,9 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import Response
 
+from collector import text
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.api.files import attachment
@@ -108,7 +109,8 @@ def build_router(
             )
         )
         if format == "md":
-            return PlainTextResponse(to_markdown(card), media_type="text/markdown")
+            md = text.encode(to_markdown(card))
+            return Response(md, media_type="text/markdown; charset=utf-8")
         if format == "pdf":
             data = await in_thread(render_limits_pdf, card)
             return Response(data, media_type="application/pdf")
