@@ -58,7 +58,7 @@ from collector.rollups.stats import StatsService
 from collector.scrape import ScheduledScraper, Scraper
 from collector.settings import Settings
 from collector.tokens import Authenticator, TokenService
-from collector.verify_schedules import Verifier, VerifyScheduleService
+from collector.verify_schedules import Reach, Verifier, VerifyScheduleService
 from policies import RuleSet, load_ruleset
 
 
@@ -148,7 +148,7 @@ def create_app(
     dispatcher = (
         Dispatcher(db, settings, registry=metrics.registry) if settings.notify_enabled else None
     )
-    schedules = VerifyScheduleService(db, alerting, verifier)
+    schedules = VerifyScheduleService(db, alerting, verifier, reach=Reach.from_settings(settings))
     verifications = (
         None
         if verifier is None

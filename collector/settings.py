@@ -80,6 +80,19 @@ _TARGETS = TypeAdapter(list[ScrapeTarget])
 REPLACED_QUIET_S = 10.0
 
 
+def origin_of(url: str) -> str | None:
+    """``scheme://host[:port]`` of an http(s) URL, lower-cased; None for anything else."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+        return None
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
 class Settings(BaseSettings):
     """Collector settings. Built once and passed to ``create_app(settings)``."""
 
@@ -185,6 +198,27 @@ class Settings(BaseSettings):
         le=3600,
         description="How often due scheduled verifications (and re-verifications after a "
         "config drift) are looked for.",
+    )
+    # What a scheduled verification may reach (docs/verify.md): an admin token names where a
+    # schedule sends tenant keys and where they are read, so the operator bounds both here.
+    verify_endpoints: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Scheduled verifications: the origins (http[s]://host[:port], comma-"
+        "separated) their endpoints may be on; '*' allows any. Unset: no schedule can be "
+        "added (a schedule sends tenant keys to its endpoint).",
+    )
+    verify_keys_dir: Path | None = Field(
+        default=None,
+        description="Scheduled verifications: the directory keys_from=file:NAME reads "
+        "tenant keys from (a file directly in it); unset: file: is refused.",
+    )
+    verify_keys_env_prefix: str = Field(
+        default="VERIFY_KEYS_",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Scheduled verifications: keys_from=env:NAME reads only variables "
+        "whose names start with this (never the collector's own settings or secrets).",
     )
     retention_days: int | None = Field(
         default=None,
@@ -465,6 +499,24 @@ class Settings(BaseSettings):
         if bad := [n for n in names if len(n) > 256 or any(c.isspace() for c in n)]:
             raise ValueError(f"{bad[0]!r} is not an attribute name")
         return names
+
+    @field_validator("verify_endpoints", mode="before")
+    @classmethod
+    def _origins(cls, v: Any) -> list[str]:
+        """Comma-separated origins (the environment) or a list of them; '*' for any."""
+        items = [p.strip() for p in v.split(",")] if isinstance(v, str) else v
+        if not isinstance(items, list) or not all(isinstance(n, str) for n in items):
+            raise ValueError("must be origins (http[s]://host[:port]), separated by commas")
+        out = []
+        for item in (i.strip() for i in items if i.strip()):
+            if item == "*":
+                out.append(item)
+                continue
+            origin = origin_of(item)
+            if origin is None or origin != item.rstrip("/").lower():
+                raise ValueError(f"{item!r} is not an origin (http[s]://host[:port])")
+            out.append(origin)
+        return out
 
     @field_validator("scrape_targets", mode="before")
     @classmethod

@@ -8,8 +8,16 @@ builds the app (``create_app(settings, verifier=...)``: ``kvwatch serve`` hands 
 ``kvwatch.verify``). Without one, schedules are stored and listed but nothing runs them.
 
 Tenant keys are never stored nor printed: a schedule names where they are read at run time
-(``env:NAME``, a variable of the collector's environment, or ``file:PATH``, a file readable
-by the collector), holding space- or newline-separated ``NAME=KEY`` pairs.
+(``env:NAME``, a variable of the collector's environment, or ``file:NAME``, a file in the
+operator's keys directory), holding space- or newline-separated ``NAME=KEY`` pairs.
+
+What a schedule may reach is the operator's, set when the collector starts (:class:`Reach`,
+from the settings), never the caller's: an admin token could otherwise have the collector
+read any file or variable it can (the database password) and send it, as a bearer key, to a
+URL of the token holder's choosing. A variable must carry the configured prefix, a file must
+lie directly in the keys directory, and the endpoint must be on an allowed origin; each is
+checked when a schedule is added and again before each run (a schedule stored before the
+operator narrowed them then records why it did not run).
 
 A run is claimed by moving ``claimed_until`` to now + the run's time bound; a replica that
 dies mid-run leaves the claim to expire, and the schedule runs again then. A run that could
@@ -36,6 +44,7 @@ from collector.alerting.service import AlertingService
 from collector.db import Database
 from collector.deployment_facts import MAX_RUN_S
 from collector.errors import InvalidInput, NotFound
+from collector.settings import Settings, origin_of
 from collector.timefmt import iso, to_micros
 from engine_probe.events import is_valid_id
 from policies.durations import parse_duration
@@ -67,20 +76,54 @@ class KeysUnavailable(InvalidInput):
     """The tenant keys a schedule names cannot be read (the message never holds a key)."""
 
 
-def read_keys(ref: str, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """NAME -> KEY from ``env:NAME`` or ``file:PATH``; raises :class:`KeysUnavailable`."""
+@dataclass(frozen=True)
+class Reach:
+    """What the operator lets a schedule reach: the endpoints' origins (``*``: any), the
+    directory of key files (None: no ``file:``) and the prefix of key variables."""
+
+    endpoints: tuple[str, ...] = ()
+    keys_dir: Path | None = None
+    env_prefix: str = "VERIFY_KEYS_"
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Reach:
+        return cls(tuple(s.verify_endpoints), s.verify_keys_dir, s.verify_keys_env_prefix)
+
+    def endpoint_refused(self, url: str) -> str | None:
+        """Why a schedule may not send keys to ``url``; None when it may."""
+        if "*" in self.endpoints:
+            return None
+        origin = origin_of(url)
+        if origin is not None and origin in self.endpoints:
+            return None
+        if not self.endpoints:
+            return (
+                "no endpoint is allowed: the collector's operator lists the origins "
+                "scheduled verifications may send tenant keys to in KVWATCH_VERIFY_ENDPOINTS"
+            )
+        return f"{origin or url} is not among KVWATCH_VERIFY_ENDPOINTS"
+
+
+def read_keys(ref: str, reach: Reach, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """NAME -> KEY from ``env:NAME`` or ``file:NAME``, within ``reach``; raises
+    :class:`KeysUnavailable`."""
     kind, _, where = ref.partition(":")
     if kind == "env" and where:
+        if not where.startswith(reach.env_prefix):
+            raise KeysUnavailable(
+                f"{ref}: only variables named {reach.env_prefix}... hold keys "
+                "(KVWATCH_VERIFY_KEYS_ENV_PREFIX)"
+            )
         value = (environ if environ is not None else os.environ).get(where)
         if value is None:
             raise KeysUnavailable(f"{ref}: the collector's environment has no {where}")
     elif kind == "file" and where:
         try:
-            value = Path(where).read_text(encoding="utf-8")
+            value = _key_file(ref, where, reach.keys_dir).read_text(encoding="utf-8")
         except OSError as exc:
             raise KeysUnavailable(f"{ref}: cannot read it ({exc.strerror or exc})") from None
     else:
-        raise KeysUnavailable(f"{ref!r}: write env:VARIABLE or file:PATH")
+        raise KeysUnavailable(f"{ref!r}: write env:VARIABLE or file:NAME")
     keys: dict[str, str] = {}
     for n, pair in enumerate(value.split(), 1):
         name, sep, key = pair.partition("=")
@@ -92,6 +135,34 @@ def read_keys(ref: str, environ: dict[str, str] | None = None) -> dict[str, str]
     if len(keys) < 2:
         raise KeysUnavailable(f"{ref}: needs at least two tenants' keys, found {len(keys)}")
     return keys
+
+
+def _key_file(ref: str, name: str, keys_dir: Path | None) -> Path:
+    """The file ``file:NAME`` names: directly in ``keys_dir`` (a path in it, as written
+    before the directory was required, is accepted too), after links are followed."""
+    if keys_dir is None:
+        raise KeysUnavailable(
+            f"{ref}: key files are read only from KVWATCH_VERIFY_KEYS_DIR, which is not set"
+        )
+    try:
+        home = keys_dir.resolve(strict=True)
+    except OSError as exc:
+        raise KeysUnavailable(
+            f"{ref}: KVWATCH_VERIFY_KEYS_DIR ({keys_dir}) cannot be read ({exc.strerror or exc})"
+        ) from None
+    outside = f"{ref}: not a file directly in KVWATCH_VERIFY_KEYS_DIR ({keys_dir})"
+    # judged on the name first, so that nothing outside the directory is even looked at
+    # (whether a file exists elsewhere is not the caller's to learn)
+    named = Path(os.path.normpath(home / name))  # an absolute name replaces home
+    if named.parent != home and named.parent != Path(os.path.normpath(keys_dir.absolute())):
+        raise KeysUnavailable(outside)
+    try:
+        path = (home / named.name).resolve(strict=True)
+    except OSError as exc:
+        raise KeysUnavailable(f"{ref}: cannot read it ({exc.strerror or exc})") from None
+    if path.parent != home or not path.is_file():  # a link out of the directory
+        raise KeysUnavailable(outside)
+    return path
 
 
 @dataclass(frozen=True)
@@ -162,7 +233,9 @@ class VerifyScheduleService:
         verifier: Verifier | None = None,
         *,
         environ: Callable[[], dict[str, str]] = lambda: dict(os.environ),
+        reach: Reach | None = None,
     ):
+        self.reach = reach if reach is not None else Reach()
         self.db = db
         self.alerting = alerting
         self.verifier = verifier
@@ -173,7 +246,7 @@ class VerifyScheduleService:
     def add(self, values: dict[str, Any], by: str, now: datetime) -> dict[str, Any]:
         """Register a schedule (due at once). Raises :class:`InvalidInput` naming the field."""
         endpoint = str(values["endpoint"]).strip().rstrip("/")
-        if (why := _bad_endpoint(endpoint)) is not None:
+        if (why := _bad_endpoint(endpoint) or self.reach.endpoint_refused(endpoint)) is not None:
             raise InvalidInput(f"endpoint: {why}", {"field": "endpoint"})
         dep = values["deployment_id"]
         if not is_valid_id(dep):
@@ -190,7 +263,7 @@ class VerifyScheduleService:
             raise InvalidInput(f"budget: 1 to {MAX_BUDGET} requests", {"field": "budget"})
         ref = str(values["keys_from"]).strip()
         try:
-            read_keys(ref, self._environ())  # readable now, or it would fail every run
+            read_keys(ref, self.reach, self._environ())  # readable now, or it would fail every run
         except KeysUnavailable as exc:
             raise InvalidInput(f"keys_from: {exc}", {"field": "keys_from"}) from None
         now_us = to_micros(now)
@@ -332,7 +405,9 @@ class VerifyScheduleService:
         announced: dict[str, Any] | None = None
         by = f"schedule:{r.id}"
         try:
-            keys = read_keys(r.keys_ref, self._environ())
+            if (why := self.reach.endpoint_refused(r.endpoint)) is not None:
+                raise KeysUnavailable(f"endpoint: {why}")
+            keys = read_keys(r.keys_ref, self.reach, self._environ())
             # its prompts are the run's own, not the endpoint's traffic, for as long as its
             # claim lasts (the run is recorded, or the announcement ended, before that)
             announced = self.alerting.announce_verification_run(

@@ -311,12 +311,13 @@ def _write_json(
 
 def _schedules(database_url: str | None) -> Iterator[tuple[VerifyScheduleService, str]]:
     from collector.alerting.service import AlertingService
-    from collector.verify_schedules import VerifyScheduleService
+    from collector.verify_schedules import Reach, VerifyScheduleService
     from kvwatch.cli_common import database
     from policies import RuleSet
 
-    with database(database_url) as (db, _):
-        yield VerifyScheduleService(db, AlertingService(db, RuleSet())), "cli"
+    with database(database_url) as (db, s):
+        reach = Reach.from_settings(s)
+        yield VerifyScheduleService(db, AlertingService(db, RuleSet()), reach=reach), "cli"
 
 
 @schedule_app.command("add")
@@ -328,9 +329,10 @@ def schedule_add(
     keys_from: Annotated[
         str,
         typer.Option(
-            help="Where the collector reads the tenant keys at each run: env:VARIABLE or "
-            "file:PATH, holding NAME=KEY pairs (space- or newline-separated). The keys are "
-            "never stored nor printed; the reference must resolve here too.",
+            help="Where the collector reads the tenant keys at each run: env:VARIABLE (named "
+            "with KVWATCH_VERIFY_KEYS_ENV_PREFIX, default VERIFY_KEYS_) or file:NAME (in "
+            "KVWATCH_VERIFY_KEYS_DIR), holding NAME=KEY pairs (space- or newline-separated). "
+            "The keys are never stored nor printed; the reference must resolve here too.",
         ),
     ],
     budget: Annotated[int, typer.Option(min=1, help="The most requests a run sends.")] = 200,

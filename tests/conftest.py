@@ -166,8 +166,14 @@ def make_token(db_url: str, kind: str, **kw: str | None) -> str:
 DPO_CONTACT = "Data protection officer, dpo@operator.example"
 
 
+# what a schedule added through the test collector may reach (collector.verify_schedules.Reach):
+# the unreachable endpoint the tests name, and keys in a variable with the default prefix
+SCHEDULE_ENDPOINT = "http://127.0.0.1:9/v1"
+SCHEDULE_KEYS = "env:VERIFY_KEYS_TEST"
+
+
 @pytest.fixture
-def collector(db_url: str) -> Iterator[Collector]:
+def collector(db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Collector]:
     """The real collector app, served by uvicorn on 127.0.0.1 in a thread."""
     from collector import migrate
     from collector.app import create_app
@@ -182,7 +188,9 @@ def collector(db_url: str) -> Iterator[Collector]:
         rollup_interval_s=0.2,
         # as an operator sets it: a notice without a contact point is a draft, never sent
         dpo_contact=DPO_CONTACT,
+        verify_endpoints=["http://127.0.0.1:9"],
     )
+    monkeypatch.setenv("VERIFY_KEYS_TEST", "acme=k-acme globex=k-globex")
     with serve_in_thread(create_app(settings)) as url:
         yield Collector(url, db_url, make_token(db_url, "admin"), make_token(db_url, "ingest"))
 

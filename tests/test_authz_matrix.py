@@ -12,11 +12,9 @@ Runs over SQLite and PostgreSQL (the ``collector`` fixture's parametrisation).
 from __future__ import annotations
 
 import secrets
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -28,7 +26,7 @@ from collector import models as m
 from collector.db import Database
 from engine_probe import events as ev
 from tests import factories as f
-from tests.conftest import Collector, wait_rollups
+from tests.conftest import SCHEDULE_ENDPOINT, SCHEDULE_KEYS, Collector, wait_rollups
 
 ACME, GLOBEX = "acme", "globex"
 DEP, MODEL, ROUTE = "glm-prod", "glm-5.3", "/v1/chat/completions"
@@ -332,14 +330,12 @@ def live_operations(c: Collector) -> list[Operation]:
 
 
 def _schedule_body() -> dict[str, Any]:
-    keys = Path(tempfile.gettempdir()) / "kvwatch-authz-keys"
-    keys.write_text("acme=k-acme globex=k-globex\n")
     return {
-        "endpoint": "http://127.0.0.1:9/v1",
+        "endpoint": SCHEDULE_ENDPOINT,
         "model_id": MODEL,
         "deployment_id": DEP,
         "every": "6h",
-        "keys_from": f"file:{keys}",
+        "keys_from": SCHEDULE_KEYS,
     }
 
 

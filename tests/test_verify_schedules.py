@@ -23,12 +23,12 @@ from collector import migrate
 from collector import models as m
 from collector.alerting.service import AlertingService
 from collector.db import Database
-from collector.verify_schedules import VerifyScheduleService
+from collector.verify_schedules import Reach, VerifyScheduleService
 from kvwatch.cli import app
 from kvwatch.embedded import free_port
 from policies import RuleSet
 from tests import factories as f
-from tests.conftest import Collector, make_token
+from tests.conftest import SCHEDULE_ENDPOINT, SCHEDULE_KEYS, Collector, make_token
 from tests.test_verify import KEYS, MODEL, refengine
 
 PAIR = {k: KEYS[k] for k in ("acme", "globex")}
@@ -62,7 +62,8 @@ def served(tmp_path: Path) -> Iterator[tuple[str, str, subprocess.Popen[str]]]:
             "KVWATCH_DATABASE_URL": db_url,
             "KVWATCH_VERIFY_SCHEDULE_TICK_S": "0.2",
             "KVWATCH_POLICY_TIMER_S": "1",
-            "LAB_KEYS": KEYS_TEXT,
+            "VERIFY_KEYS_LAB": KEYS_TEXT,
+            "KVWATCH_VERIFY_ENDPOINTS": "*",
             "PYTHONUNBUFFERED": "1",
         },
         stdout=subprocess.PIPE,
@@ -102,9 +103,9 @@ def test_a_schedule_runs_records_alerts_and_reruns_on_drift(
         added = _cli(
             db_url,
             "verify", "schedule", "add", "--endpoint", endpoint, "--model", MODEL,
-            "--deployment", deployment, "--every", "6h", "--keys-from", "env:LAB_KEYS",
+            "--deployment", deployment, "--every", "6h", "--keys-from", "env:VERIFY_KEYS_LAB",
             "--budget", "60",
-            env={"LAB_KEYS": KEYS_TEXT},
+            env={"VERIFY_KEYS_LAB": KEYS_TEXT, "KVWATCH_VERIFY_ENDPOINTS": "*"},
         )  # fmt: skip
         assert added.exit_code == 0, added.output
         sid = int(added.stdout.strip())
@@ -153,9 +154,9 @@ def test_a_schedule_runs_records_alerts_and_reruns_on_drift(
     listed = _cli(db_url, "verify", "schedule", "list", "--json")
     assert listed.exit_code == 0, listed.output
     assert '"last_trigger": "drift"' in listed.stdout and '"runs": 2' in listed.stdout
-    assert '"keys_from": "env:LAB_KEYS"' in listed.stdout
+    assert '"keys_from": "env:VERIFY_KEYS_LAB"' in listed.stdout
     table = _cli(db_url, "verify", "schedule", "list")
-    assert "env:LAB_KEYS" in table.stdout and f"verification {both[0]['id']}" in table.stdout
+    assert "env:VERIFY_KEYS_LAB" in table.stdout and f"verification {both[0]['id']}" in table.stdout
 
     # the API: admin only, bad input names the field, nothing half-stored
     reader = make_token(db_url, "read")
@@ -172,11 +173,12 @@ def test_a_schedule_runs_records_alerts_and_reruns_on_drift(
     }
     r = admin.post("/v1/verify-schedules", json=body)
     assert r.status_code == 422 and "keys_from" in r.json()["error"]["message"], r.text
-    r = admin.post("/v1/verify-schedules", json=body | {"keys_from": "env:LAB_KEYS", "every": "5s"})
+    lab = {"keys_from": "env:VERIFY_KEYS_LAB"}
+    r = admin.post("/v1/verify-schedules", json=body | lab | {"every": "5s"})
     assert r.status_code == 422 and "every" in r.json()["error"]["message"], r.text
     r = admin.post(
         "/v1/verify-schedules",
-        json=body | {"keys_from": "env:LAB_KEYS", "endpoint": "http://u:p@h/v1"},
+        json=body | {"keys_from": "env:VERIFY_KEYS_LAB", "endpoint": "http://u:p@h/v1"},
     )
     assert r.status_code == 422 and "credentials" in r.json()["error"]["message"], r.text
     assert [s["id"] for s in admin.get("/v1/verify-schedules").json()] == [sid]
@@ -200,35 +202,41 @@ def test_a_schedule_runs_records_alerts_and_reruns_on_drift(
         assert key not in out and key not in listed.stdout + table.stdout  # nor printed
 
 
-def test_a_schedule_needs_readable_keys_and_a_sane_interval(tmp_path: Path) -> None:
+def test_a_schedule_needs_readable_keys_and_a_sane_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     db_url = f"sqlite:///{tmp_path / 'kv.db'}"
+    monkeypatch.setenv("KVWATCH_VERIFY_ENDPOINTS", "http://127.0.0.1:9")
+    monkeypatch.setenv("KVWATCH_VERIFY_KEYS_DIR", str(tmp_path))
     args = ["verify", "schedule", "add", "--endpoint", "http://127.0.0.1:9/v1", "--model", MODEL,
             "--deployment", "d", "--every", "1h"]  # fmt: skip
-    r = _cli(db_url, *args, "--keys-from", "env:KVWATCH_TEST_NOT_SET")
-    assert r.exit_code == 2 and "KVWATCH_TEST_NOT_SET" in r.output
+    r = _cli(db_url, *args, "--keys-from", "env:VERIFY_KEYS_NOT_SET")
+    assert r.exit_code == 2 and "VERIFY_KEYS_NOT_SET" in r.output
     keys = tmp_path / "keys"
     keys.write_text("acme=only-one\n")
-    r = _cli(db_url, *args, "--keys-from", f"file:{keys}")
+    r = _cli(db_url, *args, "--keys-from", "file:keys")
     assert r.exit_code == 2 and "at least two tenants" in r.output and "only-one" not in r.output
     keys.write_text(KEYS_TEXT.replace(" ", "\n"))
-    r = _cli(db_url, *args[:-1], "10s", "--keys-from", f"file:{keys}")
+    r = _cli(db_url, *args[:-1], "10s", "--keys-from", "file:keys")
     assert r.exit_code == 2 and "every" in r.output
-    r = _cli(db_url, *args, "--keys-from", f"file:{keys}")
+    r = _cli(db_url, *args, "--keys-from", "file:keys")
     assert r.exit_code == 0, r.output
     assert "sk-" not in r.output
+    # a path in the directory, as schedules named them before the directory was required
+    r = _cli(db_url, *args, "--keys-from", f"file:{keys}")
+    assert r.exit_code == 0, r.output
 
 
-def test_every_is_bounded_above_too(collector: Collector, tmp_path: Path) -> None:
+def test_every_is_bounded_above_too(collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
     """At most MAX_EVERY_S (366 days) between runs: longer is a 422 naming `every` on the API
     and exit 2 naming --every on the CLI. A period past PostgreSQL's BIGINT (or past a float)
     is the same mistake, never a 500 or a traceback; nothing of a refused schedule is kept."""
-    keys = tmp_path / "keys"
-    keys.write_text(KEYS_TEXT.replace(" ", "\n"))
+    monkeypatch.setenv("KVWATCH_VERIFY_ENDPOINTS", "http://127.0.0.1:9")
     body = {
-        "endpoint": "http://127.0.0.1:9/v1",
+        "endpoint": SCHEDULE_ENDPOINT,
         "model_id": MODEL,
         "deployment_id": "d",
-        "keys_from": f"file:{keys}",
+        "keys_from": SCHEDULE_KEYS,
     }
     huge = ["367d", "53w", "999999999999999d", "9" * 400 + "d"]
     with collector.client(collector.admin) as admin:
@@ -237,7 +245,7 @@ def test_every_is_bounded_above_too(collector: Collector, tmp_path: Path) -> Non
             assert r.status_code == 422, (every, r.status_code, r.text[:300])
             assert "every" in r.json()["error"]["message"] and "366d" in r.text, r.text
         args = ["verify", "schedule", "add", "--endpoint", "http://127.0.0.1:9/v1",
-                "--model", MODEL, "--deployment", "d", "--keys-from", f"file:{keys}"]  # fmt: skip
+                "--model", MODEL, "--deployment", "d", "--keys-from", SCHEDULE_KEYS]  # fmt: skip
         for every in huge:
             res = _cli(collector.db_url, *args, "--every", every)
             assert res.exit_code == 2, (every, res.output)
@@ -265,7 +273,11 @@ def test_one_run_at_a_time_per_endpoint(collector: Collector) -> None:
         return RunOutcome(None, "not run in this test")
 
     service = VerifyScheduleService(
-        db, AlertingService(db, RuleSet()), verifier, environ=lambda: {"K": KEYS_TEXT}
+        db,
+        AlertingService(db, RuleSet()),
+        verifier,
+        environ=lambda: {"VERIFY_KEYS_K": KEYS_TEXT},
+        reach=Reach(endpoints=("http://127.0.0.1:9",)),
     )
     try:
         for model in ("m1", "m2"):
@@ -275,7 +287,7 @@ def test_one_run_at_a_time_per_endpoint(collector: Collector) -> None:
                     "model_id": model,
                     "deployment_id": "d1",
                     "every_s": 3600,
-                    "keys_from": "env:K",
+                    "keys_from": "env:VERIFY_KEYS_K",
                 },
                 "test",
                 datetime.now(UTC),

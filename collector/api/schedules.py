@@ -34,7 +34,8 @@ class ScheduleIn(BaseModel):
             min_length=5,
             max_length=1000,
             description="Where the collector reads the tenant keys at run time: env:VARIABLE "
-            "or file:PATH (NAME=KEY pairs). The keys are never stored.",
+            "(named with KVWATCH_VERIFY_KEYS_ENV_PREFIX) or file:NAME (in "
+            "KVWATCH_VERIFY_KEYS_DIR), holding NAME=KEY pairs. The keys are never stored.",
         ),
     ]
     budget: Annotated[int, Field(ge=1, le=MAX_BUDGET)] = 200
