@@ -434,6 +434,8 @@ class ApiToken(Base):
     enough: there is nothing to brute-force). ``tenant`` scopes read tokens."""
 
     __tablename__ = "api_tokens"
+    # one valid token answers to a name, whichever replica created it
+    __table_args__ = (Index("ux_api_tokens_name_held", "name_held", unique=True),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     kind: Mapped[str] = mapped_column(String(16))
@@ -449,6 +451,8 @@ class ApiToken(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UtcMicros)
     # the token a rotation chain started from (NULL: this one); probes belong to a lineage
     lineage_id: Mapped[int | None] = mapped_column(BigInteger)
+    # the name while this token holds it (collector.tokens keeps it; NULL once released)
+    name_held: Mapped[str | None] = mapped_column(String(NAME_MAX))
 
 
 class AuditEntry(Base):

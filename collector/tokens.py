@@ -13,6 +13,16 @@ Lifecycle invariants:
   expire after a grace period (``DEFAULT_GRACE_S`` unless given), so probes can be
   reconfigured without losing events; both belong to one *lineage* (``lineage_id``, the first
   token's id), and a probe id registered to a lineage accepts any of its valid tokens;
+* revoking a token revokes the generations of its lineage before it too (the ones it
+  replaced, usually the leaked secret a rotation was made for), unless ``keep_previous``;
+  the tokens that replaced it are not touched. A revoked or expired token can still be
+  rotated: its replacement joins the lineage, so a probe's spooled events under the lineage's
+  probe ids can be delivered with it;
+* a name is held by at most one valid token (``name_held``, under a unique index, so two
+  replicas creating one name at once cannot both succeed); a rotation passes the name on, a
+  revocation releases it, an expired holder gives it up when a new token claims it;
+* a reference is an id (``18``, ``#18``, ``id:18``) or a name (``name:18`` for a name of
+  digits only, which new tokens cannot take);
 * every operation is in the audit log (``token.create``, ``token.revoke``,
   ``token.rotate``); a secret is never stored nor shown after creation.
 """
@@ -27,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from sqlalchemy import Connection, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
 
 from collector import audit
 from collector import models as m
@@ -102,15 +113,12 @@ def create_token(
             f"expires_in must be between 1 second and 10 years, not {expires_in_s:g} s",
             {"field": "expires_in"},
         )
-    if name is not None and lineage_id is None:
-        clash = _valid(conn, now_us).where(m.ApiToken.name == name)
-        held = conn.execute(clash.with_only_columns(m.ApiToken.id)).scalars().first()
-        if held is not None:
-            raise Conflict(
-                f"a valid token is already named {name!r} (#{held}); names must be unique "
-                "(rotate it, or revoke it first)",
-                {"field": "name", "token_id": held},
-            )
+    if name is not None and lineage_id is None and _as_id(name) is not None:
+        raise InvalidInput(
+            f"name: {name!r} is digits only and would read as a token id", {"field": "name"}
+        )
+    if name is not None:
+        _claim_name(conn, name, lineage_id, now_us)
     expires_us = None if expires_in_s is None else now_us + int(expires_in_s * 1_000_000)
     if kind not in KINDS:
         raise InvalidInput(f"token kind must be one of {', '.join(KINDS)}, not {kind!r}")
@@ -119,21 +127,30 @@ def create_token(
     if deployment_id is not None and kind != "ingest":
         raise InvalidInput("--deployment scopes ingest tokens only")
     secret = f"kvw_{kind}_{secrets.token_urlsafe(32)}"
-    token_id = conn.execute(
-        insert(m.ApiToken)
-        .values(
-            kind=kind,
-            tenant=tenant,
-            deployment_id=deployment_id,
-            name=name,
-            prefix=secret[:16],
-            token_hash=hash_token(secret),
-            created_at=now_us,
-            expires_at=expires_us,
-            lineage_id=lineage_id,
-        )
-        .returning(m.ApiToken.id)
-    ).scalar_one()
+    try:
+        with conn.begin_nested():  # a lost race on the name leaves the transaction usable
+            token_id = conn.execute(
+                insert(m.ApiToken)
+                .values(
+                    kind=kind,
+                    tenant=tenant,
+                    deployment_id=deployment_id,
+                    name=name,
+                    name_held=name,
+                    prefix=secret[:16],
+                    token_hash=hash_token(secret),
+                    created_at=now_us,
+                    expires_at=expires_us,
+                    lineage_id=lineage_id,
+                )
+                .returning(m.ApiToken.id)
+            ).scalar_one()
+    except IntegrityError:
+        raise Conflict(
+            f"a valid token is already named {name!r} (created at the same moment, by "
+            "another request); names must be unique",
+            {"field": "name"},
+        ) from None
     audit.append(
         conn,
         now_us=now_us,
@@ -150,6 +167,24 @@ def create_token(
         },
     )
     return token_id, secret
+
+
+def _claim_name(conn: Connection, name: str, lineage_id: int | None, now_us: int) -> None:
+    """Make ``name`` free for a new token of ``lineage_id`` (None: a new lineage): released
+    by holders that are no longer valid, and by a valid holder of the same lineage (the
+    token a rotation replaces). A valid holder of another lineage refuses it."""
+    t = m.ApiToken
+    holder = conn.execute(select(t).where(t.name_held == name)).first()
+    if holder is None:
+        return
+    same = lineage_id is not None and (holder.lineage_id or holder.id) == lineage_id
+    if token_doc(holder, now_us)["state"] == "valid" and not same:
+        raise Conflict(
+            f"a valid token is already named {name!r} (#{holder.id}); names must be unique "
+            "(rotate it, or revoke it first)",
+            {"field": "name", "token_id": holder.id},
+        )
+    conn.execute(update(t).where(t.id == holder.id).values(name_held=None))
 
 
 def _valid(conn: Connection, now_us: int) -> Any:
@@ -205,10 +240,21 @@ def _as_id(id_or_name: str | int) -> int | None:
 
 
 def find_token(conn: Connection, id_or_name: str | int, now_us: int) -> Any:
-    """A token by id, or by name among valid tokens (one, or the newest of one lineage);
-    a name shared by tokens of different lineages is refused, naming their ids."""
+    """A token by id (``18``, ``#18``, ``id:18``), or by name (``name:NAME`` whatever the
+    name, or a plain name) among valid tokens (one, or the newest of one lineage); a name
+    shared by tokens of different lineages (an older version's race) is refused, naming
+    their ids."""
     t = m.ApiToken
-    token_id = _as_id(id_or_name)
+    token_id: int | None = None
+    if isinstance(id_or_name, str) and id_or_name.startswith("name:"):
+        id_or_name = id_or_name.removeprefix("name:")
+    elif isinstance(id_or_name, str) and id_or_name.startswith(("#", "id:")):
+        ref = id_or_name.removeprefix("#").removeprefix("id:")
+        token_id = _as_id(ref)
+        if token_id is None:
+            raise NotFound(f"no token {id_or_name!r}: an id is digits")
+    else:
+        token_id = _as_id(id_or_name)
     if token_id is not None:
         row = (
             None if token_id > _MAX_ID else conn.execute(select(t).where(t.id == token_id)).first()
@@ -227,23 +273,45 @@ def find_token(conn: Connection, id_or_name: str | int, now_us: int) -> Any:
 
 
 def revoke_token(
-    conn: Connection, id_or_name: str | int, *, actor: str, now_us: int
+    conn: Connection,
+    id_or_name: str | int,
+    *,
+    actor: str,
+    now_us: int,
+    keep_previous: bool = False,
 ) -> dict[str, Any]:
-    """Revoke a token (by id or unique name) at once; revoking one twice is a no-op that
-    says so."""
+    """Revoke a token (by id or unique name) at once, and the generations of its lineage
+    before it that still work (``keep_previous``: those keep their grace period). Revoking
+    one twice is a no-op that says so. The answer is the token, with ``also_revoked``: the
+    ids of the earlier generations this revoked."""
+    t = m.ApiToken
     row = find_token(conn, id_or_name, now_us)
-    if row.revoked_at is None:
-        conn.execute(update(m.ApiToken).where(m.ApiToken.id == row.id).values(revoked_at=now_us))
+    lineage = row.lineage_id if row.lineage_id is not None else row.id
+    targets = [row]
+    if not keep_previous:
+        earlier = conn.execute(
+            _valid(conn, now_us).where(or_(t.id == lineage, t.lineage_id == lineage), t.id < row.id)
+        ).all()
+        targets += list(earlier)
+    also: list[int] = []
+    for r in targets:
+        if r.revoked_at is not None:
+            continue
+        conn.execute(update(t).where(t.id == r.id).values(revoked_at=now_us, name_held=None))
+        detail: dict[str, Any] = {"kind": r.kind, "name": r.name}
+        if r.id != row.id:
+            also.append(r.id)
+            detail["with"] = row.id  # an earlier generation, revoked with the one named
         audit.append(
             conn,
             now_us=now_us,
             actor=actor,
             action="token.revoke",
-            subject=f"token:{row.id}",
-            detail={"kind": row.kind, "name": row.name},
+            subject=f"token:{r.id}",
+            detail=detail,
         )
-    fresh = conn.execute(select(m.ApiToken).where(m.ApiToken.id == row.id)).one()
-    return token_doc(fresh, now_us)
+    fresh = conn.execute(select(t).where(t.id == row.id)).one()
+    return token_doc(fresh, now_us) | {"also_revoked": also}
 
 
 def rotate_token(
@@ -257,14 +325,14 @@ def rotate_token(
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """A new token with the old one's kind, scope and name (and lifetime, unless
     ``expires_in_s``), in its lineage; the old one expires ``grace_s`` from now (sooner if it
-    already would). Returns (new token, its secret, old token)."""
+    already would). An expired or revoked token is rotated too (it stays as it is): its
+    replacement answers for the lineage's probe ids, so what a probe spooled under them can
+    still be delivered. Returns (new token, its secret, old token)."""
     if not 0 <= grace_s <= 30 * 24 * 3600:
         raise InvalidInput(
             f"grace must be between 0 and 30 days, not {grace_s:g} s", {"field": "grace"}
         )
     old = find_token(conn, id_or_name, now_us)
-    if token_doc(old, now_us)["state"] != "valid":
-        raise Conflict(f"token #{old.id} is {token_doc(old, now_us)['state']}: create a new one")
     lineage = old.lineage_id if old.lineage_id is not None else old.id
     if expires_in_s is None and old.expires_at is not None:
         # the new token lives as long as the old one was given to
@@ -282,7 +350,7 @@ def rotate_token(
     )
     ends = now_us + int(grace_s * 1_000_000)
     current = as_micros(old.expires_at)
-    if current is None or ends < current:
+    if old.revoked_at is None and (current is None or ends < current):
         conn.execute(update(m.ApiToken).where(m.ApiToken.id == old.id).values(expires_at=ends))
     audit.append(
         conn,
@@ -467,9 +535,13 @@ class TokenService:
             row = conn.execute(select(m.ApiToken).where(m.ApiToken.id == token_id)).one()
             return token_doc(row, now_us), secret
 
-    def revoke(self, id_or_name: str | int, *, actor: str) -> dict[str, Any]:
+    def revoke(
+        self, id_or_name: str | int, *, actor: str, keep_previous: bool = False
+    ) -> dict[str, Any]:
         with self.db.write() as conn:
-            return revoke_token(conn, id_or_name, actor=actor, now_us=now_micros())
+            return revoke_token(
+                conn, id_or_name, actor=actor, now_us=now_micros(), keep_previous=keep_previous
+            )
 
     def rotate(
         self,

@@ -127,27 +127,50 @@ def tokens_list(
 
 @tokens_app.command("revoke")
 def tokens_revoke(
-    token: Annotated[str, typer.Argument(metavar="ID_OR_NAME", help="Token id or unique name.")],
+    token: Annotated[
+        str,
+        typer.Argument(
+            metavar="ID_OR_NAME",
+            help="Token id (18, #18, id:18) or unique name (name:NAME for any name).",
+        ),
+    ],
+    keep_previous: Annotated[
+        bool,
+        typer.Option(
+            "--keep-previous",
+            help="Leave the tokens it replaced (by rotation) to their grace period.",
+        ),
+    ] = False,
     by: Annotated[str, typer.Option(help="Who revokes it (audit log).")] = "cli",
     database_url: DbUrl = None,
 ) -> None:
-    """Revoke a token now. Every collector stops accepting it within KVWATCH_TOKEN_CACHE_S
-    (5s by default)."""
+    """Revoke a token now, and the tokens it replaced by rotation that still work (the old
+    secret, usually the leaked one), unless --keep-previous. Every collector stops accepting
+    them within KVWATCH_TOKEN_CACHE_S (5s by default)."""
     from collector.tokens import TokenService
     from policies.durations import format_duration
 
     with database(database_url) as (db, settings):
-        doc = TokenService(db).revoke(token, actor=by)
+        doc = TokenService(db).revoke(token, actor=by, keep_previous=keep_previous)
     lag = format_duration(settings.token_cache_s)  # a setting, shown as configured
+    also = ", ".join(f"#{i}" for i in doc["also_revoked"])
     err.print(
         f"token #{doc['id']} ({doc['kind']}, {doc['name'] or doc['prefix']}) revoked at "
-        f"{doc['revoked_at']}; collectors refuse it within {lag}"
+        f"{doc['revoked_at']}"
+        + (f", with the tokens it replaced ({also})" if also else "")
+        + f"; collectors refuse {'them' if also else 'it'} within {lag}"
     )
 
 
 @tokens_app.command("rotate")
 def tokens_rotate(
-    token: Annotated[str, typer.Argument(metavar="ID_OR_NAME", help="Token id or unique name.")],
+    token: Annotated[
+        str,
+        typer.Argument(
+            metavar="ID_OR_NAME",
+            help="Token id (18, #18, id:18) or unique name (name:NAME for any name).",
+        ),
+    ],
     grace: Annotated[
         str,
         typer.Option(metavar="DURATION", help="How long the old token keeps working (≤ 30d)."),
@@ -170,9 +193,14 @@ def tokens_rotate(
         new, secret, old = TokenService(db).rotate(
             token, actor=by, grace_s=grace_s, expires_in_s=_seconds(expires_in, "--expires-in")
         )
+    until = (
+        f"#{old['id']} was already {old['state']}"
+        if old["state"] != "valid"
+        else f"#{old['id']} works until {old['expires_at']} "
+        f"({relative(old['expires_at'], datetime.now(UTC))})"
+    )
     err.print(
-        f"token #{new['id']} replaces #{old['id']} ({new['kind']}); #{old['id']} works until "
-        f"{old['expires_at']} ({relative(old['expires_at'], datetime.now(UTC))}). The new "
-        "token is shown once, store it now:"
+        f"token #{new['id']} replaces #{old['id']} ({new['kind']}); {until}. The new token "
+        "is shown once, store it now:"
     )
     print(secret)

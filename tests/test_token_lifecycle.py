@@ -137,8 +137,11 @@ def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
         listed = httpx.get(f"{url}/v1/tokens", headers=h).json()
         assert {d["id"]: d["state"] for d in listed}[tid] == "revoked"
         assert all("secret" not in d and "token_hash" not in d for d in listed)
+        # a revoked token is rotated (its replacement answers for its probes) and stays revoked
         rotated = httpx.post(f"{url}/v1/tokens/{tid}/rotate", headers=h)
-        assert rotated.status_code == 409, rotated.text  # a revoked token is not rotated
+        assert rotated.status_code == 201, rotated.text
+        assert rotated.json()["old"]["state"] == "revoked"
+        assert _ingest(url, token, 3) == 401
         bad = httpx.post(f"{url}/v1/tokens", json={"kind": "read", "expires_in": "soon"}, headers=h)
         assert bad.status_code == 422 and "expires_in" in bad.text
 
@@ -216,6 +219,7 @@ def test_token_operations_through_the_api_are_audited_with_the_admin_as_actor(
         ("token.create", f"token:{second}"),  # the rotation's new token
         ("token.rotate", f"token:{first}"),
         ("token.revoke", f"token:{second}"),
+        ("token.revoke", f"token:{first}"),  # the generation it replaced, with it
     ]
 
 
@@ -301,3 +305,150 @@ def test_a_probe_whose_token_is_rotated_out_says_so_once_and_keeps_its_events(
         engine.dispose()
     rejected = list((spool / "rejected").glob("*.txt"))
     assert used == list(range(15)), (used, [p.read_text()[:300] for p in rejected])
+
+
+# -- issue 40, finding 3: revoking means revoked -------------------------------------------
+
+
+def _until(what: str, check: Any, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_revoking_after_a_rotation_revokes_the_leaked_secret_too(collector: Collector) -> None:
+    """The old secret (usually the leaked one, the reason for the rotation) had kept working
+    for the rest of its grace period after `tokens revoke NAME` revoked only the new one."""
+    db = collector.db_url
+    leaked = _cli(db, "tokens", "create", "--kind", "ingest", "--name", "engine-a")
+    leaked_secret = leaked.stdout.strip().splitlines()[-1]
+    rotated = _cli(db, "tokens", "rotate", "engine-a", "--grace", "24h")
+    new_secret = rotated.stdout.strip().splitlines()[-1]
+    assert _ingest(collector.url, leaked_secret, 1, "p-a") == 200
+    assert _ingest(collector.url, new_secret, 2, "p-a") == 200
+    gone = _cli(db, "tokens", "revoke", "engine-a")
+    assert gone.exit_code == 0, gone.output
+    assert "with the tokens it replaced" in gone.stderr, gone.stderr
+    _until("the leaked secret to be refused", lambda: _ingest(collector.url, leaked_secret, 3,
+                                                               "p-a") == 401)  # fmt: skip
+    assert _ingest(collector.url, new_secret, 4, "p-a") == 401
+    states = {d["id"]: d["state"] for d in json.loads(_cli(db, "tokens", "list", "--json").stdout)}
+    assert sorted(states.values()).count("revoked") == 2
+
+    # --keep-previous: only the one named; the one it replaced keeps its grace period
+    kept = _cli(db, "tokens", "create", "--kind", "ingest", "--name", "engine-b")
+    old_b = kept.stdout.strip().splitlines()[-1]
+    new_b = _cli(db, "tokens", "rotate", "engine-b").stdout.strip().splitlines()[-1]
+    gone = _cli(db, "tokens", "revoke", "engine-b", "--keep-previous")
+    assert gone.exit_code == 0 and "replaced" not in gone.stderr, gone.output
+    _until("the new token to be refused", lambda: _ingest(collector.url, new_b, 1, "p-b") == 401)
+    assert _ingest(collector.url, old_b, 2, "p-b") == 200
+
+    # the API says what it revoked
+    with collector.client(collector.admin) as c:
+        made = c.post("/v1/tokens", json={"kind": "read", "name": "dash"}).json()["token"]
+        newer = c.post(f"/v1/tokens/{made['id']}/rotate").json()["token"]
+        r = c.post(f"/v1/tokens/id:{newer['id']}/revoke")
+        assert r.status_code == 200 and r.json()["also_revoked"] == [made["id"]], r.text
+        r = c.post(f"/v1/tokens/%23{newer['id']}/revoke")  # again: nothing more to revoke
+        assert r.status_code == 200 and r.json()["also_revoked"] == [], r.text
+
+
+def test_ids_and_names_cannot_be_confused(collector: Collector) -> None:
+    """A token named "18" was shadowed by token #18 in `revoke 18`. New names of digits only
+    are refused; `name:` reaches any name an older version allowed, `#` and `id:` an id."""
+    db = collector.db_url
+    refused = _cli(db, "tokens", "create", "--kind", "read", "--name", "18")
+    assert refused.exit_code == 2 and "digits only" in refused.output, refused.output
+    with collector.client(collector.admin) as c:
+        r = c.post("/v1/tokens", json={"kind": "read", "name": "007"})
+        assert r.status_code == 422 and r.json()["error"]["details"] == {"field": "name"}
+        victim = c.post("/v1/tokens", json={"kind": "read", "name": "victim"}).json()["token"]
+        odd = c.post("/v1/tokens", json={"kind": "read", "name": "odd"}).json()["token"]
+    engine = create_engine(db)
+    try:  # as an older version allowed: a token named with the victim's id
+        with engine.begin() as conn:
+            conn.execute(
+                text("UPDATE api_tokens SET name = :n, name_held = :n WHERE id = :i"),
+                {"n": str(victim["id"]), "i": odd["id"]},
+            )
+    finally:
+        engine.dispose()
+    gone = _cli(db, "tokens", "revoke", f"name:{victim['id']}")
+    assert gone.exit_code == 0, gone.output
+    assert f"token #{odd['id']}" in gone.stderr, gone.stderr
+    states = {d["id"]: d["state"] for d in json.loads(_cli(db, "tokens", "list", "--json").stdout)}
+    assert (states[victim["id"]], states[odd["id"]]) == ("valid", "revoked")
+    assert _cli(db, "tokens", "revoke", "#x1").exit_code == 2
+
+
+def test_a_revoked_ingest_token_is_rotated_and_its_replacement_delivers_for_its_probe_ids(
+    collector: Collector,
+) -> None:
+    """A revoked (or expired) ingest token could not be rotated, and a new token got 403 on
+    the old probe ids: what the probe had spooled under them could never be delivered."""
+    db = collector.db_url
+    made = _cli(db, "tokens", "create", "--kind", "ingest", "--name", "engine-c")
+    first = made.stdout.strip().splitlines()[-1]
+    assert _ingest(collector.url, first, 1, "p-c") == 200
+    assert _cli(db, "tokens", "revoke", "engine-c").exit_code == 0
+    fresh = _cli(db, "tokens", "create", "--kind", "ingest", "--name", "unrelated")
+    assert _ingest(collector.url, fresh.stdout.strip().splitlines()[-1], 2, "p-c") == 403
+    docs = json.loads(_cli(db, "tokens", "list", "--json").stdout)
+    (revoked,) = [d for d in docs if d["name"] == "engine-c"]
+    rotated = _cli(db, "tokens", "rotate", str(revoked["id"]))
+    assert rotated.exit_code == 0, rotated.output
+    assert "was already revoked" in rotated.stderr, rotated.stderr
+    replacement = rotated.stdout.strip().splitlines()[-1]
+    assert _ingest(collector.url, replacement, 2, "p-c") == 200  # the probe's own, still
+    # and the name went with it: the replacement answers to it
+    docs = json.loads(_cli(db, "tokens", "list", "--json").stdout)
+    valid = [d for d in docs if d["name"] == "engine-c" and d["state"] == "valid"]
+    assert len(valid) == 1 and valid[0]["lineage_id"] == revoked["id"]
+
+
+def test_two_replicas_creating_one_name_at_once_do_not_both_succeed(db_url: str) -> None:
+    """Two collectors each checked the name was free, then both inserted it. The database
+    now holds the name under a unique index: the second one waits for the first and loses."""
+    import threading
+
+    from collector import migrate
+    from collector.db import Database
+    from collector.errors import Conflict
+    from collector.timefmt import to_micros
+    from collector.tokens import create_token
+    from engine_probe.events import utcnow
+
+    migrate.upgrade(db_url)
+    first_db, second_db = Database(db_url), Database(db_url)
+    inserted, outcome = threading.Event(), {}
+
+    def first() -> None:
+        with first_db.write() as conn:
+            create_token(conn, kind="read", name="shared", now_us=to_micros(utcnow()))
+            inserted.set()
+            time.sleep(1.0)  # the second replica's check runs while this is uncommitted
+
+    def second() -> None:
+        assert inserted.wait(10)
+        try:
+            with second_db.write() as conn:
+                create_token(conn, kind="read", name="shared", now_us=to_micros(utcnow()))
+            outcome["second"] = "created"
+        except Conflict as exc:
+            outcome["second"] = exc.message
+
+    try:
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert "already named 'shared'" in outcome["second"], outcome
+        with first_db.read() as conn:
+            n = conn.execute(text("SELECT count(*) FROM api_tokens WHERE name = 'shared'"))
+            assert n.scalar_one() == 1
+    finally:
+        first_db.dispose()
+        second_db.dispose()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
 
 from collector.api import caller, params
@@ -16,7 +16,14 @@ from collector.tokens import DEFAULT_GRACE_S, TokenService
 from policies.durations import parse_duration
 
 _ERRORS = params.errors(401, 403, 404, 409, 422, 503)
-Ref = Annotated[str, Path(min_length=1, max_length=256, description="Token id or unique name")]
+Ref = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=256,
+        description="Token id (18, #18, id:18) or unique name (name:NAME for any name)",
+    ),
+]
 Duration = Annotated[str, Field(min_length=1, max_length=32, description="e.g. 30d, 12h")]
 Scope = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
@@ -74,11 +81,21 @@ def build_router(tokens: TokenService) -> APIRouter:
     @r.post(
         "/v1/tokens/{ref}/revoke",
         responses=_ERRORS,
-        summary="Revoke a token now (every replica within KVWATCH_TOKEN_CACHE_S)",
+        summary="Revoke a token now, and the generations of its lineage before it (every "
+        "replica within KVWATCH_TOKEN_CACHE_S)",
     )
-    async def revoke_token(ref: Ref, who: Caller) -> dict[str, Any]:
+    async def revoke_token(
+        ref: Ref,
+        who: Caller,
+        keep_previous: Annotated[
+            bool,
+            Query(description="Leave the generations it replaced to their grace period"),
+        ] = False,
+    ) -> dict[str, Any]:
         who.require("admin")
-        return await in_thread(lambda: tokens.revoke(ref, actor=who.label))
+        return await in_thread(
+            lambda: tokens.revoke(ref, actor=who.label, keep_previous=keep_previous)
+        )
 
     @r.post(
         "/v1/tokens/{ref}/rotate",
