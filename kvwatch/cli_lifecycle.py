@@ -65,6 +65,14 @@ def retention_apply(
 def erase(
     tenant: Annotated[str, typer.Option(help="The tenant whose records are removed.")],
     yes: Annotated[bool, typer.Option("--yes", help="Do it (there is no undo).")] = False,
+    compact: Annotated[
+        bool,
+        typer.Option(
+            "--compact",
+            help="Also rewrite the files: VACUUM on SQLite, VACUUM FULL of the changed tables "
+            "on PostgreSQL (an exclusive lock while it runs).",
+        ),
+    ] = False,
     by: By = "cli",
     database_url: DbUrl = None,
 ) -> None:
@@ -72,15 +80,19 @@ def erase(
     rows and the alerts, notifications, silences and reports about it are deleted; other
     tenants' records and documents that name it (as a whole id, JSON walked) have the name
     replaced by <erased>; audit details naming it are redacted. The audit chain's hashes
-    and the fields they cover are kept, so `kvwatch audit verify` still passes. Prints, as
-    JSON, the rows removed and rewritten per table and what was kept and why."""
+    and the fields they cover are kept, so `kvwatch audit verify` still passes. On SQLite
+    the freed bytes are zeroed and the WAL checkpointed; on PostgreSQL they stay until VACUUM
+    (--compact runs it). Prints, as JSON, the rows removed and rewritten per table, what was
+    kept and why, and what may still hold the erased bytes."""
     from collector.lifecycle.erasure import ErasureService
 
     if not yes:
         err.print(f"[red]error:[/] erasing {tenant!r} cannot be undone: add --yes")
         raise typer.Exit(2)
     with database(database_url) as (db, _):
-        result = ErasureService(db).erase_tenant(tenant, by=by, now=datetime.now(UTC))
+        result = ErasureService(db).erase_tenant(
+            tenant, by=by, now=datetime.now(UTC), compact=compact
+        )
     print(json.dumps(result, indent=2))
     removed = ", ".join(f"{t} {n}" for t, n in result["removed"].items()) or "nothing"
     rewritten = ", ".join(f"{t} {n}" for t, n in result["rewritten"].items()) or "nothing"
@@ -92,6 +104,7 @@ def erase(
     err.print(f"audit entries redacted: {log['redacted']}", markup=False)
     for what, why in result["kept"].items():
         err.print(f"kept ({what}): {why}", markup=False)
+    err.print(f"may still hold the erased bytes: {result['storage']['remains']}", markup=False)
     if log["named_in_hashed_fields"]:
         ids = ", ".join(map(str, log["named_in_hashed_fields"]))
         err.print(f"audit entries still naming it in hashed fields: {ids}", markup=False)

@@ -20,9 +20,10 @@ occurrence is replaced by :data:`ERASED`, the punctuation around it kept
 
 **What happens, table by table** (one transaction):
 
-- its requests (with their PostgreSQL keys), its rollup rows, the page events it read or
-  owned, its deployment-tenant rows and its tenant-scoped tokens: deleted; the all-tenant
-  (``'*'``) rollup buckets they fed are marked for recomputation;
+- its requests (with their PostgreSQL keys and the OTLP spans stored as them), its rollup
+  rows, the page events it read or owned, its deployment-tenant rows and its tenant-scoped
+  tokens: deleted; the all-tenant (``'*'``) rollup buckets they fed are marked for
+  recomputation;
 - page events where it was the other party: that party (tenant and request id) is blanked,
   so the reader's evidence stays; another request naming one of its requests as the one it
   shares a prompt with: that link is blanked;
@@ -46,6 +47,18 @@ does not reveal its detail (though it confirms a detail someone guesses exactly)
 whose actor or subject (``kind:id``, the id read on its own) name the tenant or a request
 id, and entries from before detail digests whose detail does, cannot be changed either: the
 result lists their ids for a person to judge.
+
+**The bytes on disk.** Deleted and rewritten rows leave their old bytes where the database
+keeps free space until it reuses it. On SQLite the erasure runs with ``secure_delete`` (what
+it frees is overwritten with zeros) and then checkpoints the WAL and truncates it (unless a
+reader kept the checkpoint from finishing: the result says so); earlier versions of rows
+that named the tenant, left in free space by updates made before the erasure, stay until
+``compact``, which runs ``VACUUM``: the file is rewritten from its live rows, and then
+neither it nor its WAL holds the erased values. On PostgreSQL the old row versions stay in the
+table files until VACUUM (autovacuum) reuses their space; ``compact`` runs ``VACUUM FULL`` on
+the tables the erasure changed, which rewrites them (taking an exclusive lock meanwhile).
+Either way, copies outside the database (backups, PostgreSQL's WAL archive, file-system
+blocks) are not reached: the result's ``storage.remains`` says what may still hold them.
 
 Erasing twice is safe: the second run finds nothing and refuses, changing nothing.
 """
@@ -71,6 +84,23 @@ from collector.timefmt import iso, to_micros
 from engine_probe.events import is_valid_id
 
 ERASED = "<erased>"
+
+# The tables whose columns name a tenant or a request id by their own name (tenant,
+# request_id, ...): the walk skips those columns (_OWN), so the structural steps below must
+# handle each of these tables. A new table with such a column that is not listed here
+# fails tests/test_erasure_everywhere.py until a step handles it.
+STEPS_COVER = frozenset(
+    {
+        "api_tokens",  # _delete: its tenant-scoped tokens
+        "deployment_tenants",  # _delete
+        "otlp_spans",  # _delete: the spans stored as its requests
+        "page_events",  # _delete (its own), _blank (where it is the other party)
+        "request_keys",  # _delete
+        "request_rollups",  # _delete, the '*' buckets recomputed
+        "request_rollups_hourly",  # _delete
+        "requests",  # _delete, _blank (prompt_shared_with)
+    }
+)
 
 # The id rule's punctuation (engine_probe.events: letters, digits and these; an id starts
 # with a letter or digit). A run of id characters is one id, give or take punctuation at
@@ -240,7 +270,9 @@ class ErasureService:
     def __init__(self, db: Database):
         self.db = db
 
-    def erase_tenant(self, tenant: str, *, by: str, now: datetime) -> dict[str, Any]:
+    def erase_tenant(
+        self, tenant: str, *, by: str, now: datetime, compact: bool = False
+    ) -> dict[str, Any]:
         tenant = tenant.strip()
         if not is_valid_id(tenant):
             raise InvalidInput(
@@ -249,6 +281,8 @@ class ErasureService:
                 {"field": "tenant"},
             )
         with self.db.write() as conn:
+            if self.db.is_sqlite:  # freed content is zeroed as it is freed (module docstring)
+                conn.exec_driver_sql("PRAGMA secure_delete = ON")
             pairs = _request_ids(conn, tenant)
             names = Names(tenant, {rid for _, rid in pairs})
             removed = _delete(conn, names, pairs)
@@ -274,6 +308,10 @@ class ErasureService:
             )
             entry = audit.last_id(conn)
             redacted = audit.redact(conn, redact, entry)
+            if self.db.is_sqlite:
+                conn.exec_driver_sql("PRAGMA secure_delete = OFF")
+        changed = {*removed, *rewritten, m.AuditEntry.__tablename__}
+        storage = _settle_storage(self.db, sorted(changed), compact)
         return {
             "erased_at": iso(now),
             "request_ids": len({rid for _, rid in pairs}),
@@ -285,7 +323,59 @@ class ErasureService:
                 "named_in_hashed_fields": held,
             },
             "kept": KEPT,
+            "storage": storage,
         }
+
+
+def _settle_storage(db: Database, tables: list[str], compact: bool) -> dict[str, Any]:
+    """After the erasure committed: what it takes for the erased bytes to leave the
+    database's own files, done where it can be, and said where it cannot."""
+    outside = "backups, replicas' copies and file-system blocks are not reached"
+    if db.is_sqlite:
+        raw = db.engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            if compact:
+                cur.execute("VACUUM")
+            busy, frames, done = cur.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            cur.close()
+        finally:
+            raw.close()
+        settled = not busy and frames in (done, -1, 0)
+        before = (
+            []
+            if compact
+            else [
+                "earlier versions of rows that named it, left in the file's free space by "
+                "updates before the erasure (kvwatch erase --compact rewrites the file)"
+            ]
+        )
+        if not settled:
+            before.append("the WAL until its next checkpoint")
+        return {
+            "backend": "sqlite",
+            "secure_delete": True,
+            "wal": "checkpointed and truncated"
+            if settled
+            else f"{frames - done} of {frames} WAL frames wait for readers to finish",
+            "vacuumed": compact,
+            "remains": "; ".join([*before, outside]),
+        }
+    if compact:
+        with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for table in tables:
+                conn.exec_driver_sql(f'VACUUM (FULL) "{table}"')
+    return {
+        "backend": "postgresql",
+        "vacuumed_full": tables if compact else [],
+        "remains": (
+            f"PostgreSQL's WAL and its archive until they rotate; {outside}"
+            if compact
+            else "the old row versions in the changed tables' files until VACUUM reuses their "
+            "space (autovacuum; kvwatch erase --compact runs VACUUM FULL on them now), and "
+            f"PostgreSQL's WAL and its archive until they rotate; {outside}"
+        ),
+    }
 
 
 def _request_ids(conn: Connection, tenant: str) -> set[Pair]:
@@ -327,6 +417,13 @@ def _delete(conn: Connection, names: Names, pairs: set[Pair]) -> dict[str, int]:
         sa.delete(k).where(sa.tuple_(k.deployment_id, k.request_id).in_(mine))
     ).rowcount
     out[r.__tablename__] = conn.execute(sa.delete(r).where(r.tenant == t)).rowcount
+    spans = m.OtlpSpan  # the trace ids of its requests' spans, and their request ids
+    out[spans.__tablename__] = sum(
+        conn.execute(
+            sa.delete(spans).where(sa.tuple_(spans.deployment_id, spans.request_id).in_(chunk))
+        ).rowcount
+        for chunk in _chunks(sorted(pairs))
+    )
     for rollup in (m.RequestRollup, m.RequestRollupHourly):
         out[rollup.__tablename__] = conn.execute(
             sa.delete(rollup).where(rollup.tenant == t)
