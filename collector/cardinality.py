@@ -1,7 +1,7 @@
-"""Limits on new names: the deployments, nodes, models and routes one token (its rotation
-lineage) may introduce per hour. A batch is the unit: if the new names it carries would take
-its token over a limit, the whole batch is refused with 429 naming the limit, and nothing is
-stored (a probe retries it later; the window slides). Names already known cost nothing.
+"""Limits on new names: the deployments, nodes, models, routes and probe ids one token (its
+rotation lineage) may introduce per hour. A batch is the unit: if the new names it carries
+would take its token over a limit, the whole batch is refused with 429 naming the limit, and
+nothing is stored (a probe retries it later; the window slides). Names already known cost nothing.
 
 Invariant: every (kind, deployment, value) a stored event carries has a row in
 ``label_values`` (written in the batch's own transaction), so "new" is decided against the
@@ -23,7 +23,7 @@ from collector import models as m
 from collector.errors import TooManyNewNames
 from engine_probe import events as ev
 
-KINDS = ("deployment", "node", "model", "route")
+KINDS = ("deployment", "node", "model", "route", "probe")
 HOUR_US = 3_600_000_000
 _KNOWN_MAX = 200_000  # names remembered per process before the set starts over
 
@@ -38,6 +38,7 @@ class Limits:
     node: int
     model: int
     route: int
+    probe: int = 300
 
     def of(self, kind: str) -> int:
         return int(getattr(self, kind))
@@ -57,6 +58,8 @@ def names_of(events: Iterable[ev.Event]) -> set[Name]:
         for field, kind in _LABEL_KINDS:
             if value := labels.get(field):
                 out.add((kind, dep, value))
+    # a probe id is a name too: each new one is a row, a gap record and alert labels
+    out |= {("probe", e.deployment_id, e.probe_id) for e in events}
     return out
 
 

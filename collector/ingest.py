@@ -89,6 +89,7 @@ class IngestService:
                 node=settings.max_new_nodes_per_hour,
                 model=settings.max_new_models_per_hour,
                 route=settings.max_new_routes_per_hour,
+                probe=settings.max_new_probes_per_hour,
             )
         )
 

@@ -28,6 +28,7 @@ from policies import VerificationFact
 
 # Per deployment: the (model, route) series of the largest prompts; the rest are left out.
 MAX_ROUTES = 20
+MAX_PROBES = 100  # kvwatch_probe_missing_events series per scrape (the rest counted)
 # Verifications looked back through, past runs that reached no verdict.
 
 
@@ -161,6 +162,7 @@ class _DeploymentGauges(Collector):
         self.max_deployments = max_deployments
         self.min_requests = min_requests
         self.max_routes = MAX_ROUTES
+        self.max_probes = MAX_PROBES
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: collected from the database at scrape time
@@ -251,8 +253,14 @@ class _DeploymentGauges(Collector):
         )
         missing = GaugeMetricFamily(
             "kvwatch_probe_missing_events",
-            "Events a probe's seq numbers show as lost (open gaps).",
+            f"Events a probe's seq numbers show as lost (open gaps), for the {self.max_probes} "
+            "probes missing most.",
             labels=["probe", "deployment"],
+        )
+        probes_omitted = GaugeMetricFamily(
+            "kvwatch_metrics_probes_omitted",
+            "Probes with open gaps whose kvwatch_probe_missing_events series this scrape left "
+            f"out (over the {self.max_probes} missing most).",
         )
         try:
             with self.db.read() as conn:
@@ -305,20 +313,28 @@ class _DeploymentGauges(Collector):
                         route_maxp.add_metric([dep, model, route], _published(mx))
                 self._safety(conn, kept, since, verified, failed, passed_at, stale, rejected)
                 self._safe_context(conn, kept, since, safe, canary)
-                for probe, dep, n in conn.execute(
-                    select(
-                        m.SeqGap.probe_id,
-                        m.Probe.deployment_id,
-                        func.sum(m.SeqGap.last_seq - m.SeqGap.first_seq + 1),
+                gaps = [
+                    (int(n), probe, dep)
+                    for probe, dep, n in conn.execute(
+                        select(
+                            m.SeqGap.probe_id,
+                            m.Probe.deployment_id,
+                            func.sum(m.SeqGap.last_seq - m.SeqGap.first_seq + 1),
+                        )
+                        .join(m.Probe, m.Probe.probe_id == m.SeqGap.probe_id)
+                        .group_by(m.SeqGap.probe_id, m.Probe.deployment_id)
                     )
-                    .join(m.Probe, m.Probe.probe_id == m.SeqGap.probe_id)
-                    .group_by(m.SeqGap.probe_id, m.Probe.deployment_id)
-                ):
-                    if dep in kept:
-                        missing.add_metric([probe, dep], n)
+                    if dep in kept
+                ]
+                # the probes missing most first: a flood of probe ids adds one count, not
+                # a series each
+                gaps.sort(key=lambda g: (-g[0], g[1]))
+                for n, probe, dep in gaps[: self.max_probes]:
+                    missing.add_metric([probe, dep], n)
+                probes_omitted.add_metric([], max(0, len(gaps) - self.max_probes))
         except Unavailable:
             return  # the ingest counters still scrape while the database is down
-        yield from (adv, cap, used, occ, maxp, route_maxp, missing, omitted)
+        yield from (adv, cap, used, occ, maxp, route_maxp, missing, omitted, probes_omitted)
         yield from (verified, failed, passed_at, stale, rejected, safe, canary)
 
     def _safe_context(

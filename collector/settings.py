@@ -159,6 +159,13 @@ class Settings(BaseSettings):
     max_new_routes_per_hour: int = Field(
         default=200, ge=1, description="New routes one ingest token may name per hour (429)."
     )
+    max_new_probes_per_hour: int = Field(
+        default=300,
+        ge=1,
+        description="New probe ids one ingest token may name per hour (429): a probe id is "
+        "new at each engine process start, so size it to the restarts of the engines behind "
+        "one token.",
+    )
     max_clock_skew_s: float = Field(
         default=3600.0, ge=0, description="How far in the future an event's ts may lie."
     )

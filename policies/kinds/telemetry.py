@@ -21,7 +21,7 @@ import msgspec
 
 from engine_probe import events as ev
 from policies.durations import human_duration, parse_duration
-from policies.facts import BatchFacts, ProbeFact, TimerFacts, superseded
+from policies.facts import BatchFacts, ProbeFact, SeqGapFact, TimerFacts, superseded
 from policies.kinds.base import RuleKind
 from policies.rule import Rule
 from policies.signals import Signal
@@ -72,7 +72,14 @@ class TelemetryGap(RuleKind):
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         p: TelemetryParams = rule.params
         if p.seq_gaps:
+            # A probe first heard from past seq 1 lost its start (or was never a probe):
+            # one alert per deployment for all of them, never one per probe id, so a flood
+            # of made-up probe ids cannot raise an alert (and a page) each.
+            at_start: dict[str, list[SeqGapFact]] = {}
             for g in facts.seq_gaps:
+                if g.first_seq == 1:
+                    at_start.setdefault(g.deployment_id, []).append(g)
+                    continue
                 lost = g.last_seq - g.first_seq + 1
                 yield rule.signal(
                     "event",
@@ -85,6 +92,22 @@ class TelemetryGap(RuleKind):
                     annotations={
                         "summary": f"probe {g.probe_id} skipped seq {g.first_seq}..{g.last_seq} "
                         f"({lost} event(s) not received)"
+                    },
+                )
+            for dep, gaps in at_start.items():
+                lost = sum(g.last_seq for g in gaps)
+                names = sorted({g.probe_id for g in gaps})
+                shown = ", ".join(names[:5]) + (
+                    f" and {len(names) - 5} more" if len(names) > 5 else ""
+                )
+                yield rule.signal(
+                    "event",
+                    {"deployment_id": dep, "problem": "seq_gap_at_start"},
+                    value=float(lost),
+                    count=len(names),
+                    annotations={
+                        "summary": f"{len(names)} probe(s) first heard from past seq 1 "
+                        f"({lost} event(s) before their first batch not received): {shown}"
                     },
                 )
         if p.source_gaps:
