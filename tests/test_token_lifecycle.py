@@ -93,6 +93,14 @@ def test_the_cli_creates_lists_revokes_and_rotates(collector: Collector) -> None
         assert action in actions, actions
 
 
+def _get(url: str, **kw: Any) -> httpx.Response:
+    return httpx.get(url, timeout=30, **kw)  # a busy machine answers slower than httpx's 5 s
+
+
+def _post(url: str, **kw: Any) -> httpx.Response:
+    return httpx.post(url, timeout=30, **kw)
+
+
 def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
     """On a running collector, within KVWATCH_TOKEN_CACHE_S (1 s here) of the change."""
     from collector import migrate
@@ -107,16 +115,16 @@ def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
     with serve_in_thread(create_app(settings)) as url:
         admin = make_token(db_url, "admin")
         h = {"Authorization": f"Bearer {admin}"}
-        made = httpx.post(
+        made = _post(
             f"{url}/v1/tokens", json={"kind": "read", "name": "dash", "expires_in": "2s"},
             headers=h,
         ).json()  # fmt: skip
         short = made["secret"]
         assert made["token"]["state"] == "valid" and "secret" not in made["token"]
-        assert httpx.get(f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"})
+        assert _get(f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"})
         wait_for(
             lambda: (
-                httpx.get(
+                _get(
                     f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"}
                 ).status_code
                 == 401
@@ -124,25 +132,25 @@ def test_revoked_and_expired_tokens_stop_working(tmp_path: Path) -> None:
             10,
             "the 2-second token to expire",
         )
-        r = httpx.get(f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"})
+        r = _get(f"{url}/v1/deployments", headers={"Authorization": f"Bearer {short}"})
         assert "expired at" in r.json()["error"]["message"]
 
-        kept = httpx.post(f"{url}/v1/tokens", json={"kind": "ingest"}, headers=h).json()
+        kept = _post(f"{url}/v1/tokens", json={"kind": "ingest"}, headers=h).json()
         token, tid = kept["secret"], kept["token"]["id"]
         assert _ingest(url, token, 1) == 200  # now cached by the collector
-        revoked = httpx.post(f"{url}/v1/tokens/{tid}/revoke", headers=h).json()
+        revoked = _post(f"{url}/v1/tokens/{tid}/revoke", headers=h).json()
         assert revoked["state"] == "revoked"
         # bounded: the cache holds a token 1 s here; the deadline leaves room for a busy machine
         wait_for(lambda: _ingest(url, token, 2) == 401, 10, "the revocation to take effect")
-        listed = httpx.get(f"{url}/v1/tokens", headers=h).json()
+        listed = _get(f"{url}/v1/tokens", headers=h).json()
         assert {d["id"]: d["state"] for d in listed}[tid] == "revoked"
         assert all("secret" not in d and "token_hash" not in d for d in listed)
         # a revoked token is rotated (its replacement answers for its probes) and stays revoked
-        rotated = httpx.post(f"{url}/v1/tokens/{tid}/rotate", headers=h)
+        rotated = _post(f"{url}/v1/tokens/{tid}/rotate", headers=h)
         assert rotated.status_code == 201, rotated.text
         assert rotated.json()["old"]["state"] == "revoked"
         assert _ingest(url, token, 3) == 401
-        bad = httpx.post(f"{url}/v1/tokens", json={"kind": "read", "expires_in": "soon"}, headers=h)
+        bad = _post(f"{url}/v1/tokens", json={"kind": "read", "expires_in": "soon"}, headers=h)
         assert bad.status_code == 422 and "expires_in" in bad.text
 
 
