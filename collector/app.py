@@ -97,7 +97,12 @@ def create_app(
         # with the bus, ingest must outlive a database outage: known tokens stay valid
         grace_s=settings.bus_auth_grace_s if bus is not None else 0.0,
     )
-    alerting = AlertingService(db, rules, identity=Identity.of(settings))
+    alerting = AlertingService(
+        db,
+        rules,
+        identity=Identity.of(settings),
+        notify_max_per_minute=settings.notify_max_per_minute,
+    )
     if monitor is not None:
         alerting.evaluator.bus_facts = lambda: bus_fact(monitor.latest)
     ingester = IngestService(

@@ -707,7 +707,10 @@ class OutboxMessage(Base):
     delivered in id order per endpoint, at least once, always under the same ``msg_id``."""
 
     __tablename__ = "outbox"
-    __table_args__ = (Index(None, "endpoint_id", "status", "id"),)
+    __table_args__ = (
+        Index(None, "endpoint_id", "status", "id"),
+        Index(None, "endpoint_id", "created_at"),  # this minute's messages (the digest)
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     msg_id: Mapped[str] = mapped_column(String(64), unique=True)

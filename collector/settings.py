@@ -275,6 +275,14 @@ class Settings(BaseSettings):
     notify_backoff_max_s: float = Field(
         default=600.0, gt=0, description="Longest retry delay (before jitter)."
     )
+    notify_max_per_minute: int = Field(
+        default=30,
+        ge=1,
+        le=10_000,
+        description="Alert notifications one endpoint gets per minute; past it, the minute's "
+        "further alerts go out as one alert.digest when the minute ends (incidents are never "
+        "held back).",
+    )
     notify_lease_s: float = Field(
         default=60.0,
         gt=0,

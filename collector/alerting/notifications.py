@@ -20,7 +20,7 @@ from sqlalchemy import Connection
 from collector.alerting import docs
 from collector.alerting import repository as repo
 from collector.installation import INSTANCE_LABEL, Identity
-from collector.notify.outbox import enqueue
+from collector.notify.outbox import DEFAULT_MAX_PER_MINUTE, enqueue
 from collector.notify.payloads import incident_labels
 from collector.runbooks import runbook_url
 from collector.timefmt import as_micros, iso
@@ -49,9 +49,15 @@ class Notifier:
     """``identity``: the installation's name and dashboard, stamped on every document as it
     is queued (see :mod:`collector.installation`)."""
 
-    def __init__(self, rules: RuleSet, identity: Identity | None = None):
+    def __init__(
+        self,
+        rules: RuleSet,
+        identity: Identity | None = None,
+        max_per_minute: int = DEFAULT_MAX_PER_MINUTE,
+    ):
         self.rules = rules
         self.identity = identity or Identity()
+        self.max_per_minute = max_per_minute  # alert notifications per endpoint, then a digest
         self._am_resent_us = 0
 
     def _alerts(self, conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
@@ -121,7 +127,9 @@ class Notifier:
                 "alerts": self._alerts(conn, alerts),
                 "incident": None,
             }
-            sent += enqueue(conn, doc, severity=severity, now_us=now_us)
+            sent += enqueue(
+                conn, doc, severity=severity, now_us=now_us, max_per_minute=self.max_per_minute
+            )
             for a in alerts:
                 repo.update_alert(conn, a.id, {"last_notified_at": now_us})
         return sent

@@ -33,6 +33,7 @@ from collector.alerting.queries import AlertQueries
 from collector.alerting.timeline import incident_timeline
 from collector.db import Database
 from collector.installation import Identity
+from collector.notify.outbox import DEFAULT_MAX_PER_MINUTE
 from collector.timefmt import to_micros
 from engine_probe import events as ev
 from policies import NodeConfig, RuleSet, SeqGapFact
@@ -46,11 +47,12 @@ class AlertingService:
         *,
         facts_ttl_s: float = FACTS_TTL_S,
         identity: Identity | None = None,
+        notify_max_per_minute: int = DEFAULT_MAX_PER_MINUTE,
     ):
         self.db = db
         self.rules = rules
         self.facts = FactsCache(facts_ttl_s)
-        self.notifier = Notifier(rules, identity)
+        self.notifier = Notifier(rules, identity, notify_max_per_minute)
         self.evaluator = Evaluator(db, rules, self.facts, self.notifier)
         self.commands = OperatorCommands(db, self.facts, self.notifier)
         self.workflow = IncidentWorkflow(db, self.notifier)

@@ -5,7 +5,7 @@ The contract between the alerting side (``collector.alerting``) and this package
 written in the same transaction as the alert or incident change that caused it::
 
     {
-      "type": "alert.firing" | "alert.resolved" | "alert.repeat"
+      "type": "alert.firing" | "alert.resolved" | "alert.repeat" | "alert.digest"
               | "incident.opened" | "incident.acknowledged" | "incident.reminder"
               | "incident.repeat" | "incident.closed",   # incident.repeat: to Alertmanager only
       "created_at": "2026-11-29T18:00:00.123456Z",     # when the change happened (UTC; see
@@ -14,7 +14,9 @@ written in the same transaction as the alert or incident change that caused it::
       "group_key": "{alertname=\\"stale_page_read\\",deployment_id=\\"d1\\"}" | null,
       "group_labels": {"alertname": "...", "deployment_id": "..."},
       "alerts": [AlertDoc, ...],          # [] for incident-only notifications
-      "incident": IncidentDoc | null
+      "incident": IncidentDoc | null,
+      "digest": {...}                     # alert.digest only: the minute's held-back
+                                          # notifications (collector.notify.outbox)
     }
 
     AlertDoc = {

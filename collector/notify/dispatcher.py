@@ -46,6 +46,7 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import CollectorError
 from collector.notify import payloads, signing
+from collector.notify.outbox import DIGEST
 from collector.settings import Settings
 from collector.timefmt import iso
 
@@ -208,7 +209,7 @@ class Dispatcher:
         e, o, inner = m.NotifyEndpoint, m.OutboxMessage, aliased(m.OutboxMessage)
         head_id = (
             select(inner.id)
-            .where(inner.endpoint_id == e.id, inner.status == "pending")
+            .where(inner.endpoint_id == e.id, inner.status == "pending", _in_line(inner, now_us))
             .order_by(inner.id)
             .limit(1)
             .correlate(e)
@@ -248,7 +249,7 @@ class Dispatcher:
             for _ in range(_MAX_PER_CLAIM):
                 now_us = self._now_us(fixed)
                 with self.db.read() as conn:
-                    endpoint, head = self._head(conn, endpoint_id)
+                    endpoint, head = self._head(conn, endpoint_id, now_us)
                 if endpoint is None or head is None or head.next_attempt_at > now_us:
                     break
                 attempts += 1
@@ -259,7 +260,9 @@ class Dispatcher:
             self._release(endpoint_id)
         return attempts
 
-    def _head(self, conn: Connection, endpoint_id: int) -> tuple[_Endpoint | None, _Head | None]:
+    def _head(
+        self, conn: Connection, endpoint_id: int, now_us: int
+    ) -> tuple[_Endpoint | None, _Head | None]:
         e, o = m.NotifyEndpoint, m.OutboxMessage
         ep = conn.execute(
             select(e.id, e.name, e.kind, e.url, e.format, e.secret).where(
@@ -270,7 +273,7 @@ class Dispatcher:
             return None, None  # removed or disabled meanwhile
         head = conn.execute(
             select(o.id, o.msg_id, o.data, o.attempts, o.next_attempt_at)
-            .where(o.endpoint_id == endpoint_id, o.status == "pending")
+            .where(o.endpoint_id == endpoint_id, o.status == "pending", _in_line(o, now_us))
             .order_by(o.id)
             .limit(1)
         ).first()
@@ -450,6 +453,13 @@ class Dispatcher:
             # Honour a receiver's Retry-After (429, 503), within our own ceiling.
             delay = max(delay, min(retry_after_s, s.notify_backoff_max_s))
         return int(delay * US)
+
+
+def _in_line(o: Any, now_us: int) -> Any:
+    """Whether a pending message is in its endpoint's line: all are but a digest whose
+    minute has not ended, which the messages behind it pass (collector.notify.outbox). Once
+    due, or once tried, it keeps its place like any other."""
+    return or_(o.event_type != DIGEST, o.attempts > 0, o.next_attempt_at <= now_us)
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -1,5 +1,15 @@
 """The outbox (notifications waiting for delivery) and the endpoints they go to.
 
+**At most ``max_per_minute`` alert notifications per endpoint per minute**, then a digest:
+an alert document (``alert.*``) for an endpoint that has had its share of the current
+minute is folded into that minute's digest for the endpoint (one ``alert.digest`` row,
+``msg_<endpoint>_digest_<minute>``, due when the minute ends), which lists the alerts held
+back (the latest state of each, at most :data:`DIGEST_ALERTS`) and how many notifications
+it stands for. Nothing is dropped, and a storm of alerts (made-up probe ids, say) costs a
+receiver ``max_per_minute + 1`` messages a minute. Incident notifications are never held:
+they are the pages. A digest not yet due never holds up the messages behind it (the
+dispatcher passes over it until its minute has ended).
+
 ``enqueue`` runs inside the transaction of the alert or incident change that caused the
 notification: either both commit or neither does, so a notification is never lost to a crash
 between the two, nor sent for a change that rolled back. The dispatcher
@@ -13,6 +23,7 @@ deployment that must not reach internal networks should egress through a filteri
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -34,6 +45,7 @@ DOC_TYPES = (
     "alert.firing",
     "alert.resolved",
     "alert.repeat",
+    "alert.digest",
     "incident.opened",
     "incident.acknowledged",
     "incident.reminder",
@@ -42,6 +54,10 @@ DOC_TYPES = (
 )
 _ROUTING_KEY = re.compile(r"[A-Za-z0-9]{20,64}")
 MIN_SECRET_BYTES = 24  # the Standard Webhooks minimum for HMAC secrets
+DEFAULT_MAX_PER_MINUTE = 30
+DIGEST = "alert.digest"
+DIGEST_ALERTS = 100  # alerts listed in one digest; the rest are counted
+_MINUTE_US = 60_000_000
 
 
 def new_msg_id() -> str:
@@ -56,10 +72,12 @@ def enqueue(
     severity: str,
     now_us: int,
     kinds: tuple[str, ...] | None = None,
+    max_per_minute: int | None = None,
 ) -> int:
     """Queue ``doc`` for every enabled endpoint whose ``min_severity`` is at most
     ``severity`` (and whose kind is in ``kinds``, when given), in the caller's transaction.
-    Returns the number of rows written.
+    Returns the number of rows written. ``max_per_minute``: an alert document for an
+    endpoint past it this minute goes into the minute's digest (the module's note).
 
     An endpoint gets only the alerts at or above its ``min_severity``: a group or a re-send
     that holds a critical alert and warnings reaches a critical-only receiver with the
@@ -76,6 +94,21 @@ def enqueue(
     ).all()
     rows = []
     by_floor: dict[int, str | None] = {}  # one encoding per severity floor
+    minute = now_us - now_us % _MINUTE_US
+    held: dict[int, int] = {}
+    if max_per_minute is not None and str(doc["type"]).startswith("alert.") and endpoints:
+        o = m.OutboxMessage
+        held = dict(
+            conn.execute(
+                select(o.endpoint_id, func.count())
+                .where(
+                    o.endpoint_id.in_([e.id for e in endpoints]),
+                    o.created_at >= minute,
+                    o.event_type != DIGEST,
+                )
+                .group_by(o.endpoint_id)
+            ).all()
+        )
     for e in endpoints:
         floor = _RANK.get(e.min_severity, 0)
         if floor > _RANK[severity] or (kinds is not None and e.kind not in kinds):
@@ -84,6 +117,9 @@ def enqueue(
             by_floor[floor] = _encoded_for(doc, floor)
         data = by_floor[floor]
         if data is None:
+            continue
+        if max_per_minute is not None and held.get(e.id, 0) >= max_per_minute:
+            _fold_into_digest(conn, e.id, json.loads(data), minute, max_per_minute, now_us)
             continue
         rows.append(
             {
@@ -100,6 +136,62 @@ def enqueue(
     if rows:
         conn.execute(insert(m.OutboxMessage), rows)
     return len(rows)
+
+
+def _fold_into_digest(
+    conn: Connection, endpoint_id: int, doc: dict[str, Any], minute: int, limit: int, now_us: int
+) -> None:
+    """Add ``doc`` (as this endpoint gets it) to the endpoint's digest of ``minute``."""
+    o = m.OutboxMessage
+    msg_id = f"msg_{endpoint_id}_digest_{minute // 1_000_000}"
+    row = conn.execute(select(o.id, o.data).where(o.msg_id == msg_id)).first()
+    digest: dict[str, Any] = (
+        json.loads(row.data)
+        if row is not None
+        else {
+            "type": DIGEST,
+            "created_at": doc.get("created_at"),
+            "instance": doc.get("instance"),
+            "group_key": msg_id,
+            "group_labels": {"kvwatch_digest": "true"},
+            "alerts": [],
+            "incident": None,
+            "digest": {
+                "window_start_us": minute,
+                "window_end_us": minute + _MINUTE_US,
+                "limit_per_minute": limit,
+                "notifications": 0,
+                "by_type": {},
+                "alerts_omitted": 0,
+            },
+        }
+    )
+    d = digest["digest"]
+    d["notifications"] += 1
+    d["by_type"][doc["type"]] = d["by_type"].get(doc["type"], 0) + 1
+    listed = {a["fingerprint"]: a for a in digest["alerts"]}
+    for a in doc.get("alerts") or []:
+        if a["fingerprint"] in listed or len(listed) < DIGEST_ALERTS:
+            listed[a["fingerprint"]] = a  # the latest state of each alert
+        else:
+            d["alerts_omitted"] += 1
+    digest["alerts"] = list(listed.values())
+    data = payloads.encode(digest).decode()
+    if row is None:
+        conn.execute(
+            insert(o).values(
+                msg_id=msg_id,
+                endpoint_id=endpoint_id,
+                event_type=DIGEST,
+                data=data,
+                created_at=now_us,
+                status="pending",
+                attempts=0,
+                next_attempt_at=minute + _MINUTE_US,  # sent when its minute has ended
+            )
+        )
+    else:
+        conn.execute(update(o).where(o.id == row.id).values(data=data))
 
 
 def _encoded_for(doc: dict[str, Any], floor: int) -> str | None:

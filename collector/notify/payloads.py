@@ -83,6 +83,7 @@ def bodies(
 
 
 _PD_SEVERITY = {"critical": "critical", "warning": "warning", "info": "info"}
+_PD_RANK = {"info": 0, "warning": 1, "critical": 2}
 
 
 def pagerduty_events(doc: dict[str, Any], *, routing_key: str) -> list[dict[str, Any]]:
@@ -117,6 +118,31 @@ def pagerduty_events(doc: dict[str, Any], *, routing_key: str) -> list[dict[str,
                 klass=str(inc["cause_rule"]),
                 details={**details, "labels": labels},
                 links=_pd_links(inc, "The incident in kvwatch"),
+            )
+        ]
+    if doc.get("type") == "alert.digest":
+        # one event for the whole minute: the digest exists so that a storm is not a page each
+        d = doc["digest"]
+        alerts = doc.get("alerts") or []
+        worst = max(
+            (str(a.get("severity")) for a in alerts),
+            key=lambda v: _PD_RANK.get(v, 0),
+            default="info",
+        )
+        return [
+            _pd_event(
+                routing_key,
+                "trigger",
+                str(doc["group_key"]),
+                summary=f"{d['notifications']} kvwatch notification(s) held back in one minute "
+                f"(over {d['limit_per_minute']} a minute), {len(alerts)} alert(s) listed",
+                source=source,
+                severity=_PD_SEVERITY.get(worst, "info"),
+                timestamp=str(doc.get("created_at")),
+                component="installation",
+                klass="alert.digest",
+                details={"digest": d, "alerts": [a.get("fingerprint") for a in alerts]},
+                links=[],
             )
         ]
     out = []
@@ -216,7 +242,8 @@ def am_webhook_v4(doc: dict[str, Any], *, receiver_name: str, external_url: str)
     return {
         "version": AM_WEBHOOK_VERSION,
         "groupKey": doc.get("group_key") or label_string(group_labels),
-        "truncatedAlerts": 0,
+        # a digest lists at most DIGEST_ALERTS alerts: the rest, as Alertmanager counts them
+        "truncatedAlerts": int((doc.get("digest") or {}).get("alerts_omitted", 0)),
         # As Alertmanager does: the group fires while any of its alerts does.
         "status": "firing" if any(a["status"] == "firing" for a in alerts) else "resolved",
         "receiver": receiver_name,
