@@ -320,3 +320,64 @@ def test_spans_naming_one_request_are_requests_sharing_its_prompt(collector: Col
     assert _post(collector, collector.ingest, _body({"request_id": "probed"})).status_code == 200
     probed = [r for r in _requests(collector) if r["request_id"].startswith("probed")]
     assert sorted(r["prompt_shared_with"] or "" for r in probed) == ["", "probed"]
+
+
+# -- issue 40, low findings --------------------------------------------------------------------
+
+
+def test_a_time_past_what_a_datetime_holds_is_a_rejected_span_not_a_lost_export(
+    collector: Collector,
+) -> None:
+    """startTimeUnixNano of 10^23 had answered 500, losing the export's other spans."""
+    from opentelemetry.exporter.otlp.json.common._internal.trace_encoder import (
+        encode_spans as encode_json,
+    )
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider(resource=oh.Resource.create({"service.name": "glm-prod"}))
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    for rid in ("far-future", "fine"):
+        oh.genai_span(provider.get_tracer("t"), request_id=rid)
+    provider.shutdown()
+    doc = json.loads(encode_json(mem.get_finished_spans()).to_json())
+    spans = doc["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    far = next(s for s in spans if "far-future" in json.dumps(s))
+    far["startTimeUnixNano"] = str(10**23)
+    r = httpx.post(
+        f"{collector.url}/v1/traces",
+        content=json.dumps(doc).encode(),
+        headers={"Authorization": f"Bearer {collector.ingest}", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 200, r.text
+    partial = r.json()["partialSuccess"]
+    assert partial["rejectedSpans"] == "1" and "between 1970 and 2200" in partial["errorMessage"]
+    assert [x["request_id"] for x in _requests(collector)] == ["fine"]
+
+
+def test_a_gzip_body_of_two_members_is_read_whole(collector: Collector) -> None:
+    """RFC 1952 allows several members; the second had been dropped with a 200."""
+    first = _body({"request_id": "member-1"})
+    second = _body({"request_id": "member-2"})  # protobuf messages concatenated merge
+    body = gzip.compress(first) + gzip.compress(second)
+    r = _post(collector, collector.ingest, body, **{"Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text
+    assert sorted(x["request_id"] for x in _requests(collector)) == ["member-1", "member-2"]
+    r = _post(
+        collector, collector.ingest, gzip.compress(first) + b"junk", **{"Content-Encoding": "gzip"}
+    )
+    assert r.status_code == 400 and "gzip" in r.text
+
+
+def test_the_ingest_routes_refuse_a_query_parameter_they_do_not_take(collector: Collector) -> None:
+    for path, body, ctype in (
+        ("/v1/traces", _body({"request_id": "q-1"}), "application/x-protobuf"),
+        ("/v1/events", json.dumps([]).encode(), "application/json"),
+    ):
+        r = httpx.post(
+            f"{collector.url}{path}?dry_run=1",
+            content=body,
+            headers={"Authorization": f"Bearer {collector.ingest}", "Content-Type": ctype},
+        )
+        assert r.status_code == 422, (path, r.text)
+        assert "unknown parameter 'dry_run'" in r.json()["error"]["message"]
+    assert _requests(collector) == []

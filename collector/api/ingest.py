@@ -64,6 +64,7 @@ def build_router(
         summary="Ingest one probe's batch: all events stored, or none",
     )
     async def post_events(request: Request, authorization: params.Auth = None) -> dict[str, Any]:
+        params.known_params(request, set())  # a misspelt option is never silently ignored
         who = await in_thread(ingest.authenticate, authorization)
         body = await read_producer_body(request, max_body_bytes, who.token_id)
         ctype = request.headers.get("content-type", "")

@@ -59,7 +59,12 @@ def aware(dt: datetime | None, field: str) -> datetime | None:
 def known_params(request: Request, known: set[str]) -> None:
     unknown = sorted(set(request.query_params) - known)
     if unknown:
+        expected = (
+            f"expected one of {', '.join(sorted(known))}"
+            if known
+            else "this endpoint takes no query parameters"
+        )
         raise InvalidInput(
-            f"unknown parameter {unknown[0]!r}; expected one of {', '.join(sorted(known))}",
+            f"unknown parameter {unknown[0]!r}; {expected}",
             [{"field": u, "message": "unknown parameter"} for u in unknown],
         )

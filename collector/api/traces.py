@@ -26,6 +26,7 @@ from collector.otlp.service import TraceIngest
 _ERRORS = params.errors(
     401,
     403,
+    422,
     503,
     e400="Not an OTLP ExportTraceServiceRequest (malformed protobuf, JSON or gzip)",
 )
@@ -94,6 +95,7 @@ def build_router(
         summary="OTLP/HTTP traces: GenAI spans become request records, all stored or none",
     )
     async def post_traces(request: Request, authorization: params.Auth = None) -> Response:
+        params.known_params(request, set())  # a misspelt option is never silently ignored
         who = await in_thread(traces.authenticate, authorization)
         body = await read_producer_body(request, traces.settings.max_body_bytes, who.token_id)
         ctype = request.headers.get("content-type", "")

@@ -54,6 +54,7 @@ UNKNOWN_TENANT: Final = "unknown"
 # The OpenTelemetry SDKs' service.name when none was configured: it names no deployment.
 _SDK_DEFAULT_SERVICE: Final = "unknown_service"
 _EARLIEST: Final = datetime(2000, 1, 1, tzinfo=UTC)
+_LATEST_NS = 7_258_118_400 * 10**9  # 2200-01-01, the latest time kvwatch takes anywhere
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -216,6 +217,10 @@ class Mapper:
         return _first(span, self.deployment_attributes, resource=True, skip=_sdk_default)[1]
 
     def _time(self, ns: int, name: str) -> datetime:
+        if not 0 <= ns <= _LATEST_NS:
+            # past what a datetime holds: refused as a span's bad time, never a 500 that
+            # loses the export's other spans
+            raise SpanRefused(f"{name} {ns} ns is not a time between 1970 and 2200")
         ts = _EPOCH + timedelta(microseconds=ns // 1000)
         if ts < _EARLIEST:
             raise SpanRefused(f"{name} {iso(ts)} ({ns} ns) is before 2000 (a span needs its times)")

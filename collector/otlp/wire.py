@@ -74,18 +74,25 @@ def inflate(body: bytes, content_encoding: str, limit: int) -> bytes:
         raise UnsupportedMediaType(
             f"Content-Encoding {content_encoding!r} is not accepted; send gzip or none"
         )
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise BadRequest(f"the body is not valid gzip: {exc}") from None
-    if len(out) > limit:
-        raise PayloadTooLarge(
-            f"the body inflates past the limit of {limit} bytes", {"limit_bytes": limit}
-        )
-    if not inflater.eof:
-        raise BadRequest("the gzip body is truncated")
-    return out
+    # A gzip stream may hold several members (RFC 1952 2.2), read as one body: each is
+    # inflated in turn, the limit counting them all, and none is dropped.
+    out = b""
+    rest = body
+    while True:
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            out += inflater.decompress(rest, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise BadRequest(f"the body is not valid gzip: {exc}") from None
+        if len(out) > limit:
+            raise PayloadTooLarge(
+                f"the body inflates past the limit of {limit} bytes", {"limit_bytes": limit}
+            )
+        if not inflater.eof:
+            raise BadRequest("the gzip body is truncated")
+        rest = inflater.unused_data
+        if not rest:
+            return out
 
 
 def decode(body: bytes, content_type: str, max_spans: int, keep: frozenset[str]) -> list[Span]:
