@@ -176,7 +176,7 @@ def test_tags_and_the_tenants_salt_replace_the_clients_and_nothing_else_changes(
 def test_off_forwards_the_clients_body_byte_for_byte(refengine: tuple[str, Tap], tap: Tap) -> None:
     url_up, _ = refengine
     raw = b'{"model":"refengine-lab", "prompt":"as sent", "max_tokens":4,  "cache_salt":"mine",' \
-        b' "vllm_xargs":{"kvwatch_tenant":"whoever"}}'  # fmt: skip
+        b' "vllm_xargs":{"seed_offset":1}}'  # fmt: skip
     with gateway(url_up, gateway_salt_prefix_cache="off", gateway_tag_tenants=False) as url:
         r = httpx.post(
             f"{url}/v1/completions",
@@ -187,6 +187,19 @@ def test_off_forwards_the_clients_body_byte_for_byte(refengine: tuple[str, Tap],
     (seen,) = tap.completions()
     assert bytes(seen.body) == raw and ROUTING not in seen.headers
 
+
+def test_without_tags_a_clients_own_tenant_tags_are_taken_out(
+    refengine: tuple[str, Tap], tap: Tap
+) -> None:
+    """With --no-tag-tenants the gateway had forwarded the client's own vllm_xargs tenant and
+    SGLang extra_key, so a tenant could be recorded as another (issue 40)."""
+    url_up, _ = refengine
+    raw = b'{"model":"refengine-lab", "prompt":"as sent", "max_tokens":4, "cache_salt":"mine",' \
+        b' "extra_key":"globex", "vllm_xargs":{"kvwatch_tenant":"globex",' \
+        b' "kvwatch_route":"/admin", "seed_offset":1}}'  # fmt: skip
+    with gateway(url_up, gateway_salt_prefix_cache="off", gateway_tag_tenants=False) as url:
+        r = httpx.post(f"{url}/v1/completions", content=raw, headers=auth("acme"))
+        assert r.status_code == 200, r.text
     # each switch alone
     with gateway(url_up, gateway_salt_prefix_cache="off") as url:
         r = httpx.post(f"{url}/v1/completions", content=raw, headers=auth("acme"))
@@ -194,9 +207,11 @@ def test_off_forwards_the_clients_body_byte_for_byte(refengine: tuple[str, Tap],
     with gateway(url_up, gateway_tag_tenants=False, gateway_salt_secret=SECRET) as url:
         r = httpx.post(f"{url}/v1/completions", content=raw, headers=auth("acme"))
         assert r.status_code == 200, r.text
-    tagged, salted = (json.loads(bytes(s.body)) for s in tap.completions()[1:])
+    untagged, tagged, salted = (json.loads(bytes(s.body)) for s in tap.completions())
+    assert untagged["vllm_xargs"] == {"seed_offset": 1} and "extra_key" not in untagged
+    assert untagged["cache_salt"] == "mine" and untagged["prompt"] == "as sent"
     assert tagged["cache_salt"] == "mine" and tagged["vllm_xargs"]["kvwatch_tenant"] == "acme"
-    assert salted["vllm_xargs"] == {"kvwatch_tenant": "whoever"}
+    assert salted["vllm_xargs"] == {"seed_offset": 1} and "extra_key" not in salted
     assert salted["cache_salt"] == derive_salt(SECRET.encode(), "acme")
 
 

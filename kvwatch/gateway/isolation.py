@@ -18,6 +18,11 @@ per request, before the body goes upstream:
   guessing it: without the secret it cannot be computed from the tenant's name), so no
   tenant's request is served another tenant's cached KV.
 
+Without tags (``--no-tag-tenants``), a client's own tenant tags are taken out instead: its
+``vllm_xargs.kvwatch_tenant`` and ``kvwatch_route`` and SGLang's ``extra_key`` (which
+SGLang's probe reads as the tenant when no routing key is set). The engine then records the
+request under no tenant of the client's choosing, never as another tenant's.
+
 Nothing else in the body changes. Salts are never verified by anyone: a new secret gives
 every tenant a new salt, so rotating it simply starts every tenant's cache afresh (the old
 blocks are never matched again and age out of the engine's cache).
@@ -59,6 +64,12 @@ class Injection:
     fields: dict[str, Any]
     headers: dict[str, str]
     salt: str | None
+    drop: frozenset[str] = frozenset()  # the client's fields taken out
+
+    def applied(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` as it goes upstream."""
+        kept = {k: v for k, v in body.items() if k not in self.drop} if self.drop else body
+        return kept | self.fields
 
 
 class Isolation:
@@ -76,7 +87,8 @@ class Isolation:
 
     @property
     def active(self) -> bool:
-        return self.tag_tenants or self.salting == "per-tenant"
+        """Always: without tags or salts, a client's own tenant tags are still taken out."""
+        return True
 
     def salt(self, tenant: str) -> str:
         return derive_salt(self._secret, tenant)
@@ -97,7 +109,16 @@ class Isolation:
                 VLLM_ROUTE_KEY: route,
             }
             headers[SGLANG_ROUTING_HEADER] = tenant
+        drop: frozenset[str] = frozenset()
+        if not self.tag_tenants:
+            xargs = body.get("vllm_xargs")
+            if isinstance(xargs, dict) and ({VLLM_TENANT_KEY, VLLM_ROUTE_KEY} & xargs.keys()):
+                fields["vllm_xargs"] = {
+                    k: v for k, v in xargs.items() if k not in (VLLM_TENANT_KEY, VLLM_ROUTE_KEY)
+                }
+            if "extra_key" in body:
+                drop = frozenset({"extra_key"})
         if self.salting == "per-tenant":
             salt = self.salt(tenant)
             fields["cache_salt"] = salt
-        return Injection(fields, headers, salt)
+        return Injection(fields, headers, salt, drop)

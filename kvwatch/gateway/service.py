@@ -197,8 +197,9 @@ class ProxyService:
         )
         flight.forwarded_at = time.monotonic()
         if stream is True:
-            return await self._stream(kind, body | inject.fields, caller, flight, headers, inject)
-        content = msgspec.json.encode(body | inject.fields) if inject.fields else raw
+            return await self._stream(kind, inject.applied(body), caller, flight, headers, inject)
+        changed = inject.fields or inject.drop
+        content = msgspec.json.encode(inject.applied(body)) if changed else raw
         r = await self.upstream.send(
             "POST",
             ROUTES[kind],
