@@ -735,6 +735,20 @@ class IngestStore:
             return _stored(conn, r, r.request_id, deployment_id, request_ids)
         return _pg_stored(conn, "request_keys", "request_id", deployment_id, request_ids)
 
+    def request_tenants(
+        self, conn: Connection, deployment_id: str, request_ids: Sequence[str]
+    ) -> dict[str, str | None]:
+        """The tenant of each of these stored requests of the deployment."""
+        r = m.Request
+        return {
+            rid: tenant
+            for rid, tenant in conn.execute(
+                select(r.request_id, r.tenant).where(
+                    r.deployment_id == deployment_id, r.request_id.in_(list(request_ids))
+                )
+            )
+        }
+
     def stored_spans(self, conn: Connection, deployment_id: str, keys: Sequence[str]) -> set[str]:
         """Which of these OTLP span keys (trace id + span id) the deployment stored already."""
         if self._sqlite:

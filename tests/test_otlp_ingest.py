@@ -381,3 +381,14 @@ def test_the_ingest_routes_refuse_a_query_parameter_they_do_not_take(collector: 
         assert r.status_code == 422, (path, r.text)
         assert "unknown parameter 'dry_run'" in r.json()["error"]["message"]
     assert _requests(collector) == []
+
+
+def test_a_request_id_two_tenants_send_is_a_collision_never_a_link(collector: Collector) -> None:
+    """A later span naming a stored request id was linked to it as sharing its prompt, even
+    when it came from another tenant: one tenant's request tied to another's."""
+    for tenant in ("acme", "globex"):
+        body = _body({"request_id": "chat-1", "tenant": tenant})
+        assert _post(collector, collector.ingest, body).status_code == 200
+    assert _post(collector, collector.ingest, _body({"request_id": "chat-1"})).status_code == 200
+    rows = {(r["tenant"], r["prompt_shared_with"]) for r in _requests(collector)}
+    assert rows == {("acme", None), ("globex", None), ("acme", "chat-1")}, rows

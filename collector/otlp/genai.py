@@ -87,16 +87,21 @@ class SpanRequest:
     request_id: str
     events: tuple[ev.Event, ...]
 
-    def as_sibling(self) -> SpanRequest:
-        """This span as a request of its own that shares the prompt of the request it names:
-        a later span naming a request id already stored (vLLM sends one span per
-        parallel-sampling child, all under the parent's id). Its id is the named one with
-        the span id appended."""
+    @property
+    def tenant(self) -> str | None:
+        return next((e.tenant for e in self.events if isinstance(e, ev.RequestAdmitted)), None)
+
+    def as_sibling(self, *, shares_prompt: bool = True) -> SpanRequest:
+        """This span as a request of its own, under the id it names with the span id
+        appended: a later span naming a request id already stored. ``shares_prompt``: it
+        shares the prompt of that request (vLLM sends one span per parallel-sampling child,
+        all under the parent's id); never across tenants, where the same id is a collision
+        and a link would tie one tenant's request to another's."""
         suffix = f".{self.span_key[-16:]}"
         rid = self.request_id[: ev.ID_MAX - len(suffix)] + suffix
         events = tuple(
             msgspec.structs.replace(e, request_id=rid, prompt_shared_with=self.request_id)
-            if isinstance(e, ev.RequestAdmitted)
+            if isinstance(e, ev.RequestAdmitted) and shares_prompt
             else msgspec.structs.replace(e, request_id=rid)
             for e in self.events
         )

@@ -209,6 +209,9 @@ class TraceIngest:
                 )
                 seen = store.stored_spans(conn, dep, [r.span_key for r in group])
                 taken = store.stored_requests(conn, dep, [r.request_id for r in group])
+                # whose each taken id is: a span naming another tenant's request id is a
+                # collision, stored apart and never linked to it
+                owners = store.request_tenants(conn, dep, sorted(taken)) if taken else {}
                 fresh: list[ev.Event] = []
                 remembered: list[tuple[str, str]] = []
                 seq = high
@@ -221,11 +224,13 @@ class TraceIngest:
                     seen.add(r.span_key)
                     if r.request_id in taken:
                         as_shaped = False
-                        r = r.as_sibling()
+                        same = owners.get(r.request_id) == r.tenant
+                        r = r.as_sibling(shares_prompt=same)
                         if r.request_id in taken:  # pragma: no cover - a span id repeated
                             duplicates += 1
                             continue
                     taken.add(r.request_id)
+                    owners[r.request_id] = r.tenant
                     remembered.append((r.span_key, r.request_id))
                     accepted += 1
                     for e in r.events:
