@@ -141,6 +141,31 @@ def remove(name: str, database_url: DbUrl = None) -> None:
     err.print(f"removed {name!r}; {dropped} undelivered message(s) dropped with it")
 
 
+@webhooks_app.command("rotate-secret")
+def rotate_secret(
+    name: str,
+    secret: Annotated[
+        str | None,
+        typer.Option(
+            help="The whsec_ secret to use instead of a new one; for pagerduty, the new "
+            "routing key (required)."
+        ),
+    ] = None,
+    database_url: DbUrl = None,
+) -> None:
+    """Give an endpoint a new signing secret in place: its undelivered messages stay queued
+    and go out signed with the new one (a webhook's new secret is printed once, alone on the
+    last line)."""
+    from collector.notify.outbox import rotate_secret as rotate
+
+    with _db(database_url) as conn:
+        new = rotate(conn, name, secret=secret, now_us=now_micros())
+    err.print(f"rotated the secret of {name!r}; undelivered messages go out signed with it")
+    if secret is None:
+        err.print("the new signing secret is shown once; give it to the receiver now:")
+        print(new)
+
+
 @webhooks_app.command("enable")
 def enable(name: str, database_url: DbUrl = None) -> None:
     """Enable an endpoint again (after a 410 Gone); its pending messages resume in order."""

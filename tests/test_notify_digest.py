@@ -104,3 +104,51 @@ def test_past_the_limit_the_minute_goes_out_as_one_digest_and_incidents_still_pa
         if a["rule"] == "telemetry_gap"
     }
     assert seen == {f"storm-{i}" for i in range(10)}, (seen, shown, len(firing))
+
+
+def test_rotating_a_webhook_secret_keeps_the_pending_messages(tmp_path: Path) -> None:
+    """Rotating meant `webhooks remove` and `add`, which dropped the undelivered messages
+    (issue 40, low finding). `webhooks rotate-secret` changes it in place: what was pending
+    goes out, signed with the new secret."""
+    from typer.testing import CliRunner
+
+    from kvwatch.cli import app as cli
+
+    db_url = f"sqlite:///{tmp_path / 'kv.db'}"
+    migrate.upgrade(db_url)
+    receiver = Receiver(status={"/hook": 503}).start()
+    db = Database(db_url)
+    with db.write() as conn:
+        _, old = add_endpoint(conn, "hook", f"{receiver.url}/hook", now_us=now_micros())
+    db.dispose()
+    assert old is not None
+    app = create_app(
+        Settings(
+            database_url=db_url,
+            auto_migrate=False,
+            notify_poll_s=0.1,
+            notify_backoff_base_s=0.1,
+            notify_backoff_max_s=0.2,
+        )
+    )
+    try:
+        with serve_in_thread(app) as url:
+            ingest = httpx.Client(
+                base_url=url, headers={"Authorization": f"Bearer {make_token(db_url, 'ingest')}"}
+            )
+            _gap(ingest, "pending-1")
+            assert receiver.wait_for(lambda d: len(d) >= 2, 30)  # refused, and retried
+            done = CliRunner().invoke(
+                cli, ["webhooks", "rotate-secret", "hook", "--database-url", db_url]
+            )
+            assert done.exit_code == 0, done.output
+            new = done.stdout.strip().splitlines()[-1]
+            assert new.startswith("whsec_") and new != old
+            receiver.secrets["/hook"] = new
+            receiver.status["/hook"] = 200
+            tried = len(receiver.by_path("/hook"))
+            assert receiver.wait_for(lambda d: len(d) > tried and d[-1].error is None, 30)
+            last = receiver.by_path("/hook")[-1]
+            assert last.doc["type"] == "alert.firing" and last.error is None
+    finally:
+        receiver.stop()

@@ -402,6 +402,48 @@ def enable_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "c
     )
 
 
+def rotate_secret(
+    conn: Connection,
+    name: str,
+    *,
+    secret: str | None = None,
+    now_us: int,
+    actor: str = "cli",
+) -> str:
+    """Give an endpoint a new signing secret (a webhook: a new one unless given; PagerDuty:
+    the new routing key), in place: its pending messages stay queued, and each is signed with
+    the secret in force when it is sent. Returns the secret. Removing and adding the
+    endpoint instead would drop them."""
+    e = m.NotifyEndpoint
+    row = conn.execute(select(e.id, e.kind).where(e.name == name)).first()
+    if row is None:
+        raise NotFound(f"no endpoint named {name!r}")
+    if row.kind == "alertmanager":
+        raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
+    if row.kind == "pagerduty":
+        if not secret or not _ROUTING_KEY.fullmatch(secret):
+            raise InvalidInput(
+                "secret: a pagerduty endpoint needs its service's new routing key "
+                "(--secret; letters and digits, 20 to 64)",
+                {"field": "secret"},
+            )
+    elif secret is None:
+        secret = signing.new_secret()
+    elif len(signing.secret_key(secret)) < MIN_SECRET_BYTES:
+        raise InvalidInput(
+            f"secret: use at least {MIN_SECRET_BYTES} random bytes", {"field": "secret"}
+        )
+    conn.execute(update(e).where(e.id == row.id).values(secret=secret))
+    audit.append(
+        conn,
+        now_us=now_us,
+        actor=actor,
+        action="notify.endpoint.rotate",
+        subject=f"endpoint:{name}",
+    )
+    return secret
+
+
 def remove_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "cli") -> int:
     """Remove an endpoint; its outbox rows and their attempts go with it (FK cascade).
     Returns how many undelivered messages were dropped with it."""
