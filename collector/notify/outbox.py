@@ -273,23 +273,7 @@ def add_endpoint(
             f"min_severity must be one of {', '.join(SEVERITIES)}, not {min_severity!r}",
             {"field": "min_severity"},
         )
-    if kind == "alertmanager":
-        if secret is not None:
-            raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
-    elif kind == "pagerduty":
-        # the routing (integration) key of a PagerDuty service's Events API v2 integration
-        if not secret or not _ROUTING_KEY.fullmatch(secret):
-            raise InvalidInput(
-                "secret: a pagerduty endpoint needs its service's routing key "
-                "(--secret; letters and digits, 20 to 64)",
-                {"field": "secret"},
-            )
-    elif secret is None:
-        secret = signing.new_secret()
-    elif len(signing.secret_key(secret)) < MIN_SECRET_BYTES:
-        raise InvalidInput(
-            f"secret: use at least {MIN_SECRET_BYTES} random bytes", {"field": "secret"}
-        )
+    secret = _checked_secret(kind, secret)
     if conn.execute(select(m.NotifyEndpoint.id).where(m.NotifyEndpoint.name == name)).first():
         raise Conflict(f"an endpoint named {name!r} exists already")
     endpoint_id = conn.execute(
@@ -402,6 +386,31 @@ def enable_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "c
     )
 
 
+def _checked_secret(kind: str, secret: str | None) -> str | None:
+    """The secret an endpoint of ``kind`` keeps: None for Alertmanager (not signed), the
+    routing key for PagerDuty, the given or a new ``whsec_`` secret for a webhook."""
+    if kind == "alertmanager":
+        if secret is not None:
+            raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
+        return None
+    if kind == "pagerduty":
+        # the routing (integration) key of a PagerDuty service's Events API v2 integration
+        if not secret or not _ROUTING_KEY.fullmatch(secret):
+            raise InvalidInput(
+                "secret: a pagerduty endpoint needs its service's routing key "
+                "(--secret; letters and digits, 20 to 64)",
+                {"field": "secret"},
+            )
+        return secret
+    if secret is None:
+        return signing.new_secret()
+    if len(signing.secret_key(secret)) < MIN_SECRET_BYTES:
+        raise InvalidInput(
+            f"secret: use at least {MIN_SECRET_BYTES} random bytes", {"field": "secret"}
+        )
+    return secret
+
+
 def rotate_secret(
     conn: Connection,
     name: str,
@@ -420,19 +429,8 @@ def rotate_secret(
         raise NotFound(f"no endpoint named {name!r}")
     if row.kind == "alertmanager":
         raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
-    if row.kind == "pagerduty":
-        if not secret or not _ROUTING_KEY.fullmatch(secret):
-            raise InvalidInput(
-                "secret: a pagerduty endpoint needs its service's new routing key "
-                "(--secret; letters and digits, 20 to 64)",
-                {"field": "secret"},
-            )
-    elif secret is None:
-        secret = signing.new_secret()
-    elif len(signing.secret_key(secret)) < MIN_SECRET_BYTES:
-        raise InvalidInput(
-            f"secret: use at least {MIN_SECRET_BYTES} random bytes", {"field": "secret"}
-        )
+    secret = _checked_secret(row.kind, secret)
+    assert secret is not None
     conn.execute(update(e).where(e.id == row.id).values(secret=secret))
     audit.append(
         conn,
