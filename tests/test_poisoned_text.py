@@ -8,6 +8,7 @@ free-text field answered 500 on PostgreSQL."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import pypdf
 import pytest
 from sqlalchemy import func, insert, select
 
@@ -186,6 +188,10 @@ def test_rows_an_older_version_stored_are_shown_with_replacement_characters(
     assert md.status_code == 200, md.text
     pdf = admin.get("/v1/deployments/d1/limits-card", params={"format": "pdf"})
     assert pdf.status_code == 200 and pdf.content.startswith(b"%PDF")
+    shown_pdf = "".join(
+        p.extract_text() or "" for p in pypdf.PdfReader(io.BytesIO(pdf.content)).pages
+    )
+    assert "acme\ufffd->globex" in shown_pdf, shown_pdf[:2000]
     ack = admin.post(f"/v1/alerts/{alert['id']}/ack", json={"comment": "looking"})
     assert ack.status_code == 200, ack.text
     assert "acme\ufffd->globex" in json.dumps(ack.json(), ensure_ascii=False)

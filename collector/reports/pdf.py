@@ -14,6 +14,8 @@ matplotlib.use("Agg")
 
 from fpdf import FPDF, FontFace
 
+from collector import text as text_rules
+
 FONT_DIR = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
 _CELL_MAX = 160  # characters: a table row must fit on one page (page-id lists can be long)
 GRID_PT, GRID_MIN_PT = 7, 5  # a table's type size, and the smallest a long word is set in
@@ -39,6 +41,11 @@ class ReportPdf(FPDF):
             # same bytes wherever and whenever (the API's and the CLI's PDF hash alike, so
             # one signature covers both).
             self.set_creation_date(created_at)
+
+    def normalize_text(self, text: str) -> str:
+        # a lone surrogate an older version stored has no glyph and no UTF-8: U+FFFD, as
+        # the API shows it (collector.text), never a font warning carrying the raw text
+        return super().normalize_text(text_rules.scrub(text))
 
     def footer(self) -> None:
         self.set_y(-12)
