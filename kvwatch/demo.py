@@ -62,7 +62,7 @@ SECRETS: dict[str, str] = {
 LONG_TENANT = "massive-dynamic"
 ROUTE = "/v1/completions"
 MODEL = "glm-lab"
-DEMO_POST_TIMEOUT_S = 120.0
+DEMO_POST_TIMEOUT_S = 120.0  # every call to the embedded collector: a loaded machine answers late
 #: the tenants kvwatch verify sends its synthetic prompts as, on the hardened engine: tenants
 #: of its own, so that its run (announced to the collector) hides no customer's traffic
 VERIFIER_KEYS = {"verifier-a": "sk-demo-verifier-a", "verifier-b": "sk-demo-verifier-b"}
@@ -219,7 +219,9 @@ def _await_resolved(url: str, token: str, deployment: str, timeout_s: float = 15
     """Wait (bounded) for the policy timer to resolve the deployment's event alerts whose
     occurrences are older than their resolve_after: the synthetic day's episode."""
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=DEMO_POST_TIMEOUT_S
+    ) as c:
         while time.monotonic() < deadline:
             firing = c.get(
                 "/v1/alerts", params={"deployment_id": deployment, "state": "firing"}
@@ -233,7 +235,9 @@ def _breach_report(url: str, token: str, incidents: list[dict[str, Any]], out: P
     """The breach assessment of the replayed incident, as the audit PDF."""
     if not incidents:
         return None
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=DEMO_POST_TIMEOUT_S
+    ) as c:
         created = c.post("/v1/reports", json={"kind": "breach", "incident_id": incidents[0]["id"]})
         report_id = created.raise_for_status().json()["report_id"]
         pdf = c.get(f"/v1/reports/{report_id}", params={"format": "pdf"}).raise_for_status()
@@ -314,7 +318,9 @@ def _verify(engine: Engine, url: str, ingest_token: str) -> dict[str, Any]:
 def _side_by_side(url: str, token: str, deployments: list[str]) -> dict[str, dict[str, Any]]:
     """The same sizing, the two engines: each one's status, why and limit in force, as the
     fleet decides them (``GET /v1/fleet``: one decision, shown here as on the dashboard)."""
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=DEMO_POST_TIMEOUT_S
+    ) as c:
         fleet = c.get("/v1/fleet").raise_for_status().json()["deployments"]
     cards = {d["deployment_id"]: d for d in fleet if d["deployment_id"] in deployments}
     t = Table(title="Side by side: the same sizing, the two rejection paths")
@@ -368,7 +374,9 @@ def _shares_fragment(answer: str, secret: str, size: int = 16) -> bool:
 def _report(
     url: str, token: str, stats: dict[str, Any], replays: list[Replay], elapsed: float
 ) -> dict[str, Any]:
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=DEMO_POST_TIMEOUT_S
+    ) as c:
         deployments = c.get("/v1/deployments").raise_for_status().json()
         requests = [
             r

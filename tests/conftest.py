@@ -24,6 +24,17 @@ __all__ = ["free_port"]
 # layout passes its own COLUMNS: tests/test_cli_tables.py, tests/test_cli_help.py).
 os.environ["COLUMNS"] = "200"
 
+# A test's own HTTP calls wait up to 30 s, not httpx's 5 s: on a busy CI machine a collector
+# answers late, not wrong, and a 5 s ReadTimeout failed a CI run. Product code passes its own
+# timeouts (and runs in its own processes here too); a test that means a shorter wait says so.
+_PATIENT = httpx.Timeout(30.0)
+for _call in (
+    httpx.get, httpx.post, httpx.put, httpx.patch, httpx.delete, httpx.request, httpx.head,
+    httpx.options, httpx.Client.__init__, httpx.AsyncClient.__init__,
+):  # fmt: skip
+    if _call.__kwdefaults__ and "timeout" in _call.__kwdefaults__:
+        _call.__kwdefaults__["timeout"] = _PATIENT
+
 PG_ADMIN_URL = os.environ.get("KVWATCH_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
 
