@@ -85,11 +85,6 @@ class Isolation:
     def __repr__(self) -> str:  # never the secret
         return f"Isolation(salting={self.salting!r}, tag_tenants={self.tag_tenants!r})"
 
-    @property
-    def active(self) -> bool:
-        """Always: without tags or salts, a client's own tenant tags are still taken out."""
-        return True
-
     def salt(self, tenant: str) -> str:
         return derive_salt(self._secret, tenant)
 

@@ -192,7 +192,7 @@ class ProxyService:
                 log.warning("request %s: %s", flight.request_id, near)
         inject = (
             self.isolation.for_request(body, caller.tenant, ROUTES[kind])
-            if self.isolation is not None and self.isolation.active
+            if self.isolation is not None
             else Injection({}, {}, None)
         )
         flight.forwarded_at = time.monotonic()
