@@ -59,6 +59,9 @@ def _node_config(r: Any) -> NodeConfig:
         disaggregated=bool(r.disaggregated),
         prefix_caching=bool(r.prefix_caching),
         prefix_cache_salting=bool(r.prefix_cache_salting),
+        kv_connector=r.kv_connector,
+        kv_connector_version=r.kv_connector_version,
+        kv_tiers=ev.decode_tiers(r.kv_tiers),
         ts=as_datetime(r.ts),
     )
 

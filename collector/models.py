@@ -125,6 +125,11 @@ class DeploymentConfig(Base):
     disaggregated: Mapped[bool] = mapped_column(Boolean)
     prefix_caching: Mapped[bool] = mapped_column(Boolean)
     prefix_cache_salting: Mapped[bool] = mapped_column(Boolean)
+    #: where KV goes past the pool (``engine.config``'s fields; NULL before 0026 or when
+    #: the producer did not say); ``kv_tiers`` is a JSON array of ``events.KvTier``
+    kv_connector: Mapped[str | None] = mapped_column(String(64))
+    kv_connector_version: Mapped[str | None] = mapped_column(String(64))
+    kv_tiers: Mapped[str | None] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(64))
 
 
@@ -179,6 +184,9 @@ class Request(Base):
     prompt_shared_with: Mapped[str | None] = mapped_column(String(ID_MAX))
     #: how many of prompt_tokens a prefix cache served (from the request's finish), or NULL
     cached_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: how many of prompt_tokens were written to a prompt cache (the finish's
+    #: ``cache_write_tokens``), or NULL
+    cache_write_tokens: Mapped[int | None] = mapped_column(BigInteger)
     #: the probe and node of the request's admission (``request.admitted``); NULL when no
     #: admission was stored (a gateway's rows) or before 0019. A request still ``admitted``
     #: when this probe is known gone is closed as ``lost`` (``collector.lost``).

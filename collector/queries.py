@@ -12,6 +12,7 @@ from sqlalchemy import Connection, func, select, tuple_
 from collector import models as m
 from collector.rollups.buckets import POOL_BUCKET_US, floor_to
 from collector.timefmt import to_micros
+from engine_probe import events as ev
 from policies.facts import ProbeFact, superseded
 
 # Buckets at least this wide come from the per-minute pool rollups.
@@ -121,6 +122,9 @@ def _config(c: Any) -> dict[str, Any]:
         "disaggregated": c.disaggregated,
         "prefix_caching": c.prefix_caching,
         "prefix_cache_salting": c.prefix_cache_salting,
+        "kv_connector": c.kv_connector,
+        "kv_connector_version": c.kv_connector_version,
+        "kv_tiers": [msgspec.structs.asdict(t) for t in ev.decode_tiers(c.kv_tiers)],
         "config_hash": c.config_hash,
     }
 
@@ -139,6 +143,7 @@ REQUEST_FIELDS = (
     "limit_tokens",
     "prompt_shared_with",
     "cached_tokens",
+    "cache_write_tokens",
     "lost_reason",
     "probe_id",
     "node",

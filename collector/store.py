@@ -79,6 +79,7 @@ REQ_COLS = (
     "last_ts",
     "prompt_shared_with",
     "cached_tokens",
+    "cache_write_tokens",
     "probe_id",
     "node",
 )
@@ -99,6 +100,9 @@ _CONFIG_FIELDS = (
     "disaggregated",
     "prefix_caching",
     "prefix_cache_salting",
+    "kv_connector",
+    "kv_connector_version",
+    "kv_tiers",
 )
 
 
@@ -166,6 +170,7 @@ REQUEST_MERGE: dict[str, str] = {
     "prompt_shared_with": "max",
     # Only finishes carry it (the prompt tokens a prefix cache served).
     "cached_tokens": "max",
+    "cache_write_tokens": "max",
     # Only admissions carry them: the probe that admitted it, and on which node ("max" only
     # makes two admitting probes, a disaggregated prefill and decode, deterministic).
     "probe_id": "max",
@@ -236,12 +241,12 @@ def shape_rows(events: Iterable[ev.Event]) -> Rows:
         if t is finished:
             row = (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens,
                    e.completion_tokens, None, e.status, None, e.limit_tokens, None, ts, ts,
-                   None, e.cached_tokens, None, None, ts)  # fmt: skip
+                   None, e.cached_tokens, e.cache_write_tokens, None, None, ts)  # fmt: skip
         elif t is admitted:
             cats = e.data_categories
             row = (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens, None,
                    e.max_tokens, _PROVISIONAL, None, None, _categories(cats) if cats else None,
-                   ts, ts, e.prompt_shared_with, None, e.probe_id, e.node, ts)  # fmt: skip
+                   ts, ts, e.prompt_shared_with, None, None, e.probe_id, e.node, ts)  # fmt: skip
         elif t is sample:
             pool((dep, e.probe_id, e.seq, ts, e.node, e.role, e.capacity_tokens,
                   e.used_tokens, e.free_tokens))  # fmt: skip
@@ -296,7 +301,7 @@ def _shape_other(rows: Rows, e: ev.Event, dep: str, ts: int) -> tuple[Any, ...] 
             return (dep, e.request_id, e.tenant, e.route, e.model_id, e.prompt_tokens, None,
                     None, "rejected", e.reason, e.limit_tokens,
                     _categories(cats) if cats else None, ts, ts, None, None, None, None,
-                    ts)  # fmt: skip
+                    None, ts)  # fmt: skip
         case ev.PageStaleRead():
             detail = {
                 "page_ids": e.page_ids,
@@ -456,8 +461,15 @@ def _rank_sql(col: str) -> str:
     return f"(CASE {col} {cases} ELSE -1 END)"
 
 
+# Fields added since 0026: hashed only when set, so a config that sets none of them keeps
+# the hash it had before (an upgraded collector stores no spurious "new" config).
+_LATER_CONFIG_FIELDS = ("kv_connector", "kv_connector_version", "kv_tiers")
+
+
 def config_hash(c: ev.EngineConfig) -> str:
-    payload = _json.encode([getattr(c, f) for f in _CONFIG_FIELDS])
+    values = [getattr(c, f) for f in _CONFIG_FIELDS if f not in _LATER_CONFIG_FIELDS]
+    later = [getattr(c, f) for f in _LATER_CONFIG_FIELDS]
+    payload = _json.encode(values + later if any(later) else values)
     return hashlib.sha256(payload).hexdigest()
 
 
@@ -903,6 +915,7 @@ class IngestStore:
                 continue
             latest[key] = h
             values: dict[str, Any] = {f: getattr(c, f) for f in _CONFIG_FIELDS}
+            values["kv_tiers"] = _json.encode(c.kv_tiers).decode() if c.kv_tiers else None
             values.update(
                 deployment_id=c.deployment_id,
                 probe_id=c.probe_id,

@@ -14,8 +14,10 @@ optional field with a default is added within the version: older producers' even
 as before. Since unknown fields are refused, a collector must know a field before any
 producer sets it: upgrade collectors first. Optional fields added within version 1 since
 this note: ``request.admitted``'s ``prompt_shared_with``, ``request.finished``'s
-``limit_tokens`` and ``cached_tokens``; and two kinds, ``kv.turnover`` and ``source.gap`` (a
-kind a collector does not know is refused, like a field: upgrade collectors first).
+``limit_tokens``, ``cached_tokens`` and ``cache_write_tokens``; ``engine.config``'s
+``kv_connector``, ``kv_connector_version`` and ``kv_tiers``; and two kinds, ``kv.turnover``
+and ``source.gap`` (a kind a collector does not know is refused, like a field: upgrade
+collectors first).
 
 Decoding uses msgspec: it validates types, ranges, lengths and enums in C while decoding,
 which is what an ingest path taking hundreds of thousands of events per second needs (about
@@ -128,8 +130,43 @@ class Event(
     deployment_id: Id
 
 
+KvMedium = Literal["cpu", "disk", "remote"]
+MAX_KV_TIERS: Final = 8
+
+
+class KvTier(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False):
+    """One place outside the engine's KV pool that KV pages leave to and come back from (an
+    offload tier): ``medium`` where it is; ``backend`` what holds it, as the connector names
+    it (``native`` for an engine's own offloading, ``lmcache``, ``file``, ``mooncake``...);
+    ``capacity_bytes`` its configured size where known; ``salted`` whether the tier's key
+    for a page includes the request's ``cache_salt`` (None: the producer cannot tell). A
+    tier that is not salted serves one tenant's prefix to another however the pool is
+    salted."""
+
+    medium: KvMedium
+    backend: ShortName | None = None
+    capacity_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**60)] | None = None
+    salted: bool | None = None
+
+
+_TIERS_DECODER = msgspec.json.Decoder(tuple[KvTier, ...])
+
+
+def decode_tiers(raw: str | bytes | None) -> tuple[KvTier, ...]:
+    """Offload tiers from their JSON array (as ``msgspec.json`` encodes ``kv_tiers``);
+    nothing for ``None``."""
+    return _TIERS_DECODER.decode(raw) if raw else ()
+
+
 class EngineConfig(Event, tag="engine.config", kw_only=True, frozen=True):
-    """What one engine node is configured with; emitted at start and on every change."""
+    """What one engine node is configured with; emitted at start and on every change.
+
+    ``dtype`` is the KV cache's dtype (``auto``: the model's). Where KV goes past the pool
+    (added within version 1): ``kv_connector`` the KV connector as the engine's
+    configuration names it (vLLM's ``kv_transfer_config.kv_connector``, e.g.
+    ``LMCacheConnectorV1``, ``OffloadingConnector``; SGLang's ``hicache``), with
+    ``kv_connector_version`` the version of the package that implements it when it is not
+    the engine itself (LMCache's), and ``kv_tiers`` the offload tiers it writes to."""
 
     engine: ShortName
     engine_version: ShortName
@@ -146,6 +183,9 @@ class EngineConfig(Event, tag="engine.config", kw_only=True, frozen=True):
     disaggregated: bool = False
     prefix_caching: bool = False
     prefix_cache_salting: bool = False
+    kv_connector: ShortName | None = None
+    kv_connector_version: ShortName | None = None
+    kv_tiers: Annotated[tuple[KvTier, ...], msgspec.Meta(max_length=MAX_KV_TIERS)] = ()
 
 
 class RequestAdmitted(Event, tag="request.admitted", kw_only=True, frozen=True):
@@ -205,6 +245,9 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     ``prompt_tokens`` a prefix cache served instead of prefill (vLLM's
     ``usage.prompt_tokens_details.cached_tokens``, OpenTelemetry's
     ``gen_ai.usage.cache_read.input_tokens``), where the producer knows; added within version 1.
+    ``cache_write_tokens``: how many of ``prompt_tokens`` were written to a prompt cache for
+    later requests (OpenTelemetry's ``gen_ai.usage.cache_creation.input_tokens``), where the
+    producer knows; added within version 1.
     """
 
     request_id: Id
@@ -219,15 +262,22 @@ class RequestFinished(Event, tag="request.finished", kw_only=True, frozen=True):
     latency_ms: LatencyMs | None = None
     limit_tokens: Tokens | None = None
     cached_tokens: Tokens | None = None
+    cache_write_tokens: Tokens | None = None
 
     def __post_init__(self) -> None:
-        if (
-            self.cached_tokens is not None
-            and self.prompt_tokens is not None
-            and self.cached_tokens > self.prompt_tokens
-        ):
+        if self.prompt_tokens is None:
+            return
+        if self.cached_tokens is not None and self.cached_tokens > self.prompt_tokens:
             raise ValueError(
                 "cached_tokens: more than prompt_tokens (cached tokens are part of the prompt)"
+            )
+        if (
+            self.cache_write_tokens is not None
+            and (self.cached_tokens or 0) + self.cache_write_tokens > self.prompt_tokens
+        ):
+            raise ValueError(
+                "cache_write_tokens: with cached_tokens, more than prompt_tokens (tokens "
+                "read from and written to a cache are both part of the prompt)"
             )
 
 

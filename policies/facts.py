@@ -58,6 +58,9 @@ class NodeConfig:
     prefix_caching: bool
     prefix_cache_salting: bool
     ts: datetime
+    kv_connector: str | None = None
+    kv_connector_version: str | None = None
+    kv_tiers: tuple[ev.KvTier, ...] = ()
     stopped: bool = False
 
     @classmethod

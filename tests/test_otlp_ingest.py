@@ -105,6 +105,38 @@ def test_sdk_spans_become_request_records(
     assert [p["accepted"] for p in probes] == [6]  # admitted + finished per span
 
 
+def test_cached_token_names_of_other_instrumentations_read_the_same(
+    collector: Collector,
+) -> None:
+    """Sentry's and pre-2026 OpenLLMetry's names for cached prompt tokens count as the
+    current one does, and the tokens written to a cache are stored beside them; both are
+    part of the prompt, so together they cannot exceed it."""
+    body = _body(
+        {"request_id": "semconv", "prompt": 900, "gen_ai.usage.cache_read.input_tokens": 500,
+         "gen_ai.usage.cache_creation.input_tokens": 300},
+        {"request_id": "sentry", "prompt": 900, "gen_ai.usage.input_tokens.cached": 400},
+        {"request_id": "openllmetry", "prompt": 900,
+         "gen_ai.usage.cache_read_input_tokens": 200,
+         "gen_ai.usage.cache_creation_input_tokens": 100},
+        {"request_id": "too-much", "prompt": 900, "gen_ai.usage.cache_read.input_tokens": 500,
+         "gen_ai.usage.cache_creation.input_tokens": 401},
+    )  # fmt: skip
+    r = _post(collector, collector.ingest, body)
+    assert r.status_code == 200, r.text
+    partial = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert partial.rejected_spans == 1
+    assert (
+        "gen_ai.usage.cache_creation.input_tokens (401) plus "
+        "gen_ai.usage.cache_read.input_tokens (500) is more than gen_ai.usage.input_tokens (900)"
+    ) in partial.error_message
+    rows = {r["request_id"]: r for r in _requests(collector)}
+    assert {k: (v["cached_tokens"], v["cache_write_tokens"]) for k, v in rows.items()} == {
+        "semconv": (500, 300),
+        "sentry": (400, None),
+        "openllmetry": (200, 100),
+    }
+
+
 def test_an_exporters_retry_stores_nothing_twice(collector: Collector) -> None:
     body = _body({"request_id": "r-1"}, {"request_id": "r-2"})
     for _ in range(2):

@@ -79,6 +79,12 @@ class RequestOut(BaseModel):
         "OpenTelemetry's gen_ai.usage.cache_read.input_tokens); null when the producer did not "
         "say",
     )
+    cache_write_tokens: int | None = Field(
+        None,
+        description="How many of prompt_tokens were written to a prompt cache "
+        "(OpenTelemetry's gen_ai.usage.cache_creation.input_tokens); null when the producer "
+        "did not say",
+    )
     lost_reason: str | None = Field(
         None,
         description="Why the request is lost: probe_stopped (its probe said it stopped), "

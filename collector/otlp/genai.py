@@ -8,7 +8,8 @@ Names are read under the current conventions first and the older ones vLLM still
 | --- | --- |
 | prompt tokens | ``gen_ai.usage.input_tokens``, ``gen_ai.usage.prompt_tokens`` |
 | completion tokens | ``gen_ai.usage.output_tokens``, ``gen_ai.usage.completion_tokens`` |
-| cached prompt tokens | ``gen_ai.usage.cache_read.input_tokens`` |
+| cached prompt tokens | ``gen_ai.usage.cache_read.input_tokens``, then ``CACHED``'s aliases |
+| tokens written to a cache | ``gen_ai.usage.cache_creation.input_tokens``, ``CACHE_WRITE`` |
 | model | ``gen_ai.response.model``, ``gen_ai.request.model`` (span, then resource) |
 | request id | ``gen_ai.request.id`` (vLLM), ``gen_ai.response.id``, else trace and span id |
 | max tokens | ``gen_ai.request.max_tokens`` |
@@ -17,7 +18,8 @@ Names are read under the current conventions first and the older ones vLLM still
 
 The current conventions count cached tokens inside ``input_tokens``, so the prompt is
 ``input_tokens`` whole and ``cache_read.input_tokens`` (stored as the request's
-``cached_tokens``) a part of it: more than the prompt is refused.
+``cached_tokens``) a part of it, as is ``cache_creation.input_tokens`` (stored as
+``cache_write_tokens``): the two together past the prompt are refused.
 vLLM's ``llm_request`` span names no model: a deployment that wants one sets it on the
 resource (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=NAME``), else the request is
 stored without one and the ``telemetry_gap`` rule says so, as for any producer.
@@ -43,7 +45,17 @@ from engine_probe import events as ev
 
 PROMPT: Final = ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens")
 COMPLETION: Final = ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens")
-CACHED: Final = ("gen_ai.usage.cache_read.input_tokens",)
+# Sentry's names ("input_tokens.cached") and OpenLLMetry's before 2026 ("cache_read_...",
+# "cache_creation_...") follow the current ones.
+CACHED: Final = (
+    "gen_ai.usage.cache_read.input_tokens",
+    "gen_ai.usage.input_tokens.cached",
+    "gen_ai.usage.cache_read_input_tokens",
+)
+CACHE_WRITE: Final = (
+    "gen_ai.usage.cache_creation.input_tokens",
+    "gen_ai.usage.cache_creation_input_tokens",
+)
 MODEL: Final = ("gen_ai.response.model", "gen_ai.request.model")
 REQUEST_ID: Final = ("gen_ai.request.id", "gen_ai.response.id")
 MAX_TOKENS: Final = ("gen_ai.request.max_tokens",)
@@ -66,8 +78,8 @@ def is_genai(span: Span) -> bool:
 def read_attributes(tenant: Sequence[str], deployment: Sequence[str]) -> frozenset[str]:
     """Every attribute the mapping reads (the decoder keeps these and no other)."""
     return frozenset(
-        (*PROMPT, *COMPLETION, *CACHED, *MODEL, *REQUEST_ID, *MAX_TOKENS, *ROUTE, FINISH_REASONS,
-         *tenant, *deployment)
+        (*PROMPT, *COMPLETION, *CACHED, *CACHE_WRITE, *MODEL, *REQUEST_ID, *MAX_TOKENS, *ROUTE,
+         FINISH_REASONS, *tenant, *deployment)
     )  # fmt: skip
 
 
@@ -144,6 +156,13 @@ class Mapper:
                 f"{cached_attr} ({cached}) is more than {prompt_attr} ({prompt}): the prompt "
                 "count includes its cached tokens"
             )
+        written, written_attr = _tokens(span, CACHE_WRITE)
+        if written is not None and prompt is not None and (cached or 0) + written > prompt:
+            also = f" plus {cached_attr} ({cached})" if cached else ""
+            raise SpanRefused(
+                f"{written_attr} ({written}){also} is more than {prompt_attr} ({prompt}): the "
+                "prompt count includes the tokens written to and read from a cache"
+            )
         max_tokens, max_attr = _tokens(span, MAX_TOKENS)
         route, route_attr = _first(span, ROUTE)
         start = self._time(span.start_ns, "startTimeUnixNano")
@@ -170,6 +189,7 @@ class Mapper:
             "ts": end,
             "completion_tokens": completion,
             "cached_tokens": cached,
+            "cache_write_tokens": written,
             "status": _status(span),
             "latency_ms": (end - start) / timedelta(milliseconds=1),
         }
@@ -189,6 +209,7 @@ class Mapper:
                 "completion_tokens": completion_attr,
                 "max_tokens": max_attr,
                 "cached_tokens": cached_attr,
+                "cache_write_tokens": written_attr,
                 "route": route_attr,
             }
             err = exc.errors[0]
