@@ -3,6 +3,7 @@ what is known about the deployments involved. Built by the collector, read-only 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -28,6 +29,8 @@ VERIFIED_SETTINGS = (
 #: KV dtypes that say "not resolved": vLLM's metrics show ``auto`` (the model's dtype) and a
 #: scrape that cannot tell says ``unknown``. Never a disagreement between nodes.
 UNRESOLVED_DTYPES = frozenset({"auto", "unknown"})
+# vLLM names connectors "<Family>Connector" or "<Family>ConnectorV1".
+_CONNECTOR_SUFFIX = re.compile(r"_?connector(_?v\d+)?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,14 @@ class NodeConfig:
     @classmethod
     def from_event(cls, e: ev.EngineConfig) -> NodeConfig:
         return cls(**{f.name: getattr(e, f.name) for f in fields(cls) if f.name != "stopped"})
+
+    def kv_connector_family(self) -> str | None:
+        """The KV connector's family, lower-case (``LMCacheConnectorV1`` -> ``lmcache``,
+        ``LMCacheMPConnector`` -> ``lmcachemp``, ``OffloadingConnector`` -> ``offloading``),
+        or None without one: what an advisory's ``connector`` names."""
+        if not self.kv_connector:
+            return None
+        return _CONNECTOR_SUFFIX.sub("", self.kv_connector.lower()) or self.kv_connector.lower()
 
     def changed(
         self, other: NodeConfig, names: Iterable[str] = VERIFIED_SETTINGS

@@ -381,7 +381,15 @@ def test_the_fleet_lists_each_replica_as_a_node_with_its_key_config(collector: C
     """Replicas of one deployment are nodes of their own, each with its role and the config
     they must agree on; one that stopped is shown so (its probe said it stopped)."""
     a = {"node": "gpu-a:8000", "role": "both", "disaggregated": False, "dtype": "bfloat16"}
-    send(collector, f.config(1, prefix_caching=True, **a))
+    tiers = (
+        ev.KvTier(medium="cpu", backend="lmcache", capacity_bytes=64 << 30, salted=True),
+        ev.KvTier(medium="disk", backend="lmcache", capacity_bytes=2 << 40, salted=False),
+    )
+    send(
+        collector,
+        f.config(1, prefix_caching=True, kv_connector="LMCacheConnectorV1",
+                 kv_connector_version="0.5.2", kv_tiers=tiers, **a),
+    )  # fmt: skip
     send(collector, f.config(1, probe="probe-b-1-abcdef", **{**a, "node": "gpu-b:8000"}))
     (dep,) = get(collector, "/v1/fleet")["deployments"]
     nodes = {n["node"]: n for n in dep["nodes"]}
@@ -405,6 +413,21 @@ def test_the_fleet_lists_each_replica_as_a_node_with_its_key_config(collector: C
         "running": True,
     }
     assert nodes["gpu-b:8000"]["prefix_caching"] is False
+    # where KV goes past the pool: as sent, and said once for the card and the dashboard
+    assert nodes["gpu-a:8000"]["kv_tiers"][1] == {
+        "medium": "disk",
+        "backend": "lmcache",
+        "capacity_bytes": 2 << 40,
+        "salted": False,
+    }
+    assert nodes["gpu-a:8000"]["kv_offload"] == (
+        "LMCacheConnectorV1 0.5.2: cpu (lmcache) 64 GiB, salted; disk (lmcache) 2 TiB, salt dropped"
+    )
+    assert nodes["gpu-a:8000"]["prefix_cache"] == "on, shared unsalted"
+    assert nodes["gpu-b:8000"]["kv_offload"] == "none reported"
+    with collector.client(collector.admin) as h:
+        md = h.get("/v1/deployments/glm-prod/limits-card", params={"format": "md"}).text
+    assert "| on, shared unsalted | LMCacheConnectorV1 0.5.2: cpu (lmcache) 64 GiB" in md
     send(collector, ev.ProbeStopped(**f.base(2, probe="probe-b-1-abcdef")))
     (dep,) = get(collector, "/v1/fleet")["deployments"]
     assert {n["node"]: n["running"] for n in dep["nodes"]} == {

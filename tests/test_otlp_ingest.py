@@ -114,7 +114,8 @@ def test_cached_token_names_of_other_instrumentations_read_the_same(
     body = _body(
         {"request_id": "semconv", "prompt": 900, "gen_ai.usage.cache_read.input_tokens": 500,
          "gen_ai.usage.cache_creation.input_tokens": 300},
-        {"request_id": "sentry", "prompt": 900, "gen_ai.usage.input_tokens.cached": 400},
+        {"request_id": "sentry", "prompt": 900, "gen_ai.usage.input_tokens.cached": 400,
+         "gen_ai.usage.input_tokens.cache_write": 50},
         {"request_id": "openllmetry", "prompt": 900,
          "gen_ai.usage.cache_read_input_tokens": 200,
          "gen_ai.usage.cache_creation_input_tokens": 100},
@@ -132,7 +133,7 @@ def test_cached_token_names_of_other_instrumentations_read_the_same(
     rows = {r["request_id"]: r for r in _requests(collector)}
     assert {k: (v["cached_tokens"], v["cache_write_tokens"]) for k, v in rows.items()} == {
         "semconv": (500, 300),
-        "sentry": (400, None),
+        "sentry": (400, 50),
         "openllmetry": (200, 100),
     }
 

@@ -45,8 +45,8 @@ from engine_probe import events as ev
 
 PROMPT: Final = ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens")
 COMPLETION: Final = ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens")
-# Sentry's names ("input_tokens.cached") and OpenLLMetry's before 2026 ("cache_read_...",
-# "cache_creation_...") follow the current ones.
+# Sentry's names ("input_tokens.cached", "input_tokens.cache_write"), then OpenLLMetry's
+# before its 0.5.0 ("cache_read_...", "cache_creation_..."), follow the current ones.
 CACHED: Final = (
     "gen_ai.usage.cache_read.input_tokens",
     "gen_ai.usage.input_tokens.cached",
@@ -54,6 +54,7 @@ CACHED: Final = (
 )
 CACHE_WRITE: Final = (
     "gen_ai.usage.cache_creation.input_tokens",
+    "gen_ai.usage.input_tokens.cache_write",
     "gen_ai.usage.cache_creation_input_tokens",
 )
 MODEL: Final = ("gen_ai.response.model", "gen_ai.request.model")

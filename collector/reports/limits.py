@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+import msgspec
 from sqlalchemy import Connection, select
 
 from collector import models as m
@@ -19,7 +20,7 @@ from collector.db import Database
 from collector.errors import NotFound
 from collector.limits import Limits
 from collector.timefmt import iso
-from policies.facts import VerificationFact
+from policies.facts import NodeConfig, VerificationFact
 
 
 def deployment_exists(conn: Connection, deployment_id: str) -> bool:
@@ -119,6 +120,11 @@ class LimitsService:
                     "dtype": c.dtype,
                     "prefix_caching": c.prefix_caching,
                     "prefix_cache_salting": c.prefix_cache_salting,
+                    "prefix_cache": prefix_cache_text(c),
+                    "kv_connector": c.kv_connector,
+                    "kv_connector_version": c.kv_connector_version,
+                    "kv_tiers": [msgspec.structs.asdict(t) for t in c.kv_tiers],
+                    "kv_offload": kv_offload_text(c),
                     "running": not c.stopped,
                     "config_since": iso(c.ts),
                 }
@@ -139,10 +145,38 @@ def _incident(r: Any) -> dict[str, Any]:
     }
 
 
-def _prefix_cache(node: dict[str, Any]) -> str:
-    if not node["prefix_caching"]:
+def prefix_cache_text(c: NodeConfig) -> str:
+    """The node's prefix cache as the card, the fleet and the dashboard say it."""
+    if not c.prefix_caching:
         return "off"
-    return "on, salted" if node["prefix_cache_salting"] else "on, shared unsalted"
+    return "on, salted" if c.prefix_cache_salting else "on, shared unsalted"
+
+
+def kv_offload_text(c: NodeConfig) -> str:
+    """Where the node's KV goes past its pool, as the card, the fleet and the dashboard
+    say it: the connector and its version, then each tier with its size and whether its
+    key carries the request's cache_salt (``salt dropped`` where the producer knows it
+    does not)."""
+    if not c.kv_connector and not c.kv_tiers:
+        return "none reported"
+    head = c.kv_connector or "offload"
+    if c.kv_connector_version:
+        head += f" {c.kv_connector_version}"
+    tiers = []
+    for t in c.kv_tiers:
+        where = t.medium + (f" ({t.backend})" if t.backend else "")
+        if t.capacity_bytes is not None:
+            where += f" {_size(t.capacity_bytes)}"
+        salt = {True: "salted", False: "salt dropped", None: "salt unknown"}[t.salted]
+        tiers.append(f"{where}, {salt}")
+    return f"{head}: {'; '.join(tiers)}" if tiers else f"{head}: no offload tier"
+
+
+def _size(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
 
 
 def _if_passed(v: VerificationFact | None) -> VerificationFact | None:
@@ -218,16 +252,16 @@ def to_markdown(card: dict[str, Any]) -> str:
             "## Nodes",
             "",
             "| node | role | model | engine | advertised context | pool (tokens) | KV dtype "
-            "| prefix cache | since |",
-            "| --- | --- | --- | --- | ---: | ---: | --- | --- | --- |",
+            "| prefix cache | KV past the pool | since |",
+            "| --- | --- | --- | --- | ---: | ---: | --- | --- | --- | --- |",
         ]
         for c in card["nodes"]:
             lines.append(
                 f"| {c['node']}{'' if c['running'] else ' (stopped)'} | {c['role']} | "
                 f"{c['model_id']} | {c['engine']} "
                 f"{c['engine_version']} | {_n(c['advertised_context'])} | "
-                f"{_n(c['pool_capacity_tokens'])} | {c['dtype']} | {_prefix_cache(c)} | "
-                f"{c['config_since']} |"
+                f"{_n(c['pool_capacity_tokens'])} | {c['dtype']} | {c['prefix_cache']} | "
+                f"{c['kv_offload']} | {c['config_since']} |"
             )
         lines.append("")
     return "\n".join(lines)

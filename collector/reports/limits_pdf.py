@@ -108,4 +108,10 @@ def render_pdf(card: dict[str, Any]) -> bytes:
             ],
             [26, 18, 30, 30, 22, 20, 44],
         )
+        pdf.ln(2)
+        pdf.grid(
+            ["node", "KV dtype", "prefix cache", "KV past the pool"],
+            [[c["node"], c["dtype"], c["prefix_cache"], c["kv_offload"]] for c in card["nodes"]],
+            [26, 20, 34, 110],
+        )
     return bytes(pdf.output())

@@ -88,12 +88,6 @@ def models_frame(models: list[JSON]) -> pd.DataFrame:
 _TOKENS = st.column_config.NumberColumn(format="localized")
 
 
-def _prefix_cache(n: JSON) -> str:
-    if not n.get("prefix_caching"):
-        return "off"
-    return "on, salted" if n.get("prefix_cache_salting") else "on, shared unsalted"
-
-
 def nodes_frame(nodes: list[JSON]) -> pd.DataFrame:
     """One row per node: its id, role and the config replicas must agree on first."""
     return pd.DataFrame(
@@ -103,8 +97,9 @@ def nodes_frame(nodes: list[JSON]) -> pd.DataFrame:
                 "role": n["role"],
                 "model": n["model_id"],
                 "state": "running" if n.get("running", True) else "stopped",
-                "prefix cache": _prefix_cache(n),
+                "prefix cache": n["prefix_cache"],
                 "KV dtype": n.get("dtype"),
+                "KV past the pool": n["kv_offload"],
                 "pool (tokens)": n["pool_capacity_tokens"],
                 "advertised context": n["advertised_context"],
                 "engine": f"{n['engine']} {n['engine_version']}",
