@@ -11,7 +11,7 @@ Nothing here stores or sends prompt or completion text: only token counts and id
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -89,9 +89,12 @@ class SGLangAdapter(PoolTracker):
         node: str | None = None,
         advertised_context: int | None = None,
         tp_size: int = 1,
+        kv_destinations: Mapping[str, Any] | None = None,
     ) -> str:
         """Hook one node's ``ReqToTokenPool`` and token allocator (and the allocator's KV
-        pool); returns the node's name. Emits ``engine.config`` and a ``pool.sample``.
+        pool); returns the node's name. Emits ``engine.config`` and a ``pool.sample``;
+        ``kv_destinations``: where KV goes past the pool
+        (:func:`engine_probe.adapters.kv_offload.sglang_destinations`).
 
         Watching a ``ReqToTokenPool`` already watched (a speculative-decoding draft runner
         shares the target's pool and allocator) returns the existing node's name and hooks
@@ -117,6 +120,7 @@ class SGLangAdapter(PoolTracker):
             tp_size=tp_size,
             disaggregated=role != "both",
             **engine_config(req_to_token_pool, kv_pool, advertised_context),
+            **(kv_destinations or {}),
         )
         self.sample_pools()
         return name

@@ -67,6 +67,8 @@ def register() -> None:
 
 
 def _watch_runner(adapter: Any, runner: Any) -> None:
+    from engine_probe.adapters.kv_offload import sglang_destinations
+
     if getattr(runner, "is_draft_worker", False):
         return  # a speculative draft runner shares the target's pools (watched already)
     args = getattr(runner, "server_args", None)
@@ -82,6 +84,7 @@ def _watch_runner(adapter: Any, runner: Any) -> None:
         node=_node(args, role, runner),
         advertised_context=getattr(getattr(runner, "model_config", None), "context_len", None),
         tp_size=int(getattr(runner, "tp_size", 1) or 1),
+        kv_destinations=sglang_destinations(args),
     )
 
 

@@ -30,6 +30,7 @@ from typing import Any, Final
 
 from engine_probe.adapters.common import UNKNOWN, safe_id
 from engine_probe.adapters.guard import HookGuard
+from engine_probe.adapters.kv_offload import vllm_destinations
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.adapters.vllm.bookkeeping import BlockTracker
 from engine_probe.adapters.vllm.node import kv_settings, role_of
@@ -84,7 +85,9 @@ def engine_config(scheduler: Any) -> dict[str, Any]:
     """The ``engine.config`` fields vLLM's configuration decides (the pool's are the
     adapter's): version, advertised context (``max_model_len``), the KV cache's dtype
     (resolved: ``auto`` is the model's, as ``node.kv_dtype`` says), quantization, TP
-    size, CUDA graphs, prefix caching, disaggregation (any KV connector)."""
+    size, CUDA graphs, prefix caching, and where KV goes past the pool (its connector and
+    offload tiers; disaggregation where the connector moves KV between nodes:
+    :mod:`engine_probe.adapters.kv_offload`)."""
     cfg = scheduler.vllm_config
     mc, cc = cfg.model_config, cfg.cache_config
     import vllm  # the engine is running: importing it costs nothing
@@ -94,7 +97,7 @@ def engine_config(scheduler: Any) -> dict[str, Any]:
         "engine_version": str(vllm.__version__)[:64],
         "advertised_context": int(mc.max_model_len),
         **kv_settings(cfg),
-        "disaggregated": cfg.kv_transfer_config is not None,
+        **vllm_destinations(cfg),
         "prefix_caching": bool(cc.enable_prefix_caching),
         # vLLM has no setting that makes salts mandatory: each request may carry one
         # (prefix_cache.hit says whether the hit was salted).
