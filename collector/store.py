@@ -338,6 +338,11 @@ def _shape_other(rows: Rows, e: ev.Event, dep: str, ts: int) -> tuple[Any, ...] 
             )  # fmt: skip
         case ev.PrefixCacheHit():
             detail = {"role": e.role, "tokens": e.tokens, "salted": e.salted}
+            # added later, and only where they say something: older rows have neither key
+            if e.tier is not None:
+                detail["tier"] = e.tier
+            if e.salt_mismatch:
+                detail["salt_mismatch"] = True
             rows.page.append(
                 (dep, e.probe_id, e.seq, ts, "prefix_cache.hit", e.node, e.reader_request_id,
                  e.reader_tenant, e.owner_request_id, e.owner_tenant, e.pages, e.cross_tenant,

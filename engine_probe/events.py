@@ -375,6 +375,11 @@ class PrefixCacheHit(Event, tag="prefix_cache.hit", kw_only=True, frozen=True):
     a salt it is still a side channel: hit timing tells one tenant what another sent.
     ``owner_*`` name the request that computed the blocks; None when it is not known (it was
     computed before the probe attached).
+
+    Added within version 1: ``tier``, the offload tier the blocks were loaded back from
+    (None: found in the pool); ``salt_mismatch``, the reader's cache salt is not the one the
+    owner's blocks were stored under: keys that carry salts cannot match so, and a cache or
+    tier that served them dropped the salt (same tenant or not).
     """
 
     node: Id = "node-0"
@@ -386,6 +391,8 @@ class PrefixCacheHit(Event, tag="prefix_cache.hit", kw_only=True, frozen=True):
     pages: Count
     tokens: Tokens = 0
     salted: bool
+    tier: KvMedium | None = None
+    salt_mismatch: bool = False
 
     @property
     def cross_tenant(self) -> bool:

@@ -305,6 +305,24 @@ def engine_serve(
             "detector; changes what a stale read returns).",
         ),
     ] = False,
+    offload_tier_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Tokens of a host-memory offload tier that prefix pages the pool evicts go "
+            "to and are loaded back from (vLLM's CPU offloading, LMCache's CPU tier); 0: "
+            "none. Needs --prefix-cache.",
+        ),
+    ] = 0,
+    fault_offload_drops_salt: Annotated[
+        bool,
+        typer.Option(
+            "--fault-offload-drops-salt",
+            help="A defect, for tests and demos: the offload tier keys pages by their tokens "
+            "alone, dropping the salt (as LMCache's SGLang path did), so other salts and "
+            "tenants are served a prefix someone else computed.",
+        ),
+    ] = False,
 ) -> None:
     """Run refengine's OpenAI-compatible server (/v1/completions, /v1/chat/completions,
     /v1/models). With KVWATCH_COLLECTOR_URL and KVWATCH_INGEST_TOKEN set, its probe and page
@@ -352,6 +370,8 @@ def engine_serve(
             kv_dtype=kv_dtype.value,
             model_id=model_id,
             prefix_cache=prefix_cache.value,
+            offload_tier_tokens=offload_tier_tokens,
+            offload_drops_salt=fault_offload_drops_salt,
         )
         engine = Engine(config)
     except (ValueError, RuntimeError) as exc:
@@ -374,6 +394,8 @@ def engine_serve(
         f"refengine {mode.value} {topology.value} serving {model_id!r} on http://{host}:{port}/v1"
         f" - advertised context {advertised_context} tokens; pools: {pools}; tenants: {tenants}"
         f"; prefix cache: {caching}"
+        + (f"; offload tier {offload_tier_tokens} tokens" if offload_tier_tokens else "")
+        + (" (FAULT: the tier drops the salt)" if fault_offload_drops_salt else "")
     )
     probe = configure_probe(probe_settings)
     if probe.enabled:

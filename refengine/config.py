@@ -69,6 +69,13 @@ class EngineConfig:
     head_dim: int = 64
     model_id: str = "refengine-lab"
     prefix_cache: PrefixCacheMode = "off"
+    #: Tokens of the offload tier (host memory) that evicted prefix-cache pages go to and
+    #: are loaded back from (vLLM's CPU offloading, LMCache's CPU tier); 0: none. Needs the
+    #: prefix cache. See :mod:`refengine.offload`.
+    offload_tier_tokens: int = 0
+    #: Fault (tests, demos): the tier keys pages by their tokens alone, dropping the salt
+    #: (and the tenant, salting by tenant), as LMCache's SGLang path did (LMCache #4825).
+    offload_drops_salt: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("legacy", "hardened"):
@@ -114,6 +121,19 @@ class EngineConfig:
                 "the prefix cache needs the monolithic topology: a disaggregated engine's "
                 "prefill pages leave for the decode pool, so nothing stays to be reused"
             )
+        if not isinstance(self.offload_tier_tokens, int) or self.offload_tier_tokens < 0:
+            raise ValueError(
+                f"offload_tier_tokens must be an integer >= 0, not {self.offload_tier_tokens!r}"
+            )
+        if self.offload_tier_tokens and not self.prefix_caching:
+            raise ValueError("the offload tier needs the prefix cache (prefix_cache on)")
+        if 0 < self.offload_tier_tokens < self.page_size:
+            raise ValueError(
+                f"offload_tier_tokens ({self.offload_tier_tokens}) must hold at least one "
+                f"page of {self.page_size} tokens"
+            )
+        if self.offload_drops_salt and not self.offload_tier_tokens:
+            raise ValueError("offload_drops_salt needs an offload tier (offload_tier_tokens)")
         torch.device(self.device)  # fail here, not at the first allocation, on a typo
 
     @property

@@ -73,6 +73,7 @@ from refengine.config import EngineConfig
 from refengine.errors import ContextLengthExceeded, InvalidRequest
 from refengine.hooks import EngineObserver
 from refengine.model import LabModel
+from refengine.offload import OffloadTier, TierEntry
 from refengine.pool import KVPool, Role
 from refengine.prefix_cache import PrefixCache, page_keys, root_key
 from refengine.request import Completion, Request, TokenDelta
@@ -169,6 +170,15 @@ class Engine:
         )
         # prefix-cache hits found while picking this step's prefills (handle -> pages)
         self._hits: dict[int, list[int]] = {}
+        self.offload: OffloadTier | None = (
+            OffloadTier(cfg.offload_tier_tokens // cfg.page_size)
+            if cfg.offload_tier_tokens
+            else None
+        )
+        # offload-tier hits found while picking (handle -> entries), and per cached page its
+        # tier key and its computing request's tenant handle (what an eviction stores)
+        self._tier_hits: dict[int, list[TierEntry]] = {}
+        self._tier_meta: dict[int, tuple[bytes, int]] = {}
         self._sched = Scheduler(max_batch=cfg.max_batch, max_prefill_tokens=cfg.max_prefill_tokens)
         self._observers: list[EngineObserver] = []
         self._lock = threading.RLock()
@@ -233,6 +243,13 @@ class Engine:
             "prefix_cache": cfg.prefix_caching,
             "prefix_cache_mode": cfg.prefix_cache,
             "prefix_cache_salting": cfg.prefix_cache_isolates_tenants,
+            # the tier's key is the salted chain by design (the drop-salt fault is a defect,
+            # not a setting: no configuration would say it)
+            "offload_tier_pages": 0 if self.offload is None else self.offload.capacity_pages,
+            "offload_tier_bytes": 0
+            if self.offload is None
+            else self.offload.capacity_pages
+            * (self.prefill_pool.kv_bytes // self.prefill_pool.num_pages),
             "zeroize_on_free": cfg.zeroize_on_free,
             "device": str(self.device),
             "max_batch": cfg.max_batch,
@@ -288,6 +305,7 @@ class Engine:
             raise InvalidRequest("prompt must not be empty")
         cfg = self.config
         keys: list[bytes] = []
+        tier_keys: list[bytes] = []
         if self.prefix_cache is not None and len(data) <= min(
             cfg.advertised_context, self.prefill_pool.capacity_tokens
         ):
@@ -296,6 +314,9 @@ class Engine:
             tenant_part = tenant if cfg.prefix_cache == "salted" else None
             root = root_key(salt=cache_salt, tenant=tenant_part)
             keys = page_keys(data, cfg.page_size, root)
+            tier_keys = keys
+            if cfg.offload_drops_salt:
+                tier_keys = page_keys(data, cfg.page_size, root_key())
         with self._lock:
             if request_id is not None and request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight")
@@ -314,6 +335,7 @@ class Engine:
                 on_delta=on_delta,
                 cache_salt=cache_salt,
                 page_keys=keys,
+                tier_keys=tier_keys if self.offload is not None else [],
             )
             p = len(data)
             if p > cfg.advertised_context:
@@ -475,6 +497,9 @@ class Engine:
 
             def pages_needed(r: Request) -> int:
                 found = hits[r.handle] = self._lookup(r)
+                if self.offload is not None:
+                    # loaded pages are fresh ones: they change nothing of the count
+                    self._tier_hits[r.handle] = self._tier_lookup(r, len(found))
                 idle = sum(1 for p in found if cache.refs[p] == 0)
                 return need(r) - len(found) + idle
 
@@ -489,10 +514,12 @@ class Engine:
                 cache.acquire(found)
                 req.cached_pages = list(found)
                 req.cached_tokens = len(found) * pool.page_size
+                req.tier_entries = self._tier_hits.pop(req.handle, [])
                 if req.page_keys:
                     cache.queries += req.prompt_tokens
                     cache.hits += req.cached_tokens
             self._hits.clear()
+            self._tier_hits.clear()
         if not picked:
             return
         firsts = [self._prefill(pool, req, need(req)) for req in picked]
@@ -557,24 +584,30 @@ class Engine:
                 o.on_prefix_hit(pool, granted, req, owners)
         for o in obs:
             o.on_alloc(pool, fresh, req)
+        n_tier = len(req.tier_entries)
+        if n_tier:
+            self._load_from_tier(pool, req, pages, n_hit)
+        n_pre = n_hit + n_tier
         n = tokens.shape[0]
-        start = req.cached_tokens
-        # Only the positions past the granted prefix are computed and written: the compute a
-        # prefix-cache hit saves.
+        start = n_pre * ps
+        # Only the positions past the granted (and loaded) prefix are computed and written:
+        # the compute a prefix-cache hit saves.
         k, v = self.model.kv(tokens[start:], 0)
         pool.write(pool.slots(pages, start, n - start), k, v)
         req.cache_len = start  # what observers read: the write starts here
         for o in obs:
-            o.on_kv_write(pool, pages[n_hit : pool.pages_for(n)], req)
-        if granted is not None:
+            o.on_kv_write(pool, pages[n_pre : pool.pages_for(n)], req)
+        req.cached_tokens = start
+        if n_pre:
             # The granted prefix is read back from the pool (it was not computed here).
-            kc, vc = pool.gather(granted)
+            prefix = pages[:n_pre]
+            kc, vc = pool.gather(prefix)
             if obs:
-                readers = torch.full((n_hit,), req.handle, dtype=torch.int64, device=self.device)
-                valid = torch.ones((n_hit, ps), dtype=torch.bool, device=self.device)
+                readers = torch.full((n_pre,), req.handle, dtype=torch.int64, device=self.device)
+                valid = torch.ones((n_pre, ps), dtype=torch.bool, device=self.device)
                 for o in obs:
-                    o.on_kv_read(pool, granted, readers, kc, vc, valid)
-            shape = (n_hit * ps, pool.heads, pool.head_dim)
+                    o.on_kv_read(pool, prefix, readers, kc, vc, valid)
+            shape = (n_pre * ps, pool.heads, pool.head_dim)
             k = torch.cat([kc.reshape(shape), k])
             v = torch.cat([vc.reshape(shape), v])
         if req.page_keys:
@@ -594,6 +627,35 @@ class Engine:
         )
         return first
 
+    def _load_from_tier(self, pool: KVPool, req: Request, pages: torch.Tensor, n_hit: int) -> None:
+        """Copy ``req.tier_entries`` into the first fresh pages past its ``n_hit`` pool hits
+        (the prefill writes them on the request's behalf), and tell observers whose writes
+        they were (``on_tier_load``)."""
+        assert self.offload is not None
+        ps, entries = pool.page_size, req.tier_entries
+        n_tier = len(entries)
+        loaded = pages[n_hit : n_hit + n_tier]
+        k = torch.stack([e.k for e in entries]).to(self.device)
+        v = torch.stack([e.v for e in entries]).to(self.device)
+        shape = (n_tier * ps, pool.heads, pool.head_dim)
+        pool.write(pool.slots(pages, n_hit * ps, n_tier * ps), k.reshape(shape), v.reshape(shape))
+        keys = req.tier_keys[n_hit : n_hit + n_tier]
+        self.offload.touch(keys)
+        req.cache_len = n_hit * ps
+        writers = [e.writer for e in entries]
+        tenants = [e.writer_tenant for e in entries]
+        for o in self._observers:
+            o.on_kv_write(pool, loaded, req)
+            o.on_tier_load(pool, loaded, req, keys, writers, tenants)
+
+    def _tier_lookup(self, req: Request, n_found: int) -> list[TierEntry]:
+        """What the offload tier holds of ``req``'s pages past its ``n_found`` pool hits
+        (leaving at least its last prompt token to compute)."""
+        if self.offload is None or not req.tier_keys:
+            return []
+        most = (req.cached_prompt_tokens - 1) // self.config.page_size
+        return self.offload.lookup(req.tier_keys[n_found:most])
+
     def _lookup(self, req: Request) -> list[int]:
         """The cached pages to grant ``req``: its longest cached run of leading full pages,
         leaving at least its last prompt token to compute."""
@@ -609,11 +671,31 @@ class Engine:
         cache = self.prefix_cache
         if cache is not None and n > pool.free_pages:
             evicted = cache.evict(n - pool.free_pages)
-            pages = torch.tensor(evicted, dtype=torch.int64, device=self.device)
+            pages = torch.tensor([p for p, _ in evicted], dtype=torch.int64, device=self.device)
+            if self.offload is not None:
+                self._store_in_tier(pool, pages, evicted)
             zeroized = pool.free(pages)
             for o in self._observers:
                 o.on_free(pool, pages, zeroized)
         return pool.alloc(n)
+
+    def _store_in_tier(
+        self, pool: KVPool, pages: torch.Tensor, evicted: list[tuple[int, int]]
+    ) -> None:
+        """Copy evicted cached pages into the offload tier, before the pool frees (and maybe
+        zeroizes) them, under their tier keys; observers hear ``on_tier_store``."""
+        assert self.offload is not None
+        kc, vc = pool.gather(pages)
+        kc, vc = kc.to("cpu", copy=True), vc.to("cpu", copy=True)
+        keys, writers, tenants = [], [], []
+        for i, (page, writer) in enumerate(evicted):
+            key, tenant = self._tier_meta.pop(page)
+            self.offload.store(key, TierEntry(kc[i], vc[i], writer, tenant))
+            keys.append(key)
+            writers.append(writer)
+            tenants.append(tenant)
+        for o in self._observers:
+            o.on_tier_store(pool, pages, keys, writers, tenants)
 
     def _cache_written(self, pool: KVPool, req: Request, fresh: torch.Tensor) -> None:
         """Cache the full prompt pages prefill just wrote (one host copy of their ids)."""
@@ -624,9 +706,12 @@ class Engine:
         if n_full <= n_hit:
             return
         ids = fresh[: n_full - n_hit].tolist()
-        for key, page in zip(req.page_keys[n_hit:n_full], ids, strict=True):
+        tier_keys = req.tier_keys[n_hit:n_full] if req.tier_keys else [b""] * (n_full - n_hit)
+        for key, tier_key, page in zip(req.page_keys[n_hit:n_full], tier_keys, ids, strict=True):
             if cache.insert(key, page, req.handle):
                 req.cached_pages.append(page)
+                if self.offload is not None:
+                    self._tier_meta[page] = (tier_key, req.tenant_handle)
 
     def _transfer_phase(self, result: StepResult) -> None:
         src_pool, dst_pool = self.prefill_pool, self.decode_pool

@@ -82,6 +82,34 @@ class EngineObserver:
     def on_kv_write(self, pool: KVPool, pages: torch.Tensor, req: Request) -> None:
         """``req`` just wrote slots in ``pages`` (prefill; decode via the batch hook)."""
 
+    def on_tier_store(
+        self,
+        pool: KVPool,
+        pages: torch.Tensor,
+        keys: Sequence[bytes],
+        writers: Sequence[int],
+        tenants: Sequence[int],
+    ) -> None:
+        """The prefix cache evicted ``pages`` and their content went to the offload tier
+        under ``keys`` (``keys[i]`` for ``pages[i]``), as written by the request with handle
+        ``writers[i]`` of the tenant with handle ``tenants[i]``. Fired before the pages'
+        ``on_free``."""
+
+    def on_tier_load(
+        self,
+        pool: KVPool,
+        pages: torch.Tensor,
+        req: Request,
+        keys: Sequence[bytes],
+        writers: Sequence[int],
+        tenants: Sequence[int],
+    ) -> None:
+        """Prefill loaded the offload tier's entries under ``keys`` into ``req``'s fresh
+        ``pages`` (in order; fired after their ``on_alloc`` and the ``on_kv_write`` of
+        that copy): ``pages[i]`` now holds what request ``writers[i]`` (tenant
+        ``tenants[i]``) wrote, as the engine says; an observer checks that against what it
+        recorded at the store."""
+
     def on_kv_write_batch(
         self,
         pool: KVPool,

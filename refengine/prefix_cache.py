@@ -140,17 +140,17 @@ class PrefixCache:
                 raise AssertionError(f"cached page {p} released more often than acquired")
         self._sync()
 
-    def evict(self, n: int) -> list[int]:
-        """Take the ``n`` least recently used idle pages out of the cache (for the free list)."""
+    def evict(self, n: int) -> list[tuple[int, int]]:
+        """Take the ``n`` least recently used idle pages out of the cache (for the free
+        list): ``(page, the handle of the request that computed it)`` each."""
         if n > len(self.idle):
             raise AssertionError(f"asked to evict {n} pages, {len(self.idle)} idle")
-        out: list[int] = []
+        out: list[tuple[int, int]] = []
         for _ in range(n):
             p, _ = self.idle.popitem(last=False)
             del self.by_key[self.key_of.pop(p)]
-            del self.computed_by[p]
+            out.append((p, self.computed_by.pop(p)))
             del self.refs[p]
-            out.append(p)
         self.evictions += n
         self._sync()
         return out

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -86,6 +86,11 @@ class Request:
     * ``page_keys`` are the prefix-cache keys of the prompt's full pages (empty when the
       request takes no part in the cache); ``cached_pages`` the cached pages its block table
       holds a reference on (its hits, then the pages it cached itself), host ints.
+    * ``tier_keys`` are the keys its full pages go to the offload tier under (its
+      ``page_keys``, or the unsalted chain under the ``offload_drops_salt`` fault);
+      ``tier_entries`` what the tier holds of the pages past its pool hits, found when it
+      was picked and loaded by prefill into its first fresh pages (host-side; empty without
+      a tier).
     * ``handle`` (>= 1) is unique per engine; ``tenant_handle`` (>= 1) is the same for every
       request of a tenant. Both are stable ints for vectorised observers.
     """
@@ -110,6 +115,8 @@ class Request:
     cached_tokens: int = 0
     page_keys: list[bytes] = field(default_factory=list, repr=False)
     cached_pages: list[int] = field(default_factory=list, repr=False)
+    tier_keys: list[bytes] = field(default_factory=list, repr=False)
+    tier_entries: list[Any] = field(default_factory=list, repr=False)
     output_tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None

@@ -266,14 +266,13 @@ class EvictsPagesInUse(PrefixCache):
     """A broken cache (the positive control): it evicts least recently *cached* pages,
     held or not, as an allocator that forgot the reference counts would."""
 
-    def evict(self, n: int) -> list[int]:
-        out: list[int] = []
+    def evict(self, n: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
         for p in list(self.key_of)[:n]:
             del self.by_key[self.key_of.pop(p)]
-            del self.computed_by[p]
+            out.append((p, self.computed_by.pop(p)))
             del self.refs[p]
             self.idle.pop(p, None)
-            out.append(p)
         return out
 
     def release(self, pages: Any) -> None:

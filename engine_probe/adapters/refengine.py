@@ -102,12 +102,14 @@ from engine_probe.canary import CanaryFinding, PoolCanary
 from engine_probe.events import (
     CanaryHit,
     EngineConfig,
+    KvTier,
     KvTransfer,
     PoolSample,
     PrefixCacheHit,
 )
 from engine_probe.ledger import PageLedger
 from engine_probe.probe import BaseProbe
+from engine_probe.tier_ledger import TierLedger, TierWriter, salt_digest
 
 __all__ = ["REJECT_REASONS", "RefengineAdapter", "attach"]
 
@@ -219,6 +221,9 @@ class RefengineAdapter(Reporting):
         self._model_id: str | None = None
         # handle -> (request id, tenant handle), for naming previous writers of stale pages
         self._requests: Bounded[int, tuple[str, int]] = Bounded(request_capacity)
+        # handle -> digest of its cache_salt (None: it sent none), for the tier's writers
+        self._salts: Bounded[int, bytes | None] = Bounded(request_capacity)
+        self._tier: TierLedger | None = None
         self._tenant_ids: dict[int, str] = {}
         # canary findings reported, per reader handle: (pool, page, painting tenant)
         self._seen_canary: dict[int, set[tuple[str, int, int]]] = {}
@@ -234,6 +239,10 @@ class RefengineAdapter(Reporting):
             "prefix_hits_same_tenant": 0,
             "prefix_hits_cross_tenant": 0,
             "prefix_hits_unknown_owner": 0,
+            "tier_stores": 0,
+            "tier_loads": 0,
+            "tier_loads_unknown_writer": 0,
+            "tier_loads_salt_mismatch": 0,
         }
         self._reporter = Reporter(probe, deployment_id, self.counters)
         self._prefix_caching = False
@@ -281,6 +290,13 @@ class RefengineAdapter(Reporting):
         self._prefix_caching = bool(info.get("prefix_cache", False))
         self._salt_mode = str(info.get("prefix_cache_mode", "off"))
         version = self.engine_version or str(info.get("engine_version", "unknown"))
+        tier_pages = int(info.get("offload_tier_pages", 0))
+        self._tier = TierLedger(tier_pages) if tier_pages and self.use_ledger else None
+        tiers: tuple[KvTier, ...] = ()
+        if tier_pages:
+            # keyed by the prefix cache's salted chain (refengine.offload): salted by design
+            size = int(info.get("offload_tier_bytes", 0)) or None
+            tiers = (KvTier(medium="cpu", backend="native", capacity_bytes=size, salted=True),)
         self._pools = {}
         for pool in engine.pools.values():
             node = safe_id(self._nodes.get(pool.name, pool.name), "node")
@@ -318,6 +334,8 @@ class RefengineAdapter(Reporting):
                 disaggregated=bool(info["disaggregated"]),
                 prefix_caching=self._prefix_caching,
                 prefix_cache_salting=bool(info.get("prefix_cache_salting", False)),
+                kv_connector="offload" if tiers else None,
+                kv_tiers=tiers,
             )
         self._prefill_node = self._pools[engine.prefill_pool.name].node
         self._decode_node = self._pools[engine.decode_pool.name].node
@@ -421,6 +439,78 @@ class RefengineAdapter(Reporting):
                 pages=n,
                 tokens=n * st.page_size,
                 salted=salted,
+            )
+
+    def on_tier_store(
+        self,
+        pool: _Pool,
+        pages: Tensor,
+        keys: Sequence[bytes],
+        writers: Sequence[int],
+        tenants: Sequence[int],
+    ) -> None:
+        """Record whose write each page that leaves for the tier carries: the writer the
+        probe saw (its own names and salt), under the tier's key."""
+        self.counters["tier_stores"] += len(keys)
+        if self._tier is None:
+            return
+        for key, writer, tenant in zip(keys, writers, tenants, strict=True):
+            if self._unchecked(writer) or writer not in self._requests:
+                continue  # written before the attach: its writer stays unknown
+            self._tier.store(
+                key,
+                TierWriter(
+                    self._request_id(writer),
+                    self._tenant_id(tenant),
+                    self._salts.get(writer),
+                ),
+            )
+
+    def on_tier_load(
+        self,
+        pool: _Pool,
+        pages: Tensor,
+        req: _Request,
+        keys: Sequence[bytes],
+        writers: Sequence[int],
+        tenants: Sequence[int],
+    ) -> None:
+        """A load back from the tier: judged against the writer recorded at the store
+        (never the engine's word), and reported as a prefix-cache hit from the tier, one
+        per writer, naming whether the salts differ."""
+        self.counters["tier_loads"] += len(keys)
+        if self._tier is None:
+            return
+        st = self._pools[pool.name]
+        if req.handle not in self._requests:
+            self._remember(req, new=False)
+        reader_id = self._request_id(req.handle, req.request_id)
+        reader_tenant = self._tenant_id(req.tenant_handle, req.tenant)
+        salt = salt_digest(req.cache_salt)
+        by_writer: dict[TierWriter | None, tuple[int, bool]] = {}
+        for key in keys:
+            seen = self._tier.load(key, reader_tenant, salt)
+            n, mismatch = by_writer.get(seen.writer, (0, False))
+            by_writer[seen.writer] = (n + 1, mismatch or seen.salt_mismatch)
+        salted = self._salt_mode == "salted" or req.cache_salt is not None
+        for writer, (n, mismatch) in by_writer.items():
+            if writer is None:
+                self.counters["tier_loads_unknown_writer"] += n
+            if mismatch:
+                self.counters["tier_loads_salt_mismatch"] += n
+            self._reporter.emit(
+                PrefixCacheHit,
+                node=st.node,
+                role=st.role,
+                reader_request_id=reader_id,
+                reader_tenant=reader_tenant,
+                owner_request_id=None if writer is None else writer.request_id,
+                owner_tenant=None if writer is None else writer.tenant,
+                pages=n,
+                tokens=n * st.page_size,
+                salted=salted,
+                tier="cpu",
+                salt_mismatch=mismatch,
             )
 
     def on_free(self, pool: _Pool, pages: Tensor, zeroized: bool) -> None:
@@ -590,6 +680,7 @@ class RefengineAdapter(Reporting):
         if new and self._first_handle is None:
             self._first_handle = req.handle
         self._requests[req.handle] = (safe_id(req.request_id, "req"), req.tenant_handle)
+        self._salts[req.handle] = salt_digest(req.cache_salt)
         self._tenant_id(req.tenant_handle, req.tenant)
 
     def _unchecked(self, handle: int) -> bool:
