@@ -129,6 +129,16 @@ def verify(
             help="Skip the prefix-cache phase (does tenant B get tenant A's cached prefix?).",
         ),
     ] = False,
+    prefix_evict_tokens: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Add an eviction round to the prefix-cache phase: this many tokens of "
+            "filler push the shared prefix out of the engine's KV pool, so it must come back "
+            "from an offload tier (vLLM's CPU offloading, LMCache, SGLang's HiCache) - a "
+            "tier that drops the salt is caught. Give at least the pool's size. 0: none.",
+        ),
+    ] = 0,
     no_upload: Annotated[
         bool,
         typer.Option(
@@ -180,6 +190,7 @@ def verify(
         timeout_s=timeout,
         route=route.value,
         prefix_cache_check=not no_prefix_cache_check,
+        prefix_evict_tokens=prefix_evict_tokens,
     )
     try:
         options.check()

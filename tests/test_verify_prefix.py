@@ -27,16 +27,18 @@ SECRET = "prefix-tests-" + "0123456789abcdef" * 2
 
 
 @contextmanager
-def engine(prefix_cache: str) -> Iterator[str]:
+def engine(prefix_cache: str, **tier: Any) -> Iterator[str]:
     """A monolithic hardened reference engine with room for the phase's 1,024-token prefixes
-    and the sweep's prompts."""
+    and the sweep's prompts (``tier``: an offload tier's settings, with a pool small
+    enough for the eviction round's filler to push prefixes out of it)."""
     eng = Engine(
         EngineConfig(
             mode="hardened",
             advertised_context=2048,
-            pool_tokens=16_384,
+            pool_tokens=4096 if tier else 16_384,
             page_size=16,
             prefix_cache=prefix_cache,  # type: ignore[arg-type]
+            **tier,
         )
     )
     with serve_in_thread(create_app(eng, tenant_keys=KEYS)) as url:
@@ -208,3 +210,48 @@ def test_a_promptpeek_style_probe_fires_prefix_probe_suspected_for_the_prober_on
         f"{collector.url}/v1/alerts", headers=admin, params={"rule": "prefix_cache_cross_tenant"}
     ).json()
     assert {a["labels"]["reader_tenant"] for a in crossing} == {"globex"}
+
+
+EVICT = ("--prefix-evict-tokens", "5000", "--budget", "120")
+
+
+@pytest.mark.parametrize(
+    ("drops_salt", "verdict", "tier_verdict", "code"),
+    [(False, "isolated", "isolated", 0),
+     (True, "shared_across_tenants", "shared_across_tenants", 1)],
+    ids=["tier-keeps-the-salt", "tier-drops-the-salt"],
+)  # fmt: skip
+def test_the_eviction_round_catches_a_tier_that_drops_the_salt(
+    tmp_path: Any, drops_salt: bool, verdict: str, tier_verdict: str, code: int
+) -> None:
+    """Salted by tenant, the pool never shares (the first round is isolated either way);
+    after filler pushes the prefix into the offload tier, the owner gets it back from the
+    tier, and another tenant with its own salt does only where the tier dropped the salt."""
+    with engine("salted", offload_tier_tokens=65_536, offload_drops_salt=drops_salt) as url:
+        ran = verify(url, tmp_path, *EVICT)
+    p = prefix(ran)
+    assert ran.code == code, ran.stdout
+    assert (p["verdict"], p["tier_verdict"]) == (verdict, tier_verdict)
+    evicted = [c for c in p["comparisons"] if c["after_eviction"]]
+    (control,) = [c for c in evicted if c["kind"] == "control"]
+    (cross,) = [c for c in evicted if c["kind"] == "cross"]
+    assert control["hit"] and control["salted"] and cross["salted"]
+    assert cross["hit"] is drops_salt
+    before = [c for c in p["comparisons"] if not c["after_eviction"] and c["kind"] == "cross"]
+    assert before and not any(c["hit"] for c in before)  # the pool itself kept them apart
+    assert "offload tier" in ran.stdout
+    if drops_salt:
+        assert (
+            "globex was served acme's cached prefix with its own cache_salt after it left "
+            "the pool (from an offload tier)"
+        ) in ran.stdout
+        assert p["shared_pairs"] == [{"owner": "acme", "reader": "globex", "salted": True}]
+
+
+def test_an_eviction_round_without_a_tier_says_it_was_not_reached(tmp_path: Any) -> None:
+    with engine("salted", offload_tier_tokens=0) as url:
+        ran = verify(url, tmp_path, *EVICT)
+    p = prefix(ran)
+    assert ran.code == 0, ran.stdout
+    assert (p["verdict"], p["tier_verdict"]) == ("isolated", "not_reached")
+    assert "did not come back" in p["note"]

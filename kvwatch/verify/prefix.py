@@ -25,6 +25,14 @@ for the same prompt). Evidence, per request:
   one sample. Timing can show a hit but never prove there was none, so by timing a control
   that is not measurably faster makes the verdict ``inconclusive``, never ``caching_off``.
 
+**Eviction round** (``evict_bytes``, by cached tokens only): the same salted pair (unsalted
+where the endpoint refuses ``cache_salt``) with filler between: A warms a fresh prefix, A
+sends never-seen prompts of ``evict_bytes`` in all (filler that pushes the prefix out of
+the engine's KV pool), A's control must hit again, now served from the offload tier the
+pool evicted to (else the tier is ``not_reached``), more filler, then each B with its own
+salt: a hit is a finding from the tier (a tier that drops the salt, as LMCache's SGLang
+path did). Its comparisons say ``after_eviction``; ``tier_verdict`` sums them up.
+
 Verdict per model: ``isolated`` (A's control hits, no B ever does), ``shared_across_tenants``
 (a B hit A's prefix: names the pair), ``caching_off`` (no control hit: isolation not
 demonstrated), ``inconclusive`` (timing too noisy to tell: the report says what would
@@ -44,6 +52,7 @@ from kvwatch.verify.client import Outcome
 from kvwatch.verify.session import ProbeRecord, Session
 
 Verdict = Literal["isolated", "shared_across_tenants", "caching_off", "inconclusive"]
+TierVerdict = Literal["isolated", "shared_across_tenants", "not_reached", "skipped"]
 Method = Literal["cached_tokens", "timing"]
 
 #: One-sided significance of each timing comparison: its false-positive rate.
@@ -64,13 +73,23 @@ MAX_READERS: Final = 3
 _ALPHABET = string.ascii_lowercase + " "
 
 
-def planned_requests(n_tenants: int) -> int:
+def planned_requests(n_tenants: int, filler_requests: int = 0) -> int:
     """The most requests the phase sends: timing's rounds of four (warm-up, control,
     cross, baseline), or by cached tokens, unsalted and salted, a warm-up, a control and
-    one cross per reader. The run reserves them when its budget allows; otherwise the
-    phase makes do with what is left (fewer readers; at least MIN_TIMING_ROUNDS rounds)."""
+    one cross per reader, and with eviction (``filler_requests`` per filling) its round.
+    The run reserves them when its budget allows; otherwise the phase makes do with what is
+    left (fewer readers; at least MIN_TIMING_ROUNDS rounds)."""
     readers = min(MAX_READERS, n_tenants - 1)
-    return max(2 * (2 + readers), TIMING_ROUNDS * 4)
+    evict = 2 + readers + 2 * filler_requests if filler_requests else 0
+    return max(2 * (2 + readers) + evict, TIMING_ROUNDS * 4)
+
+
+def filler_requests(prefix_bytes: int, evict_bytes: int) -> int:
+    """Filler prompts per filling: ``evict_bytes`` in prompts of ``prefix_bytes`` each,
+    plus one (the pool's own prefix pages are part of what must be pushed out)."""
+    if evict_bytes <= 0:
+        return 0
+    return -(-evict_bytes // max(1, prefix_bytes)) + 1
 
 
 @dataclass
@@ -88,6 +107,8 @@ class Comparison:
     baseline_seconds: list[float] = field(default_factory=list)
     p_value: float | None = None
     probes: list[int] = field(default_factory=list)
+    #: the eviction round: filler pushed the prefix out of the pool before this request
+    after_eviction: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -97,6 +118,7 @@ class Comparison:
             "salted": self.salted,
             "hit": self.hit,
             "probes": self.probes,
+            "after_eviction": self.after_eviction,
         }
         if self.cached_tokens:
             out["cached_tokens"] = self.cached_tokens
@@ -117,6 +139,12 @@ class PrefixResult:
     requests: int
     #: what the verdict does not show, and what would settle an inconclusive one
     note: str = ""
+    #: the eviction round's verdict: ``isolated`` (the prefix came back to its owner after
+    #: eviction, to no other tenant), ``shared_across_tenants`` (it came back to another),
+    #: ``not_reached`` (it did not come back to its owner either: no offload tier, or too
+    #: little filler), ``skipped`` (asked for, but the budget or the method did not allow
+    #: it: the note says which); None: not asked for
+    tier_verdict: TierVerdict | None = None
 
     @property
     def shared_pairs(self) -> list[tuple[str, str, bool]]:
@@ -138,6 +166,7 @@ class PrefixResult:
                 {"owner": o, "reader": r, "salted": s} for o, r, s in self.shared_pairs
             ],
             "note": self.note,
+            "tier_verdict": self.tier_verdict,
             "comparisons": [c.to_json() for c in self.comparisons],
         }
 
@@ -155,6 +184,7 @@ class _Phase:
         self.rng = random.Random(seed)
         self.salts = {t: secrets.token_hex(16) for t in tenants}
         self.sent = 0
+        self.evict_bytes = 0
 
     def send(self, tenant: str, prefix: str, *, salted: bool) -> ProbeRecord:
         text = prefix + " " + _text(self.rng, SUFFIX_CHARS)
@@ -167,11 +197,18 @@ class _Phase:
 
 
 def run_prefix_check(
-    session: Session, tenants: list[str], *, prefix_bytes: int, seed: int | None = None
+    session: Session,
+    tenants: list[str],
+    *,
+    prefix_bytes: int,
+    seed: int | None = None,
+    evict_bytes: int = 0,
 ) -> PrefixResult:
-    """The phase (see the module's docstring). ``prefix_bytes``: the shared prefix's length.
-    Raises what :meth:`Session.probe` raises."""
+    """The phase (see the module's docstring). ``prefix_bytes``: the shared prefix's length;
+    ``evict_bytes``: the filler of the eviction round (0: no such round). Raises what
+    :meth:`Session.probe` raises."""
     ph = _Phase(session, tenants, prefix_bytes, secrets.randbits(64) if seed is None else seed)
+    ph.evict_bytes = evict_bytes
     if session.remaining < 3:
         raise PrefixPhaseFailed(
             f"{session.remaining} requests were left of the budget; the phase needs 3 to 24 "
@@ -184,8 +221,94 @@ def run_prefix_check(
     if warm.outcome is not Outcome.ACCEPTED or control.outcome is not Outcome.ACCEPTED:
         raise _refused(warm if warm.outcome is not Outcome.ACCEPTED else control)
     if control.cached_tokens is not None:
-        return _by_cached_tokens(ph, prefix, prefix_tokens, warm, control)
-    return _by_timing(ph, prefix, prefix_tokens, [warm, control])
+        result = _by_cached_tokens(ph, prefix, prefix_tokens, warm, control)
+        if evict_bytes > 0:
+            _eviction_round(ph, prefix_tokens, result)
+        return result
+    result = _by_timing(ph, prefix, prefix_tokens, [warm, control])
+    if evict_bytes > 0:
+        result.tier_verdict = "skipped"
+        _also(
+            result,
+            "the eviction round was skipped: it needs an endpoint that reports "
+            "usage.prompt_tokens_details.cached_tokens",
+        )
+    return result
+
+
+def _eviction_round(ph: _Phase, prefix_tokens: int, result: PrefixResult) -> None:
+    """The eviction round (see the module's docstring), added to ``result``: its
+    comparisons, ``tier_verdict``, and the overall verdict when a tier served another
+    tenant."""
+    fillers = filler_requests(ph.prefix_bytes, ph.evict_bytes)
+    needed = 2 + len(ph.readers) + 2 * fillers
+    if ph.session.remaining < needed:
+        result.tier_verdict = "skipped"
+        _also(
+            result,
+            f"the eviction round was skipped: it needs {needed} requests, "
+            f"{ph.session.remaining} were left of the budget (raise --budget)",
+        )
+        return
+    salted = result.salt_accepted is True
+    owner, prefix = ph.owner, ph.fresh()
+    warm = ph.send(owner, prefix, salted=salted)
+    if warm.outcome is not Outcome.ACCEPTED:
+        raise _refused(warm)
+    _fill(ph, fillers)
+    control_rec = ph.send(owner, prefix, salted=salted)
+    control = _cached("control", owner, owner, salted, [warm, control_rec], prefix_tokens)
+    control.after_eviction = True
+    crosses = []
+    _fill(ph, fillers)
+    for reader in ph.readers:
+        rec = ph.send(reader, prefix, salted=salted)
+        cross = _cached("cross", owner, reader, salted, [rec], prefix_tokens)
+        cross.after_eviction = True
+        crosses.append(cross)
+    result.comparisons += [control, *crosses]
+    result.requests = ph.sent
+    how = "with each tenant's own salt" if salted else "unsalted"
+    if any(c.hit for c in crosses):
+        result.tier_verdict = "shared_across_tenants"
+        pairs = ", ".join(
+            f"{c.reader} was served {c.owner}'s prefix after it left the pool ({how}): "
+            "from an offload tier"
+            for c in crosses
+            if c.hit
+        )
+        if result.verdict == "shared_across_tenants":
+            _also(result, pairs)
+        else:
+            result.verdict, result.note = "shared_across_tenants", pairs
+    elif control.hit:
+        result.tier_verdict = "isolated"
+        _also(
+            result,
+            f"after eviction ({ph.evict_bytes} bytes of filler) the owner's prefix came "
+            f"back from an offload tier, and no other tenant's request ({how}) was served it",
+        )
+    else:
+        result.tier_verdict = "not_reached"
+        _also(
+            result,
+            f"after eviction ({ph.evict_bytes} bytes of filler) the owner's prefix did not "
+            "come back: the endpoint has no offload tier this round reached (or the filler "
+            "did not push the prefix out of the pool; raise --prefix-evict-tokens)",
+        )
+
+
+def _also(result: PrefixResult, text: str) -> None:
+    result.note = f"{result.note}; {text}" if result.note else text
+
+
+def _fill(ph: _Phase, n: int) -> None:
+    """``n`` never-seen prompts from the owner, unsalted: they push the pool's older pages
+    out (into the offload tier, where there is one)."""
+    for _ in range(n):
+        rec = ph.send(ph.owner, ph.fresh(), salted=False)
+        if rec.outcome is not Outcome.ACCEPTED:
+            raise _refused(rec)
 
 
 class PrefixPhaseFailed(KvwatchError):

@@ -281,10 +281,16 @@ class Report:
         if p is not None:
             how = "cached_tokens" if p.method == "cached_tokens" else f"timing, alpha {ALPHA}"
             row("prefix cache", f"{p.verdict} (by {how}, {p.requests} requests)")
+            if p.tier_verdict is not None:
+                row("offload tier", f"{p.tier_verdict} (the eviction round)")
             if p.verdict == "shared_across_tenants":
-                for owner, reader, salted in p.shared_pairs:
-                    how = " with its own cache_salt" if salted else ""
-                    row("PREFIX SHARED", f"{reader} was served {owner}'s cached prefix{how}")
+                for c in p.comparisons:
+                    if c.kind != "cross" or not c.hit:
+                        continue
+                    how = " with its own cache_salt" if c.salted else ""
+                    where = " after it left the pool (from an offload tier)" * c.after_eviction
+                    row("PREFIX SHARED", f"{c.reader} was served {c.owner}'s cached prefix"
+                        f"{how}{where}")  # fmt: skip
                 if p.salt_accepted and not any(salted for _, _, salted in p.shared_pairs):
                     row("", "with each tenant's own cache_salt nothing was shared: salting "
                         "isolates, clients that send none share")  # fmt: skip

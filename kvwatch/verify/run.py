@@ -58,7 +58,10 @@ def minimum_budget(n_tenants: int) -> int:
 def prefix_reserve(options: VerifyOptions) -> int:
     if not options.prefix_cache_check:
         return 0
-    planned = prefix.planned_requests(len(options.tenant_keys))
+    planned = prefix.planned_requests(
+        len(options.tenant_keys),
+        prefix.filler_requests(prefix.PREFIX_TOKENS, options.prefix_evict_tokens),
+    )
     return planned if options.budget >= minimum_budget(len(options.tenant_keys)) + planned else 0
 
 
@@ -75,6 +78,9 @@ class VerifyOptions:
     route: Route = "chat"
     #: the paired prefix-cache isolation phase (``--no-prefix-cache-check`` skips it)
     prefix_cache_check: bool = True
+    #: the prefix-cache phase's eviction round: tokens of filler that push the prefix out of
+    #: the pool, so it must come back from an offload tier (0: no such round)
+    prefix_evict_tokens: int = 0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
@@ -162,7 +168,7 @@ def verify(options: VerifyOptions, on_progress: Callable[[Progress], None] | Non
         report.cross_tenant_checked = True
         phase_done("cross_tenant")
         if options.prefix_cache_check:
-            _prefix_phase(session, tenants, report)
+            _prefix_phase(session, tenants, report, options.prefix_evict_tokens)
             phase_done("prefix_cache")
     except CouldNotRun as exc:
         report.error = str(exc)
@@ -213,7 +219,7 @@ def _preflight(session: Session, tenants: list[str], endpoint: str) -> ProbeReco
     return first
 
 
-def _prefix_phase(session: Session, tenants: list[str], report: Report) -> None:
+def _prefix_phase(session: Session, tenants: list[str], report: Report, evict_tokens: int) -> None:
     """The prefix-cache phase on a prefix of :data:`prefix.PREFIX_TOKENS` tokens, or half
     the largest prompt answered when that is smaller. A prefix probe that is not answered
     ends only this phase (its reason is the report's ``prefix_cache_error``)."""
@@ -221,7 +227,10 @@ def _prefix_phase(session: Session, tenants: list[str], report: Report) -> None:
     tokens = max(1, min(prefix.PREFIX_TOKENS, largest // 2))
     try:
         report.prefix_cache = prefix.run_prefix_check(
-            session, tenants, prefix_bytes=session.calibration.bytes_for(tokens)
+            session,
+            tenants,
+            prefix_bytes=session.calibration.bytes_for(tokens),
+            evict_bytes=session.calibration.bytes_for(evict_tokens) if evict_tokens else 0,
         )
     except prefix.PrefixPhaseFailed as exc:
         report.prefix_cache_error = str(exc)
