@@ -11,9 +11,11 @@ import socket
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from pydantic import ValidationError
 
+from engine_probe import events as ev
 from engine_probe.adapters.vllm import node as vnode
 from engine_probe.events import ID_MAX, is_valid_id
 from engine_probe.node import machine_host, node_id, server_base
@@ -132,12 +134,12 @@ def test_the_kv_dtype_is_resolved() -> None:
     assert vnode.kv_dtype(_cfg(cache="fp8_e4m3")) == "fp8_e4m3"
 
 
-def _metrics(*, published: bool, engines: int = 1) -> str:
+def _metrics(*, published: bool, engines: int = 1, offloading: str = "") -> str:
     lines = []
     for e in range(engines):
         lines += [
             f'vllm:cache_config_info{{block_size="32",cache_dtype="auto",enable_prefix_caching='
-            f'"True",engine="{e}",num_gpu_blocks="100"}} 1.0',
+            f'"True",engine="{e}",{offloading}num_gpu_blocks="100"}} 1.0',
             f'vllm:kv_cache_usage_perc{{engine="{e}",model_name="m"}} 0.25',
         ]
         if published:
@@ -182,3 +184,31 @@ def test_without_the_plugin_the_scraper_derives_the_same_rule() -> None:
     got = scrape_vllm.translate(exp, node_prefix=target.node, models=_MODELS)
     assert [n.node for n in got.nodes] == [f"{HOST}:8100", f"{HOST}:8100/dp1"]
     assert got.nodes[0].dtype == "auto"  # unresolved: the collector compares it with nothing
+
+
+@pytest.mark.parametrize(
+    ("labels", "connector", "tiers"),
+    [
+        ('kv_offloading_backend="native",kv_offloading_size="None",', None, []),
+        ('kv_offloading_backend="native",kv_offloading_size="4.0",', "OffloadingConnector",
+         [{"medium": "cpu", "backend": "native", "capacity_bytes": 4 << 30, "salted": True}]),
+        ('kv_offloading_backend="lmcache",kv_offloading_size="4.0",', "LMCacheMPConnector", []),
+    ],
+)  # fmt: skip
+def test_the_scraper_reads_vllms_offloading_flags(
+    labels: str, connector: str | None, tiers: list[dict[str, Any]]
+) -> None:
+    """From outside the engine, vLLM's cache_config_info labels say --kv-offloading-size and
+    --kv-offloading-backend: the node's engine.config carries the connector vLLM turns them
+    into, and the native CPU tier (salted: its keys are the salted block hashes)."""
+    exp = parse(_metrics(published=False, offloading=labels), "test")
+    (node,) = scrape_vllm.translate(exp, node_prefix="127.0.0.1:8100", models=_MODELS).nodes
+    fields = node.config_fields()
+    assert fields.get("kv_connector") == connector
+    assert [msgspec.to_builtins(t) for t in fields.get("kv_tiers", ())] == tiers
+    stamp = {"schema_version": 1, "probe_id": "scrape-1", "seq": 1, "deployment_id": "d",
+             "ts": "2026-12-04T00:00:00Z"}  # fmt: skip
+    # what the scraper sends goes over the wire and decodes as it should
+    sent = msgspec.json.encode({"kind": "engine.config", **stamp, **fields})
+    decoded = ev.decode_event(sent)
+    assert isinstance(decoded, ev.EngineConfig) and decoded.kv_connector == connector

@@ -125,6 +125,22 @@ def _vllm_member(ktc: Any) -> tuple[str, Mapping[str, Any]]:
     return str(chosen.get("kv_connector") or name), inner if isinstance(inner, Mapping) else {}
 
 
+def vllm_offloading_flags(size_gib: Any, backend: Any) -> dict[str, Any]:
+    """What vLLM's ``--kv-offloading-size`` (GiB) and ``--kv-offloading-backend`` say, where
+    only they are seen (``vllm:cache_config_info``'s labels, from outside the engine): vLLM
+    turns ``native`` into its OffloadingConnector and ``lmcache`` into LMCacheMPConnector
+    (whose tiers are the LMCache server's). Nothing when no size is set."""
+    size = _gib(size_gib)
+    if not size:
+        return {}
+    if str(backend) == "lmcache":
+        return {"kv_connector": "LMCacheMPConnector"}
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_tiers": (KvTier(medium="cpu", backend="native", capacity_bytes=size, salted=True),),
+    }
+
+
 def vllm_destinations(vllm_config: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``kv_connector``, ``kv_connector_version``, ``kv_tiers`` and ``disaggregated`` of a
     vLLM configuration: disaggregated only where a connector moves KV between nodes (a

@@ -8,8 +8,11 @@ the advertised context is positive.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
+
+import msgspec
 
 from engine_probe.events import NAME_MAX, Role, is_valid_id
 from engine_probe.node import node_id
@@ -70,6 +73,8 @@ class NodeFigures:
     cuda_graphs: bool = False
     disaggregated: bool = False
     prefix_caching: bool = False
+    #: where KV goes past the pool, where the metrics say (``engine.config``'s fields)
+    kv_destinations: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not is_valid_id(self.node):
@@ -105,6 +110,7 @@ class NodeFigures:
             "cuda_graphs": self.cuda_graphs,
             "disaggregated": self.disaggregated,
             "prefix_caching": self.prefix_caching,
+            **self.kv_destinations,
         }
 
     def pool_fields(self) -> dict[str, Any]:
@@ -168,6 +174,7 @@ class Scrape:
         return {
             "engine": self.engine,
             "target": self.target,
-            "nodes": [asdict(n) for n in self.nodes],
+            # msgspec's to_builtins: the offload tiers are msgspec structs
+            "nodes": [msgspec.to_builtins(asdict(n)) for n in self.nodes],
             "prompts": [asdict(p) for p in self.prompts],
         }

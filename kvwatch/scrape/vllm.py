@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from engine_probe.adapters.kv_offload import vllm_offloading_flags
 from engine_probe.events import Role
 from engine_probe.node import NODE_INFO
 from kvwatch.scrape.errors import MalformedMetrics, NotThatEngine
@@ -145,6 +146,10 @@ def translate(
                 free_tokens=capacity - used,
                 prefix_caching=as_bool(info.labels.get("enable_prefix_caching", "")),
                 disaggregated=node_role in ("prefill", "decode"),
+                kv_destinations=vllm_offloading_flags(
+                    info.labels.get("kv_offloading_size"),
+                    info.labels.get("kv_offloading_backend", "native"),
+                ),
             )
         )
         if pool is None or node_role != "decode":  # the prompts are counted once, at prefill
