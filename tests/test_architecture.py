@@ -151,8 +151,9 @@ def test_engine_probe_holds_only_what_observes_an_engine() -> None:
 # (its adapters); talking to an engine or an endpoint from outside, kvwatch/ (the gateway, the
 # verifier, the scraper, the KV-events consumer). The two that only translate what an engine
 # publishes into the wire contract stand alone: of ours they import the contract, engine_probe's
-# plain exception classes, the node id rule (engine_probe.node, as light as the contract) and
-# themselves, never the collector, the probe's runtime or the rest
+# plain exception classes, the node id rule (engine_probe.node, as light as the contract), the
+# reading of where KV goes past the pool (engine_probe.kv_destinations: the contract and the
+# standard library) and themselves, never the collector, the probe's runtime or the rest
 # of kvwatch. The collector runs the scraper without importing it: `kvwatch serve` hands it in
 # (kvwatch/scheduled_scrape.py wires it, beside the package rather than in it).
 STANDING_ALONE = ("kvwatch.scrape", "kvwatch.kv_events")
@@ -160,7 +161,8 @@ STANDING_ALONE = ("kvwatch.scrape", "kvwatch.kv_events")
 
 @pytest.mark.parametrize("package", STANDING_ALONE)
 def test_engine_translators_stand_alone(package: str) -> None:
-    rules = {"engine_probe.events", "engine_probe.errors", "engine_probe.node", package}
+    rules = {"engine_probe.events", "engine_probe.errors", "engine_probe.node",
+             "engine_probe.kv_destinations", package}  # fmt: skip
     bad = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in ROOT.joinpath(*package.split(".")).rglob("*.py")

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from engine_probe.adapters.kv_offload import vllm_offloading_flags
 from engine_probe.events import Role
+from engine_probe.kv_destinations import vllm_offloading_flags
 from engine_probe.node import NODE_INFO
 from kvwatch.scrape.errors import MalformedMetrics, NotThatEngine
 from kvwatch.scrape.exposition import (

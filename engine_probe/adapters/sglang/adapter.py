@@ -94,7 +94,7 @@ class SGLangAdapter(PoolTracker):
         """Hook one node's ``ReqToTokenPool`` and token allocator (and the allocator's KV
         pool); returns the node's name. Emits ``engine.config`` and a ``pool.sample``;
         ``kv_destinations``: where KV goes past the pool
-        (:func:`engine_probe.adapters.kv_offload.sglang_destinations`).
+        (:func:`engine_probe.kv_destinations.sglang_destinations`).
 
         Watching a ``ReqToTokenPool`` already watched (a speculative-decoding draft runner
         shares the target's pool and allocator) returns the existing node's name and hooks

@@ -67,7 +67,7 @@ def register() -> None:
 
 
 def _watch_runner(adapter: Any, runner: Any) -> None:
-    from engine_probe.adapters.kv_offload import sglang_destinations
+    from engine_probe.kv_destinations import sglang_destinations
 
     if getattr(runner, "is_draft_worker", False):
         return  # a speculative draft runner shares the target's pools (watched already)

@@ -30,10 +30,10 @@ from typing import Any, Final
 
 from engine_probe.adapters.common import UNKNOWN, safe_id
 from engine_probe.adapters.guard import HookGuard
-from engine_probe.adapters.kv_offload import vllm_destinations
 from engine_probe.adapters.vllm import ROUTE_KEY, TENANT_KEY, parse_stop_marks
 from engine_probe.adapters.vllm.bookkeeping import BlockTracker
 from engine_probe.adapters.vllm.node import kv_settings, role_of
+from engine_probe.kv_destinations import vllm_destinations
 
 __all__ = ["SchedulerHooks", "SchedulerShape", "SchedulerView", "engine_config", "read_shape"]
 
@@ -87,7 +87,7 @@ def engine_config(scheduler: Any) -> dict[str, Any]:
     (resolved: ``auto`` is the model's, as ``node.kv_dtype`` says), quantization, TP
     size, CUDA graphs, prefix caching, and where KV goes past the pool (its connector and
     offload tiers; disaggregation where the connector moves KV between nodes:
-    :mod:`engine_probe.adapters.kv_offload`)."""
+    :mod:`engine_probe.kv_destinations`)."""
     cfg = scheduler.vllm_config
     mc, cc = cfg.model_config, cfg.cache_config
     import vllm  # the engine is running: importing it costs nothing

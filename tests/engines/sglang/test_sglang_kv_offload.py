@@ -8,7 +8,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from engine_probe.adapters.kv_offload import sglang_destinations
+from engine_probe.kv_destinations import sglang_destinations
 
 READ = ("enable_hierarchical_cache", "hicache_size", "hicache_storage_backend", "enable_lmcache",
         "lmcache_config_file")  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine_probe.adapters.kv_offload import vllm_destinations
+from engine_probe.kv_destinations import vllm_destinations
 from engine_probe.tier_ledger import TierLedger, TierWriter, salt_digest
 
 
