@@ -414,10 +414,7 @@ class RefengineAdapter(Reporting):
         by_owner: dict[int, int] = {}
         for o in owner_list:
             by_owner[o] = by_owner.get(o, 0) + 1
-        reader_id = self._request_id(req.handle, req.request_id)
         reader_tenant = self._tenant_id(req.tenant_handle, req.tenant)
-        # the keys carried a salt: the server's per tenant, or the request's own
-        salted = self._salt_mode == "salted" or req.cache_salt is not None
         for owner, n in by_owner.items():
             known = self._requests.get(owner)
             if known is None or self._unchecked(owner):
@@ -428,18 +425,33 @@ class RefengineAdapter(Reporting):
                 same = owner_tenant == reader_tenant
                 kind = "same_tenant" if same else "cross_tenant"
                 self.counters[f"prefix_hits_{kind}"] += 1
-            self._reporter.emit(
-                PrefixCacheHit,
-                node=st.node,
-                role=st.role,
-                reader_request_id=reader_id,
-                reader_tenant=reader_tenant,
-                owner_request_id=owner_id,
-                owner_tenant=owner_tenant,
-                pages=n,
-                tokens=n * st.page_size,
-                salted=salted,
-            )
+            self._emit_hit(st, req, owner_id, owner_tenant, n)
+
+    def _emit_hit(
+        self,
+        st: _PoolState,
+        req: _Request,
+        owner_id: str | None,
+        owner_tenant: str | None,
+        pages: int,
+        **tier: Any,
+    ) -> None:
+        """One ``prefix_cache.hit`` of ``req`` on ``pages`` of one owner's (``tier``: the
+        offload tier's fields, for a load back from it)."""
+        self._reporter.emit(
+            PrefixCacheHit,
+            node=st.node,
+            role=st.role,
+            reader_request_id=self._request_id(req.handle, req.request_id),
+            reader_tenant=self._tenant_id(req.tenant_handle, req.tenant),
+            owner_request_id=owner_id,
+            owner_tenant=owner_tenant,
+            pages=pages,
+            tokens=pages * st.page_size,
+            # the keys carried a salt: the server's per tenant, or the request's own
+            salted=self._salt_mode == "salted" or req.cache_salt is not None,
+            **tier,
+        )
 
     def on_tier_store(
         self,
@@ -484,7 +496,6 @@ class RefengineAdapter(Reporting):
         st = self._pools[pool.name]
         if req.handle not in self._requests:
             self._remember(req, new=False)
-        reader_id = self._request_id(req.handle, req.request_id)
         reader_tenant = self._tenant_id(req.tenant_handle, req.tenant)
         salt = salt_digest(req.cache_salt)
         by_writer: dict[TierWriter | None, tuple[int, bool]] = {}
@@ -492,26 +503,14 @@ class RefengineAdapter(Reporting):
             seen = self._tier.load(key, reader_tenant, salt)
             n, mismatch = by_writer.get(seen.writer, (0, False))
             by_writer[seen.writer] = (n + 1, mismatch or seen.salt_mismatch)
-        salted = self._salt_mode == "salted" or req.cache_salt is not None
         for writer, (n, mismatch) in by_writer.items():
             if writer is None:
                 self.counters["tier_loads_unknown_writer"] += n
             if mismatch:
                 self.counters["tier_loads_salt_mismatch"] += n
-            self._reporter.emit(
-                PrefixCacheHit,
-                node=st.node,
-                role=st.role,
-                reader_request_id=reader_id,
-                reader_tenant=reader_tenant,
-                owner_request_id=None if writer is None else writer.request_id,
-                owner_tenant=None if writer is None else writer.tenant,
-                pages=n,
-                tokens=n * st.page_size,
-                salted=salted,
-                tier="cpu",
-                salt_mismatch=mismatch,
-            )
+            owner_id = None if writer is None else writer.request_id
+            owner_tenant = None if writer is None else writer.tenant
+            self._emit_hit(st, req, owner_id, owner_tenant, n, tier="cpu", salt_mismatch=mismatch)
 
     def on_free(self, pool: _Pool, pages: Tensor, zeroized: bool) -> None:
         st = self._pools[pool.name]
