@@ -211,7 +211,12 @@ def _prefix_fields(doc: Any) -> dict[str, Any]:
         and isinstance(p.get("owner"), str)
         and isinstance(p.get("reader"), str)
     ]
-    return {"prefix_cache_verdict": doc["verdict"][:32], "prefix_shared_pairs": tuple(shared)}
+    tier = doc.get("tier_verdict")
+    return {
+        "prefix_cache_verdict": doc["verdict"][:32],
+        "prefix_shared_pairs": tuple(shared),
+        "prefix_tier_verdict": tier[:32] if isinstance(tier, str) else None,
+    }
 
 
 def verifications(

@@ -128,6 +128,9 @@ class VerificationFact:
     #: (``owner->reader``) whose prefixes crossed; never text
     prefix_cache_verdict: str | None = None
     prefix_shared_pairs: tuple[str, ...] = ()
+    #: the phase's eviction round (``isolated``, ``shared_across_tenants``, ``not_reached``,
+    #: ``skipped``; None: not run): whether a prefix that left the pool came back to others
+    prefix_tier_verdict: str | None = None
 
     @property
     def verdict(self) -> VerificationResult:

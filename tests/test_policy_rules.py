@@ -327,6 +327,23 @@ def test_a_verification_that_found_prefixes_shared_fires_prefix_cache_unsalted(e
     assert a["state"] == "resolved"
 
 
+def test_a_verification_whose_eviction_round_shared_says_the_tier(env: Env) -> None:
+    doc = {"verdict": "shared_across_tenants", "method": "cached_tokens",
+           "tier_verdict": "shared_across_tenants",
+           "shared_pairs": [{"owner": "acme", "reader": "globex", "salted": True}]}  # fmt: skip
+    r = env.ingest.post(
+        "/v1/verifications",
+        json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
+              "verified_safe_context": 500_000, "evidence": {"prefix_cache": doc}},
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    (a,) = env.alerts("prefix_cache_unsalted")
+    assert (
+        "(acme to globex, after it left the pool: from an offload tier;"
+        in (a["annotations"]["summary"])
+    )
+
+
 def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:
     env.send(cfg(env, prefix_caching=True))
     env.send(f.admitted(env.next(), "r-1", tenant="acme", prompt=10, probe=env.probe))

@@ -71,6 +71,8 @@ class PrefixCacheUnsalted(RuleKind):
                     continue
                 shared = v.prefix_cache_verdict == "shared_across_tenants"
                 pairs = ", ".join(p.replace("->", " to ") for p in v.prefix_shared_pairs)
+                if v.prefix_tier_verdict == "shared_across_tenants":
+                    pairs += ", after it left the pool: from an offload tier"
                 yield rule.signal(
                     "state",
                     {"deployment_id": d.deployment_id, "node": "endpoint", "model_id": model},
