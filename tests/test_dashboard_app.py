@@ -141,6 +141,8 @@ def test_fleet(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
     }
     for rule in ("stale_page_read", "pool_below_advertised", "engine_version_advisory"):
         assert f"`{rule}` (critical)" in t
+    # an advisory says what to do beside what goes wrong
+    assert "**What to do:** Upgrade SGLang to 0.5.22 or later." in t
     assert charts(at) == 1
     # each deployment's nodes, with their role and the config replicas must agree on
     nodes = {n: row for d in at.dataframe if "prefix cache" in d.value.columns
@@ -148,6 +150,7 @@ def test_fleet(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:
     assert nodes["decode-0"]["role"] == "decode" and nodes["prefill-0"]["role"] == "prefill"
     assert nodes["prefill-0"]["KV dtype"] == "fp8" and nodes["prefill-0"]["state"] == "running"
     assert nodes["prefill-0"]["prefix cache"] == "off"
+    assert nodes["prefill-0"]["KV past the pool"] == "none reported"
 
 
 def test_context_pressure(env: pytest.MonkeyPatch, seeded: h.Seeded) -> None:

@@ -185,6 +185,8 @@ def linked(c: CollectorClient) -> None:
         return
     st.subheader(f"Alert #{a['id']}: {a['rule']} ({a['severity']}, {a['state']})")
     st.markdown(_summary(a) or "(no summary)")
+    if action := (a.get("annotations") or {}).get("action"):
+        st.markdown(f"**What to do:** {action}")
     st.dataframe(alerts_frame([a]), hide_index=True, column_config=ALERT_COLUMNS)
     if a["incident_id"] is not None:
         st.markdown(f"Part of [incident #{a['incident_id']}](incident?id={a['incident_id']}).")

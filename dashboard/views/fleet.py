@@ -169,8 +169,10 @@ def deployment_card(dep: JSON, alerts: list[JSON] | None) -> None:
             st.markdown("**Firing alerts**")
             for a in sorted(alerts, key=lambda a: (a["severity"] != "critical", a["rule"])):
                 icon = _ICON["red" if a["severity"] == "critical" else "amber"]
-                summary = a.get("annotations", {}).get("summary", "")
-                st.markdown(f"{icon} `{a['rule']}` ({a['severity']}) — {summary}")
+                notes = a.get("annotations", {})
+                action = f" **What to do:** {notes['action']}" if notes.get("action") else ""
+                summary = notes.get("summary", "")
+                st.markdown(f"{icon} `{a['rule']}` ({a['severity']}) — {summary}{action}")
         elif alerts is None and dep["firing_alerts"]:
             st.caption("Alert names are not shown to a tenant-scoped token.")
         # replicas are nodes of their own: with several, their configs side by side (a
