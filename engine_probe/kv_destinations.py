@@ -60,12 +60,28 @@ def _truthy(value: Any) -> bool:
     return bool(value)
 
 
+#: the contract's ceiling on a tier's size (``KvTier.capacity_bytes``)
+_MAX_BYTES = 2**60
+
+
+def _bytes(n: Any) -> int | None:
+    """A size in bytes as the contract takes it: None for what is not a non-negative finite
+    number, clamped to its ceiling (a config's typo must not cost the whole engine.config)."""
+    try:
+        value = float(n)
+    except (TypeError, ValueError):
+        return None
+    if not 0 <= value < float("inf"):
+        return None
+    return min(int(value), _MAX_BYTES)
+
+
 def _gib(value: Any) -> int | None:
     try:
         n = float(value)
     except (TypeError, ValueError):
         return None
-    return int(n * _GIB) if n >= 0 else None
+    return _bytes(n * _GIB)
 
 
 def lmcache_settings(config_file: str | None, env: Mapping[str, str]) -> dict[str, Any]:
@@ -117,7 +133,8 @@ def _vllm_member(ktc: Any) -> tuple[str, Mapping[str, Any]]:
     extra = _extra(ktc)
     if name != "MultiConnector":
         return name, extra
-    members = [m for m in extra.get("connectors", []) if isinstance(m, Mapping)]
+    listed = extra.get("connectors")
+    members = [m for m in (listed if isinstance(listed, list) else []) if isinstance(m, Mapping)]
     keeping = (*_OFFLOADING, *_LMCACHE_IN_PROCESS, *_LMCACHE_MP)
     keeps = [m for m in members if m.get("kv_connector") in keeping]
     chosen = (keeps or members or [{}])[0]
@@ -141,6 +158,18 @@ def vllm_offloading_flags(size_gib: Any, backend: Any) -> dict[str, Any]:
     }
 
 
+def _transfers(ktc: Any) -> bool:
+    """The connector (or a MultiConnector's member) moves KV between nodes."""
+    name = str(getattr(ktc, "kv_connector", "") or "")
+    if name != "MultiConnector":
+        return name in _TRANSFER
+    members = _extra(ktc).get("connectors")
+    return any(
+        isinstance(m, Mapping) and m.get("kv_connector") in _TRANSFER
+        for m in (members if isinstance(members, list) else [])
+    )
+
+
 def vllm_destinations(vllm_config: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``kv_connector``, ``kv_connector_version``, ``kv_tiers`` and ``disaggregated`` of a
     vLLM configuration: disaggregated only where a connector moves KV between nodes (a
@@ -149,18 +178,18 @@ def vllm_destinations(vllm_config: Any, env: Mapping[str, str] | None = None) ->
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None:
         return {"disaggregated": False}
-    name, extra = _vllm_member(ktc)
     role = str(getattr(ktc, "kv_role", "") or "")
-    transfer = role in ("kv_producer", "kv_consumer") or name in _TRANSFER
-    out: dict[str, Any] = {"kv_connector": name[:64] or None, "disaggregated": transfer}
+    out: dict[str, Any] = {"disaggregated": role in ("kv_producer", "kv_consumer")}
     try:
+        name, extra = _vllm_member(ktc)
+        out["kv_connector"] = name[:64] or None
+        out["disaggregated"] = out["disaggregated"] or _transfers(ktc)
         if name in _OFFLOADING:
-            size = extra.get("cpu_bytes_to_use")
             out["kv_tiers"] = (
                 KvTier(
                     medium="cpu",
                     backend="native",
-                    capacity_bytes=int(size) if isinstance(size, int | float) else None,
+                    capacity_bytes=_bytes(extra.get("cpu_bytes_to_use")),
                     salted=True,
                 ),
             )
@@ -170,7 +199,9 @@ def vllm_destinations(vllm_config: Any, env: Mapping[str, str] | None = None) ->
         elif name in _LMCACHE_MP:
             out["kv_connector_version"] = lmcache_version()
     except Exception:
-        log.exception("kvwatch could not read the tiers of KV connector %s", name)
+        log.exception(
+            "kvwatch could not read the KV connector %s", getattr(ktc, "kv_connector", "?")
+        )
     return out
 
 
@@ -195,7 +226,7 @@ def sglang_destinations(server_args: Any, env: Mapping[str, str] | None = None) 
             KvTier(
                 medium="cpu",
                 backend="hicache",
-                capacity_bytes=int(size) * _GIB if isinstance(size, int) and size > 0 else None,
+                capacity_bytes=_gib(size) if isinstance(size, int) and size > 0 else None,
                 # a level of the radix tree, under the tree's key: salted exactly where
                 # the tree is (SGLang's versions decide that: the advisories)
                 salted=None,

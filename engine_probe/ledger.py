@@ -309,6 +309,13 @@ class PageLedger:
         self._settle()
         return self._owner_ten.index_select(0, self._index(pages))
 
+    def writer_of(self, pages: PageIds) -> tuple[Tensor, Tensor]:
+        """Last writer request and its tenant of each page (NEVER = -1 and -1 if never
+        written since creation), int64 tensors on the ledger's device."""
+        self._settle()
+        index = self._index(pages)
+        return self._writer_req.index_select(0, index), self._writer_ten.index_select(0, index)
+
     def filled_of(self, pages: PageIds) -> Tensor:
         """Leading slots of each page valid for its owner (0..page_size), an int64 tensor."""
         self._settle()

@@ -63,6 +63,10 @@ class TierLedger:
             records.popitem(last=False)
             self.dropped += 1
 
+    def forget(self, key: bytes) -> None:
+        """The tier now holds a write under ``key`` whose writer is not known."""
+        self._records.pop(key, None)
+
     def load(self, key: bytes, tenant: str, salt: bytes | None) -> TierLoad:
         writer = self._records.get(key)
         if writer is None:

@@ -33,6 +33,14 @@ UNRESOLVED_DTYPES = frozenset({"auto", "unknown"})
 _CONNECTOR_SUFFIX = re.compile(r"_?connector(_?v\d+)?$")
 
 
+def connector_family(name: str) -> str:
+    """A KV connector's family, lower-case: ``LMCacheConnectorV1`` -> ``lmcache``,
+    ``LMCacheMPConnector`` -> ``lmcachemp``, ``OffloadingConnector`` -> ``offloading``,
+    ``lmcache`` -> ``lmcache``: what an advisory's ``connector`` names, either way."""
+    low = name.lower()
+    return _CONNECTOR_SUFFIX.sub("", low) or low
+
+
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
     """The engine configuration one node of a deployment last reported.
@@ -71,12 +79,8 @@ class NodeConfig:
         return cls(**{f.name: getattr(e, f.name) for f in fields(cls) if f.name != "stopped"})
 
     def kv_connector_family(self) -> str | None:
-        """The KV connector's family, lower-case (``LMCacheConnectorV1`` -> ``lmcache``,
-        ``LMCacheMPConnector`` -> ``lmcachemp``, ``OffloadingConnector`` -> ``offloading``),
-        or None without one: what an advisory's ``connector`` names."""
-        if not self.kv_connector:
-            return None
-        return _CONNECTOR_SUFFIX.sub("", self.kv_connector.lower()) or self.kv_connector.lower()
+        """The KV connector's family (:func:`connector_family`), or None without one."""
+        return connector_family(self.kv_connector) if self.kv_connector else None
 
     def changed(
         self, other: NodeConfig, names: Iterable[str] = VERIFIED_SETTINGS

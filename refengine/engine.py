@@ -644,6 +644,7 @@ class Engine:
         req.cache_len = n_hit * ps
         writers = [e.writer for e in entries]
         tenants = [e.writer_tenant for e in entries]
+        req.tier_entries = []  # copied into the pool: the request holds no tier memory
         for o in self._observers:
             o.on_kv_write(pool, loaded, req)
             o.on_tier_load(pool, loaded, req, keys, writers, tenants)
@@ -686,11 +687,12 @@ class Engine:
         zeroizes) them, under their tier keys; observers hear ``on_tier_store``."""
         assert self.offload is not None
         kc, vc = pool.gather(pages)
-        kc, vc = kc.to("cpu", copy=True), vc.to("cpu", copy=True)
+        kc, vc = kc.to("cpu"), vc.to("cpu")  # each entry clones its own page below
         keys, writers, tenants = [], [], []
         for i, (page, writer) in enumerate(evicted):
             key, tenant = self._tier_meta.pop(page)
-            self.offload.store(key, TierEntry(kc[i], vc[i], writer, tenant))
+            # clones: a view would keep the whole evicted batch alive past the tier's size
+            self.offload.store(key, TierEntry(kc[i].clone(), vc[i].clone(), writer, tenant))
             keys.append(key)
             writers.append(writer)
             tenants.append(tenant)

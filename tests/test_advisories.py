@@ -78,6 +78,19 @@ def test_bad_rows_name_what_is_wrong(tmp_path: Path, body: str, field: str, says
     assert says in str(info.value)
 
 
+def test_a_row_may_name_the_connector_as_the_engine_does(tmp_path: Path) -> None:
+    """``connector: LMCacheConnectorV1`` and ``connector: lmcache`` name one family."""
+    path = _file(
+        tmp_path,
+        "  - id: x\n    engine: vllm\n    affected: '>=0'\n    summary: s\n"
+        "    connector: LMCacheConnectorV1\n"
+        "    examples:\n      fires: [{engine_version: '1', kv_connector: LMCacheConnectorV1}]\n"
+        "      quiet: [{engine_version: '1', kv_connector: LMCacheMPConnector}]\n",
+    )
+    (row,) = load_advisories(path)
+    assert row.matches(row.example({"engine_version": "1", "kv_connector": "lmcache"}))
+
+
 def _tiers(*tiers: dict[str, Any]) -> tuple[ev.KvTier, ...]:
     return tuple(ev.KvTier(**t) for t in tiers)
 
@@ -117,6 +130,14 @@ def test_a_matching_config_pages_with_the_action_and_a_fixed_one_resolves(env: E
     with env.c.client(env.c.admin) as h:
         (dep,) = h.get("/v1/fleet").json()["deployments"]
     assert dep["status"] == "red"
+    # the API serves what was stored
+    with env.c.client(env.c.admin) as h:
+        (stored,) = h.get("/v1/deployments/glm-prod/config-history").json()
+    assert (stored["kv_connector"], stored["kv_connector_version"]) == (
+        "LMCacheConnectorV1",
+        "0.5.2",
+    )
+    assert [t["medium"] for t in stored["kv_tiers"]] == ["cpu", "disk"]
     moved = {**lmc, "kv_connector": "LMCacheMPConnector", "kv_connector_version": "0.5.6"}
     env.send(f.config(env.next(), probe=env.probe, **moved))
     assert env.alerts("engine_version_advisory", "firing") == []

@@ -74,6 +74,8 @@ def test_the_owner_gets_its_prefix_back_from_the_tier(drops_salt: bool) -> None:
         first.request_id,
     )
     assert (hit.pages, hit.tier, hit.salt_mismatch, hit.cross_tenant) == (16, "cpu", False, False)
+    # loaded pages are the reader's own write in the probe's ledger: no read of them is stale
+    assert probe.of(ev.PageStaleRead) == []
     (cfg,) = {e.node: e for e in probe.of(ev.EngineConfig)}.values()
     assert cfg.kv_connector == "offload"
     assert cfg.kv_tiers[0].medium == "cpu" and cfg.kv_tiers[0].salted is True
@@ -101,6 +103,7 @@ def test_another_salt_misses_the_tier_unless_the_tier_drops_the_salt(
         assert hit.salt_mismatch and hit.salted and hit.owner_tenant == "acme"
         assert hit.cross_tenant is (tenant != "acme")
         assert eng.offload is not None and eng.offload.loaded == 16
+        assert probe.of(ev.PageStaleRead) == []  # a prefix hit from the tier, not a stale read
 
 
 def test_server_side_salting_by_tenant_keeps_tenants_apart_in_the_tier_too() -> None:

@@ -41,6 +41,16 @@ class ConfigOut(BaseModel):
     disaggregated: bool
     prefix_caching: bool
     prefix_cache_salting: bool
+    kv_connector: str | None = Field(
+        None, description="The KV connector as the engine names it (engine.config)"
+    )
+    kv_connector_version: str | None = Field(
+        None, description="The version of the package implementing the connector (LMCache's)"
+    )
+    kv_tiers: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Offload tiers past the pool: medium, backend, capacity_bytes, salted",
+    )
     config_hash: str
 
 

@@ -461,14 +461,21 @@ class RefengineAdapter(Reporting):
         writers: Sequence[int],
         tenants: Sequence[int],
     ) -> None:
-        """Record whose write each page that leaves for the tier carries: the writer the
-        probe saw (its own names and salt), under the tier's key."""
+        """Record whose write each page that leaves for the tier carries: the last writer
+        the probe's own page ledger saw (not the engine's ``writers``), with its names and
+        salt, under the tier's key. A page whose writer the probe does not know (written
+        before it attached) forgets the key: a load of it then has an unknown writer."""
         self.counters["tier_stores"] += len(keys)
-        if self._tier is None:
+        st = self._pools[pool.name]
+        if self._tier is None or st.ledger is None:
             return
-        for key, writer, tenant in zip(keys, writers, tenants, strict=True):
-            if self._unchecked(writer) or writer not in self._requests:
-                continue  # written before the attach: its writer stays unknown
+        seen_writers, seen_tenants = st.ledger.writer_of(pages)
+        for key, writer, tenant in zip(
+            keys, seen_writers.tolist(), seen_tenants.tolist(), strict=True
+        ):
+            if writer < 0 or self._unchecked(writer) or writer not in self._requests:
+                self._tier.forget(key)
+                continue
             self._tier.store(
                 key,
                 TierWriter(
@@ -528,10 +535,16 @@ class RefengineAdapter(Reporting):
         # caller, one decode token.
         ps = st.page_size
         first = req.cache_len
-        end = req.cached_prompt_tokens if req.status == "prefilling" else first + 1
+        n = pages.shape[0]
+        # prefill: up to the prompt's end, or these pages' end when they are a part of it
+        # (a load from the offload tier writes whole pages ahead of the computed rest)
+        end = (
+            min(req.cached_prompt_tokens, (first // ps + n) * ps)
+            if req.status == "prefilling"
+            else first + 1
+        )
         if end <= first:
             return  # nothing written: counting nothing is the safe side
-        n = pages.shape[0]
         start: Tensor | int = first % ps
         stop: Tensor | int = (end - 1) % ps + 1
         if n > 1:  # the first page from its start slot, the last one up to its end slot

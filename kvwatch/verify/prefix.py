@@ -49,7 +49,7 @@ from typing import Any, Final, Literal
 
 from kvwatch.errors import KvwatchError
 from kvwatch.verify.client import Outcome
-from kvwatch.verify.session import ProbeRecord, Session
+from kvwatch.verify.session import BudgetExhausted, ProbeRecord, Session
 
 Verdict = Literal["isolated", "shared_across_tenants", "caching_off", "inconclusive"]
 TierVerdict = Literal["isolated", "shared_across_tenants", "not_reached", "skipped"]
@@ -223,7 +223,14 @@ def run_prefix_check(
     if control.cached_tokens is not None:
         result = _by_cached_tokens(ph, prefix, prefix_tokens, warm, control)
         if evict_bytes > 0:
-            _eviction_round(ph, prefix_tokens, result)
+            try:
+                _eviction_round(ph, prefix_tokens, result)
+            except (PrefixPhaseFailed, BudgetExhausted) as exc:
+                # the rounds before stand: a failure here only leaves the tier unjudged
+                result.tier_verdict = "skipped"
+                result.requests = ph.sent
+                why = str(exc) if isinstance(exc, PrefixPhaseFailed) else "the budget ran out"
+                _also(result, f"the eviction round could not finish: {why}")
         return result
     result = _by_timing(ph, prefix, prefix_tokens, [warm, control])
     if evict_bytes > 0:
@@ -285,8 +292,9 @@ def _eviction_round(ph: _Phase, prefix_tokens: int, result: PrefixResult) -> Non
         result.tier_verdict = "isolated"
         _also(
             result,
-            f"after eviction ({ph.evict_bytes} bytes of filler) the owner's prefix came "
-            f"back from an offload tier, and no other tenant's request ({how}) was served it",
+            f"after {ph.evict_bytes} bytes of filler the owner's prefix came back, from an "
+            f"offload tier (or from the pool, if the filler was smaller than it), and no "
+            f"other tenant's request ({how}) was served it",
         )
     else:
         result.tier_verdict = "not_reached"

@@ -58,11 +58,15 @@ def minimum_budget(n_tenants: int) -> int:
 def prefix_reserve(options: VerifyOptions) -> int:
     if not options.prefix_cache_check:
         return 0
-    planned = prefix.planned_requests(
-        len(options.tenant_keys),
-        prefix.filler_requests(prefix.PREFIX_TOKENS, options.prefix_evict_tokens),
-    )
-    return planned if options.budget >= minimum_budget(len(options.tenant_keys)) + planned else 0
+    n = len(options.tenant_keys)
+    base = prefix.planned_requests(n)
+    # with an eviction round: its filler counted for a prefix half the phase's largest (the
+    # prefix shrinks to half the largest prompt answered), else the base phase alone
+    fillers = prefix.filler_requests(prefix.PREFIX_TOKENS // 2, options.prefix_evict_tokens)
+    for planned in (prefix.planned_requests(n, fillers), base):
+        if options.budget >= minimum_budget(n) + planned:
+            return planned
+    return 0
 
 
 @dataclass(frozen=True)

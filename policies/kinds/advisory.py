@@ -15,7 +15,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from engine_probe import events as ev
-from policies.facts import BatchFacts, NodeConfig, TimerFacts
+from policies.facts import BatchFacts, NodeConfig, TimerFacts, connector_family
 from policies.kinds.base import RuleKind
 from policies.kinds.pool import all_configs, touched_configs
 from policies.rule import Rule
@@ -99,7 +99,7 @@ class Advisory(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         if not _in(cfg.engine_version, self.affected):
             return False
         if self.connector is not None:
-            if self.connector.lower() != cfg.kv_connector_family():
+            if connector_family(self.connector) != cfg.kv_connector_family():
                 return False
             if self.connector_affected is not None and not _in(
                 cfg.kv_connector_version, self.connector_affected

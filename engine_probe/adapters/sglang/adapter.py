@@ -90,11 +90,13 @@ class SGLangAdapter(PoolTracker):
         advertised_context: int | None = None,
         tp_size: int = 1,
         kv_destinations: Mapping[str, Any] | None = None,
+        prefix_caching: bool = False,
     ) -> str:
         """Hook one node's ``ReqToTokenPool`` and token allocator (and the allocator's KV
         pool); returns the node's name. Emits ``engine.config`` and a ``pool.sample``;
         ``kv_destinations``: where KV goes past the pool
-        (:func:`engine_probe.kv_destinations.sglang_destinations`).
+        (:func:`engine_probe.kv_destinations.sglang_destinations`); ``prefix_caching``: the
+        radix cache is on (SGLang's default; ``--disable-radix-cache`` turns it off).
 
         Watching a ``ReqToTokenPool`` already watched (a speculative-decoding draft runner
         shares the target's pool and allocator) returns the existing node's name and hooks
@@ -119,6 +121,7 @@ class SGLangAdapter(PoolTracker):
             page_size=ps,
             tp_size=tp_size,
             disaggregated=role != "both",
+            prefix_caching=prefix_caching,
             **engine_config(req_to_token_pool, kv_pool, advertised_context),
             **(kv_destinations or {}),
         )

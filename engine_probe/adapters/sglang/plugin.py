@@ -85,6 +85,7 @@ def _watch_runner(adapter: Any, runner: Any) -> None:
         advertised_context=getattr(getattr(runner, "model_config", None), "context_len", None),
         tp_size=int(getattr(runner, "tp_size", 1) or 1),
         kv_destinations=sglang_destinations(args),
+        prefix_caching=args is not None and not getattr(args, "disable_radix_cache", False),
     )
 
 

@@ -87,6 +87,7 @@ def test_a_transfer_connector_is_disaggregation_and_a_multi_connector_names_the_
         env={},
     )  # fmt: skip
     assert d["kv_connector"] == "OffloadingConnector" and d["kv_tiers"][0].capacity_bytes == 1 << 30
+    assert d["disaggregated"] is True  # its NIXL member moves KV between nodes
     assert vllm_destinations(types.SimpleNamespace(kv_transfer_config=None)) == {
         "disaggregated": False
     }
