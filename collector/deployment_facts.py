@@ -212,10 +212,15 @@ def _prefix_fields(doc: Any) -> dict[str, Any]:
         and isinstance(p.get("reader"), str)
     ]
     tier = doc.get("tier_verdict")
+    salted = any(
+        isinstance(p, dict) and p.get("salted") is True
+        for p in (pairs if isinstance(pairs, list) else [])[:50]
+    )
     return {
         "prefix_cache_verdict": doc["verdict"][:32],
         "prefix_shared_pairs": tuple(shared),
         "prefix_tier_verdict": tier[:32] if isinstance(tier, str) else None,
+        "prefix_salt_defeated": salted,
     }
 
 

@@ -135,6 +135,9 @@ class VerificationFact:
     #: the phase's eviction round (``isolated``, ``shared_across_tenants``, ``not_reached``,
     #: ``skipped``; None: not run): whether a prefix that left the pool came back to others
     prefix_tier_verdict: str | None = None
+    #: a pair shared although each tenant sent its own cache_salt: the salt did not isolate
+    #: (an engine, a tier or a router dropped it)
+    prefix_salt_defeated: bool = False
 
     @property
     def verdict(self) -> VerificationResult:

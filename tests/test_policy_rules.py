@@ -339,9 +339,11 @@ def test_a_verification_whose_eviction_round_shared_says_the_tier(env: Env) -> N
     assert r.status_code == 201, r.text
     (a,) = env.alerts("prefix_cache_unsalted")
     assert (
-        "(acme to globex, after it left the pool: from an offload tier;"
-        in (a["annotations"]["summary"])
-    )
+        "(acme to globex, after it left the pool: from an offload tier, each with its own "
+        "cache_salt: the salt did not isolate;"
+    ) in a["annotations"]["summary"]
+    # salts sent and defeated: critical, where an unsalted share is the rule's warning
+    assert a["severity"] == "critical"
 
 
 def test_prefix_cache_unsalted_once_two_tenants_share_it(env: Env) -> None:

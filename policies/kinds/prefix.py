@@ -73,10 +73,15 @@ class PrefixCacheUnsalted(RuleKind):
                 pairs = ", ".join(p.replace("->", " to ") for p in v.prefix_shared_pairs)
                 if v.prefix_tier_verdict == "shared_across_tenants":
                     pairs += ", after it left the pool: from an offload tier"
+                if v.prefix_salt_defeated:
+                    pairs += ", each with its own cache_salt: the salt did not isolate"
                 yield rule.signal(
                     "state",
                     {"deployment_id": d.deployment_id, "node": "endpoint", "model_id": model},
                     firing=shared,
+                    # salts were sent and did not isolate: not a configuration choice (an
+                    # unsalted cache is one) but a defect that defeats the isolation asked for
+                    severity="critical" if shared and v.prefix_salt_defeated else None,
                     value=float(len(v.prefix_shared_pairs)),
                     annotations={
                         "summary": f"kvwatch verify found {model} on {d.deployment_id} "
