@@ -59,7 +59,16 @@ def _samples(seq: int, variant: int = 0) -> dict[str, dict[str, Any]]:
     at: dict[str, Any] = {"probe": PROBE, "ts": ts}
     v = variant
     events: list[ev.Event] = [
-        f.config(seq, pool_tokens=681_280 - v, quantization="fp8", tp_size=2 + v, **at),
+        f.config(
+            seq,
+            pool_tokens=681_280 - v,
+            quantization="fp8",
+            tp_size=2 + v,
+            kv_connector="LMCacheConnectorV1",
+            kv_connector_version=f"0.5.{2 + v}",
+            kv_tiers=(ev.KvTier(medium="cpu", backend="lmcache", capacity_bytes=1 << 30),),
+            **at,
+        ),
         f.admitted(seq, f"r-{v}", tenant=f"t{v}", prompt=1000 + v, max_tokens=10 + v, **at),
         f.rejected(
             seq, f"r-{v}", tenant=f"t{v}", prompt_count_method="bytes", latency_ms=1.5 + v, **at
@@ -162,7 +171,7 @@ def _slots() -> list[Slot]:
             for leaf in _unwrap(fld.type):
                 if isinstance(leaf, mi.NoneType):
                     continue
-                if isinstance(leaf, mi.ListType):
+                if isinstance(leaf, mi.ListType | mi.VarTupleType):
                     out += [Slot(kind, fld.name, "item", x) for x in _unwrap(leaf.item_type)]
                 elif isinstance(leaf, mi.DictType):
                     out += [Slot(kind, fld.name, "value", x) for x in _unwrap(leaf.value_type)]
@@ -551,9 +560,9 @@ def _accepted_json_types(t: Any) -> set[str]:
             out.add("str")
         elif isinstance(leaf, mi.LiteralType):
             out |= {"int" if isinstance(v, int) else "str" for v in leaf.values}
-        elif isinstance(leaf, mi.ListType):
+        elif isinstance(leaf, mi.ListType | mi.VarTupleType):
             out.add("array")
-        elif isinstance(leaf, mi.DictType):
+        elif isinstance(leaf, mi.DictType | mi.StructType):
             out.add("object")
         else:
             raise AssertionError(f"a field type this test does not know: {leaf!r}")
