@@ -118,17 +118,19 @@ def test_server_side_salting_by_tenant_keeps_tenants_apart_in_the_tier_too() -> 
         assert [h.cross_tenant for h in tier_hits(probe)] == ([True] if hit_expected else [])
 
 
-def test_a_tier_hit_reaches_the_collector_as_a_cross_tenant_salted_prefix_hit(
-    collector: Any,
+@pytest.mark.parametrize("reader", ["globex", "acme"], ids=["other-tenant", "same-tenant"])
+def test_a_tier_hit_across_salts_pages_critical_through_the_collector(
+    collector: Any, reader: str
 ) -> None:
-    """Through a running collector: the fault's load pages prefix_cache_cross_tenant (salted
-    hits count: include_salted), and the row says it came from the CPU tier."""
+    """Through a running collector: the fault's load across salts pages
+    prefix_cache_cross_tenant critical, the same tenant's too (its salt was dropped as
+    surely), naming the tier; the row says it came from the CPU tier."""
     from tests.factories import as_json
 
     eng, probe = make(True)
     run(eng, PREFIX + " Q1?", "acme", "salt-a")
     evict(eng)
-    run(eng, PREFIX + " Q3?", "globex", "salt-b")
+    run(eng, PREFIX + " Q3?", reader, "salt-b")
     events = [as_json(e) for e in probe.events]
     with collector.client(collector.ingest) as h:
         r = h.post("/v1/events", json=events)
@@ -136,6 +138,13 @@ def test_a_tier_hit_reaches_the_collector_as_a_cross_tenant_salted_prefix_hit(
     with collector.client(collector.admin) as h:
         alerts = h.get("/v1/alerts", params={"rule": "prefix_cache_cross_tenant"}).json()
         rows = h.get("/v1/page-events", params={"kind": "prefix_cache.hit"}).json()
-    assert [a["state"] for a in alerts] == ["firing"]
-    (row,) = [r for r in rows["items"] if r["cross_tenant"]]
-    assert row["detail"]["tier"] == "cpu" and row["detail"]["salt_mismatch"] is True
+    (alert,) = alerts
+    assert (alert["state"], alert["severity"]) == ("firing", "critical")
+    assert alert["labels"]["salt_mismatch"] == "true"
+    assert alert["labels"]["reader_tenant"] == reader
+    assert (
+        f"tenant {reader} was served 16 block(s) tenant acme computed, loaded from the cpu "
+        "tier across cache salts: a cache or offload tier dropped the salt"
+    ) in alert["annotations"]["summary"]
+    (row,) = [r for r in rows["items"] if r["detail"].get("salt_mismatch")]
+    assert row["detail"]["tier"] == "cpu" and row["cross_tenant"] is (reader != "acme")

@@ -97,6 +97,9 @@ class PrefixCacheUnsalted(RuleKind):
 class CrossTenantParams(msgspec.Struct, forbid_unknown_fields=True):
     #: also fire when the hit was salted: salts shared across tenants defeat salting
     include_salted: bool = True
+    #: also fire, critical, on a hit across cache salts, the same tenant's included: keys
+    #: that carry salts cannot match so, so a cache or offload tier dropped the salt
+    include_salt_mismatch: bool = True
 
 
 class PrefixCacheCrossTenant(RuleKind):
@@ -112,29 +115,46 @@ class PrefixCacheCrossTenant(RuleKind):
 
     def on_batch(self, rule: Rule, facts: BatchFacts, now: datetime) -> Iterable[Signal]:
         p: CrossTenantParams = rule.params
-        found: dict[tuple[str, str, str, str, str], list[int]] = {}
+        found: dict[tuple[str, str, str, str, str, bool], list[int]] = {}
+        tiers: dict[tuple[str, str, str, str, str, bool], set[str]] = {}
         for e in facts.of(ev.PrefixCacheHit):
-            if not e.cross_tenant or (e.salted and not p.include_salted):
+            mismatch = e.salt_mismatch and p.include_salt_mismatch
+            if not mismatch and (not e.cross_tenant or (e.salted and not p.include_salted)):
                 continue
             salted = "true" if e.salted else "false"
-            key = (e.deployment_id, e.node, e.reader_tenant, e.owner_tenant or "", salted)
+            key = (e.deployment_id, e.node, e.reader_tenant, e.owner_tenant or "", salted, mismatch)
             found.setdefault(key, []).append(e.pages)
-        for (dep, node, reader, owner, salted), pages in found.items():
+            if e.tier is not None:
+                tiers.setdefault(key, set()).add(e.tier)
+        for key, pages in found.items():
+            dep, node, reader, owner, salted, mismatch = key
+            labels = {
+                "deployment_id": dep,
+                "node": node,
+                "reader_tenant": reader,
+                "owner_tenant": owner,
+                "salted": salted,
+            }
+            if mismatch:  # only then: the alerts these labels named before keep their identity
+                labels["salt_mismatch"] = "true"
+            where = tiers.get(key)
+            if mismatch:
+                how = " across cache salts: a cache or offload tier dropped the salt"
+            elif salted == "true":
+                how = " (with a cache salt: the tenants share a salt)"
+            else:
+                how = ""
             yield rule.signal(
                 "event",
-                {
-                    "deployment_id": dep,
-                    "node": node,
-                    "reader_tenant": reader,
-                    "owner_tenant": owner,
-                    "salted": salted,
-                },
+                labels,
+                severity="critical" if mismatch else None,
                 value=float(sum(pages)),
                 count=len(pages),
                 annotations={
                     "summary": f"{len(pages)} prefix-cache hit(s) on {dep} node {node}: tenant "
                     f"{reader} was served {sum(pages)} block(s) tenant {owner} computed"
-                    + (" (with a cache salt: the tenants share a salt)" if salted == "true" else "")
+                    + (f", loaded from the {'/'.join(sorted(where))} tier" if where else "")
+                    + how
                 },
             )
 
