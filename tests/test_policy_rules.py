@@ -60,6 +60,16 @@ class Env:
         )
         assert r.status_code == 201, r.text
 
+    def prefix_verdict(self, doc: dict[str, Any]) -> None:
+        """A passing verification of glm-5.3 whose evidence carries ``doc`` as its
+        prefix-cache section, as kvwatch verify uploads it."""
+        r = self.ingest.post(
+            "/v1/verifications",
+            json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
+                  "verified_safe_context": 500_000, "evidence": {"prefix_cache": doc}},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+
     def tick(self, after: timedelta = timedelta(0)) -> None:
         self.service.tick(datetime.now(UTC) + after)
 
@@ -305,13 +315,7 @@ def test_a_verification_that_found_prefixes_shared_fires_prefix_cache_unsalted(e
     the same model resolves it."""
 
     def verify(verdict: str, pairs: list[dict[str, Any]]) -> None:
-        doc = {"verdict": verdict, "method": "cached_tokens", "shared_pairs": pairs}
-        r = env.ingest.post(
-            "/v1/verifications",
-            json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
-                  "verified_safe_context": 500_000, "evidence": {"prefix_cache": doc}},
-        )  # fmt: skip
-        assert r.status_code == 201, r.text
+        env.prefix_verdict({"verdict": verdict, "method": "cached_tokens", "shared_pairs": pairs})
 
     verify("inconclusive", [])
     assert env.alerts("prefix_cache_unsalted") == []
@@ -328,15 +332,10 @@ def test_a_verification_that_found_prefixes_shared_fires_prefix_cache_unsalted(e
 
 
 def test_a_verification_whose_eviction_round_shared_says_the_tier(env: Env) -> None:
-    doc = {"verdict": "shared_across_tenants", "method": "cached_tokens",
-           "tier_verdict": "shared_across_tenants",
-           "shared_pairs": [{"owner": "acme", "reader": "globex", "salted": True}]}  # fmt: skip
-    r = env.ingest.post(
-        "/v1/verifications",
-        json={"deployment_id": "glm-prod", "model_id": "glm-5.3", "passed": True,
-              "verified_safe_context": 500_000, "evidence": {"prefix_cache": doc}},
-    )  # fmt: skip
-    assert r.status_code == 201, r.text
+    pair = {"owner": "acme", "reader": "globex", "salted": True}
+    shared = "shared_across_tenants"
+    env.prefix_verdict({"verdict": shared, "method": "cached_tokens", "tier_verdict": shared,
+                        "shared_pairs": [pair]})  # fmt: skip
     (a,) = env.alerts("prefix_cache_unsalted")
     assert (
         "(acme to globex, after it left the pool: from an offload tier, each with its own "
