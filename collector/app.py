@@ -43,6 +43,7 @@ from collector.limits import Limits
 from collector.lost import LostRequests
 from collector.metrics import CollectorMetrics
 from collector.notify.dispatcher import Dispatcher
+from collector.oidc import build_verifier
 from collector.otlp.service import TraceIngest
 from collector.periodic import Periodic
 from collector.reads import ReadService
@@ -96,6 +97,9 @@ def create_app(
         use_audit_s=settings.token_use_audit_s,
         # with the bus, ingest must outlive a database outage: known tokens stay valid
         grace_s=settings.bus_auth_grace_s if bus is not None else 0.0,
+        # people signed in at the organisation's identity provider (the dashboard forwards
+        # their ID token); a bad role map stops the collector here, with its file named
+        oidc=build_verifier(settings),
     )
     alerting = AlertingService(
         db,

@@ -16,6 +16,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -501,6 +502,58 @@ class Settings(BaseSettings):
         "(/metrics, the bus_lag rule).",
     )
 
+    oidc_issuer: str | None = Field(
+        default=None,
+        description="OpenID Connect issuer whose signed-in people the collector and the "
+        "dashboard accept (its /.well-known/openid-configuration is read; docs/sign-in.md); "
+        "unset: bearer tokens only.",
+    )
+    oidc_client_id: str | None = Field(
+        default=None,
+        description="The dashboard's client id at the issuer: the audience of the ID tokens "
+        "the dashboard forwards, so the one audience the collector accepts unless "
+        "KVWATCH_OIDC_AUDIENCE says otherwise.",
+    )
+    oidc_audience: str | None = Field(
+        default=None,
+        description="Audience a forwarded token must name; unset: KVWATCH_OIDC_CLIENT_ID.",
+    )
+    oidc_roles_claim: str = Field(
+        default="groups",
+        min_length=1,
+        max_length=256,
+        description="ID-token claim holding a person's groups or roles (a list, or a "
+        "string); a dotted path reaches into objects (realm_access.roles).",
+    )
+    oidc_role_map: Path | None = Field(
+        default=None,
+        description="YAML file mapping claim values to kvwatch roles (admin, operator, "
+        "auditor, tenant:<name>); unset: a claim value that is a role's name is that role.",
+    )
+    oidc_clock_skew_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=300,
+        description="Clock skew allowed when checking a token's exp, nbf and iat.",
+    )
+    oidc_jwks_cache_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How long the issuer's signing keys are kept before they are read again.",
+    )
+    oidc_jwks_refetch_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A token signed by a key not yet known makes the collector read the "
+        "keys again (a rotation), at most once per this many seconds.",
+    )
+    oidc_http_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=120,
+        description="Timeout of the collector's requests to the issuer (discovery, keys).",
+    )
+
     @field_validator("otlp_tenant_attributes", "otlp_deployment_attributes", mode="before")
     @classmethod
     def _attribute_list(cls, v: Any) -> list[str]:
@@ -587,6 +640,28 @@ class Settings(BaseSettings):
         if not _INSTANCE.fullmatch(v):
             raise ValueError("use letters, digits, '.', '_' or '-', at most 64 characters")
         return v
+
+    @field_validator("oidc_issuer", "oidc_client_id", "oidc_audience", mode="before")
+    @classmethod
+    def _oidc_text(cls, v: Any) -> Any:
+        # an exported-but-empty variable means "not set"
+        return (v.strip() or None) if isinstance(v, str) else v
+
+    @field_validator("oidc_issuer")
+    @classmethod
+    def _oidc_issuer(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be the issuer's URL, starting with https:// (or http://)")
+        return v
+
+    @model_validator(mode="after")
+    def _oidc_complete(self) -> Settings:
+        if self.oidc_issuer is not None and (self.oidc_audience or self.oidc_client_id) is None:
+            raise ValueError(
+                "KVWATCH_OIDC_ISSUER is set without KVWATCH_OIDC_CLIENT_ID (or "
+                "KVWATCH_OIDC_AUDIENCE): the collector must know whose ID tokens to accept"
+            )
+        return self
 
     @field_validator("database_url")
     @classmethod

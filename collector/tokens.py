@@ -33,8 +33,9 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Connection, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -53,12 +54,28 @@ from collector.errors import (
 )
 from collector.timefmt import as_micros, iso, now_micros
 
+if TYPE_CHECKING:
+    from collector.oidc import OidcVerifier
+
 log = logging.getLogger("kvwatch.tokens")
 
 TokenKind = Literal["ingest", "read", "admin"]
 KINDS: tuple[TokenKind, ...] = ("ingest", "read", "admin")
+# What a signed-in person's role adds to reading (collector.oidc): ``respond`` acknowledges,
+# silences and works incidents; ``report`` generates and reads reports and notices.
+Grant = Literal["respond", "report"]
 DEFAULT_GRACE_S = 24 * 3600  # a rotated token's old secret keeps working this long
 MAX_LIFETIME_S = 10 * 365 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Person:
+    """A person as their identity provider's ID token names them."""
+
+    subject: str
+    email: str | None
+    name: str | None
+    issuer: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +87,38 @@ class Principal:
     label: str
     lineage_id: int | None = None  # None: the token is its own lineage
     expires_at_us: int | None = None
+    # a person signed in through OIDC (collector.oidc), not a token: their role, what it adds
+    # to ``kind``, and who they are (subject and e-mail, for the audit log)
+    role: str | None = None
+    grants: frozenset[Grant] = frozenset()
+    person: Person | None = None
 
     @property
     def lineage(self) -> int:
         return self.lineage_id if self.lineage_id is not None else self.token_id
 
-    def require(self, *kinds: TokenKind) -> None:
-        if self.kind not in kinds:
-            raise Forbidden(f"a {self.kind} token cannot do this; needs {' or '.join(kinds)}")
+    def require(self, *kinds: TokenKind, grant: Grant | None = None) -> None:
+        """Refuse (403) unless the caller is of one of ``kinds`` or, a person, has ``grant``."""
+        if self.kind in kinds or (grant is not None and grant in self.grants):
+            return
+        if self.person is not None:
+            raise Forbidden(f"the {self.role} role cannot do this")
+        raise Forbidden(f"a {self.kind} token cannot do this; needs {' or '.join(kinds)}")
+
+    def acting_as(self, claimed: str | None) -> str:
+        """Who the audit log and an ack name: a token's caller may name the person it acts
+        for; a signed-in person is always named as their identity provider says."""
+        if self.person is not None:
+            return self.label
+        return claimed or self.label
+
+    def may(self) -> list[str]:
+        """What the caller may do, as ``GET /v1/whoami`` says and the dashboard shows."""
+        if self.kind == "admin":
+            return ["read", "respond", "report", "admin"]
+        if self.kind == "ingest":
+            return ["ingest"]
+        return ["read", *sorted(self.grants)]
 
     def tenant_filter(self, requested: str | None) -> str | None:
         """The tenant a query must be limited to. A tenant-scoped token may only ask for its
@@ -87,6 +128,17 @@ class Principal:
                 raise Forbidden(f"this token is scoped to tenant {self.tenant!r}")
             return self.tenant
         return requested
+
+
+def looks_like_jwt(secret: str) -> bool:
+    """A compact JWS (three base64url parts: a signed-in person's ID token), as no kvwatch
+    token is (``kvw_...``)."""
+    return secret.count(".") == 2 and not secret.startswith("kvw_")
+
+
+def token_digest(token: str) -> str:
+    """A short digest naming one sign-in session in the audit log (never the token)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 def hash_token(token: str) -> str:
@@ -427,6 +479,42 @@ def record_use(conn: Connection, principal: Principal, *, now_us: int, every_us:
     return bool(claimed)
 
 
+def audit_person(conn: Connection, principal: Principal, *, session: str) -> None:
+    """``person.use``: a signed-in person's first request of a sign-in session (one ID
+    token) on a replica, naming them (subject, e-mail), their role and the session's end."""
+    person = principal.person
+    assert person is not None
+    audit.append(
+        conn,
+        now_us=now_micros(),
+        actor=principal.label,
+        action="person.use",
+        subject=f"person:{person.subject}",
+        detail={
+            "subject": person.subject,
+            "email": person.email,
+            "issuer": person.issuer,
+            "role": principal.role,
+            "session": session,
+            "expires_at": iso(principal.expires_at_us) if principal.expires_at_us else None,
+        },
+    )
+
+
+def audit_refusal(conn: Connection, refused: Forbidden, session: str) -> None:
+    """``person.refused``: a person the identity provider signed in, whom no role lets in."""
+    d = refused.details if isinstance(refused.details, dict) else {}
+    sub, email = d.get("subject"), d.get("email")
+    audit.append(
+        conn,
+        now_us=now_micros(),
+        actor=f"{email} (oidc sub {sub})" if email else f"oidc sub {sub}",
+        action="person.refused",
+        subject=f"person:{sub}",
+        detail={"subject": sub, "email": email, "reason": refused.message, "session": session},
+    )
+
+
 def _expired(principal: Principal) -> bool:
     return principal.expires_at_us is not None and principal.expires_at_us <= now_micros()
 
@@ -448,20 +536,27 @@ class Authenticator:
         max_entries: int = 10_000,
         use_audit_s: float = 3600.0,
         grace_s: float = 0.0,
+        oidc: OidcVerifier | None = None,
     ):
         self.db = db
+        self.oidc = oidc
         self.ttl_s = ttl_s
         self.grace_s = grace_s
         self.max_entries = max_entries
         self.use_audit_s = use_audit_s
         self._cache: dict[str, tuple[float, Principal]] = {}
         self._audited: dict[int, float] = {}  # token id -> monotonic time of its last entry
+        self._sessions: set[str] = set()  # sign-in sessions audited (collector.oidc)
 
     def __call__(self, authorization: str | None) -> Principal:
         now = time.monotonic()
         hit = self._cache.get(authorization) if authorization else None
         if hit is not None and hit[0] > now:
             return hit[1]
+        if authorization:
+            scheme, _, secret = authorization.partition(" ")
+            if scheme.lower() == "bearer" and looks_like_jwt(secret.strip()):
+                return self._person(authorization, secret.strip(), now)
         try:
             with self.db.read() as conn:
                 principal = authenticate(conn, authorization)
@@ -482,6 +577,46 @@ class Authenticator:
         if last is None or now - last >= self.use_audit_s:
             self._audit_use(principal, now)
         return principal
+
+    def _person(self, authorization: str, token: str, now: float) -> Principal:
+        """A signed-in person's ID token (:mod:`collector.oidc`): verified without the
+        database, remembered until it expires (at most ``ttl_s``), and the first use of each
+        sign-in session on this replica written to the audit log (``person.use``)."""
+        if self.oidc is None:
+            raise Unauthorized(
+                "this collector accepts no sign-in tokens (KVWATCH_OIDC_ISSUER is not set); "
+                "use a kvwatch token"
+            )
+        try:
+            principal = self.oidc.verify(token)
+        except Forbidden as exc:  # signed in, but no role: the refusal names the person
+            refused = exc
+            self._audit_session(token, lambda conn, s: audit_refusal(conn, refused, s))
+            raise
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()
+        until = now + self.ttl_s
+        if principal.expires_at_us is not None:
+            until = min(until, now + (principal.expires_at_us - now_micros()) / 1e6)
+        self._cache[authorization] = (until, principal)
+        self._audit_session(token, lambda conn, s: audit_person(conn, principal, session=s))
+        return principal
+
+    def _audit_session(self, token: str, write: Callable[[Connection, str], None]) -> None:
+        """``write`` the audit entry of a sign-in session (one ID token) on its first use on
+        this replica; failing to write it never fails the request (as for tokens)."""
+        session = token_digest(token)
+        if session in self._sessions:
+            return
+        try:
+            with self.db.write() as conn:
+                write(conn, session)
+        except CollectorError as exc:
+            log.warning("sign-in not audited: %s", exc.message)
+            return
+        if len(self._sessions) >= self.max_entries:
+            self._sessions.clear()
+        self._sessions.add(session)
 
     def _audit_use(self, principal: Principal, now: float) -> None:
         try:

@@ -105,6 +105,8 @@ def serve(
     import uvicorn
     from rich.markup import escape
 
+    from collector.errors import CollectorError
+    from collector.oidc import RoleMap
     from collector.scrape import UnusableScrapeTargets, open_targets
     from kvwatch.embedded import collector_app
     from kvwatch.scheduled_scrape import scrape_target
@@ -118,6 +120,11 @@ def serve(
         open_targets(settings, scrape_target)
     except UnusableScrapeTargets as exc:
         err.print(f"[red]error:[/] {escape(exc.message)}")
+        raise typer.Exit(EXIT_COULD_NOT_RUN) from None
+    try:  # the role map too, for the same reason: one line naming the file and its entry
+        RoleMap.load(settings.oidc_role_map)
+    except CollectorError as exc:
+        err.print(f"[red]error:[/] KVWATCH_OIDC_ROLE_MAP: {escape(exc.message)}")
         raise typer.Exit(EXIT_COULD_NOT_RUN) from None
     n = workers or settings.workers
     if n == 1:

@@ -58,8 +58,12 @@ def settings(database_url: str | None = None) -> Settings:
         s = Settings(database_url=database_url) if database_url else Settings()
     except ValidationError as exc:
         for e in exc.errors():
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            if not e["loc"]:  # a rule across settings: its message names them
+                err.print(f"[red]error:[/] {escape(msg)}")
+                continue
             name = "KVWATCH_" + "_".join(str(p) for p in e["loc"]).upper()
-            err.print(f"[red]error:[/] {name}: {escape(str(e['msg']))}")
+            err.print(f"[red]error:[/] {name}: {escape(msg)}")
         raise typer.Exit(EXIT_COULD_NOT_RUN) from None
     _check_url(s.database_url)
     _database_url.set(s.database_url)

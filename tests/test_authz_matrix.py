@@ -106,6 +106,8 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/rules"): _allow(200, *OPERATORS),
     # a runbook names no tenant: any reader
     ("GET", "/v1/runbooks/{kind}"): _allow(200, *READERS),
+    # every caller may ask who it is
+    ("GET", "/v1/whoami"): _allow(200, "ingest", *READERS),
     ("GET", "/v1/tokens"): _allow(200, "admin"),
     ("POST", "/v1/tokens"): _allow(201, "admin"),
     ("POST", "/v1/tokens/{ref}/revoke"): _allow(200, "admin"),

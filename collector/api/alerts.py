@@ -152,9 +152,9 @@ def build_router(
 
     @r.post("/v1/alerts/{alert_id}/ack", responses=_ERRORS, summary="Acknowledge an alert")
     async def ack_alert(alert_id: Id, who: Caller, body: AckIn | None = None) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="respond")
         body = body or AckIn()
-        by = body.by or who.label
+        by = who.acting_as(body.by)
         return await in_thread(service.ack, alert_id, by, body.comment, datetime.now(UTC))
 
     @r.get("/v1/silences", responses=_ERRORS, summary="Silences, newest first")
@@ -169,7 +169,7 @@ def build_router(
         summary="Silence matching alerts' notifications",
     )
     async def create_silence(body: SilenceIn, who: Caller) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="respond")
         now = datetime.now(UTC)
         starts = _aware(body.starts_at, "starts_at") or now
         if body.ends_at is not None and body.duration is not None:
@@ -187,12 +187,12 @@ def build_router(
             raise InvalidInput("a silence needs ends_at or duration", {"field": "ends_at"})
         assert ends is not None
         matchers = [m.model_dump() for m in body.matchers]
-        by = body.created_by or who.label
+        by = who.acting_as(body.created_by)
         return await in_thread(service.silence, matchers, starts, ends, by, body.comment, now)
 
     @r.delete("/v1/silences/{silence_id}", responses=_ERRORS, summary="Expire a silence now")
     async def expire_silence(silence_id: Id, who: Caller) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="respond")
         return await in_thread(service.expire_silence, silence_id, who.label, datetime.now(UTC))
 
     @r.get("/v1/incidents", responses=_ERRORS, summary="Incidents, newest first")
@@ -227,8 +227,8 @@ def build_router(
         summary="Close an incident (a person, with a reason)",
     )
     async def close_incident(incident_id: Id, body: CloseIn, who: Caller) -> dict[str, Any]:
-        who.require("admin")
-        by = body.by or who.label
+        who.require("admin", grant="respond")
+        by = who.acting_as(body.by)
         return await in_thread(
             service.close_incident, incident_id, by, body.reason, datetime.now(UTC)
         )
@@ -241,28 +241,28 @@ def build_router(
     async def ack_incident(
         incident_id: Id, who: Caller, body: ByIn | None = None
     ) -> dict[str, Any]:
-        who.require("admin")
-        by = (body.by if body else None) or who.label
+        who.require("admin", grant="respond")
+        by = who.acting_as(body.by if body else None)
         return await in_thread(service.ack_incident, incident_id, by, datetime.now(UTC))
 
     @r.post("/v1/incidents/{incident_id}/owner", responses=_ERRORS, summary="Give it an owner")
     async def assign_incident(incident_id: Id, body: OwnerIn, who: Caller) -> dict[str, Any]:
-        who.require("admin")
-        by = body.by or who.label
+        who.require("admin", grant="respond")
+        by = who.acting_as(body.by)
         return await in_thread(
             service.assign_incident, incident_id, body.owner, by, datetime.now(UTC)
         )
 
     @r.post("/v1/incidents/{incident_id}/notes", responses=_ERRORS, summary="Add a note")
     async def note_incident(incident_id: Id, body: NoteIn, who: Caller) -> dict[str, Any]:
-        who.require("admin")
-        by = body.by or who.label
+        who.require("admin", grant="respond")
+        by = who.acting_as(body.by)
         return await in_thread(service.note_incident, incident_id, body.text, by, datetime.now(UTC))
 
     @r.post("/v1/incidents/{incident_id}/links", responses=_ERRORS, summary="Link an alert")
     async def link_alert(incident_id: Id, body: LinkIn, who: Caller) -> dict[str, Any]:
-        who.require("admin")
-        by = body.by or who.label
+        who.require("admin", grant="respond")
+        by = who.acting_as(body.by)
         return await in_thread(
             service.link_alert, incident_id, body.alert_id, by, datetime.now(UTC)
         )
@@ -273,7 +273,7 @@ def build_router(
         summary="Unlink an alert (not linked back automatically)",
     )
     async def unlink_alert(incident_id: Id, alert_id: Id, who: Caller) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="respond")
         return await in_thread(
             service.unlink_alert, incident_id, alert_id, who.label, datetime.now(UTC)
         )
@@ -307,7 +307,7 @@ def build_router(
         summary="One verification with its evidence (admin: the evidence names tenants)",
     )
     async def get_verification(verification_id: Id, who: Caller) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="report")
         return await in_thread(service.verification, verification_id)
 
     @r.post(

@@ -106,7 +106,7 @@ def build_router(
         "audit log)",
     )
     async def create_report(body: ReportIn, who: Caller) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="report")
         if body.kind == "review":
             doc = await in_thread(_review, body, who.label)
             return _created(
@@ -131,7 +131,7 @@ def build_router(
         kind: Literal["breach", "review"] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="report")
         return {"items": await in_thread(store.listing, limit, kind)}
 
     @r.get(
@@ -153,7 +153,7 @@ def build_router(
         who: Caller,
         format: Annotated[Literal["json", "csv", "pdf"], Query()] = "json",
     ) -> Response:
-        who.require("admin")
+        who.require("admin", grant="report")
         doc = await in_thread(store.get, report_id)
         kind = doc.get("kind", "breach")
         name = f"{kind}-{report_id}"
@@ -184,7 +184,7 @@ def build_router(
         "(save it as <kind>-<id>.sig beside them; kvwatch report verify checks them)",
     )
     async def get_report_signature(report_id: str, who: Caller) -> Response:
-        who.require("admin")
+        who.require("admin", grant="report")
         token = await in_thread(store.signature, report_id)
         if token is None:
             raise NotFound(f"report {report_id} was stored before reports were signed")
@@ -227,7 +227,7 @@ def build_router(
         who: Caller,
         format: Annotated[Literal["json", "md", "pdf"], Query()] = "json",
     ) -> Response:
-        who.require("admin")
+        who.require("admin", grant="report")
         doc = await in_thread(
             notices.notice, incident_id, tenant, created_by=who.label, now=datetime.now(UTC)
         )

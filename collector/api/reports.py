@@ -161,7 +161,7 @@ def build_router(
         "(docs/signing.md); signed_through: the last entry a checkpoint signs.",
     )
     async def verify_audit(who: Caller) -> dict[str, Any]:
-        who.require("admin")
+        who.require("admin", grant="report")
 
         def check() -> KeyedCheck:
             keys = audit_log.ring.public_set() if audit_log.ring else {"keys": []}

@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.errors import InvalidInput
-from collector.tokens import DEFAULT_GRACE_S, TokenService
+from collector.timefmt import iso
+from collector.tokens import DEFAULT_GRACE_S, Principal, TokenService
 from policies.durations import parse_duration
 
 _ERRORS = params.errors(401, 403, 404, 409, 422, 503)
@@ -55,8 +56,40 @@ def _seconds(value: str | None, field: str) -> float | None:
         raise InvalidInput(f"{field}: {exc}", {"field": field}) from None
 
 
+def who_is(who: Principal) -> dict[str, Any]:
+    person = who.person
+    return {
+        "name": who.label,
+        "kind": who.kind,
+        "role": who.role,
+        "tenant": who.tenant,
+        "deployment_id": who.deployment_id,
+        "may": who.may(),
+        "person": None
+        if person is None
+        else {
+            "subject": person.subject,
+            "email": person.email,
+            "name": person.name,
+            "issuer": person.issuer,
+        },
+        "expires_at": None if who.expires_at_us is None else iso(who.expires_at_us),
+    }
+
+
 def build_router(tokens: TokenService) -> APIRouter:
     r = caller.router()
+
+    @r.get(
+        "/v1/whoami",
+        responses=params.errors(401, 403, 503),
+        summary="Who the caller is and what they may do (a token, or a signed-in person)",
+        description="may: read, respond (acknowledge, silence, work incidents), report "
+        "(generate and read reports and notices), admin, ingest; tenant: the one tenant the "
+        "caller sees, else null. The dashboard shows and enforces what this says.",
+    )
+    async def whoami(who: Caller) -> dict[str, Any]:
+        return who_is(who)
 
     @r.get("/v1/tokens", responses=_ERRORS, summary="Every token, without its secret")
     async def list_tokens(who: Caller) -> list[dict[str, Any]]:
