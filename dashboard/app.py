@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboard import ui
+from dashboard import signin, ui
 from dashboard.errors import DashboardError
 
 HERE = Path(__file__).parent
@@ -60,7 +60,9 @@ def sidebar() -> None:
     with st.sidebar:
         st.markdown("### kvwatch")
         st.caption(f"Collector: `{settings.collector_url}`")
-        if settings.token is None:
+        if settings.oidc:
+            signin.sign_out_button()
+        elif settings.token is None:
             st.text_input(
                 "Token",
                 type="password",
@@ -91,14 +93,9 @@ def _scope_caption() -> str | None:
         return None
     try:
         with ui.collector(timeout_s=5) as c:
-            scope = ui.token_scope(c)
+            return ui.who_label(c)
     except DashboardError:
         return None  # the page says what is wrong, in full
-    return {
-        "admin": "Signed in with an admin token.",
-        "operator": "Signed in with a read token (no acknowledging or reports).",
-        "tenant": "Signed in with a tenant-scoped token: only its tenant's traffic is shown.",
-    }[scope]
 
 
 def incident_banner() -> None:
@@ -128,6 +125,8 @@ def incident_banner() -> None:
 
 
 st.set_page_config(page_title="kvwatch", page_icon=":material/shield:", layout="wide")
+if ui.settings().oidc:
+    ui.admit_person()  # stops here: not signed in, sign-in ended, or no role
 page = st.navigation(PAGES)
 sidebar()
 if page.url_path != "incident":  # the incident page says it in full

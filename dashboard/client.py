@@ -114,6 +114,10 @@ class CollectorClient:
 
     # ------------------------------------------------------------------ reads
 
+    def whoami(self) -> JSON:
+        """Who the token (or signed-in person) is and what they may do (``may``)."""
+        return dict(self._json("GET", "/v1/whoami"))
+
     def health(self) -> JSON:
         return dict(self._json("GET", "/healthz"))
 

@@ -14,7 +14,8 @@ import streamlit as st
 from pydantic import ValidationError
 from streamlit.delta_generator import DeltaGenerator
 
-from dashboard.client import CollectorClient
+from dashboard import signin
+from dashboard.client import JSON, CollectorClient
 from dashboard.errors import CollectorDown, DashboardError, TokenRejected
 from dashboard.settings import DashboardSettings
 
@@ -41,17 +42,21 @@ def settings() -> DashboardSettings:
         return DashboardSettings()
     except ValidationError as exc:
         for e in exc.errors():
-            field = str(e["loc"][0]) if e["loc"] else "settings"
-            st.error(f"KVWATCH_{field.upper()}: {e['msg']}")
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            st.error(f"KVWATCH_{str(e['loc'][0]).upper()}: {msg}" if e["loc"] else msg)
         st.stop()
         raise  # unreachable: st.stop() raises; keeps the type checker sure
 
 
 def token() -> str | None:
-    """The configured token, else one typed into the sidebar (kept for this session only)."""
-    configured = settings().token
-    if configured:
-        return configured
+    """With sign-in (KVWATCH_OIDC_ISSUER), the signed-in person's ID token, which the
+    collector verifies; else the configured token, else one typed into the sidebar (kept for
+    this session only)."""
+    s = settings()
+    if s.oidc:
+        return signin.id_token()
+    if s.token:
+        return s.token
     typed = str(st.session_state.get("typed_token") or "").strip()
     return typed or None
 
@@ -62,29 +67,61 @@ def collector(timeout_s: float = 30.0) -> Iterator[CollectorClient]:
         yield c
 
 
-def token_scope(c: CollectorClient) -> Scope:
-    """What the token may see, found once per session by asking (the API has no "who am I"):
-    reports are admin-only, alerts are closed to tenant-scoped tokens."""
-    key = "scope:" + hashlib.sha256(f"{c.base_url} {token()}".encode()).hexdigest()
+def me(c: CollectorClient) -> JSON:
+    """Who the token or signed-in person is and what they may do, as the collector decides
+    it (``GET /v1/whoami``); asked once per session and credential."""
+    key = "whoami:" + hashlib.sha256(f"{c.base_url} {token()}".encode()).hexdigest()
     cached = st.session_state.get(key)
-    if cached in ("admin", "operator", "tenant"):
+    if isinstance(cached, dict):
         return cached
-    scope: Scope
+    doc = c.whoami()
+    st.session_state[key] = doc
+    return doc
+
+
+def admit_person() -> None:
+    """With sign-in: stop the page unless a person is signed in, their sign-in is live, and
+    the collector gives them a role (it says why not, and the page shows it)."""
+    s = settings()
+    assert s.oidc_issuer is not None
+    signin.gate(s.oidc_issuer)
     try:
-        c.reports(limit=1)
-        scope = "admin"
+        with collector(timeout_s=10) as c:
+            me(c)
     except TokenRejected as exc:
-        if not exc.forbidden:
-            raise
-        try:
-            c.alerts(limit=1)
-            scope = "operator"
-        except TokenRejected as exc2:
-            if not exc2.forbidden:
-                raise
-            scope = "tenant"
-    st.session_state[key] = scope
-    return scope
+        if exc.forbidden:
+            signin.refused(exc.message)
+        signin.ended(f"The collector did not accept your sign-in: {exc.message}.")
+    except DashboardError:
+        return  # the collector is down: the page says so, in full
+
+
+def may(c: CollectorClient, what: str) -> bool:
+    """Whether the caller may ``what``: read, respond (acknowledge, silence, work
+    incidents), report (reports, notices, evidence) or admin."""
+    return what in me(c).get("may", [])
+
+
+def token_scope(c: CollectorClient) -> Scope:
+    """admin; tenant (one tenant's view); operator: everyone else who reads every tenant."""
+    doc = me(c)
+    if "admin" in doc.get("may", []):
+        return "admin"
+    return "tenant" if doc.get("tenant") else "operator"
+
+
+def who_label(c: CollectorClient) -> str:
+    """How the sidebar names the caller and what they may do."""
+    doc = me(c)
+    if doc.get("person"):
+        person = doc["person"]
+        who = person.get("email") or person.get("name") or person["subject"]
+        return f"Signed in as {who}, role {doc['role']}."
+    return {
+        "admin": "Signed in with an admin token.",
+        "operator": "Signed in with a read token (no acknowledging or reports).",
+        "tenant": "Signed in with a tenant-scoped token: only its tenant's traffic is shown.",
+    }[token_scope(c)]
 
 
 def show_error(exc: DashboardError) -> None:
@@ -101,6 +138,12 @@ def show_error(exc: DashboardError) -> None:
         st.warning(
             f"**Not available to this token.** The collector said: {exc.message}.",
             icon=":material/lock:",
+        )
+    elif isinstance(exc, TokenRejected) and settings().oidc:
+        st.error(
+            f"**Your sign-in was not accepted** (HTTP 401: {exc.message}). Sign out and sign "
+            "in again.",
+            icon=":material/key_off:",
         )
     elif isinstance(exc, TokenRejected):
         what = "No token is configured" if token() is None else "The token was rejected"
@@ -133,7 +176,7 @@ def require_operator(c: CollectorClient, what: str, *, admin: bool = False) -> S
             icon=":material/lock:",
         )
         return None
-    if admin and scope != "admin":
+    if admin and not may(c, "report"):
         st.info(f"**{what} need an admin token.** This is a read token.", icon=":material/lock:")
         return None
     return scope

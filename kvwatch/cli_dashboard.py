@@ -6,10 +6,14 @@ admin token; both travel to the Streamlit process as ``KVWATCH_*`` environment v
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 from types import FrameType
@@ -42,8 +46,11 @@ def _settings(overrides: dict[str, Any]) -> DashboardSettings:
         return DashboardSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         for e in exc.errors():
-            field = str(e["loc"][0]) if e["loc"] else ""
-            err.print(f"[red]error:[/] KVWATCH_{field.upper()}: {e['msg']}")
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            if not e["loc"]:  # a rule across settings: its message names them
+                err.print(f"[red]error:[/] {msg}")
+                continue
+            err.print(f"[red]error:[/] KVWATCH_{str(e['loc'][0]).upper()}: {msg}")
         raise typer.Exit(2) from None
 
 
@@ -90,7 +97,15 @@ def dashboard(
     env = dict(os.environ)
     env["KVWATCH_COLLECTOR_URL"] = settings.collector_url
     env["KVWATCH_DASHBOARD_REFRESH_S"] = f"{settings.dashboard_refresh_s:g}"
-    if settings.token is not None:
+    secrets_dir: str | None = None
+    extra: list[str] = []
+    if settings.oidc:
+        secrets_dir = tempfile.mkdtemp(prefix="kvwatch-dashboard-")  # 0700: it holds secrets
+        extra = [f"--secrets.files={write_auth_secrets(settings, Path(secrets_dir))}"]
+        err.print(
+            f"people sign in at {settings.oidc_issuer} (return address {settings.redirect_uri})"
+        )
+    elif settings.token is not None:
         env["KVWATCH_DASHBOARD_TOKEN"] = settings.token
     else:
         err.print(
@@ -111,6 +126,7 @@ def dashboard(
         "--server.runOnSave=false",
         "--client.toolbarMode=viewer",
         "--global.developmentMode=false",
+        *extra,
     ]
     err.print(f"kvwatch dashboard on http://{host}:{port} reading {settings.collector_url}")
     proc = subprocess.Popen(cmd, env=env)
@@ -121,5 +137,49 @@ def dashboard(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    rc = proc.wait()
+    try:
+        rc = proc.wait()
+    finally:
+        if secrets_dir is not None:
+            shutil.rmtree(secrets_dir, ignore_errors=True)
     raise typer.Exit(rc if rc >= 0 else 128 - rc)
+
+
+def write_auth_secrets(settings: DashboardSettings, into: Path) -> Path:
+    """Streamlit's ``[auth]`` section (st.login reads only its secrets) from the
+    ``KVWATCH_OIDC_*`` settings, in a file only this user can read. The ID token is exposed
+    to the app (``expose_tokens``): the dashboard forwards it to the collector, which verifies
+    it (collector/oidc.py)."""
+    cookie = (
+        settings.oidc_cookie_secret.get_secret_value()
+        if settings.oidc_cookie_secret is not None
+        else secrets.token_urlsafe(32)
+    )
+    client_secret = (
+        settings.oidc_client_secret.get_secret_value()
+        if settings.oidc_client_secret is not None
+        else ""
+    )
+    assert settings.oidc_issuer is not None
+    metadata = settings.oidc_issuer.rstrip("/") + "/.well-known/openid-configuration"
+    kwargs = {"scope": settings.oidc_scopes}
+    if settings.oidc_prompt.strip() and settings.oidc_prompt.strip() != "none":
+        kwargs["prompt"] = settings.oidc_prompt.strip()
+    q = json.dumps  # a TOML basic string takes JSON's escapes
+    lines = [
+        "[auth]",
+        f"redirect_uri = {q(settings.redirect_uri)}",
+        f"cookie_secret = {q(cookie)}",
+        f"client_id = {q(settings.oidc_client_id)}",
+        f"client_secret = {q(client_secret)}",
+        f"server_metadata_url = {q(metadata)}",
+        'expose_tokens = ["id"]',
+        "",
+        "[auth.client_kwargs]",
+        *(f"{k} = {q(v)}" for k, v in kwargs.items()),
+    ]
+    path = into / "secrets.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path

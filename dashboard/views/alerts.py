@@ -254,15 +254,23 @@ def actions(c: CollectorClient) -> None:
         return
     st.divider()
     st.subheader("Act")
-    if scope != "admin":
-        st.info("Acknowledging, silencing and closing need an admin token; this is a read token.")
+    if not ui.may(c, "respond"):
+        who = ui.me(c)
+        this = f"your role is {who['role']}" if who.get("person") else "this is a read token"
+        st.info(
+            f"Acknowledging, silencing and closing need an admin token or a signed-in "
+            f"operator; {this}."
+        )
         return
-    st.text_input(
-        "Your name",
-        key="actor",
-        help="Recorded as who acknowledged, silenced or closed (the audit log names the token "
-        "too). Empty: the token's name.",
-    )
+    if ui.me(c).get("person"):
+        st.caption(f"Recorded as {ui.me(c)['name']}, as your sign-in names you.")
+    else:
+        st.text_input(
+            "Your name",
+            key="actor",
+            help="Recorded as who acknowledged, silenced or closed (the audit log names the "
+            "token too). Empty: the token's name.",
+        )
     open_alerts = [a for a in c.alerts(limit=500) if a["state"] != "resolved" and not a["acked"]]
     left, right = st.columns(2)
     with left, st.form("ack", clear_on_submit=True, border=True):

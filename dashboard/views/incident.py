@@ -278,8 +278,11 @@ def _case(c: CollectorClient, inc: JSON) -> None:
 
 def _actions(c: CollectorClient, inc: JSON, doc: JSON) -> None:
     st.subheader("Write it down")
-    if ui.token_scope(c) != "admin":
-        st.info("Generating the assessment and the notices needs an admin token.")
+    if not ui.may(c, "report"):
+        st.info(
+            "Generating the assessment and the notices needs an admin token, or a signed-in "
+            "operator or auditor."
+        )
         return
     if st.button("Generate the breach assessment (stored, audited)", key="assess"):
         st.session_state["assessment"] = c.create_breach_report(incident_id=inc["id"])
@@ -348,7 +351,7 @@ def _oncall(c: CollectorClient, inc: JSON) -> None:
             use_container_width=True,
             column_config={"#": st.column_config.LinkColumn(display_text=r"id=(\d+)$")},
         )
-    if ui.token_scope(c) == "admin":
+    if ui.may(c, "respond"):
         _oncall_actions(c, full, alerts)
     st.subheader("Timeline")
     entries = c.incident_timeline(inc["id"])
@@ -399,7 +402,10 @@ def _oncall_actions(c: CollectorClient, inc: JSON, alerts: list[JSON]) -> None:
         return None
 
     ui.show_flash()
-    st.text_input("Your name", key="oncall_by", help="Recorded as who acted. Empty: the token.")
+    if ui.me(c).get("person"):
+        st.caption(f"Recorded as {ui.me(c)['name']}, as your sign-in names you.")
+    else:
+        st.text_input("Your name", key="oncall_by", help="Recorded as who acted. Empty: the token.")
     open_ = inc["state"] == "open"
     left, mid, right = st.columns(3)
     with left, st.form("oncall_ack", border=True):

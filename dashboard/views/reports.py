@@ -341,10 +341,10 @@ def render(c: CollectorClient) -> None:
     scope = ui.require_operator(c, "Reports")
     if scope is None:
         return
-    if scope != "admin":
+    if not ui.may(c, "report"):
         st.info(
-            "Breach reports and stored reviews need an admin token; this read token can build "
-            "a quarterly review on demand.",
+            "Breach reports and stored reviews need an admin token (or a signed-in operator "
+            "or auditor); this read token can build a quarterly review on demand.",
             icon=":material/lock:",
         )
         adhoc_review(c)

@@ -68,9 +68,10 @@ def evidence(c: CollectorClient, items: list[JSON]) -> None:
         ),
         key="evidence_for",
     )
-    if ui.token_scope(c) != "admin":
+    if not ui.may(c, "report"):
         st.info(
-            "**The evidence needs an admin token:** it names the tenants whose keys the "
+            "**The evidence needs an admin token (or a signed-in operator or auditor):** it "
+            "names the tenants whose keys the "
             "verification used.",
             icon=":material/lock:",
         )
