@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -26,16 +27,32 @@ from collector import models as m
 from collector.db import Database
 from engine_probe import events as ev
 from tests import factories as f
+from tests import oidc_world
 from tests.conftest import SCHEDULE_ENDPOINT, SCHEDULE_KEYS, Collector, wait_rollups
+from tests.oidc_provider import OidcProvider
 
 ACME, GLOBEX = "acme", "globex"
 DEP, MODEL, ROUTE = "glm-prod", "glm-5.3", "/v1/chat/completions"
 PROBE = "probe-authz"
 
 # The token kinds every operation is tried with. "read" is an operator's read token (no
-# tenant); "read:acme" and "read:globex" are scoped to one tenant each.
-KINDS = ("none", "wrong", "ingest", "read", "read:acme", "read:globex", "admin")
-TENANT_KINDS = {"read:acme": ACME, "read:globex": GLOBEX}
+# tenant); "read:acme" and "read:globex" are scoped to one tenant each. "operator",
+# "auditor" and "person:acme" are people signed in at a real OIDC provider (their ID tokens),
+# with those roles from their groups (tests/oidc_world.py).
+KINDS = (
+    "none",
+    "wrong",
+    "ingest",
+    "read",
+    "read:acme",
+    "read:globex",
+    "auditor",
+    "person:acme",
+    "operator",
+    "admin",
+)
+TENANT_KINDS = {"read:acme": ACME, "read:globex": GLOBEX, "person:acme": ACME}
+PEOPLE = {"operator": "olive", "auditor": "audrey", "person:acme": "tess"}
 
 # ------------------------------------------------------------------ the expectation table
 
@@ -50,8 +67,12 @@ def _allow(status: int, *kinds: str) -> Expect:
 
 
 PUBLIC: Expect = dict.fromkeys(KINDS, 200)  # no token needed; a bad one is ignored
-READERS = ("read", "read:acme", "read:globex", "admin")  # tenant-scoped reads filter to the tenant
-OPERATORS = ("read", "admin")  # alerts and incidents name tenants: not for a tenant's token
+# tenant-scoped reads filter to the tenant
+READERS = ("read", "read:acme", "read:globex", "auditor", "person:acme", "operator", "admin")
+# alerts and incidents name tenants: not for a tenant's token
+OPERATORS = ("read", "auditor", "operator", "admin")
+RESPONDERS = ("operator", "admin")  # acknowledge, silence, work incidents
+REPORTERS = ("auditor", "operator", "admin")  # reports, notices, evidence, the audit check
 
 EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/events"): _allow(200, "ingest"),
@@ -65,26 +86,26 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("GET", "/v1/probes"): _allow(200, "admin"),
     ("GET", "/v1/alerts"): _allow(200, *OPERATORS),
     ("GET", "/v1/alerts/{alert_id}"): _allow(200, *OPERATORS),
-    ("POST", "/v1/alerts/{alert_id}/ack"): _allow(200, "admin"),
+    ("POST", "/v1/alerts/{alert_id}/ack"): _allow(200, *RESPONDERS),
     ("GET", "/v1/silences"): _allow(200, *OPERATORS),
-    ("POST", "/v1/silences"): _allow(201, "admin"),
-    ("DELETE", "/v1/silences/{silence_id}"): _allow(200, "admin"),
+    ("POST", "/v1/silences"): _allow(201, *RESPONDERS),
+    ("DELETE", "/v1/silences/{silence_id}"): _allow(200, *RESPONDERS),
     # a tenant's token sees the incidents that concern it, its own side only
     ("GET", "/v1/incidents"): _allow(200, *READERS),
     ("GET", "/v1/incidents/{incident_id}"): _allow(200, *READERS),
-    ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/close"): _allow(200, *RESPONDERS),
     # the on-call workflow: operators read the timeline, only admin acts. The matrix runs
     # the operations in the API's order, so the world's incident is closed (by .../close,
     # above) before these: past the token check, admin gets the refusal that acknowledging,
     # owning and linking are for open incidents; a note is taken on a closed one too.
-    ("POST", "/v1/incidents/{incident_id}/ack"): _allow(409, "admin"),
-    ("POST", "/v1/incidents/{incident_id}/owner"): _allow(409, "admin"),
-    ("POST", "/v1/incidents/{incident_id}/notes"): _allow(200, "admin"),
-    ("POST", "/v1/incidents/{incident_id}/links"): _allow(409, "admin"),
-    ("DELETE", "/v1/incidents/{incident_id}/links/{alert_id}"): _allow(409, "admin"),
+    ("POST", "/v1/incidents/{incident_id}/ack"): _allow(409, *RESPONDERS),
+    ("POST", "/v1/incidents/{incident_id}/owner"): _allow(409, *RESPONDERS),
+    ("POST", "/v1/incidents/{incident_id}/notes"): _allow(200, *RESPONDERS),
+    ("POST", "/v1/incidents/{incident_id}/links"): _allow(409, *RESPONDERS),
+    ("DELETE", "/v1/incidents/{incident_id}/links/{alert_id}"): _allow(409, *RESPONDERS),
     ("GET", "/v1/incidents/{incident_id}/timeline"): _allow(200, *OPERATORS),
     ("GET", "/v1/incidents/{incident_id}/assessment"): _allow(200, *OPERATORS),
-    ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, "admin"),
+    ("GET", "/v1/incidents/{incident_id}/notice"): _allow(200, *REPORTERS),
     # the case register names tenants: operators read it, only admin changes it
     ("GET", "/v1/incidents/{incident_id}/case"): _allow(200, *OPERATORS),
     ("POST", "/v1/incidents/{incident_id}/facts"): _allow(200, "admin"),
@@ -99,7 +120,7 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/verification-runs"): _allow(201, "ingest", "admin"),
     ("POST", "/v1/verification-runs/{run_id}/end"): _allow(200, "ingest", "admin"),
     # the evidence names tenants: admin only
-    ("GET", "/v1/verifications/{verification_id}"): _allow(200, "admin"),
+    ("GET", "/v1/verifications/{verification_id}"): _allow(200, *REPORTERS),
     ("GET", "/v1/verify-schedules"): _allow(200, "admin"),
     ("POST", "/v1/verify-schedules"): _allow(201, "admin"),
     ("DELETE", "/v1/verify-schedules/{schedule_id}"): _allow(200, "admin"),
@@ -112,14 +133,14 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("POST", "/v1/tokens"): _allow(201, "admin"),
     ("POST", "/v1/tokens/{ref}/revoke"): _allow(200, "admin"),
     ("POST", "/v1/tokens/{ref}/rotate"): _allow(201, "admin"),
-    ("POST", "/v1/reports"): _allow(201, "admin"),
-    ("GET", "/v1/reports"): _allow(200, "admin"),
-    ("GET", "/v1/reports/{report_id}"): _allow(200, "admin"),
-    ("GET", "/v1/reports/{report_id}/signature"): _allow(200, "admin"),
+    ("POST", "/v1/reports"): _allow(201, *REPORTERS),
+    ("GET", "/v1/reports"): _allow(200, *REPORTERS),
+    ("GET", "/v1/reports/{report_id}"): _allow(200, *REPORTERS),
+    ("GET", "/v1/reports/{report_id}/signature"): _allow(200, *REPORTERS),
     ("GET", "/v1/signing-keys"): _allow(200, *READERS),
     ("GET", "/v1/review"): _allow(200, *OPERATORS),
     ("GET", "/v1/inventory"): _allow(200, *READERS),
-    ("GET", "/v1/audit/verify"): _allow(200, "admin"),
+    ("GET", "/v1/audit/verify"): _allow(200, *REPORTERS),
     ("GET", "/v1/fleet"): _allow(200, *READERS),
     ("GET", "/v1/stats/prompt-tokens"): _allow(200, *READERS),
     ("GET", "/v1/stats/top-prompts"): _allow(200, *READERS),
@@ -223,8 +244,33 @@ def _ok(r: httpx.Response, status: int = 200) -> Any:
     return r.json()
 
 
+@pytest.fixture(scope="module")
+def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OidcProvider]:
+    """A real OIDC provider whose people (operator, auditor, acme's contact) the collector
+    trusts; their ID tokens last the module."""
+    with oidc_world.provider(tmp_path_factory.mktemp("oidc"), id_token_ttl_s=3600) as op:
+        yield op
+
+
 @pytest.fixture
-def world(collector: Collector) -> Iterator[World]:
+def collector(
+    db_url: str, provider: OidcProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Collector]:
+    """conftest's collector, trusting ``provider``'s people too."""
+    monkeypatch.setenv("VERIFY_KEYS_TEST", "acme=k-acme globex=k-globex")
+    with oidc_world.collector(
+        db_url,
+        provider,
+        tmp_path,
+        max_batch_events=1000,
+        max_body_bytes=1024 * 1024,
+        verify_endpoints=["http://127.0.0.1:9"],
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+def world(collector: Collector, provider: OidcProvider) -> Iterator[World]:
     now = datetime.now(UTC)
     tokens: dict[str, str | None] = {
         "none": None,
@@ -235,6 +281,8 @@ def world(collector: Collector) -> Iterator[World]:
         "read:globex": collector.token("read", tenant=GLOBEX),
         "admin": collector.admin,
     }
+    for kind, login in PEOPLE.items():
+        tokens[kind] = str(provider.login(oidc_world.CLIENT_ID, login)["id_token"])
     traffic = _traffic(now)
     with collector.client(collector.ingest) as ingest, collector.client(collector.admin) as admin:
         got = _ok(ingest.post("/v1/events", json=[f.as_json(e) for e in traffic]))
@@ -677,7 +725,8 @@ def test_tokens_are_stored_hashed_only(world: World) -> None:
     finally:
         db.dispose()
     assert hits == [], f"raw token material stored in {hits}"
-    assert len(stored) >= len(raw) - 1  # the wrong one was never created
+    # the wrong one was never created; people's ID tokens are verified, never stored
+    assert len(stored) >= len([t for t in raw if t.startswith("kvw_")]) - 1
     assert all(len(h) == 64 and len(p) <= 16 for h, p in stored)
 
 
@@ -691,9 +740,12 @@ def test_token_creation_and_use_are_in_the_audit_log(world: World) -> None:
             entries = conn.execute(select(m.AuditEntry.action, m.AuditEntry.subject)).all()
     finally:
         db.dispose()
-    # none and wrong are not tokens; the two spares (for revoke and rotate) are never used
+    # none and wrong are not tokens, nor are people; the two spares (for revoke and rotate)
+    # are never used
     spares = set(world.spare_tokens.values())
-    assert len(tokens) == len(KINDS) - 2 + len(spares)
+    assert len(tokens) == len(KINDS) - 2 - len(PEOPLE) + len(spares)
+    people = {s for a, s in entries if a == "person.use"}
+    assert people == {f"person:{login}" for login in PEOPLE.values()}, people
     tokens = [t for t in tokens if t not in spares]
     created = {s for a, s in entries if a == "token.create"}
     assert {f"token:{t}" for t in tokens} <= created  # creation: audited today
