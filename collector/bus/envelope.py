@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -46,7 +46,7 @@ class Envelope:
     def headers(self) -> dict[str, str]:
         return {
             _KIND: self.kind,
-            _PRINCIPAL: json.dumps(asdict(self.principal), separators=(",", ":")),
+            _PRINCIPAL: json.dumps(self.principal.token_fields(), separators=(",", ":")),
             _RECEIVED: str(micros(self.received)),
             _CTYPE: self.content_type,
             _ENCODING: self.content_encoding,
