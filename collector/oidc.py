@@ -30,6 +30,7 @@ roles for two tenants and nothing above them, is refused (403) with the reason.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -53,6 +54,7 @@ from joserfc.jwk import KeySet
 from joserfc.jws import JWSRegistry, extract_compact
 
 from collector.errors import Forbidden, InvalidInput, Unauthorized, Unavailable
+from collector.settings import secure_url
 from collector.timefmt import iso
 from collector.tokens import Grant, Person, Principal, TokenKind
 
@@ -63,8 +65,13 @@ if TYPE_CHECKING:
 ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512")
 _REGISTRY = JWSRegistry(algorithms=list(ALGORITHMS))
 _MAX_TOKEN_BYTES = 16 * 1024
+_MAX_SUBJECT, _MAX_EMAIL = 128, 110  # a person's label fits the audit log's 256 characters
+_MAX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z: past it, no time is written
+
+log = logging.getLogger("kvwatch.oidc")
 
 RoleName = Literal["admin", "operator", "auditor", "tenant"]
+UNMAPPED_PREFIX = "kvwatch:"  # without a role map, the claim values that name roles
 _RANK: dict[str, int] = {"admin": 3, "operator": 2, "auditor": 1}
 _ROLE: dict[str, tuple[TokenKind, frozenset[Grant]]] = {
     "admin": ("admin", frozenset()),
@@ -87,7 +94,8 @@ def parse_role(text: str) -> str:
 @dataclass(frozen=True, slots=True)
 class RoleMap:
     """Claim values to kvwatch roles. Invariant: every value of ``roles`` passed
-    :func:`parse_role`. Empty: a claim value that is itself a role's name is that role."""
+    :func:`parse_role`. Empty: a claim value ``kvwatch:<role>`` is that role (the prefix, so
+    that a group merely named ``admin`` elsewhere grants nothing here)."""
 
     roles: Mapping[str, tuple[str, ...]]
 
@@ -120,10 +128,12 @@ class RoleMap:
         if not self.roles:
             out = []
             for v in values:
+                if not v.startswith(UNMAPPED_PREFIX):
+                    continue  # a group named "admin" elsewhere must not be kvwatch's admin
                 try:
-                    out.append(parse_role(v))
+                    out.append(parse_role(v.removeprefix(UNMAPPED_PREFIX)))
                 except ValueError:
-                    continue  # a group that means nothing to kvwatch
+                    continue
             return out
         return [r for v in values for r in self.roles.get(v, ())]
 
@@ -137,16 +147,26 @@ def _claim(claims: Mapping[str, Any], path: str) -> Any:
     return value
 
 
+def person_label(subject: str, email: str | None) -> str:
+    """How the audit log, acks and the dashboard name a person (within the audit log's 256
+    characters: e-mail and subject are cut to fit)."""
+    return f"{email} (oidc sub {subject})" if email else f"oidc sub {subject}"
+
+
 def principal_for(
     claims: Mapping[str, Any], *, issuer: str, roles_claim: str, role_map: RoleMap
 ) -> Principal:
     """The principal a verified ID token's claims make: pure, so every rule of the mapping
     is testable without a provider."""
-    sub = str(claims["sub"])
-    email = claims.get("email") if isinstance(claims.get("email"), str) else None
+    sub = str(claims["sub"])[:_MAX_SUBJECT]
+    email = claims.get("email")
+    # an address the issuer has not verified may be anyone's: the subject names them alone
+    if not isinstance(email, str) or claims.get("email_verified") is False:
+        email = None
+    email = email[:_MAX_EMAIL] if email else None
     name = claims.get("name") if isinstance(claims.get("name"), str) else None
-    person = Person(subject=sub, email=email, name=name, issuer=issuer)
-    label = f"{email} (oidc sub {sub})" if email else f"oidc sub {sub}"
+    person = Person(subject=sub, email=email, name=name and name[:_MAX_EMAIL], issuer=issuer)
+    label = person_label(sub, email)
     raw = _claim(claims, roles_claim)
     values = [raw] if isinstance(raw, str) else raw if isinstance(raw, list) else []
     values = [v for v in values if isinstance(v, str)]
@@ -175,42 +195,93 @@ def principal_for(
     return Principal(0, "read", tenants[0], None, label, role=f"tenant:{tenants[0]}", person=person)
 
 
-class _Keys:
-    """The issuer's published keys. Invariant: ``keys`` was read at ``read_at`` (monotonic);
-    a refetch for an unknown kid happens at most once per ``refetch_s``."""
+class _IssuerKeys:
+    """The issuer's published keys, read through its discovery document.
 
-    def __init__(self, jwks_uri: str, client: httpx.Client, cache_s: float, refetch_s: float):
-        self.jwks_uri = jwks_uri
+    Invariants: ``keys`` were read at ``read_at`` (monotonic) from ``jwks_uri``; at most one
+    thread reads from the issuer at a time, and no other waits for it (they use the keys at
+    hand, or are answered 503 at once where there are none yet), so a slow or unreachable
+    issuer holds one worker thread, never the collector's pool; a failed read is not tried
+    again for ``backoff_s``; keys past ``cache_s`` keep being used while the issuer cannot
+    be read; a read for an unknown kid happens at most once per ``refetch_s``."""
+
+    def __init__(self, issuer: str, client: httpx.Client, cache_s: float, refetch_s: float) -> None:
+        self.issuer = issuer
         self.client = client
         self.cache_s = cache_s
         self.refetch_s = refetch_s
+        self.backoff_s = max(1.0, min(refetch_s, 10.0))
+        self.jwks_uri: str | None = None
         self.keys: KeySet | None = None
         self.read_at = float("-inf")
-        self._lock = threading.Lock()
+        self.failed_at = float("-inf")
+        self.failure = ""
+        self._reading = threading.Lock()
 
     def current(self) -> KeySet:
-        with self._lock:
-            if self.keys is None or time.monotonic() - self.read_at >= self.cache_s:
-                self._read()
-            assert self.keys is not None
+        now = time.monotonic()
+        if self.keys is not None and now - self.read_at < self.cache_s:
             return self.keys
+        return self._read(now)
 
-    def refresh_for_unknown_kid(self) -> KeySet | None:
-        """Read the keys again unless they were read less than ``refetch_s`` ago; None then."""
-        with self._lock:
-            if time.monotonic() - self.read_at < self.refetch_s:
-                return None
-            self._read()
-            return self.keys
+    def after_unknown_kid(self) -> KeySet | None:
+        """The keys read again, for a kid the ones at hand lack; None where they were read
+        less than ``refetch_s`` ago (a flood of made-up kids must not become a flood of
+        requests to the issuer)."""
+        now = time.monotonic()
+        if now - self.read_at < self.refetch_s:
+            return None
+        before = self.read_at
+        keys = self._read(now)
+        return keys if self.read_at != before else None
 
-    def _read(self) -> None:
+    def _read(self, now: float) -> KeySet:
+        if now - self.failed_at < self.backoff_s:
+            return self._fallback(self.failure)
+        if not self._reading.acquire(blocking=False):
+            return self._fallback("the issuer's keys are being read; try again in a moment")
+        try:
+            self._fetch()
+        except Unavailable as exc:
+            self.failed_at, self.failure = time.monotonic(), exc.message
+            if self.keys is not None:
+                log.warning("keeping the issuer's keys read before: %s", exc.message)
+            return self._fallback(exc.message)
+        finally:
+            self._reading.release()
+        assert self.keys is not None
+        return self.keys
+
+    def _fallback(self, why: str) -> KeySet:
+        if self.keys is None:
+            raise Unavailable(why)
+        return self.keys
+
+    def _fetch(self) -> None:
+        if self.jwks_uri is None:
+            url = self.issuer.rstrip("/") + "/.well-known/openid-configuration"
+            meta = _get_json(self.client, url, "the issuer's discovery document")
+            if not isinstance(meta, dict) or not isinstance(meta.get("jwks_uri"), str):
+                raise Unavailable(f"the discovery document at {url} names no jwks_uri")
+            if meta.get("issuer") != self.issuer:
+                raise Unavailable(
+                    f"the discovery document at {url} names issuer {meta.get('issuer')!r}, "
+                    f"not {self.issuer!r}"
+                )
+            jwks_uri = str(meta["jwks_uri"])
+            if not secure_url(jwks_uri):
+                raise Unavailable(
+                    f"the discovery document at {url} names keys at {jwks_uri!r}: not https "
+                    "(nor loopback)"
+                )
+            self.jwks_uri = jwks_uri
         doc = _get_json(self.client, self.jwks_uri, "the issuer's keys")
         try:
-            self.keys = KeySet.import_key_set(doc)
+            keys = KeySet.import_key_set(doc)
         except (JoseError, ValueError, TypeError, KeyError) as exc:
             msg = f"the issuer's keys at {self.jwks_uri} are not a JWK set: {exc}"
             raise Unavailable(msg) from None
-        self.read_at = time.monotonic()
+        self.keys, self.read_at = keys, time.monotonic()
 
 
 def _get_json(client: httpx.Client, url: str, what: str) -> Any:
@@ -236,6 +307,7 @@ class OidcVerifier:
         *,
         issuer: str,
         audience: str,
+        client_id: str | None = None,
         roles_claim: str = "groups",
         role_map: RoleMap | None = None,
         leeway_s: float = 60.0,
@@ -245,44 +317,27 @@ class OidcVerifier:
     ):
         self.issuer = issuer  # exactly: iss is compared as a string (Auth0's ends in "/")
         self.audience = audience
+        self.client_id = client_id or audience  # whom the tokens' azp must name
         self.roles_claim = roles_claim
         self.role_map = role_map or RoleMap({})
         self.leeway_s = int(leeway_s)
         self._client = httpx.Client(timeout=http_timeout_s, follow_redirects=False)
-        self._cache_s = jwks_cache_s
-        self._refetch_s = jwks_refetch_s
-        self._keys: _Keys | None = None
-        self._lock = threading.Lock()
+        self._keys = _IssuerKeys(issuer, self._client, jwks_cache_s, jwks_refetch_s)
 
     def close(self) -> None:
         self._client.close()
-
-    def _key_set(self) -> _Keys:
-        with self._lock:
-            if self._keys is None:
-                url = self.issuer.rstrip("/") + "/.well-known/openid-configuration"
-                meta = _get_json(self._client, url, "the issuer's discovery document")
-                if not isinstance(meta, dict) or not isinstance(meta.get("jwks_uri"), str):
-                    raise Unavailable(f"the discovery document at {url} names no jwks_uri")
-                if meta.get("issuer") != self.issuer:
-                    raise Unavailable(
-                        f"the discovery document at {url} names issuer "
-                        f"{meta.get('issuer')!r}, not {self.issuer!r}"
-                    )
-                self._keys = _Keys(meta["jwks_uri"], self._client, self._cache_s, self._refetch_s)
-            return self._keys
 
     def verify(self, token: str) -> Principal:
         """The principal of a valid ID token; :class:`Unauthorized` naming what is wrong,
         :class:`Forbidden` for a valid token of a person without a role."""
         if len(token) > _MAX_TOKEN_BYTES:
-            raise Unauthorized("the sign-in token is too large")
-        keys = self._key_set()
+            raise Unauthorized("the sign-in token is too large", {"reason": "malformed"})
+        _check_shape(token)  # before anything reaches the issuer
         try:
             try:
-                decoded = jwt.decode(token, keys.current(), registry=_REGISTRY)
+                decoded = jwt.decode(token, self._keys.current(), registry=_REGISTRY)
             except InvalidKeyIdError:
-                fresh = keys.refresh_for_unknown_kid()
+                fresh = self._keys.after_unknown_kid()
                 if fresh is None:
                     raise
                 decoded = jwt.decode(token, fresh, registry=_REGISTRY)
@@ -308,40 +363,63 @@ class OidcVerifier:
                 {"reason": "algorithm"},
             ) from None
         claims = decoded.claims
+        self._check_claims(claims)
+        principal = principal_for(
+            claims, issuer=self.issuer, roles_claim=self.roles_claim, role_map=self.role_map
+        )
+        return _with_expiry(principal, claims["exp"])
+
+    def _check_claims(self, claims: dict[str, Any]) -> None:
+        """iss, sub, aud (and azp), exp, nbf and iat, as OIDC Core 3.1.3.7 asks of a
+        client: a 401 naming the first that is wrong."""
+        exp = claims.get("exp")
+        if not isinstance(exp, int | float) or isinstance(exp, bool) or not 0 < exp < _MAX_TIME:
+            raise Unauthorized("the sign-in token has no usable exp", {"reason": "missing_claim"})
         registry = jwt.JWTClaimsRegistry(
             leeway=self.leeway_s,
             iss={"essential": True, "value": self.issuer},
             sub={"essential": True},
-            exp={"essential": True},
         )
         try:
             registry.validate(claims)
         except ExpiredTokenError:
             raise Unauthorized(
-                f"the sign-in token expired at {_when(claims.get('exp'))}: sign in again",
+                f"the sign-in token expired at {_when(exp)}: sign in again",
                 {"reason": "expired"},
             ) from None
         except MissingClaimError as exc:
             raise Unauthorized(
-                f"the sign-in token has no {exc.description or exc.error}",
-                {"reason": "missing_claim"},
+                f"the sign-in token has no {exc.claim!r} claim", {"reason": "missing_claim"}
             ) from None
         except InvalidClaimError as exc:
-            if "iss" in str(exc):
+            if exc.claim == "iss":
                 raise Unauthorized(
                     f"the sign-in token was issued by {claims.get('iss')!r}; this collector "
                     f"trusts {self.issuer!r}",
                     {"reason": "issuer"},
                 ) from None
+            if exc.claim in ("nbf", "iat"):
+                raise Unauthorized(
+                    f"the sign-in token is not valid yet (its {exc.claim} is ahead of this "
+                    "clock by more than the allowed skew)",
+                    {"reason": "invalid_claim"},
+                ) from None
             raise Unauthorized(
-                f"the sign-in token is not valid yet or badly formed ({exc.description})",
+                f"the sign-in token's {exc.claim!r} claim is not valid",
                 {"reason": "invalid_claim"},
             ) from None
-        except JoseError as exc:
+        except JoseError as exc:  # any other claim joserfc refuses
             raise Unauthorized(
                 f"the sign-in token is refused: {exc.description or exc.error}",
                 {"reason": "invalid_claim"},
             ) from None
+        # the skew bounds a token from a clock ahead of ours; an expiry stands as the issuer
+        # set it, so a session ends when its ID token does
+        if exp <= time.time():
+            raise Unauthorized(
+                f"the sign-in token expired at {_when(exp)}: sign in again",
+                {"reason": "expired"},
+            )
         aud = claims.get("aud")
         auds = [aud] if isinstance(aud, str) else aud if isinstance(aud, list) else []
         if self.audience not in auds:
@@ -350,11 +428,14 @@ class OidcVerifier:
                 f"{self.audience!r}",
                 {"reason": "audience"},
             )
-        principal = principal_for(
-            claims, issuer=self.issuer, roles_claim=self.roles_claim, role_map=self.role_map
-        )
-        exp = claims.get("exp")
-        return _with_expiry(principal, exp)
+        azp = claims.get("azp")
+        if (azp is not None and azp != self.client_id) or (len(auds) > 1 and azp is None):
+            raise Unauthorized(
+                f"the sign-in token was issued to client {azp!r}, not {self.client_id!r} (azp)",
+                {"reason": "audience"},
+            )
+        if "events" in claims:  # a back-channel logout token names the client too
+            raise Unauthorized("a logout token is not an ID token", {"reason": "not_an_id_token"})
 
 
 def _with_expiry(p: Principal, exp: Any) -> Principal:
@@ -372,6 +453,27 @@ def _with_expiry(p: Principal, exp: Any) -> Principal:
         grants=p.grants,
         person=p.person,
     )
+
+
+def _check_shape(token: str) -> None:
+    """A compact JWS of an accepted algorithm, or a 401 saying what it is not."""
+    try:
+        header = extract_compact(token.encode()).protected
+    except (JoseError, ValueError, TypeError) as exc:
+        raise Unauthorized(
+            f"the sign-in token is not a signed JWT: {exc}", {"reason": "malformed"}
+        ) from None
+    alg = header.get("alg")
+    if alg not in ALGORITHMS:
+        raise Unauthorized(
+            f"the sign-in token is signed with {alg!r}, not an accepted algorithm "
+            f"(accepted algorithms: {', '.join(ALGORITHMS)})",
+            {"reason": "algorithm"},
+        )
+    if header.get("typ") in ("logout+jwt", "at+jwt"):
+        raise Unauthorized(
+            f"a {header['typ']} token is not an ID token", {"reason": "not_an_id_token"}
+        )
 
 
 def _kid(token: str) -> str | None:
@@ -396,6 +498,7 @@ def build_verifier(settings: Settings) -> OidcVerifier | None:
     return OidcVerifier(
         issuer=settings.oidc_issuer,
         audience=audience,
+        client_id=settings.oidc_client_id,
         roles_claim=settings.oidc_roles_claim,
         role_map=RoleMap.load(settings.oidc_role_map),
         leeway_s=settings.oidc_clock_skew_s,

@@ -63,6 +63,15 @@ class ScrapeTarget(BaseModel):
 _INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
+def secure_url(url: str) -> bool:
+    """https, or http to this machine only (a test identity provider): signing keys read in
+    the clear from elsewhere could be anyone's."""
+    parts = urlsplit(url)
+    if parts.scheme == "https":
+        return bool(parts.hostname)
+    return parts.scheme == "http" and parts.hostname in {"127.0.0.1", "localhost", "::1"}
+
+
 def _entry(index: object, url: object) -> str:
     """How a message names an entry of the setting: its index and the server it points at,
     as scheme, host and port only (credentials, a path or a query may hold secrets)."""
@@ -528,13 +537,14 @@ class Settings(BaseSettings):
     oidc_role_map: Path | None = Field(
         default=None,
         description="YAML file mapping claim values to kvwatch roles (admin, operator, "
-        "auditor, tenant:<name>); unset: a claim value that is a role's name is that role.",
+        "auditor, tenant:<name>); unset: a claim value kvwatch:<role> is that role.",
     )
     oidc_clock_skew_s: float = Field(
         default=60.0,
         ge=0,
         le=300,
-        description="Clock skew allowed when checking a token's exp, nbf and iat.",
+        description="How far a token's nbf and iat may be ahead of this clock (its exp "
+        "stands as the issuer set it).",
     )
     oidc_jwks_cache_s: float = Field(
         default=3600.0,
@@ -650,8 +660,11 @@ class Settings(BaseSettings):
     @field_validator("oidc_issuer")
     @classmethod
     def _oidc_issuer(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError("must be the issuer's URL, starting with https:// (or http://)")
+        if v is not None and not secure_url(v):
+            raise ValueError(
+                "must be the issuer's https:// URL (http:// only to this machine: keys read "
+                "in the clear from elsewhere could be anyone's)"
+            )
         return v
 
     @model_validator(mode="after")

@@ -112,6 +112,20 @@ class Principal:
             return self.label
         return claimed or self.label
 
+    def token_fields(self) -> dict[str, Any]:
+        """The token's own fields, JSON-ready, from which ``Principal(**fields)`` rebuilds
+        it (the ingest bus carries them to its writers); a signed-in person's role and
+        identity do not travel."""
+        return {
+            "token_id": self.token_id,
+            "kind": self.kind,
+            "tenant": self.tenant,
+            "deployment_id": self.deployment_id,
+            "label": self.label,
+            "lineage_id": self.lineage_id,
+            "expires_at_us": self.expires_at_us,
+        }
+
     def may(self) -> list[str]:
         """What the caller may do, as ``GET /v1/whoami`` says and the dashboard shows."""
         if self.kind == "admin":
@@ -503,12 +517,14 @@ def audit_person(conn: Connection, principal: Principal, *, session: str) -> Non
 
 def audit_refusal(conn: Connection, refused: Forbidden, session: str) -> None:
     """``person.refused``: a person the identity provider signed in, whom no role lets in."""
+    from collector.oidc import person_label
+
     d = refused.details if isinstance(refused.details, dict) else {}
-    sub, email = d.get("subject"), d.get("email")
+    sub, email = str(d.get("subject")), d.get("email")
     audit.append(
         conn,
         now_us=now_micros(),
-        actor=f"{email} (oidc sub {sub})" if email else f"oidc sub {sub}",
+        actor=person_label(sub, email),
         action="person.refused",
         subject=f"person:{sub}",
         detail={"subject": sub, "email": email, "reason": refused.message, "session": session},
@@ -611,8 +627,8 @@ class Authenticator:
         try:
             with self.db.write() as conn:
                 write(conn, session)
-        except CollectorError as exc:
-            log.warning("sign-in not audited: %s", exc.message)
+        except Exception as exc:
+            log.warning("sign-in not audited: %s", getattr(exc, "message", exc))
             return
         if len(self._sessions) >= self.max_entries:
             self._sessions.clear()

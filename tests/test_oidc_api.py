@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from joserfc import jwt
 from joserfc.jwk import RSAKey
 
 from collector.errors import Forbidden, InvalidInput
@@ -121,11 +122,11 @@ def test_a_person_without_a_role_is_refused_and_named(c: Collector, op: OidcProv
         assert err["details"]["reason"] == "no_role", err
         assert "has no kvwatch role" in err["message"] and "'groups' claim" in err["message"]
     refused = [r for r in w.audit_rows(c.db_url) if r["action"] == "person.refused"]
-    assert [r["detail"]["email"] for r in refused] == [
-        "nemo@operator.test",
-        "stranger@unknown.test",
-    ]
-    assert refused[0]["actor"] == "nemo@operator.test (oidc sub nemo)"
+    # the provider has not verified the stranger's address: the subject alone names them
+    assert [r["actor"] for r in refused] == [
+        "nemo@operator.test (oidc sub nemo)",
+        "oidc sub stranger",
+    ], refused
 
 
 @pytest.mark.parametrize(
@@ -139,6 +140,7 @@ def test_a_person_without_a_role_is_refused_and_named(c: Collector, op: OidcProv
         ("hmac_with_public_key", "algorithm", "accepted algorithms"),
         ("no_subject", "missing_claim", "has no"),
         ("not_yet_valid", "invalid_claim", "not valid yet"),
+        ("issued_in_the_future", "invalid_claim", "not valid yet"),
         ("bad_signature", "bad_signature", "does not verify"),
     ],
 )
@@ -161,6 +163,7 @@ def test_bad_tokens_are_refused_with_the_reason(
         "hmac_with_public_key": lambda: _hs256(good, op.signing_key),
         "no_subject": lambda: op.sign({k: v for k, v in good.items() if k != "sub"}),
         "not_yet_valid": lambda: op.sign({**good, "nbf": now + 900}),
+        "issued_in_the_future": lambda: op.sign({**good, "iat": now + 900}),
         "bad_signature": lambda: _tamper(op.sign(good)),
     }[case]()
     r = _get(c, token, "/v1/whoami")
@@ -189,10 +192,55 @@ def _tamper(token: str) -> str:
     return ".".join((head, body, flipped))
 
 
-def test_clock_skew_is_bounded(c: Collector, op: OidcProvider) -> None:
+def test_clock_skew_is_bounded_and_expiry_is_not_stretched(c: Collector, op: OidcProvider) -> None:
     now = int(time.time())
-    just = op.sign(op.id_token_claims("olive", w.CLIENT_ID) | {"iat": now - 600, "exp": now - 20})
-    assert _get(c, just, "/v1/whoami").status_code == 200  # 20 s late: within 60 s of skew
+    claims = op.id_token_claims("olive", w.CLIENT_ID)
+    # the issuer's clock 30 s ahead of ours: within the 60 s allowed
+    ahead = op.sign(claims | {"iat": now + 30, "nbf": now + 30})
+    assert _get(c, ahead, "/v1/whoami").status_code == 200
+    # an expiry stands as the issuer set it: 5 s late is late
+    late = op.sign(claims | {"iat": now - 600, "exp": now - 5})
+    r = _get(c, late, "/v1/whoami")
+    assert r.status_code == 401 and r.json()["error"]["details"]["reason"] == "expired", r.text
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        # issued to another client that named this one too (OIDC Core 3.1.3.7: azp)
+        ({"aud": ["another-app", w.CLIENT_ID], "azp": "another-app"}, "audience"),
+        ({"aud": ["another-app", w.CLIENT_ID]}, "audience"),
+        # other JWTs the issuer signs for this client are not ID tokens
+        ({"events": {"http://schemas.openid.net/event/backchannel-logout": {}}}, "not_an_id_token"),
+        ({"exp": 10**13}, "missing_claim"),
+        ({"exp": "tomorrow"}, "missing_claim"),
+    ],
+)
+def test_tokens_that_are_not_this_clients_id_tokens_are_refused(
+    c: Collector, op: OidcProvider, change: dict[str, Any], reason: str
+) -> None:
+    token = op.sign(op.id_token_claims("olive", w.CLIENT_ID) | change)
+    r = _get(c, token, "/v1/whoami")
+    assert r.status_code == 401 and r.json()["error"]["details"]["reason"] == reason, r.text
+
+
+def test_an_access_token_typed_jwt_is_not_an_id_token(c: Collector, op: OidcProvider) -> None:
+    token = op.sign(op.id_token_claims("olive", w.CLIENT_ID), header_extra={"typ": "at+jwt"})
+    r = _get(c, token, "/v1/whoami")
+    assert r.status_code == 401 and r.json()["error"]["details"]["reason"] == "not_an_id_token"
+
+
+def test_an_unverified_or_huge_email_does_not_name_the_person(
+    c: Collector, op: OidcProvider
+) -> None:
+    claims = op.id_token_claims("olive", w.CLIENT_ID)
+    unverified = op.sign(claims | {"email": "ceo@operator.test", "email_verified": False})
+    assert _get(c, unverified, "/v1/whoami").json()["name"] == "oidc sub olive"
+    huge = op.sign(claims | {"email": "e" * 5000 + "@operator.test", "sub": "s" * 5000})
+    r = _get(c, huge, "/v1/whoami")
+    assert r.status_code == 200 and len(r.json()["name"]) <= 256, r.text
+    uses = [r for r in w.audit_rows(c.db_url) if r["action"] == "person.use"]
+    assert len(uses) == 2 and all(len(u["actor"]) <= 256 for u in uses)
 
 
 def test_a_rotated_signing_key_is_picked_up(c: Collector, op: OidcProvider) -> None:
@@ -274,9 +322,9 @@ def test_the_role_map_gives_the_strongest_role_and_one_tenant(tmp_path: Path) ->
         role(["acme-sec", "globex-sec"])
     with pytest.raises(Forbidden, match="no kvwatch role"):
         role(["admin"])  # with a map, only the map's groups count
-    # without a map, a claim value that is a role's name is that role
+    # without a map, kvwatch:<role> is that role; a group merely named "admin" is nothing
     bare = principal_for(
-        {"sub": "p", "roles": ["x", "tenant:acme"]}, issuer="i", roles_claim="roles",
+        {"sub": "p", "roles": ["admin", "kvwatch:tenant:acme"]}, issuer="i", roles_claim="roles",
         role_map=RoleMap({}),
     )  # fmt: skip
     assert bare.role == "tenant:acme" and bare.tenant == "acme"
@@ -329,3 +377,86 @@ def test_serve_refuses_bad_sign_in_settings_in_one_line(
     assert r.exit_code == 2, r.output
     assert words.format(map=path) in " ".join(r.output.split()), r.output
     assert "Traceback" not in r.output
+
+
+def test_a_silent_issuer_holds_one_request_not_the_collector(tmp_path: Path) -> None:
+    """While one request waits for an issuer that accepts and never answers, every other
+    sign-in is answered 503 at once (it would otherwise queue behind it, holding the
+    collector's worker threads), and a token not even shaped as a JWT never reaches it."""
+    import socket
+    import threading
+
+    from collector.errors import Unauthorized, Unavailable
+    from collector.oidc import OidcVerifier
+    from tests.oidc_provider import unsigned
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    accepted = threading.Event()
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = silent.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            accepted.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    verifier = OidcVerifier(issuer=f"http://127.0.0.1:{port}", audience="dash", http_timeout_s=30)
+    key = RSAKey.generate_key(2048, parameters={"kid": "k"}, private=True)
+    token = jwt.encode({"alg": "RS256", "kid": "k"}, {"sub": "x"}, key)
+    with pytest.raises(Unauthorized, match="not a signed JWT"):
+        verifier.verify("a.b.c")
+    with pytest.raises(Unauthorized, match="accepted algorithms"):
+        verifier.verify(unsigned({"sub": "x"}))
+    assert not accepted.is_set()  # neither reached the issuer
+
+    first: list[BaseException] = []
+
+    def wait_for_the_issuer() -> None:
+        try:
+            verifier.verify(token)
+        except Unavailable as exc:
+            first.append(exc)
+
+    waiting = threading.Thread(target=wait_for_the_issuer)
+    waiting.start()
+    assert accepted.wait(30)
+    for _ in range(5):
+        with pytest.raises(Unavailable, match="being read"):
+            verifier.verify(token)
+    assert len(conns) == 1
+    silent.close()
+    for conn in conns:
+        conn.close()  # the waiting read fails now
+    waiting.join(60)
+    assert first and "discovery document" in str(first[0])
+    verifier.close()
+
+
+def test_keys_past_their_cache_time_serve_while_the_issuer_is_down(
+    db_url: str, tmp_path: Path
+) -> None:
+    with w.provider(tmp_path) as op:
+        token = _id_token(op, "olive")
+        with w.collector(db_url, op, tmp_path, oidc_jwks_cache_s=0.5) as col:
+            assert _get(col, token, "/v1/whoami").status_code == 200
+            op.stop()
+            time.sleep(1)  # the keys' cache time has passed
+            r = _get(col, token, "/v1/whoami")
+            assert r.status_code == 200, r.text
+
+
+def test_an_issuer_over_plain_http_elsewhere_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from collector.settings import Settings
+
+    with pytest.raises(ValidationError, match="https://"):
+        Settings(oidc_issuer="http://idp.example.com", oidc_client_id="dash")
+    assert Settings(oidc_issuer="http://127.0.0.1:8960", oidc_client_id="dash").oidc_issuer

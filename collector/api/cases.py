@@ -103,7 +103,7 @@ def build_router(db: Database, settings: Settings) -> caller.APIRouter:
             body.field,
             at,
             why=body.why,
-            by=body.by or who.label,
+            by=who.acting_as(body.by),
             now=datetime.now(UTC),
         )
 
@@ -122,7 +122,7 @@ def build_router(db: Database, settings: Settings) -> caller.APIRouter:
                 status=body.status,
                 what=body.what,
                 why=body.why,
-                by=body.by or who.label,
+                by=who.acting_as(body.by),
                 now=datetime.now(UTC),
                 supersedes=body.supersedes,
             )
@@ -139,7 +139,7 @@ def build_router(db: Database, settings: Settings) -> caller.APIRouter:
         who.require("admin")
         p = await in_thread(
             lambda: notifications.prepare(
-                incident_id, body.party, by=body.by or who.label, now=datetime.now(UTC)
+                incident_id, body.party, by=who.acting_as(body.by), now=datetime.now(UTC)
             )
         )
         return {**asdict(p.notification), "notice": p.notice}
@@ -159,7 +159,7 @@ def build_router(db: Database, settings: Settings) -> caller.APIRouter:
             n = notifications.step(
                 body.notice_id,
                 body.step,
-                by=body.by or who.label,
+                by=who.acting_as(body.by),
                 now=datetime.now(UTC),
                 channel=body.channel,
             )
