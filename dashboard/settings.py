@@ -99,6 +99,12 @@ class DashboardSettings(BaseSettings):
             return self
         if self.oidc_client_id is None:
             raise ValueError("KVWATCH_OIDC_ISSUER is set without KVWATCH_OIDC_CLIENT_ID")
+        if self.oidc_redirect_uri is None and self.dashboard_host in ("0.0.0.0", "::", ""):
+            raise ValueError(
+                f"KVWATCH_DASHBOARD_HOST is {self.dashboard_host!r}, which no browser can be "
+                "sent back to: set KVWATCH_OIDC_REDIRECT_URI to the dashboard's address "
+                "(http(s)://host:port/oauth2callback)"
+            )
         if self.dashboard_token is not None:
             # the shared token would let in whoever reaches the page, signed in or not
             raise ValueError(

@@ -135,8 +135,9 @@ def show_error(exc: DashboardError) -> None:
             icon=":material/cloud_off:",
         )
     elif isinstance(exc, TokenRejected) and exc.forbidden:
+        whom = "your role" if settings().oidc else "this token"
         st.warning(
-            f"**Not available to this token.** The collector said: {exc.message}.",
+            f"**Not available to {whom}.** The collector said: {exc.message}.",
             icon=":material/lock:",
         )
     elif isinstance(exc, TokenRejected) and settings().oidc:
@@ -169,6 +170,13 @@ def guarded(render: Callable[[CollectorClient], None], *, quiet: bool = False) -
 def require_operator(c: CollectorClient, what: str, *, admin: bool = False) -> Scope | None:
     """The token's scope if it may see ``what``; else say why not and return None."""
     scope = token_scope(c)
+    if scope == "tenant" and me(c).get("person"):
+        st.info(
+            f"**{what} are not available to your role ({me(c)['role']}).** They name every "
+            "tenant and deployment; ask the service's operator.",
+            icon=":material/lock:",
+        )
+        return None
     if scope == "tenant":
         st.info(
             f"**{what} are not available to a tenant-scoped token.** They name every tenant "

@@ -165,12 +165,15 @@ def write_auth_secrets(settings: DashboardSettings, into: Path) -> Path:
     kwargs = {"scope": settings.oidc_scopes}
     if settings.oidc_prompt.strip() and settings.oidc_prompt.strip() != "none":
         kwargs["prompt"] = settings.oidc_prompt.strip()
-    q = json.dumps  # a TOML basic string takes JSON's escapes
+
+    def q(text: str) -> str:  # a TOML basic string takes JSON's escapes, but no surrogates
+        return json.dumps(text, ensure_ascii=False)
+
     lines = [
         "[auth]",
         f"redirect_uri = {q(settings.redirect_uri)}",
         f"cookie_secret = {q(cookie)}",
-        f"client_id = {q(settings.oidc_client_id)}",
+        f"client_id = {q(settings.oidc_client_id or '')}",
         f"client_secret = {q(client_secret)}",
         f"server_metadata_url = {q(metadata)}",
         'expose_tokens = ["id"]',

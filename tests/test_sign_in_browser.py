@@ -231,7 +231,7 @@ def test_a_tenant_contact_sees_only_their_incident(
     page.screenshot(path=str(shots / "sign-in-tenant-incident.png"), full_page=True)
     assert "globex" not in main.inner_text().lower()
     page.goto(site.dashboard + "/alerts")
-    expect(page.get_by_text("not available to a tenant-scoped token")).to_be_visible()
+    expect(page.get_by_text("not available to your role (tenant:acme)")).to_be_visible()
     rows = w.audit_rows(site.collector.db_url)
     assert any(
         r["action"] == "person.use" and r["detail"]["role"] == "tenant:acme" for r in rows
