@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,8 +41,9 @@ pytestmark = [
     pytest.mark.timeout(1800),
 ]
 
-#: every port a block names, as written (the bus example's NATS nodes: 4301 and the two after)
-PORTS = (8700, 8710, 8000, 8001, 8780, 8781, 8501, 4301, 4302, 4303)
+#: every port a block names, as written (the bus example's NATS nodes: 4301 and the two after;
+#: sign-in.md's test identity provider and its collector: 8960, 8962)
+PORTS = (8700, 8710, 8000, 8001, 8780, 8781, 8501, 4301, 4302, 4303, 8960, 8962)
 SESSION_TIMEOUT_S = 1500
 
 
@@ -72,6 +74,13 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     # a checkout's: the Prometheus rules, and what the probe's wheel is built from
     for part in ("deploy", "probe", "engine_probe"):
         (cwd / part).symlink_to(ROOT / part)
+    # the test identity provider sign-in.md starts: a copy, so the page's `npm ci` installs
+    # into the session's checkout, never under a test that runs the provider meanwhile
+    shutil.copytree(
+        ROOT / "tests" / "oidc",
+        cwd / "tests" / "oidc",
+        ignore=shutil.ignore_patterns("node_modules"),
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVWATCH_", "OTEL_"))}
     # OMP_NUM_THREADS: one torch thread for the demo's and the pages' reference engines
     # (tiny tensors; beside another test worker on 2 cores a second thread only spins)
@@ -129,7 +138,9 @@ def test_the_session_runs_top_to_bottom_and_leaves_nothing_untracked(
         text=True,
         check=False,
     ).stdout.splitlines()  # one path a line: a name may hold spaces
-    left = sorted(set(written) - set(ignored))
+    # the checkout's own files the session was given a copy of (the test identity provider)
+    copied = {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "oidc").iterdir() if p.is_file()}
+    left = sorted(set(written) - set(ignored) - copied)
     assert not left, f"the session left files `git status` would show: {left}"
 
 

@@ -8,7 +8,8 @@
 //                          ...any other client metadata oidc-provider accepts}]
 //   users                {login: {email, name, groups: [...]}}; any other login may sign in
 //                        too, as an account with email <login>@unknown.test and no groups
-//   jwks                 {keys: [private JWKs]}; the first key of an algorithm signs with it
+//   jwks                 {keys: [private JWKs]}; the first key of an algorithm signs with it;
+//                        absent, a new RSA key is made for the run
 //   id_token_ttl_s       lifetime of ID tokens (seconds)
 //   access_token_ttl_s   lifetime of access tokens (seconds)
 //
@@ -17,6 +18,7 @@
 // appear as well). Warnings and errors go to stderr. SIGTERM/SIGINT: close and exit 0.
 
 import { randomBytes } from 'node:crypto';
+import { generateKeyPairSync } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 
@@ -92,6 +94,12 @@ async function loadExistingGrant(ctx) {
   return grant;
 }
 
+// no keys given (the docs' example): one RSA key for this run only
+function newSigningKey() {
+  const { privateKey } = generateKeyPairSync('rsa', { modulusLength: 2048 });
+  return { ...privateKey.export({ format: 'jwk' }), kid: `run-${Date.now()}`, use: 'sig', alg: 'RS256' };
+}
+
 const clients = (config.clients ?? []).map((client) => ({
   response_types: ['code'],
   grant_types: ['authorization_code'],
@@ -102,7 +110,7 @@ const clients = (config.clients ?? []).map((client) => ({
 
 const provider = new Provider(config.issuer, {
   clients,
-  jwks: config.jwks,
+  jwks: config.jwks ?? { keys: [newSigningKey()] },
   findAccount,
   loadExistingGrant,
   // email and groups go into the ID token itself, not only into /userinfo
