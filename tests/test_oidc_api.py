@@ -460,3 +460,17 @@ def test_an_issuer_over_plain_http_elsewhere_is_refused() -> None:
     with pytest.raises(ValidationError, match="https://"):
         Settings(oidc_issuer="http://idp.example.com", oidc_client_id="dash")
     assert Settings(oidc_issuer="http://127.0.0.1:8960", oidc_client_id="dash").oidc_issuer
+
+
+def test_a_person_removed_from_the_group_loses_the_role_at_the_next_sign_in(
+    c: Collector, op: OidcProvider
+) -> None:
+    """The documented bound: the ID token already issued keeps its role until it expires;
+    the next sign-in reads the groups afresh."""
+    before = _id_token(op, "olive")
+    op.users["olive"] = {**op.users["olive"], "groups": []}  # the IdP's admin removes her
+    op.rotate()  # the provider restarted with its new directory
+    after = _id_token(op, "olive")
+    assert _get(c, before, "/v1/whoami").json()["role"] == "operator"
+    r = _get(c, after, "/v1/whoami")
+    assert r.status_code == 403 and r.json()["error"]["details"]["reason"] == "no_role", r.text
