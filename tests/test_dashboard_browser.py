@@ -24,27 +24,18 @@ import pytest
 
 from kvwatch.embedded import free_port
 from tests import dashboard_helpers as h
+from tests.browser import CHROMIUM, chromium, page_of
 
-CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
     pytest.skip(
         "Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)",
         allow_module_level=True,
     )
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, expect
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 TIMEOUT_MS = 30_000
 expect.set_options(timeout=TIMEOUT_MS)
 
@@ -166,19 +157,14 @@ def dashboards(seeded: h.Seeded, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    ctx = browser.new_context(viewport={"width": 1440, "height": 1800}, accept_downloads=True)
-    pg = ctx.new_page()
-    pg.set_default_timeout(TIMEOUT_MS)
-    yield pg
-    ctx.close()
+    with page_of(browser, TIMEOUT_MS) as pg:
+        yield pg
 
 
 def visit(page: Page, url: str, *texts: str, cells: tuple[str, ...] = (), charts: int = 0) -> None:

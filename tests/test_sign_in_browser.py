@@ -26,21 +26,20 @@ import pytest
 
 from kvwatch.embedded import free_port
 from tests import oidc_world as w
+from tests.browser import CHROMIUM, chromium, page_of
 from tests.conftest import Collector
 from tests.oidc_provider import OidcProvider
 
-CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists() or shutil.which("node") is None:
     pytest.skip(
         "needs Debian's chromium at /usr/bin/chromium and Node.js (.ci/run installs both)",
         allow_module_level=True,
     )
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, expect
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 TIMEOUT_MS = 30_000
 expect.set_options(timeout=TIMEOUT_MS)
 SHORT_TTL_S = 20  # the ID tokens of the expiry test's provider
@@ -133,19 +132,14 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Site]]
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS, headless=True)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
-    ctx = browser.new_context(viewport={"width": 1440, "height": 1400})
-    pg = ctx.new_page()
-    pg.set_default_timeout(TIMEOUT_MS)
-    yield pg
-    ctx.close()
+    with page_of(browser, TIMEOUT_MS, height=1400) as pg:
+        yield pg
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +149,12 @@ def shots() -> Path:
     return out
 
 
-def sign_in(page: Page, site: Site, login: str, path: str = "/") -> None:
-    """Open the dashboard, press Sign in, and sign in at the provider's own login form."""
-    page.goto(site.dashboard + path)
-    page.get_by_role("button", name="Sign in").click()
+def sign_in(page: Page, site: Site, login: str, *, button: str = "Sign in") -> None:
+    """Press the dashboard's ``button`` (opening the dashboard first for the first sign-in)
+    and sign in at the provider's own login form."""
+    if button == "Sign in":
+        page.goto(site.dashboard)
+    page.get_by_role("button", name=button).click()
     page.wait_for_url(f"{site.op.issuer}/**")
     page.locator("input[name=login]").fill(login)
     page.locator("input[name=password]").fill("any password")
@@ -280,10 +276,5 @@ def test_a_session_ends_when_the_id_token_expires(
     expect(page.get_by_text("Your sign-in has ended")).to_be_visible()
     expect(page.get_by_text("Signed in as")).to_have_count(0)
     page.screenshot(path=str(shots / "sign-in-expired.png"), full_page=True)
-    page.get_by_role("button", name="Sign in again").click()  # the role is read afresh
-    page.wait_for_url(f"{site.op.issuer}/**")
-    page.locator("input[name=login]").fill("olive")
-    page.locator("input[name=password]").fill("any password")
-    page.locator("button[type=submit]").click()
-    page.wait_for_url(f"{site.dashboard}/**")
+    sign_in(page, site, "olive", button="Sign in again")  # the role is read afresh
     expect(page.get_by_text("Signed in as olive@operator.test")).to_be_visible()
