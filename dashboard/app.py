@@ -60,9 +60,7 @@ def sidebar() -> None:
     with st.sidebar:
         st.markdown("### kvwatch")
         st.caption(f"Collector: `{settings.collector_url}`")
-        if settings.oidc:
-            signin.sign_out_button()
-        elif settings.token is None:
+        if settings.token is None and not settings.oidc:
             st.text_input(
                 "Token",
                 type="password",
@@ -72,6 +70,8 @@ def sidebar() -> None:
         scope = _scope_caption()
         if scope:
             st.caption(scope)
+        if settings.oidc:
+            signin.sign_out_button()
         st.selectbox("Time window", list(ui.WINDOWS), index=2, key="window")
         st.toggle(
             "Zoom charts to the data",

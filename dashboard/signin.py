@@ -72,7 +72,7 @@ def ended(why: str) -> None:
     is read afresh from the issuer) or out."""
     st.title("kvwatch")
     st.warning(f"**Your sign-in has ended.** {why}", icon=":material/lock_clock:")
-    left, right = st.columns(2)
+    left, right, _ = st.columns([1, 1, 4])  # side by side, not half a page apart
     left.button("Sign in again", icon=":material/login:", type="primary", on_click=st.login)
     right.button("Sign out", icon=":material/logout:", on_click=st.logout)
     st.stop()
