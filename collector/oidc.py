@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
@@ -70,7 +70,6 @@ _MAX_TIME = 253_402_300_799  # 9999-12-31T23:59:59Z: past it, no time is written
 
 log = logging.getLogger("kvwatch.oidc")
 
-RoleName = Literal["admin", "operator", "auditor", "tenant"]
 UNMAPPED_PREFIX = "kvwatch:"  # without a role map, the claim values that name roles
 _RANK: dict[str, int] = {"admin": 3, "operator": 2, "auditor": 1}
 _ROLE: dict[str, tuple[TokenKind, frozenset[Grant]]] = {

@@ -582,17 +582,22 @@ class Authenticator:
             if hit is not None and now < hit[0] + self.grace_s and not _expired(hit[1]):
                 return hit[1]
             raise
-        if len(self._cache) >= self.max_entries:
-            self._cache.clear()
         assert authorization is not None  # authenticate() refused a missing header
-        until = now + self.ttl_s
-        if principal.expires_at_us is not None:  # never remembered past its expiry
-            until = min(until, now + (principal.expires_at_us - now_micros()) / 1e6)
-        self._cache[authorization] = (until, principal)
+        self._remember(authorization, principal, now)
         last = self._audited.get(principal.token_id)
         if last is None or now - last >= self.use_audit_s:
             self._audit_use(principal, now)
         return principal
+
+    def _remember(self, authorization: str, principal: Principal, now: float) -> None:
+        """Cache a valid principal for ``ttl_s``, never past its expiry (a token's or an ID
+        token's)."""
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()
+        until = now + self.ttl_s
+        if principal.expires_at_us is not None:
+            until = min(until, now + (principal.expires_at_us - now_micros()) / 1e6)
+        self._cache[authorization] = (until, principal)
 
     def _person(self, authorization: str, token: str, now: float) -> Principal:
         """A signed-in person's ID token (:mod:`collector.oidc`): verified without the
@@ -609,12 +614,7 @@ class Authenticator:
             refused = exc
             self._audit_session(token, lambda conn, s: audit_refusal(conn, refused, s))
             raise
-        if len(self._cache) >= self.max_entries:
-            self._cache.clear()
-        until = now + self.ttl_s
-        if principal.expires_at_us is not None:
-            until = min(until, now + (principal.expires_at_us - now_micros()) / 1e6)
-        self._cache[authorization] = (until, principal)
+        self._remember(authorization, principal, now)
         self._audit_session(token, lambda conn, s: audit_person(conn, principal, session=s))
         return principal
 
