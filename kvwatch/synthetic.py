@@ -157,6 +157,30 @@ def generate(start: datetime, *, seed: int = 7) -> list[_Request]:
     return out
 
 
+def pool_series(
+    requests: list[_Request], start: datetime, end: datetime
+) -> list[tuple[datetime, int]]:
+    """The pool's used tokens once a minute from ``start`` up to, not including, ``end``:
+    the tokens of the requests in flight at each minute, rounded up to whole pages and
+    capped at the pool. A sample at minute ``t`` is taken before that instant's
+    admissions and after its finishes. Every minute gets a sample, whether or
+    not a request starts after it (a night's last minutes may have none)."""
+    ordered = sorted(requests)
+    in_flight: list[tuple[datetime, int]] = []  # (end, tokens), a heap
+    held, k, out = 0, 0, []
+    at = start
+    while at < end:
+        while k < len(ordered) and ordered[k].start < at:
+            heapq.heappush(in_flight, (ordered[k].end, ordered[k].tokens))
+            held += ordered[k].tokens
+            k += 1
+        while in_flight and in_flight[0][0] <= at:
+            held -= heapq.heappop(in_flight)[1]
+        out.append((at, min(POOL, -(-held // PAGE) * PAGE)))
+        at += timedelta(minutes=1)
+    return out
+
+
 def drive(
     probe: Probe, collector_url: str, ingest_token: str, end: datetime, *, seed: int = 7
 ) -> Day:
@@ -189,32 +213,34 @@ def drive(
     day.verification_id = _verify(collector_url, ingest_token, start + timedelta(hours=1))
 
     requests = generate(start, seed=seed)
-    in_flight: list[tuple[datetime, int]] = []  # (end, tokens), a heap
-    held = 0
-    sample_at = start
+    samples = pool_series(requests, start, end)
+    next_sample = 0
     episode: list[_Request] = []
-    for r in requests:
-        while sample_at <= r.start:  # a pool sample a minute, from the tokens in flight
-            while in_flight and in_flight[0][0] <= sample_at:
-                held -= heapq.heappop(in_flight)[1]
-            used = min(POOL, -(-held // PAGE) * PAGE)
-            emit(ev.PoolSample, sample_at, capacity_tokens=POOL, used_tokens=used,
+
+    def sample_until(until: datetime) -> None:
+        # in time order with the requests, as a live probe would send them
+        nonlocal next_sample
+        while next_sample < len(samples) and samples[next_sample][0] <= until:
+            at, used = samples[next_sample]
+            emit(ev.PoolSample, at, capacity_tokens=POOL, used_tokens=used,
                  free_tokens=POOL - used)  # fmt: skip
             day.pool_samples += 1
             day.peak_pool_ratio = max(day.peak_pool_ratio, used / POOL)
-            sample_at += timedelta(minutes=1)
+            next_sample += 1
+
+    for r in requests:
+        sample_until(r.start)
         emit(ev.RequestAdmitted, r.start, request_id=r.rid, tenant=r.tenant, route=r.route,
              model_id=MODEL, prompt_tokens=r.prompt, max_tokens=r.completion)  # fmt: skip
         emit(ev.RequestFinished, r.end, request_id=r.rid, tenant=r.tenant, route=r.route,
              model_id=MODEL, prompt_tokens=r.prompt, completion_tokens=r.completion,
              status=r.status, latency_ms=(r.end - r.start).total_seconds() * 1000)  # fmt: skip
-        heapq.heappush(in_flight, (r.end, r.tokens))
-        held += r.tokens
         day.requests += 1
         day.by_tenant[r.tenant] = day.by_tenant.get(r.tenant, 0) + 1
         day.by_route[r.route] = day.by_route.get(r.route, 0) + 1
         if r.prompt >= 0.8 * ADVERTISED:
             episode.append(r)
+    sample_until(end)  # the quiet minutes after the last request
     probe.force_flush(60)
     day.events = emitted
     if episode:

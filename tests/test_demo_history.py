@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from collector.alerting.service import AlertingService
 from collector.db import Database
 from engine_probe import Probe, ProbeSettings
@@ -38,6 +40,23 @@ def test_the_day_is_diurnal_and_only_the_episode_nears_the_safe_context() -> Non
     docs = sorted(near)
     assert all(a.end < b.start for a, b in itertools.pairwise(docs))
     assert len({r.rid for r in day}) == len(day)
+
+
+# ends whose day's last minute has no request (seed 7), and two busy ones
+@pytest.mark.parametrize("ends_at", ["01:17", "03:02", "03:16", "05:08", "12:00", "16:00"])
+def test_a_day_ending_at_any_time_has_a_pool_sample_every_minute(ends_at: str) -> None:
+    # a CI run ending its day in the quiet hours once got 1,439: the minutes after the
+    # last request went unsampled
+    hour, minute = map(int, ends_at.split(":"))
+    end = datetime(2026, 12, 5, hour, minute, tzinfo=UTC)
+    start = end - timedelta(days=1)
+    requests = synthetic.generate(start)
+    series = synthetic.pool_series(requests, start, end)
+    assert [at for at, _ in series] == [start + timedelta(minutes=m) for m in range(24 * 60)]
+    assert all(0 <= used <= synthetic.POOL and used % synthetic.PAGE == 0 for _, used in series)
+    for at, used in series[::97] + series[-1:]:  # the tokens in flight, in whole pages
+        held = sum(r.tokens for r in requests if r.start < at < r.end)
+        assert used == min(synthetic.POOL, -(-held // synthetic.PAGE) * synthetic.PAGE)
 
 
 def test_a_day_through_the_probe_reads_back_as_lines_and_its_episode_resolves(
