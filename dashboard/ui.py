@@ -355,6 +355,16 @@ def span(delta: timedelta) -> str:
     return " ".join(parts)
 
 
+def bucket_width(seconds: float) -> str:
+    """``5-minute``, ``7.2-second``, ``111-millisecond``: a chart bucket's width to three
+    figures in the largest unit it fills (a zoomed window's buckets are the span over the
+    point budget, so their width is rarely round)."""
+    for unit, size in (("day", 86_400.0), ("hour", 3_600.0), ("minute", 60.0), ("second", 1.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g}-{unit}"
+    return f"{seconds * 1000:.3g}-millisecond"
+
+
 def us_to_time(values: Any) -> Any:
     """A column of microsecond timestamps as pandas UTC datetimes (for charts)."""
     return pd.to_datetime(values, unit="us", utc=True)

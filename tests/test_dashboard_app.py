@@ -645,7 +645,8 @@ def test_a_minute_of_events_in_a_day_is_drawn_zoomed(
         assert abs(times[0] - lo) < timedelta(seconds=1) and abs(times[-1] - hi) < timedelta(
             seconds=1
         )
-        assert "second buckets" in text(at)
+        # the zoomed buckets' width, to three figures ("0.11088-second" once)
+        assert re.search(r"\b\d{1,3}(\.\d{1,2})?-(millisecond|second) buckets", text(at))
     # and with zooming off, the axis is the whole window again
     at.sidebar.toggle(key="zoom").set_value(False).run()
     assert "Zoomed to where the data is" not in text(at)
@@ -793,3 +794,16 @@ def test_the_context_chart_draws_p99_and_no_line_over_buckets_without_requests()
     assert enc["strokeWidth"]["scale"]["domain"] == ["max", "p99"]
     max_w, p99_w = enc["strokeWidth"]["scale"]["range"]
     assert p99_w > max_w
+
+
+@pytest.mark.parametrize(
+    ("seconds", "label"),
+    [(0.11088, "111-millisecond"), (7.2, "7.2-second"), (60, "1-minute"), (300, "5-minute"),
+     (5_400, "1.5-hour"), (86_400, "1-day")],
+)  # fmt: skip
+def test_bucket_widths_read_to_three_figures_in_the_largest_unit(
+    seconds: float, label: str
+) -> None:
+    from dashboard import ui
+
+    assert ui.bucket_width(seconds) == label

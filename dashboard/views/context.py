@@ -217,7 +217,7 @@ def render(c: CollectorClient) -> None:
         },
     )
     st.caption(
-        f"{ui.window_label().capitalize()}, {stats['bucket_seconds'] / 60:g}-minute buckets. "
+        f"{ui.window_label().capitalize()}, {ui.bucket_width(stats['bucket_seconds'])} buckets. "
         "p50 and p99 are upper bounds of 9%-wide bins; the largest prompt is exact. Prompts "
         "and prompt tokens count a prompt that several requests share (parallel sampling, "
         "n > 1) once; the other figures count every request."

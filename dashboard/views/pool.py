@@ -114,7 +114,7 @@ def occupancy(c: CollectorClient, deployment: str | None) -> None:
         },
     )
     st.caption(
-        f"{ui.window_label().capitalize()}, {pool['bucket_seconds']:g}-second buckets: the "
+        f"{ui.window_label().capitalize()}, {ui.bucket_width(pool['bucket_seconds'])} buckets: the "
         "mean and the max of each."
     )
 
@@ -165,7 +165,7 @@ def page_activity(c: CollectorClient, deployment: str | None) -> None:
     df["end"] = df["time"] + pd.Timedelta(seconds=stats["bucket_seconds"])
     markers = charts.markers_frame(incident_markers(c, (since, until), deployment), (since, until))
     st.altair_chart(charts.page_events(df, (since, until), markers), width="stretch")
-    st.caption(f"{stats['bucket_seconds']:g}-second buckets.")
+    st.caption(f"{ui.bucket_width(stats['bucket_seconds'])} buckets.")
     if zoomed is not None:
         ui.zoom_caption(zoomed)
 
