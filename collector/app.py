@@ -191,7 +191,9 @@ def create_app(
         version="1",
         description="Ingests probe events; serves deployments, requests, pool samples and "
         "page events. Every endpoint but /healthz, /readyz and /metrics needs a bearer token.",
-        lifespan=_lifespan(settings, db, maintainer, workers, freeze_heap, bus, monitor),
+        lifespan=_lifespan(
+            settings, db, maintainer, workers, freeze_heap, bus, monitor, authenticator
+        ),
     )
     errors.install(app)
     app.add_middleware(LimitBody, limit=settings.max_request_bytes)
@@ -250,10 +252,11 @@ def _lifespan(
     freeze_heap: bool,
     bus: BusPublisher | None,
     monitor: BusMonitor | None,
+    authenticator: Authenticator,
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Migrate (when told to) and make the partitions, connect to the ingest bus (when
     there is one), start the workers; at shutdown, stop them, close the bus connection
-    (after in-flight publishes) and the database's connections."""
+    (after in-flight publishes), the identity provider's and the database's connections."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -284,6 +287,7 @@ def _lifespan(
                 await monitor.stop()
             if bus is not None:
                 await bus.close()
+            authenticator.close()
             db.dispose()
 
     return lifespan

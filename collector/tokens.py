@@ -564,6 +564,11 @@ class Authenticator:
         self._audited: dict[int, float] = {}  # token id -> monotonic time of its last entry
         self._sessions: set[str] = set()  # sign-in sessions audited (collector.oidc)
 
+    def close(self) -> None:
+        """Close the identity provider's connections (the app's shutdown)."""
+        if self.oidc is not None:
+            self.oidc.close()
+
     def __call__(self, authorization: str | None) -> Principal:
         now = time.monotonic()
         hit = self._cache.get(authorization) if authorization else None
