@@ -59,12 +59,21 @@ def gate(issuer: str) -> None:
         )
         st.button("Sign in", icon=":material/login:", type="primary", on_click=st.login)
         st.stop()
+    why = why_ended()
+    if why is not None:
+        ended(why)
+
+
+def why_ended() -> str | None:
+    """Why a signed-in person's session has ended (no ID token, or it has expired), or None
+    while it is live. The page's gate and every auto-refreshing section ask this."""
     token = id_token()
-    ends = expires_at(token) if token else None
     if token is None:
-        ended("The sign-in gave the dashboard no ID token.")
+        return "The sign-in gave the dashboard no ID token."
+    ends = expires_at(token)
     if ends is not None and ends <= datetime.now(UTC):
-        ended(f"It expired at {ends:%Y-%m-%d %H:%M:%S} UTC.")
+        return f"It expired at {ends:%Y-%m-%d %H:%M:%S} UTC."
+    return None
 
 
 def ended(why: str) -> None:

@@ -198,6 +198,10 @@ def live(render: Callable[[CollectorClient], None]) -> None:
     on = period > 0 and bool(st.session_state.get("auto_refresh", True))
 
     def section() -> None:
+        # a fragment reruns alone, past the page's sign-in gate: a session that ended
+        # while a wall screen refreshed reruns the whole page, whose gate says so
+        if settings().oidc_issuer is not None and signin.why_ended() is not None:
+            st.rerun(scope="app")
         guarded(render)
 
     st.fragment(section, run_every=period if on else None)()

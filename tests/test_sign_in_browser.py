@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_MS = 30_000
 expect.set_options(timeout=TIMEOUT_MS)
 SHORT_TTL_S = 20  # the ID tokens of the expiry test's provider
+REFRESH_S = 2  # how often the expiry test's pages refresh their sections
 
 
 @dataclass
@@ -60,7 +61,9 @@ def _kvwatch() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvwatch.cli"]
 
 
-def _dashboard(port: int, collector_url: str, issuer: str, log: Path) -> subprocess.Popen[bytes]:
+def _dashboard(
+    port: int, collector_url: str, issuer: str, log: Path, refresh_s: int
+) -> subprocess.Popen[bytes]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -76,7 +79,7 @@ def _dashboard(port: int, collector_url: str, issuer: str, log: Path) -> subproc
     }
     with log.open("wb") as out:
         return subprocess.Popen(
-            [*_kvwatch(), "dashboard", "--port", str(port), "--refresh-s", "0"],
+            [*_kvwatch(), "dashboard", "--port", str(port), "--refresh-s", str(refresh_s)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -93,7 +96,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Site]]:
     """Two sites, started side by side: ``main`` (ID tokens for 10 minutes) and ``short``
-    (ID tokens for SHORT_TTL_S, for the expiry test)."""
+    (ID tokens for SHORT_TTL_S and pages that refresh themselves, for the expiry test)."""
     tmp = tmp_path_factory.mktemp("sign-in")
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[str, Site] = {}
@@ -112,7 +115,8 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Site]]
             w.collector(f"sqlite:///{tmp / 'short.db'}", op2, tmp / "short") as c2,
         ):
             for name, port, op, c in (("main", p1, op1, c1), ("short", p2, op2, c2)):
-                procs.append(_dashboard(port, c.url, op.issuer, tmp / f"{name}.log"))
+                refresh_s = REFRESH_S if name == "short" else 0
+                procs.append(_dashboard(port, c.url, op.issuer, tmp / f"{name}.log", refresh_s))
                 out[name] = Site(op, c, f"http://127.0.0.1:{port}", w.seed_incident(c))
             deadline = time.monotonic() + 90
             for name, site in out.items():
@@ -271,9 +275,13 @@ def test_a_session_ends_when_the_id_token_expires(
     site = sites["short"]
     sign_in(page, site, "olive")
     expect(page.get_by_text("Signed in as olive@operator.test")).to_be_visible()
-    time.sleep(SHORT_TTL_S + 1)
+    # a wall screen left open: its refreshing sections end the session on their own
+    ended = page.get_by_text("Your sign-in has ended")
+    expect(ended).to_be_visible(timeout=(SHORT_TTL_S + 10 * REFRESH_S) * 1000)
+    expect(page.get_by_text("Signed in as")).to_have_count(0)
+    expect(page.get_by_text("was not accepted")).to_have_count(0)
     page.goto(site.dashboard + "/alerts")
-    expect(page.get_by_text("Your sign-in has ended")).to_be_visible()
+    expect(ended).to_be_visible()
     expect(page.get_by_text("Signed in as")).to_have_count(0)
     page.screenshot(path=str(shots / "sign-in-expired.png"), full_page=True)
     sign_in(page, site, "olive", button="Sign in again")  # the role is read afresh
