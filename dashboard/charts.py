@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import altair as alt
 import pandas as pd
@@ -120,10 +120,17 @@ def _steps(
 MARKERS = {"incident opened": CRIT, "stale read": "#7b1fa2"}
 
 
+MARKER_ROWS = 3  # label rows: markers close in time take turns, so labels never overlap
+MARKER_ROW_PX = 13
+MARKER_FLIP = 0.7  # a marker past this share of the window has its label on its left
+
+
 def markers_frame(items: Sequence[tuple[Any, ...]], window: Window | None) -> pd.DataFrame:
     """Incident annotations from ``(time, marker, label, …)`` items (``marker``: a key of
     :data:`MARKERS`): those inside ``window`` only (a marker outside would stretch the
-    axis)."""
+    axis). Each gets a label ``row`` (its pixel offset from the top: successive markers take
+    the :data:`MARKER_ROWS` rows in turn) and a ``side``: ``right`` of its rule, or ``left``
+    near the window's end, where a label on the right would run off the chart."""
     rows = [
         {"time": t, "marker": kind, "label": label}
         for t, kind, label, *_ in items
@@ -131,31 +138,49 @@ def markers_frame(items: Sequence[tuple[Any, ...]], window: Window | None) -> pd
     ]
     df = pd.DataFrame(rows, columns=["time", "marker", "label"])
     df["time"] = pd.to_datetime(df["time"], utc=True)
+    df = df.sort_values("time", kind="stable").reset_index(drop=True)
+    df["row"] = [2 + (i % MARKER_ROWS) * MARKER_ROW_PX for i in range(len(df))]
+    if window is None or df.empty:
+        df["side"] = "right"
+    else:
+        lo, hi = (pd.Timestamp(w).tz_convert("UTC") for w in window)
+        flip = lo + (hi - lo) * MARKER_FLIP
+        df["side"] = ["left" if t > flip else "right" for t in df["time"]]
     return df
 
 
+_LABEL_SIDES: tuple[tuple[str, Literal["left", "right"], int], ...] = (
+    ("right", "left", 3),  # side of the rule, text alignment, offset
+    ("left", "right", -3),
+)
+
+
 def _marker_layers(markers: pd.DataFrame | None, x: alt.X) -> list[alt.Chart]:
-    """A vertical rule at each marker, its colour saying what it is, its label at the top."""
+    """A vertical rule at each marker, its colour saying what it is, its label at the top,
+    beside the rule on the side and in the row :func:`markers_frame` gave it."""
     if markers is None or markers.empty:
         return []
-    color = alt.Color(
-        "marker:N",
-        title=None,
-        scale=alt.Scale(domain=list(MARKERS), range=list(MARKERS.values())),
-        legend=alt.Legend(orient="top"),
-    )
+    scale = alt.Scale(domain=list(MARKERS), range=list(MARKERS.values()))
+    color = alt.Color("marker:N", title=None, scale=scale, legend=alt.Legend(orient="top"))
     data = _with_when(markers)
     rule = (
         alt.Chart(data)
         .mark_rule(strokeWidth=2, opacity=0.85)
         .encode(x=x, color=color, tooltip=["marker:N", "label:N", alt.Tooltip("when:N")])
     )
-    text = (
+    texts = [
         alt.Chart(data)
-        .mark_text(align="left", baseline="top", dx=3, dy=2, fontSize=10, fontWeight="bold")
-        .encode(x=x, y=alt.value(0), text="label:N", color=alt.Color("marker:N", legend=None))
-    )
-    return [rule, text]
+        .transform_filter(alt.datum.side == side)
+        .mark_text(align=align, baseline="top", dx=dx, fontSize=10, fontWeight="bold")
+        .encode(
+            x=x,
+            y=alt.Y("row:Q", scale=None),
+            text="label:N",
+            color=alt.Color("marker:N", scale=scale, legend=None),
+        )
+        for side, align, dx in _LABEL_SIDES
+    ]
+    return [rule, *texts]
 
 
 def _across(df: pd.DataFrame, keys: list[str], window: Window | None) -> pd.DataFrame:

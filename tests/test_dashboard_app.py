@@ -5,6 +5,7 @@ error and empty states (wrong token, no token, collector down, nothing ingested 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 from typer.testing import CliRunner
 
+from dashboard.charts import MARKERS
 from kvwatch.cli import app as cli
 from kvwatch.embedded import free_port, serve_in_thread
 from tests import dashboard_helpers as h
@@ -807,3 +809,41 @@ def test_bucket_widths_read_to_three_figures_in_the_largest_unit(
     from dashboard import ui
 
     assert ui.bucket_width(seconds) == label
+
+
+def test_marker_labels_close_in_time_take_separate_rows_in_the_markers_colours(
+    env: pytest.MonkeyPatch, seeded: h.Seeded
+) -> None:
+    # the incident opens a moment after its stale read: their labels once overprinted, in
+    # the node line's blue, past the chart's right edge
+    import pyarrow as pa
+
+    at = open_page(env, seeded.url, seeded.admin, "views/pool.py")
+    checked = 0
+    for chart in at.get("vega_lite_chart"):
+        spec = json.loads(chart.proto.spec)
+        texts = [
+            x
+            for x in spec.get("layer", [])
+            if (x.get("mark") or {}).get("type") == "text"
+            and x.get("encoding", {}).get("text", {}).get("field") == "label"
+        ]
+        if not texts:
+            continue
+        for layer in texts:
+            scale = layer["encoding"]["color"]["scale"]
+            assert scale["domain"] == list(MARKERS), scale
+            assert scale["range"] == list(MARKERS.values()), scale
+        names = {x["data"]["name"] for x in texts}
+        (frame,) = {
+            d.name: pa.ipc.open_stream(d.data.data).read_pandas()
+            for d in chart.proto.datasets
+            if d.name in names
+        }.values()  # both sides' layers read one frame, each filtering its side
+        frame = frame.sort_values("time")
+        rows = list(frame["row"])
+        assert all(a != b for a, b in itertools.pairwise(rows)), rows
+        # every marker here is at the (zoomed) window's end: labelled on the rule's left
+        assert set(frame["side"]) == {"left"}, frame
+        checked += len(frame) >= 2
+    assert checked  # the occupancy chart marks the stale read and the incident
