@@ -5,6 +5,7 @@ collector, and read back as a day of points rather than a dot."""
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -114,7 +115,11 @@ def test_a_day_through_the_probe_reads_back_as_lines_and_its_episode_resolves(
         # the episode's prompts reached 80% of the verified safe context and fired...
         alert = pressure()
         assert alert["labels"]["verified"] == "true"
-        assert "on route /v1/completions reached 9" in alert["annotations"]["summary"]
+        # (the summary names the last batch's largest prompt: 82-97% of the safe context)
+        reached = re.search(
+            r"on route /v1/completions reached (\d+)%", alert["annotations"]["summary"]
+        )
+        assert reached and 80 <= int(reached[1]) < 100, alert["annotations"]["summary"]
         # ...and, its last prompt hours old, the next timer pass resolves it
         db = Database(collector.db_url)
         try:

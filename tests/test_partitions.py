@@ -24,7 +24,6 @@ from tests import factories as f
 from tests.conftest import Collector
 
 pytestmark = pytest.mark.postgres
-NOW = datetime.now(UTC)
 
 
 @pytest.fixture
@@ -49,7 +48,7 @@ def _fill(url: str, n_per_month: int = 4000) -> None:
     """Pool samples and page events over the current month and the three after it, for three
     deployments, straight into the tables (the API takes no future timestamps)."""
     db = Database(url)
-    start = partitions.month_start(NOW)
+    start = partitions.month_start(datetime.now(UTC))
     try:
         with db.write() as conn:
             for k in range(4):
@@ -92,10 +91,11 @@ def _fill(url: str, n_per_month: int = 4000) -> None:
 
 @pytest.mark.empty_db
 def test_the_migration_partitions_by_month_and_ensure_keeps_months_ahead(pg_url: str) -> None:
+    now = datetime.now(UTC)  # the clock the migration reads (not the session's start)
     migrate.upgrade(pg_url)
     for table in partitions.PARTITIONED:
         names = _names(pg_url, table)
-        month = partitions.month_start(NOW)
+        month = partitions.month_start(now)
         want = [f"{table}_p_before"]
         for _ in range(partitions.MONTHS_AHEAD + 1):
             want.append(f"{table}_{_month(month)}")
@@ -103,7 +103,7 @@ def test_the_migration_partitions_by_month_and_ensure_keeps_months_ahead(pg_url:
         assert names == [*want, f"{table}_default"]
     # A row five months ahead has no month yet: it waits in the default partition, and moves
     # into its month when that month is made.
-    far = partitions.next_month(partitions.next_month(NOW + timedelta(days=31 * 3)))
+    far = partitions.next_month(partitions.next_month(now + timedelta(days=31 * 3)))
     db = Database(pg_url)
     try:
         with db.write() as conn:
@@ -153,7 +153,8 @@ def test_api_queries_are_pruned_to_their_months_and_use_an_index(
     collector: Collector, captured: list[tuple[str, Any]]
 ) -> None:
     _fill(collector.db_url)
-    month = partitions.month_start(NOW) + timedelta(days=31 + 3)  # inside the next month
+    # inside the next month
+    month = partitions.month_start(datetime.now(UTC)) + timedelta(days=31 + 3)
     window = {"since": month.isoformat(), "until": (month + timedelta(hours=2)).isoformat()}
     captured.clear()
     with collector.client(collector.admin) as h:
@@ -196,8 +197,9 @@ def test_api_queries_are_pruned_to_their_months_and_use_an_index(
 
 def test_retention_drops_whole_months_every_deployment_has_let_go(collector: Collector) -> None:
     # Last month's data sits in the _p_before partition (it predates the migration).
+    now = datetime.now(UTC)
     db = Database(collector.db_url)
-    old = to_micros(partitions.month_start(NOW)) - 5 * 86_400 * 10**6
+    old = to_micros(partitions.month_start(now)) - 5 * 86_400 * 10**6
     try:
         with db.write() as conn:
             for dep in ("dep-a", "dep-b"):
@@ -239,7 +241,7 @@ def test_retention_drops_whole_months_every_deployment_has_let_go(collector: Col
     # Retention keeps at least a day, and _p_before ends where this month starts: on a
     # month's first day nothing of it may go yet. Apply as of two days into the month then
     # (the service takes its `now`, the CLI the clock's).
-    when = max(NOW, partitions.month_start(NOW) + timedelta(days=2))
+    when = max(now, partitions.month_start(now) + timedelta(days=2))
     service = RetentionService(Database(collector.db_url), None)
     try:
         dry = service.apply(now=when, by="test", dry_run=True)
@@ -264,10 +266,11 @@ def test_a_request_keeps_its_first_month_as_its_events_arrive(collector: Collect
     """Admitted last month, finished now, then an earlier event arriving late: one row, in
     the month it was first stored, its first_ts moved earlier; one key; the upsert never
     makes a second row in another month."""
-    this_month = partitions.month_start(NOW)
+    now = datetime.now(UTC)
+    this_month = partitions.month_start(now)
     before = this_month - timedelta(days=3)
     admitted = f.admitted(1, "r-long", ts=before)
-    finished = f.finished(2, "r-long", ts=NOW - timedelta(minutes=1))
+    finished = f.finished(2, "r-long", ts=now - timedelta(minutes=1))
     early = f.rejected(3, "r-long", ts=before - timedelta(days=30))
     with collector.client(collector.ingest) as h:
         for e in (admitted, finished, early):

@@ -102,9 +102,15 @@ def test_a_leaking_verification_reaches_everything_and_a_pass_undoes_it(
         assert set(notes["leak_pairs"].split()) <= {"acme->globex", "globex->acme"}
         assert notes["leak_pairs"] != "none"
         smallest = int(notes["smallest_leaking_prompt_tokens"])
+        # the verification's own day (read back: a sweep may end just before midnight)
+        (stored,) = [
+            v
+            for v in http.get("/v1/verifications", params={"deployment_id": deployment}).json()
+            if str(v["id"]) == notes["verification_id"]
+        ]
         assert notes["summary"].endswith(
             f"UNSAFE: cross-tenant leak at ≥ {smallest:,} tokens on "
-            f"{datetime.now(UTC):%Y-%m-%d}, verification {notes['verification_id']}"
+            f"{stored['verified_at'][:10]}, verification {notes['verification_id']}"
         )
         assert "kvwatch report breach" in notes["runbook"]
         assert "KVW-" not in str(a)  # never a canary's text
