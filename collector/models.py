@@ -692,7 +692,10 @@ class NotifyEndpoint(Base):
     """Where notifications go. ``kind``: ``webhook`` (signed POSTs; ``format`` ``kvwatch`` or
     ``alertmanager`` for the Alertmanager webhook v4 body) or ``alertmanager`` (POSTs to an
     Alertmanager's ``/api/v2/alerts``). ``secret`` signs webhooks (``whsec_`` + base64); it
-    must be kept to sign, so it is stored as is. A receiver answering 410 disables it."""
+    must be kept to sign, so it is stored as is. A receiver answering 410 disables it.
+
+    Invariant: ``previous_secret`` and ``previous_secret_until`` are both set or both empty;
+    set, the secret a rotation replaced signs beside ``secret`` until that time."""
 
     __tablename__ = "notify_endpoints"
 
@@ -708,6 +711,8 @@ class NotifyEndpoint(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(64))
     lease_until: Mapped[int | None] = mapped_column(BigInteger)  # µs since the epoch
     created_at: Mapped[datetime] = mapped_column(UtcMicros)
+    previous_secret: Mapped[str | None] = mapped_column(Text)
+    previous_secret_until: Mapped[int | None] = mapped_column(BigInteger)  # µs since the epoch
 
 
 class OutboxMessage(Base):

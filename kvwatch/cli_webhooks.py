@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy import Connection
 
-from collector.timefmt import now_micros
+from collector.timefmt import iso, now_micros
 from kvwatch.cli_common import (
     Col,
     DbUrl,
@@ -113,6 +113,8 @@ def list_(
     )  # fmt: skip
     for e in endpoints:
         state = "enabled" if e.enabled else f"DISABLED ({e.disabled_reason})"
+        if e.previous_secret_until is not None:
+            state += f"; replaced secret signs until {iso(e.previous_secret_until)}"
         t.add_row(e.name, e.kind, e.format, e.min_severity, e.url, str(e.pending), state)
     stdout_console().print(t)
 
@@ -128,6 +130,7 @@ def _endpoint_doc(e: Any) -> dict[str, Any]:
         "pending": e.pending,
         "enabled": e.enabled,
         "disabled_reason": e.disabled_reason,
+        "previous_secret_until": iso(e.previous_secret_until),
     }
 
 
@@ -151,16 +154,36 @@ def rotate_secret(
             "routing key (required)."
         ),
     ] = None,
+    grace: Annotated[
+        str,
+        typer.Option(
+            help="How long the replaced secret keeps signing beside the new one (each message "
+            "carries both signatures), for the receiver to switch: 90m, 24h, 7d; 0 stops it at "
+            "once (a leaked secret). Webhooks only; at most 30d."
+        ),
+    ] = "24h",
     database_url: DbUrl = None,
 ) -> None:
     """Give an endpoint a new signing secret in place: its undelivered messages stay queued
-    and go out signed with the new one (a webhook's new secret is printed once, alone on the
-    last line)."""
+    and go out signed with the new one, and during --grace with the replaced one too (a
+    webhook's new secret is printed once, alone on the last line)."""
     from collector.notify.outbox import rotate_secret as rotate
+    from policies.durations import human_duration, parse_duration
 
+    try:
+        grace_s = parse_duration(grace)
+    except ValueError as exc:
+        err.print(f"[red]error:[/] --grace: {exc}")
+        raise typer.Exit(2) from None
     with _db(database_url) as conn:
-        new = rotate(conn, name, secret=secret, now_us=now_micros())
-    err.print(f"rotated the secret of {name!r}; undelivered messages go out signed with it")
+        new, kept_until = rotate(conn, name, secret=secret, grace_s=grace_s, now_us=now_micros())
+    signed = "signed with it"
+    if kept_until is not None:
+        signed += (
+            f", and with the replaced secret too for {human_duration(grace_s)} "
+            f"(until {iso(kept_until)})"
+        )
+    err.print(f"rotated the secret of {name!r}; undelivered messages go out {signed}")
     if secret is None:
         err.print("the new signing secret is shown once; give it to the receiver now:")
         print(new)

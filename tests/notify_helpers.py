@@ -32,6 +32,7 @@ class Delivery:
     timestamp: int
     body: bytes
     error: str | None  # why verification failed; None if the signature was valid
+    headers: dict[str, str] = field(default_factory=dict)  # as received, names lower-cased
 
     @property
     def doc(self) -> Any:
@@ -90,6 +91,7 @@ class Receiver:
                     int(headers.get("webhook-timestamp", 0)),
                     body,
                     error,
+                    headers,
                 )
                 with receiver._lock:
                     receiver.deliveries.append(delivery)

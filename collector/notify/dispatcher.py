@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter
-from sqlalchemy import Connection, func, insert, or_, select, update
+from sqlalchemy import Connection, case, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import aliased
 
@@ -46,7 +46,7 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import CollectorError
 from collector.notify import payloads, signing
-from collector.notify.outbox import DIGEST
+from collector.notify.outbox import DIGEST, previous_secret_in_force
 from collector.settings import Settings
 from collector.timefmt import iso
 
@@ -65,6 +65,11 @@ class _Endpoint:
     url: str
     format: str
     secret: str | None
+    previous_secret: str | None  # a rotation's replaced secret, while its grace lasts
+
+    @property
+    def signing_secrets(self) -> list[str]:
+        return [s for s in (self.secret, self.previous_secret) if s]
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +270,16 @@ class Dispatcher:
     ) -> tuple[_Endpoint | None, _Head | None]:
         e, o = m.NotifyEndpoint, m.OutboxMessage
         ep = conn.execute(
-            select(e.id, e.name, e.kind, e.url, e.format, e.secret).where(
-                e.id == endpoint_id, e.enabled.is_(True)
-            )
+            select(
+                e.id,
+                e.name,
+                e.kind,
+                e.url,
+                e.format,
+                e.secret,
+                # the replaced secret signs too until its grace ends
+                case((previous_secret_in_force(now_us), e.previous_secret), else_=None),
+            ).where(e.id == endpoint_id, e.enabled.is_(True))
         ).first()
         if ep is None:
             return None, None  # removed or disabled meanwhile
@@ -331,9 +343,9 @@ class Dispatcher:
         # message is retried whole, which the receiver deduplicates by each event's key.
         outcome = _Outcome(200, None, 0.0)  # nothing for this receiver: done
         for body in requests:
-            if endpoint.kind == "webhook" and endpoint.secret:
-                headers[signing.HEADER_SIGNATURE] = signing.sign(
-                    endpoint.secret, head.msg_id, timestamp, body
+            if endpoint.kind == "webhook" and endpoint.signing_secrets:
+                headers[signing.HEADER_SIGNATURE] = signing.sign_all(
+                    endpoint.signing_secrets, head.msg_id, timestamp, body
                 )
             outcome = self._post(url, body, headers)
             if not outcome.ok:

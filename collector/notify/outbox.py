@@ -31,12 +31,13 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from sqlalchemy import Connection, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, Connection, case, delete, func, insert, select, update
 
 from collector import audit
 from collector import models as m
 from collector.errors import Conflict, InvalidInput, NotFound
 from collector.notify import payloads, signing
+from collector.timefmt import as_datetime, iso, now_micros
 from engine_probe.events import is_valid_id
 
 SEVERITIES = ("info", "warning", "critical")
@@ -54,6 +55,7 @@ DOC_TYPES = (
 )
 _ROUTING_KEY = re.compile(r"[A-Za-z0-9]{20,64}")
 MIN_SECRET_BYTES = 24  # the Standard Webhooks minimum for HMAC secrets
+MAX_SECRET_GRACE_S = 30 * 86_400  # a replaced secret left signing longer is a leak kept open
 DEFAULT_MAX_PER_MINUTE = 30
 DIGEST = "alert.digest"
 DIGEST_ALERTS = 100  # alerts listed in one digest; the rest are counted
@@ -221,6 +223,8 @@ class EndpointInfo:
     disabled_reason: str | None
     created_at: datetime
     pending: int
+    # a rotation's replaced secret signs beside the new one until then (None: it does not)
+    previous_secret_until: datetime | None = None
 
 
 def add_endpoint(
@@ -328,7 +332,13 @@ def check_url(url: str) -> None:
         raise InvalidInput("url: must name a host (http(s)://host[:port]/path)", {"field": "url"})
 
 
-def list_endpoints(conn: Connection) -> list[EndpointInfo]:
+def previous_secret_in_force(now_us: int) -> ColumnElement[bool]:
+    """Whether a rotation's replaced secret still signs at ``now_us``: the one test of its
+    grace, for the dispatcher's signatures and the endpoints' list."""
+    return m.NotifyEndpoint.previous_secret_until > now_us
+
+
+def list_endpoints(conn: Connection, now_us: int | None = None) -> list[EndpointInfo]:
     pending = (
         select(m.OutboxMessage.endpoint_id, func.count().label("n"))
         .where(m.OutboxMessage.status == "pending")
@@ -348,11 +358,27 @@ def list_endpoints(conn: Connection) -> list[EndpointInfo]:
             e.disabled_reason,
             e.created_at,
             func.coalesce(pending.c.n, 0).label("pending"),
+            case(
+                (
+                    previous_secret_in_force(now_micros() if now_us is None else now_us),
+                    e.previous_secret_until,
+                ),
+                else_=None,
+            ).label("previous_secret_until"),
         )
         .outerjoin(pending, pending.c.endpoint_id == e.id)
         .order_by(e.name)
     ).all()
-    return [EndpointInfo(**{**row._mapping, "url": redacted_url(row.url)}) for row in rows]
+    return [
+        EndpointInfo(
+            **{
+                **row._mapping,
+                "url": redacted_url(row.url),
+                "previous_secret_until": as_datetime(row.previous_secret_until),
+            }
+        )
+        for row in rows
+    ]
 
 
 def redacted_url(url: str) -> str:
@@ -416,30 +442,53 @@ def rotate_secret(
     name: str,
     *,
     secret: str | None = None,
+    grace_s: float = 0.0,
     now_us: int,
     actor: str = "cli",
-) -> str:
+) -> tuple[str, int | None]:
     """Give an endpoint a new signing secret (a webhook: a new one unless given; PagerDuty:
     the new routing key), in place: its pending messages stay queued, and each is signed with
-    the secret in force when it is sent. Returns the secret. Removing and adding the
-    endpoint instead would drop them."""
+    the secret in force when it is sent. Returns the secret and when the replaced one stops
+    signing (None: it already has). Removing and adding the endpoint instead would drop
+    them.
+
+    ``grace_s``: how long a webhook's replaced secret keeps signing beside the new one (each
+    message carries both signatures), so its receiver can change secrets without refusing a
+    message in between. A rotation during another's grace replaces the older secret, which
+    stops signing at once. A routing key is not a signature: PagerDuty has no grace."""
     e = m.NotifyEndpoint
-    row = conn.execute(select(e.id, e.kind).where(e.name == name)).first()
+    row = conn.execute(select(e.id, e.kind, e.secret).where(e.name == name)).first()
     if row is None:
         raise NotFound(f"no endpoint named {name!r}")
     if row.kind == "alertmanager":
         raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
+    if not (grace_s >= 0 and grace_s <= MAX_SECRET_GRACE_S):
+        raise InvalidInput(
+            f"grace: between 0 and {MAX_SECRET_GRACE_S // 86_400:g} days, got {grace_s:g} s",
+            {"field": "grace"},
+        )
     secret = _checked_secret(row.kind, secret)
     assert secret is not None
-    conn.execute(update(e).where(e.id == row.id).values(secret=secret))
+    keep = row.kind == "webhook" and grace_s > 0 and row.secret is not None
+    until = now_us + int(grace_s * 1_000_000) if keep else None
+    conn.execute(
+        update(e)
+        .where(e.id == row.id)
+        .values(
+            secret=secret,
+            previous_secret=row.secret if keep else None,
+            previous_secret_until=until,
+        )
+    )
     audit.append(
         conn,
         now_us=now_us,
         actor=actor,
         action="notify.endpoint.rotate",
         subject=f"endpoint:{name}",
+        detail={"previous_signs_until": iso(until)} if until is not None else None,
     )
-    return secret
+    return secret, until
 
 
 def remove_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "cli") -> int:

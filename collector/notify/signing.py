@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from collector.errors import InvalidInput, Unauthorized
 
@@ -64,6 +64,13 @@ def sign(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
         # A dot would let the id and timestamp boundaries shift inside the signed content.
         raise ValueError("a webhook id must not contain '.'")
     return "v1," + _signature(secret_key(secret), msg_id, int(timestamp), body)
+
+
+def sign_all(secrets: Sequence[str], msg_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` value signed with each of ``secrets`` (a rotation's new
+    secret and, during its grace, the previous one): space-separated ``v1,`` entries, any of
+    which a receiver may match."""
+    return " ".join(sign(secret, msg_id, timestamp, body) for secret in secrets)
 
 
 def verify(
