@@ -10,7 +10,7 @@ Lifecycle invariants:
   every replica checks both at lookup and caches a valid token for at most
   ``KVWATCH_TOKEN_CACHE_S`` (never past its expiry), so a revocation takes effect within that;
 * a rotation creates a token with the same kind, scope and name, and sets the old one to
-  expire after a grace period (``DEFAULT_GRACE_S`` unless given), so probes can be
+  expire after a grace period (``collector.grace.DEFAULT_GRACE_S`` unless given), so probes can be
   reconfigured without losing events; both belong to one *lineage* (``lineage_id``, the first
   token's id), and a probe id registered to a lineage accepts any of its valid tokens;
 * revoking a token revokes the generations of its lineage before it too (the ones it
@@ -52,6 +52,7 @@ from collector.errors import (
     Unauthorized,
     Unavailable,
 )
+from collector.grace import DEFAULT_GRACE_S, checked_grace
 from collector.timefmt import as_micros, iso, now_micros
 
 if TYPE_CHECKING:
@@ -64,7 +65,6 @@ KINDS: tuple[TokenKind, ...] = ("ingest", "read", "admin")
 # What a signed-in person's role adds to reading (collector.oidc): ``respond`` acknowledges,
 # silences and works incidents; ``report`` generates and reads reports and notices.
 Grant = Literal["respond", "report"]
-DEFAULT_GRACE_S = 24 * 3600  # a rotated token's old secret keeps working this long
 MAX_LIFETIME_S = 10 * 365 * 24 * 3600
 
 
@@ -394,10 +394,7 @@ def rotate_token(
     already would). An expired or revoked token is rotated too (it stays as it is): its
     replacement answers for the lineage's probe ids, so what a probe spooled under them can
     still be delivered. Returns (new token, its secret, old token)."""
-    if not 0 <= grace_s <= 30 * 24 * 3600:
-        raise InvalidInput(
-            f"grace must be between 0 and 30 days, not {grace_s:g} s", {"field": "grace"}
-        )
+    checked_grace(grace_s)
     old = find_token(conn, id_or_name, now_us)
     lineage = old.lineage_id if old.lineage_id is not None else old.id
     if expires_in_s is None and old.expires_at is not None:

@@ -262,6 +262,19 @@ def table(*columns: str | Col, wide: bool = False) -> Listing:
 WideOpt = Annotated[bool, typer.Option("--wide", help="Every column, however narrow the terminal.")]
 
 
+def duration_option(value: str | None, option: str) -> float | None:
+    """An option's duration (``90s``, ``15m``, ``24h``, ``7d``) in seconds; None stays None;
+    anything else is typer's usage error naming ``option`` (exit 2)."""
+    from policies.durations import parse_duration
+
+    if value is None:
+        return None
+    try:
+        return float(parse_duration(value))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
+
+
 def relative(when: str | None, now: datetime) -> str:
     """An instant (the API's ISO 8601 text) as time from ``now``, the way every kvwatch output
     prints a duration (:func:`policies.durations.human_duration`): ``6m 49s ago``,

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from collector.grace import DEFAULT_GRACE_S
 from collector.tokens import TokenKind
 from kvwatch.cli_common import (
     Col,
@@ -17,6 +18,7 @@ from kvwatch.cli_common import (
     KvwatchTyper,
     WideOpt,
     database,
+    duration_option,
     err,
     relative,
     stdout_console,
@@ -28,17 +30,6 @@ tokens_app = KvwatchTyper(
     help="API tokens: create, list, revoke, rotate (each in the audit log).",
     no_args_is_help=True,
 )
-
-
-def _seconds(value: str | None, option: str) -> float | None:
-    from policies.durations import parse_duration
-
-    if value is None:
-        return None
-    try:
-        return float(parse_duration(value))
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 @tokens_app.command("create")
@@ -61,7 +52,7 @@ def tokens_create(
     """Create a token and print it once, alone on the last line. Only its hash is stored."""
     from collector.tokens import TokenService
 
-    seconds = _seconds(expires_in, "--expires-in")
+    seconds = duration_option(expires_in, "--expires-in")
     with database(database_url) as (db, _):
         doc, secret = TokenService(db).create(
             kind=kind,
@@ -174,7 +165,7 @@ def tokens_rotate(
     grace: Annotated[
         str,
         typer.Option(metavar="DURATION", help="How long the old token keeps working (≤ 30d)."),
-    ] = "24h",
+    ] = f"{DEFAULT_GRACE_S // 3600}h",
     expires_in: Annotated[
         str | None,
         typer.Option("--expires-in", metavar="DURATION", help="The new token's lifetime."),
@@ -187,11 +178,14 @@ def tokens_rotate(
     (a probe's events stay its own across the rotation)."""
     from collector.tokens import TokenService
 
-    grace_s = _seconds(grace, "--grace")
+    grace_s = duration_option(grace, "--grace")
     assert grace_s is not None
     with database(database_url) as (db, _):
         new, secret, old = TokenService(db).rotate(
-            token, actor=by, grace_s=grace_s, expires_in_s=_seconds(expires_in, "--expires-in")
+            token,
+            actor=by,
+            grace_s=grace_s,
+            expires_in_s=duration_option(expires_in, "--expires-in"),
         )
     until = (
         f"#{old['id']} was already {old['state']}"

@@ -5,20 +5,24 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from sqlalchemy import Connection
 
-from collector.timefmt import iso, now_micros
+from collector.grace import DEFAULT_GRACE_S
+from collector.timefmt import iso, now_micros, to_micros
 from kvwatch.cli_common import (
     Col,
     DbUrl,
     KvwatchTyper,
     WideOpt,
     database,
+    duration_option,
     err,
+    moment,
     stdout_console,
     table,
 )
@@ -97,9 +101,11 @@ def list_(
     """List endpoints: state, pending messages, why one is disabled (at 80 columns without the
     kind and format: --wide). Never a secret."""
     from collector.notify.outbox import list_endpoints
+    from policies.durations import human_duration
 
+    now = datetime.now(UTC)
     with _db(database_url, write=False) as conn:
-        endpoints = list_endpoints(conn)
+        endpoints = list_endpoints(conn, to_micros(now))
     if as_json:
         for e in endpoints:
             print(json.dumps(_endpoint_doc(e), sort_keys=True))
@@ -114,7 +120,8 @@ def list_(
     for e in endpoints:
         state = "enabled" if e.enabled else f"DISABLED ({e.disabled_reason})"
         if e.previous_secret_until is not None:
-            state += f"; replaced secret signs until {iso(e.previous_secret_until)}"
+            left = human_duration((e.previous_secret_until - now).total_seconds())
+            state += f"; old secret signs {left} more"
         t.add_row(e.name, e.kind, e.format, e.min_severity, e.url, str(e.pending), state)
     stdout_console().print(t)
 
@@ -157,31 +164,27 @@ def rotate_secret(
     grace: Annotated[
         str,
         typer.Option(
+            metavar="DURATION",
             help="How long the replaced secret keeps signing beside the new one (each message "
             "carries both signatures), for the receiver to switch: 90m, 24h, 7d; 0 stops it at "
-            "once (a leaked secret). Webhooks only; at most 30d."
+            "once (a leaked secret). Webhooks only; ≤ 30d.",
         ),
-    ] = "24h",
+    ] = f"{DEFAULT_GRACE_S // 3600}h",
     database_url: DbUrl = None,
 ) -> None:
     """Give an endpoint a new signing secret in place: its undelivered messages stay queued
     and go out signed with the new one, and during --grace with the replaced one too (a
     webhook's new secret is printed once, alone on the last line)."""
     from collector.notify.outbox import rotate_secret as rotate
-    from policies.durations import human_duration, parse_duration
 
-    try:
-        grace_s = parse_duration(grace)
-    except ValueError as exc:
-        err.print(f"[red]error:[/] --grace: {exc}")
-        raise typer.Exit(2) from None
+    grace_s = duration_option(grace, "--grace")
+    assert grace_s is not None
     with _db(database_url) as conn:
         new, kept_until = rotate(conn, name, secret=secret, grace_s=grace_s, now_us=now_micros())
     signed = "signed with it"
     if kept_until is not None:
         signed += (
-            f", and with the replaced secret too for {human_duration(grace_s)} "
-            f"(until {iso(kept_until)})"
+            f", and with the replaced secret too until {moment(iso(kept_until), datetime.now(UTC))}"
         )
     err.print(f"rotated the secret of {name!r}; undelivered messages go out {signed}")
     if secret is None:

@@ -91,6 +91,7 @@ COLLECTOR_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "collector.errors",
             "collector.settings",
             "collector.timefmt",
+            "collector.grace",  # a rotation's grace: constants and their check
             "collector.migrate",
             "collector.rollups.buckets",
             "collector.notify.payloads",

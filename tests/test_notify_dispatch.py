@@ -31,6 +31,7 @@ from collector.notify.outbox import (
     remove_endpoint,
 )
 from collector.settings import Settings
+from collector.timefmt import now_micros
 from kvwatch.cli import app
 from tests.notify_helpers import Delivery, FakeClock, Receiver, alert_doc, incident_doc
 
@@ -236,7 +237,7 @@ def test_410_disables_the_endpoint_and_stops_sending_until_enabled(db: Database)
         assert len(receiver.by_path("/gone")) == 1
         assert _enqueue(db, alert_doc(3), at=clock()) == 1  # a disabled endpoint gets nothing new
         with db.read() as conn:
-            info = {e.name: e for e in list_endpoints(conn)}
+            info = {e.name: e for e in list_endpoints(conn, now_micros())}
         assert info["gone"].pending == 2 and not info["gone"].enabled
         assert "410" in (info["gone"].disabled_reason or "")
 
@@ -463,7 +464,7 @@ def test_add_endpoint_refuses_urls_other_than_http_s_with_a_host(
     assert reason in info.value.message
     assert info.value.details == {"field": "url"}
     with db.read() as conn:
-        assert list_endpoints(conn) == []
+        assert list_endpoints(conn, now_micros()) == []
 
 
 def test_add_endpoint_validates_its_other_fields(db: Database) -> None:
@@ -550,4 +551,4 @@ def test_cli_add_list_enable_remove(db: Database) -> None:
     missing = runner.invoke(app, ["webhooks", "remove", "pager", "--database-url", url])
     assert missing.exit_code == 2 and "no endpoint" in missing.stderr
     with db.read() as conn:
-        assert [e.name for e in list_endpoints(conn)] == ["am"]
+        assert [e.name for e in list_endpoints(conn, now_micros())] == ["am"]

@@ -12,8 +12,9 @@ from pydantic import BaseModel, Field
 from collector.api import caller, params
 from collector.api.caller import Caller, in_thread
 from collector.errors import InvalidInput
+from collector.grace import DEFAULT_GRACE_S
 from collector.timefmt import iso
-from collector.tokens import DEFAULT_GRACE_S, Principal, TokenService
+from collector.tokens import Principal, TokenService
 from policies.durations import parse_duration
 
 _ERRORS = params.errors(401, 403, 404, 409, 422, 503)

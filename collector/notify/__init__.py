@@ -70,8 +70,9 @@ The package:
   (``payloads.AM_FIRING_HORIZON_S``): the alerting side must send ``alert.repeat`` more often
   than that to Alertmanager endpoints, or Alertmanager resolves the alert by itself.
 * ``signing``: Standard Webhooks (``webhook-id``, ``webhook-timestamp``,
-  ``webhook-signature: v1,<base64 HMAC-SHA256 of id.timestamp.body>``); ``verify`` is the
-  public function for receivers (also ``kvwatch webhooks verify``).
+  ``webhook-signature: v1,<base64 HMAC-SHA256 of id.timestamp.body>``, two space-separated
+  entries during a rotation's grace, any one of which verifies); ``verify`` is the public
+  function for receivers (also ``kvwatch webhooks verify``).
 * ``dispatcher``: delivery, in outbox order per endpoint, at least once, retried with
   exponential backoff and jitter; a 410 disables the endpoint; every attempt is recorded in
   ``delivery_attempts``.

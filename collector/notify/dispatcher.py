@@ -46,7 +46,12 @@ from collector import models as m
 from collector.db import Database
 from collector.errors import CollectorError
 from collector.notify import payloads, signing
-from collector.notify.outbox import DIGEST, previous_secret_in_force
+from collector.notify.outbox import (
+    DIGEST,
+    forget_replaced_secrets,
+    previous_secret_in_force,
+    replaced_secrets_due,
+)
 from collector.settings import Settings
 from collector.timefmt import iso
 
@@ -199,11 +204,26 @@ class Dispatcher:
         """One pass over every endpoint with a due head message; returns attempts made.
         ``now`` fixes the time of the whole pass (tests); by default the clock is read for
         every attempt."""
-        due = self._due_endpoints(self._now_us(now))
+        now_us = self._now_us(now)
+        self._forget_replaced_secrets(now_us)
+        due = self._due_endpoints(now_us)
         if not due:
             return 0
         futures = [self._pool.submit(self._work_endpoint, eid, now) for eid in due]
         return sum(f.result() for f in futures)
+
+    def _forget_replaced_secrets(self, now_us: int) -> None:
+        """Delete the rotations' replaced secrets whose grace has ended (checked with a read
+        first: most passes have none, and take no write lock)."""
+        try:
+            with self.db.read() as conn:
+                if not replaced_secrets_due(conn, now_us):
+                    return
+            with self.db.write() as conn:
+                forget_replaced_secrets(conn, now_us)
+        except CollectorError as exc:
+            # the next pass tries again; a kept secret past its grace signs nothing
+            log.warning("could not delete replaced webhook secrets: %s", exc)
 
     def _now_us(self, fixed: float | None) -> int:
         return int((self.clock() if fixed is None else fixed) * US)

@@ -36,8 +36,9 @@ from sqlalchemy import ColumnElement, Connection, case, delete, func, insert, se
 from collector import audit
 from collector import models as m
 from collector.errors import Conflict, InvalidInput, NotFound
+from collector.grace import DEFAULT_GRACE_S, checked_grace
 from collector.notify import payloads, signing
-from collector.timefmt import as_datetime, iso, now_micros
+from collector.timefmt import as_datetime, iso
 from engine_probe.events import is_valid_id
 
 SEVERITIES = ("info", "warning", "critical")
@@ -55,7 +56,6 @@ DOC_TYPES = (
 )
 _ROUTING_KEY = re.compile(r"[A-Za-z0-9]{20,64}")
 MIN_SECRET_BYTES = 24  # the Standard Webhooks minimum for HMAC secrets
-MAX_SECRET_GRACE_S = 30 * 86_400  # a replaced secret left signing longer is a leak kept open
 DEFAULT_MAX_PER_MINUTE = 30
 DIGEST = "alert.digest"
 DIGEST_ALERTS = 100  # alerts listed in one digest; the rest are counted
@@ -338,7 +338,7 @@ def previous_secret_in_force(now_us: int) -> ColumnElement[bool]:
     return m.NotifyEndpoint.previous_secret_until > now_us
 
 
-def list_endpoints(conn: Connection, now_us: int | None = None) -> list[EndpointInfo]:
+def list_endpoints(conn: Connection, now_us: int) -> list[EndpointInfo]:
     pending = (
         select(m.OutboxMessage.endpoint_id, func.count().label("n"))
         .where(m.OutboxMessage.status == "pending")
@@ -360,7 +360,7 @@ def list_endpoints(conn: Connection, now_us: int | None = None) -> list[Endpoint
             func.coalesce(pending.c.n, 0).label("pending"),
             case(
                 (
-                    previous_secret_in_force(now_micros() if now_us is None else now_us),
+                    previous_secret_in_force(now_us),
                     e.previous_secret_until,
                 ),
                 else_=None,
@@ -442,7 +442,7 @@ def rotate_secret(
     name: str,
     *,
     secret: str | None = None,
-    grace_s: float = 0.0,
+    grace_s: float = DEFAULT_GRACE_S,
     now_us: int,
     actor: str = "cli",
 ) -> tuple[str, int | None]:
@@ -457,16 +457,15 @@ def rotate_secret(
     message in between. A rotation during another's grace replaces the older secret, which
     stops signing at once. A routing key is not a signature: PagerDuty has no grace."""
     e = m.NotifyEndpoint
-    row = conn.execute(select(e.id, e.kind, e.secret).where(e.name == name)).first()
+    checked_grace(grace_s)
+    # locked: two rotations at once must not both keep the same replaced secret
+    row = conn.execute(
+        select(e.id, e.kind, e.secret).where(e.name == name).with_for_update()
+    ).first()
     if row is None:
         raise NotFound(f"no endpoint named {name!r}")
     if row.kind == "alertmanager":
         raise InvalidInput("secret: alertmanager endpoints are not signed", {"field": "secret"})
-    if not (grace_s >= 0 and grace_s <= MAX_SECRET_GRACE_S):
-        raise InvalidInput(
-            f"grace: between 0 and {MAX_SECRET_GRACE_S // 86_400:g} days, got {grace_s:g} s",
-            {"field": "grace"},
-        )
     secret = _checked_secret(row.kind, secret)
     assert secret is not None
     keep = row.kind == "webhook" and grace_s > 0 and row.secret is not None
@@ -489,6 +488,29 @@ def rotate_secret(
         detail={"previous_signs_until": iso(until)} if until is not None else None,
     )
     return secret, until
+
+
+def forget_replaced_secrets(conn: Connection, now_us: int) -> int:
+    """Delete the replaced secrets whose grace has ended (they sign nothing any more, and a
+    secret kept is a secret that can leak from the database or its backups). Returns how
+    many were deleted."""
+    e = m.NotifyEndpoint
+    done = conn.execute(
+        update(e)
+        .where(e.previous_secret_until <= now_us)
+        .values(previous_secret=None, previous_secret_until=None)
+    )
+    return int(done.rowcount or 0)
+
+
+def replaced_secrets_due(conn: Connection, now_us: int) -> bool:
+    """Whether :func:`forget_replaced_secrets` has anything to delete (a read, so a pass
+    with nothing to do takes no write lock)."""
+    e = m.NotifyEndpoint
+    return (
+        conn.execute(select(e.id).where(e.previous_secret_until <= now_us).limit(1)).first()
+        is not None
+    )
 
 
 def remove_endpoint(conn: Connection, name: str, *, now_us: int, actor: str = "cli") -> int:
