@@ -200,7 +200,7 @@ def live(render: Callable[[CollectorClient], None]) -> None:
     def section() -> None:
         # a fragment reruns alone, past the page's sign-in gate: a session that ended
         # while a wall screen refreshed reruns the whole page, whose gate says so
-        if settings().oidc_issuer is not None and signin.why_ended() is not None:
+        if settings().oidc and signin.why_ended() is not None:
             st.rerun(scope="app")
         guarded(render)
 
@@ -363,10 +363,11 @@ def bucket_width(seconds: float) -> str:
     """``5-minute``, ``7.2-second``, ``111-millisecond``: a chart bucket's width to three
     figures in the largest unit it fills (a zoomed window's buckets are the span over the
     point budget, so their width is rarely round)."""
+    seconds = float(f"{seconds:.3g}")  # rounded first: 59.97 s is a minute, not 60 seconds
     for unit, size in (("day", 86_400.0), ("hour", 3_600.0), ("minute", 60.0), ("second", 1.0)):
         if seconds >= size:
-            return f"{seconds / size:.3g}-{unit}"
-    return f"{seconds * 1000:.3g}-millisecond"
+            return f"{float(f'{seconds / size:.3g}'):g}-{unit}"
+    return f"{float(f'{seconds * 1000:.3g}'):g}-millisecond"
 
 
 def us_to_time(values: Any) -> Any:

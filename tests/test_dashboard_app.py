@@ -800,7 +800,8 @@ def test_the_context_chart_draws_p99_and_no_line_over_buckets_without_requests()
 
 @pytest.mark.parametrize(
     ("seconds", "label"),
-    [(0.11088, "111-millisecond"), (7.2, "7.2-second"), (60, "1-minute"), (300, "5-minute"),
+    [(0.11088, "111-millisecond"), (0.9996, "1-second"), (7.2, "7.2-second"),
+     (59.97, "1-minute"), (60, "1-minute"), (300, "5-minute"), (3_599.9, "1-hour"),
      (5_400, "1.5-hour"), (86_400, "1-day")],
 )  # fmt: skip
 def test_bucket_widths_read_to_three_figures_in_the_largest_unit(
