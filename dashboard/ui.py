@@ -363,11 +363,15 @@ def bucket_width(seconds: float) -> str:
     """``5-minute``, ``7.2-second``, ``111-millisecond``: a chart bucket's width to three
     figures in the largest unit it fills (a zoomed window's buckets are the span over the
     point budget, so their width is rarely round)."""
-    seconds = float(f"{seconds:.3g}")  # rounded first: 59.97 s is a minute, not 60 seconds
+
+    def three(x: float) -> float:  # three figures, never in exponent form ("1e+03")
+        return float(f"{x:.3g}")
+
+    seconds = three(seconds)  # rounded first: 59.97 s is a minute, not 60 seconds
     for unit, size in (("day", 86_400.0), ("hour", 3_600.0), ("minute", 60.0), ("second", 1.0)):
         if seconds >= size:
-            return f"{float(f'{seconds / size:.3g}'):g}-{unit}"
-    return f"{float(f'{seconds * 1000:.3g}'):g}-millisecond"
+            return f"{three(seconds / size):g}-{unit}"
+    return f"{three(seconds * 1000):g}-millisecond"
 
 
 def us_to_time(values: Any) -> Any:
